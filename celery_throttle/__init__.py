@@ -1,0 +1,59 @@
+"""celery_throttle: global, Redis-backed rate limits for Celery tasks.
+
+>>> ctl = celery_throttle.install(app)
+>>> @app.task
+... @throttle("10/s", key="{tenant_id}")
+... def export(tenant_id): ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import signals
+from .decorator import throttle
+from .errors import ConfigurationError, KeyBuildError, StoreError, ThrottleError
+from .limiter import Decision, RateStatus, Status, Throttle
+from .rates import Rate, parse_rate
+
+__all__ = [
+    "install",
+    "throttle",
+    "Throttle",
+    "Decision",
+    "Status",
+    "RateStatus",
+    "Rate",
+    "parse_rate",
+    "signals",
+    "ThrottleError",
+    "ConfigurationError",
+    "KeyBuildError",
+    "StoreError",
+    "__version__",
+]
+
+__version__ = "0.1.0"
+
+
+def install(app: Any, **overrides: Any) -> Throttle:
+    """Wire celery_throttle into ``app`` and return its :class:`Throttle` controller.
+
+    Idempotent and safe at import time of the app module: settings (``throttle_*`` in
+    ``app.conf``, ``overrides`` without the prefix win) are read on first use. Adds a
+    worker bootstep that hooks every throttled task (``@throttle`` or
+    ``throttle_rules``) before the pool starts, and releases parked long waits.
+    """
+    from .worker import ThrottleStep
+
+    ctl = app.__dict__.get("_celery_throttle")
+    if ctl is None:
+        ctl = Throttle(app, overrides)
+        app._celery_throttle = ctl
+        app.steps["worker"].add(ThrottleStep)
+        app.on_after_finalize.connect(ctl.patch_tasks, weak=False)
+    elif overrides:
+        ctl.configure(overrides)
+    if overrides:
+        ctl.settings  # bad overrides fail here, at the call site
+    return ctl

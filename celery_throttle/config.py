@@ -1,0 +1,98 @@
+"""Settings, read the Celery way: lowercase ``throttle_*`` keys in ``app.conf``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from .errors import ConfigurationError
+from .keys import check_prefix
+
+__all__ = ["Settings", "ALGORITHMS", "STORE_ERROR_POLICIES"]
+
+ALGORITHMS = ("sliding", "fixed")
+STORE_ERROR_POLICIES = ("defer", "allow", "fail")
+_DEFAULT_REDIS = "redis://localhost:6379/0"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every ``throttle_*`` setting, with its default (see README, "Settings")."""
+
+    #: Where window state and parked tasks live. ``redis+cluster://`` for a Redis Cluster.
+    redis_url: str = _DEFAULT_REDIS
+    #: Every Redis key the plugin writes starts with it.
+    key_prefix: str = "throttle"
+    #: Limits for tasks by name glob, for tasks you do not own.
+    rules: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: "sliding" or "fixed".
+    default_algorithm: str = "sliding"
+    #: What a task does when Redis cannot be reached: "defer", "allow" or "fail".
+    on_store_error: str = "defer"
+    #: A denied task whose wait is longer than this (seconds) is parked in Redis
+    #: instead of waiting as an ETA message in a worker's memory.
+    park_after: float = 60.0
+    #: How late (seconds) a task may start after its reserved time and still use it.
+    #: None: 2% of the shortest window, between 10 ms and 2 s.
+    start_grace: float | None = None
+    #: How often (seconds) each worker looks for parked tasks that are due.
+    release_interval: float = 1.0
+    #: Backoff (seconds) for tasks deferred because Redis could not be reached.
+    store_retry_delay: float = 1.0
+    store_retry_max_delay: float = 30.0
+
+    @classmethod
+    def from_app(cls, app: Any, overrides: Mapping[str, Any] | None = None) -> Settings:
+        """Read ``throttle_*`` from ``app.conf``; ``overrides`` (without prefix) win."""
+        names = {f.name for f in fields(cls)}
+        overrides = dict(overrides or {})
+        unknown = set(overrides) - names
+        if unknown:
+            raise ConfigurationError(
+                f"unknown throttle setting(s) {sorted(unknown)}; known: {sorted(names)}"
+            )
+        values: dict[str, Any] = {}
+        for name in names:
+            conf_value = app.conf.get(f"throttle_{name}")
+            if conf_value is not None:
+                values[name] = conf_value
+        values.update(overrides)
+        if "redis_url" not in values:
+            values["redis_url"] = _default_redis_url(app)
+        if "park_after" not in values:
+            values["park_after"] = _default_park_after(app)
+        return cls(**values).validated()
+
+    def validated(self) -> Settings:
+        check_prefix(self.key_prefix)
+        if self.default_algorithm not in ALGORITHMS:
+            raise ConfigurationError(
+                f"throttle_default_algorithm {self.default_algorithm!r}: use one of {ALGORITHMS}"
+            )
+        if self.on_store_error not in STORE_ERROR_POLICIES:
+            raise ConfigurationError(
+                f"throttle_on_store_error {self.on_store_error!r}: use one of {STORE_ERROR_POLICIES}"
+            )
+        if not isinstance(self.rules, Mapping):
+            raise ConfigurationError("throttle_rules must be a dict of task-name glob -> options")
+        for name in ("park_after", "release_interval", "store_retry_delay", "store_retry_max_delay"):
+            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
+                raise ConfigurationError(f"throttle_{name} must be a positive number of seconds")
+        return self
+
+
+def _default_redis_url(app: Any) -> str:
+    broker = app.conf.broker_url or ""
+    if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
+        return broker.split(";")[0]
+    return _DEFAULT_REDIS
+
+
+def _default_park_after(app: Any) -> float:
+    # With a Redis broker, an ETA message unacked for longer than visibility_timeout is
+    # delivered again: park well before that.
+    broker = app.conf.broker_url or ""
+    if isinstance(broker, str) and broker.startswith(("redis", "sentinel")):
+        timeout = (app.conf.broker_transport_options or {}).get("visibility_timeout", 3600)
+        return float(min(60.0, timeout / 2))
+    return 60.0

@@ -1,0 +1,77 @@
+"""The ``@throttle`` decorator."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from celery.app.task import Task
+from celery.local import PromiseProxy, Proxy
+
+from .errors import ConfigurationError
+from .hook import attach
+from .spec import RateArg, ThrottleSpec
+
+__all__ = ["throttle"]
+
+
+def throttle(
+    *rates: RateArg,
+    key: str | Callable[..., Any] | None = None,
+    scope: str | None = None,
+    cost: int | Callable[..., Any] = 1,
+    algorithm: str | None = None,
+) -> Callable[[Any], Any]:
+    """Limit a task globally, across every worker, before its body runs.
+
+    Use above or below ``@app.task``, or below ``@shared_task``::
+
+        @app.task
+        @throttle("10/s", "5000/h", key="{tenant_id}", scope="github-api")
+        def sync(tenant_id, repo): ...
+
+    ``rates``: one or more rate strings (all must admit a call), or one callable over
+    the task's arguments returning them. ``key``: a format string over the task's
+    arguments, or a callable returning a string. ``scope``: the name the limit is stored
+    under (default: the task's name). ``cost``: units per call (int or callable).
+    ``algorithm``: ``"sliding"`` or ``"fixed"`` (default: ``throttle_default_algorithm``).
+    Mistakes raise :class:`~celery_throttle.errors.ConfigurationError` here.
+    """
+    if not rates:
+        raise ConfigurationError('throttle() needs at least one rate, e.g. throttle("10/s")')
+    spec = ThrottleSpec.declare(rates, key=key, scope=scope, cost=cost, algorithm=algorithm)
+
+    def decorate(obj: Any) -> Any:
+        if isinstance(obj, PromiseProxy):
+            # @throttle above a lazy @app.task: hook the task once Celery creates it.
+            fun = _proxied_function(obj)
+            if fun is not None:
+                spec.check_signature(fun, f"task function {fun.__qualname__}")
+            obj.__then__(_attach_proxied, obj, spec)
+            return obj
+        if isinstance(obj, Proxy):
+            raise ConfigurationError(
+                "put @throttle below @shared_task (between it and the function), not above it"
+            )
+        if isinstance(obj, Task):
+            spec.check_signature(obj.run, f"task {obj.name}")
+            attach(obj, spec)
+            return obj
+        if callable(obj):
+            spec.check_signature(obj, f"task function {getattr(obj, '__qualname__', obj)}")
+            obj.__throttle__ = spec
+            return obj
+        raise ConfigurationError(f"@throttle decorates a task or a function, not {obj!r}")
+
+    return decorate
+
+
+def _attach_proxied(proxy: Any, spec: ThrottleSpec) -> None:
+    attach(proxy._get_current_object(), spec)
+
+
+def _proxied_function(proxy: Any) -> Any:
+    try:
+        args = object.__getattribute__(proxy, "_Proxy__args")
+    except AttributeError:
+        return None
+    return args[0] if args and callable(args[0]) else None

@@ -1,0 +1,29 @@
+"""Errors raised by celery_throttle.
+
+Everything derives from :class:`ThrottleError`. Configuration errors are raised when a
+throttle is declared (at import time of the task module) or when the worker starts, never
+silently in the middle of a run.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ThrottleError", "ConfigurationError", "KeyBuildError", "StoreError"]
+
+
+class ThrottleError(Exception):
+    """Root of every error celery_throttle raises."""
+
+
+class ConfigurationError(ThrottleError, ValueError):
+    """A rate, key, cost, algorithm or setting is not valid; the message says what is."""
+
+
+class KeyBuildError(ThrottleError, ValueError):
+    """A task was called with arguments that cannot form its throttle key or cost.
+
+    The task fails visibly (FAILURE state with this error); its message is not dropped.
+    """
+
+
+class StoreError(ThrottleError):
+    """The Redis store could not be reached or answered with an error."""

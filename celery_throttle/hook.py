@@ -1,0 +1,153 @@
+"""The task side: runs the check in ``Task.before_start`` and defers denied tasks.
+
+``before_start`` runs inside Celery's trace, where ``Ignore`` is honoured: the body does
+not run, no state is stored, and the message is acked. (``task_prerun`` would not do:
+Celery logs and swallows exceptions raised by signal receivers.) The hook is set on the
+task's own class, which ``@app.task`` creates per task, so other tasks are untouched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery.app.trace import task_has_custom
+from celery.exceptions import Ignore
+
+from . import signals
+from .errors import StoreError
+from .keys import state_key
+from .spec import BoundCall, ThrottleSpec
+from .store import Reservation, WindowReply
+
+if TYPE_CHECKING:
+    from .limiter import Throttle
+
+__all__ = ["HEADER", "attach", "declared_spec"]
+
+logger = logging.getLogger("celery_throttle")
+
+#: Message header carrying a deferred task's reservation and counters.
+HEADER = "celery_throttle"
+
+
+def declared_spec(task: Any) -> ThrottleSpec | None:
+    """The spec of a ``@throttle``, above (on the class) or below (on the function)."""
+    spec = type(task).__dict__.get("_throttle_spec")
+    if spec is None:
+        spec = getattr(task.run, "__throttle__", None)
+    return spec if isinstance(spec, ThrottleSpec) else None
+
+
+def attach(task: Any, spec: ThrottleSpec) -> None:
+    """Make ``task`` check ``spec`` before its body runs (idempotent)."""
+    cls = type(task)
+    cls._throttle_spec = spec
+    if cls.__dict__.get("_throttle_hooked"):
+        return
+    original = cls.before_start if task_has_custom(task, "before_start") else None
+
+    def before_start(self: Any, task_id: str, args: Any, kwargs: Any) -> None:
+        guard(self, args, kwargs)
+        if original is not None:
+            original(self, task_id, args, kwargs)
+
+    cls.before_start = before_start
+    cls._throttle_hooked = True
+    cls._throttle_signature = _signature(task)
+
+
+def _signature(task: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(task.run)
+    except (TypeError, ValueError):
+        return None
+
+
+def guard(task: Any, args: Any, kwargs: Any) -> None:
+    """Return to run the body now, or defer the task and raise ``Ignore``."""
+    request = task.request
+    if request.is_eager or request.called_directly:
+        return  # direct and eager calls are not task executions: never throttled
+    from . import install
+
+    ctl = install(task.app)
+    spec: ThrottleSpec = type(task)._throttle_spec
+    call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
+                     ctl.settings.default_algorithm)
+    state = dict(_header(request))
+    ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
+    claim = Reservation.from_header(state.get("r")) if state.get("k") == ident else None
+    lead_us = ctl.lead_us(call.rates)
+    try:
+        reply = ctl.check(call, reserve=True, claim=claim)
+        if reply.code == WindowReply.EARLY and reply.wait_us <= 2 * lead_us:
+            # Sent back a little early on purpose (dispatch takes a few ms): wait
+            # here for the reserved start rather than a round trip through the broker.
+            time.sleep(reply.wait_us / 1e6)
+            reply = ctl.check(call, reserve=True, claim=claim)
+    except StoreError as exc:
+        _on_store_error(ctl, task, request, args, kwargs, call, state, exc)
+        return
+    if reply.allowed:
+        return
+    state.pop("e", None)
+    if reply.code == WindowReply.EARLY:
+        reservation = claim
+    elif reply.start_us:
+        reservation = Reservation(reply.start_us, reply.latest_us, call.cost, ctl.grace_us(call.rates))
+    else:
+        reservation = None
+    state.update(k=ident, r=reservation.to_header() if reservation else None)
+    # Come back `lead` early: the reserved start is then reached in time despite the
+    # broker and the pool's dispatch; the claim above waits out the difference.
+    delay = max(reply.wait_us - (lead_us if reservation else 0), 0) / 1e6
+    _defer(ctl, task, request, args, kwargs, call, state, delay, reply.now_us)
+
+
+def _header(request: Any) -> dict[str, Any]:
+    value = (request.headers or {}).get(HEADER) or getattr(request, HEADER, None)
+    return value if isinstance(value, dict) else {}
+
+
+def _defer(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call: BoundCall,
+           state: dict[str, Any], delay: float, now_us: int | None, *, may_park: bool = True) -> None:
+    """Send the task again, same id/args/kwargs/routing and retry count, then Ignore."""
+    from .parking import park
+
+    state["n"] = int(state.get("n") or 0) + 1  # deferrals so far, for observability
+    headers = dict(request.headers or {})
+    headers[HEADER] = state
+    sig = task.signature_from_request(request, args, kwargs, headers=headers)
+    parked = may_park and now_us is not None and delay > ctl.settings.park_after
+    signals.task_throttled.send(sender=task, request=request, delay=delay,
+                                scope=call.scope, key=call.key, parked=parked)
+    if parked:
+        park(ctl, sig, due_us=now_us + int(delay * 1e6))
+    else:
+        sig.apply_async(countdown=max(delay, 0.0))
+    logger.debug("throttled %s[%s] scope=%s key=%s for %.3fs%s", task.name, request.id,
+                 call.scope, call.key, delay, " (parked)" if parked else "")
+    raise Ignore()
+
+
+def _on_store_error(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any,
+                    call: BoundCall, state: dict[str, Any], exc: StoreError) -> None:
+    policy = ctl.settings.on_store_error
+    if policy == "allow":
+        logger.warning("throttle store unreachable, running %s[%s] unthrottled: %s",
+                       task.name, request.id, exc)
+        return
+    if policy == "fail":
+        raise exc
+    errors = int(state.get("e") or 0)
+    state["e"] = errors + 1
+    s = ctl.settings
+    delay = min(s.store_retry_delay * 2 ** errors, s.store_retry_max_delay)
+    delay *= random.uniform(0.5, 1.0)  # so deferred tasks do not return all at once
+    logger.warning("throttle store unreachable, deferring %s[%s] for %.1fs: %s",
+                   task.name, request.id, delay, exc)
+    _defer(ctl, task, request, args, kwargs, call, state, delay, None, may_park=False)

@@ -1,0 +1,51 @@
+"""Redis key layout.
+
+Every key starts with the configured prefix. The state of one (scope, key) lives in one
+hash, ``<prefix>:{<scope>:<key>}``; the braces are a Redis Cluster hash tag, so all the
+rates of one call are checked by one script on one slot. Scope and key are encoded so
+that any string (``:``, braces, ``*``, spaces, unicode, 10 kB) maps to a distinct,
+bounded, brace-free token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import string
+from urllib.parse import quote
+
+from .errors import ConfigurationError
+
+__all__ = ["encode", "state_key", "parking_keys", "MAX_TOKEN"]
+
+# Characters kept as they are; everything else is percent-encoded (":" "{" "}" "%" "#"
+# included), which makes the encoding injective and leaves ":" free as a separator.
+_SAFE = string.ascii_letters + string.digits + "-_.@"
+MAX_TOKEN = 120
+
+
+def encode(text: str) -> str:
+    """Encode one component; long ones become ``#`` and a SHA-256 (``#`` never survives
+    percent-encoding, so a digest cannot equal an encoded string)."""
+    token = quote(text, safe=_SAFE)
+    if len(token) > MAX_TOKEN:
+        token = "#" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return token
+
+
+def check_prefix(prefix: str) -> str:
+    if not prefix or any(c in prefix for c in "{}") or prefix != prefix.strip():
+        raise ConfigurationError(
+            f"throttle_key_prefix {prefix!r} must be non-empty, without braces or surrounding spaces"
+        )
+    return prefix
+
+
+def state_key(prefix: str, scope: str, key: str | None) -> str:
+    """The hash holding every rate's window state for one scope and key."""
+    tag = encode(scope) if key is None else f"{encode(scope)}:{encode(key)}"
+    return f"{prefix}:{{{tag}}}"
+
+
+def parking_keys(prefix: str) -> tuple[str, str, str]:
+    """Parked ids by due time, parked messages, in-flight ids by lease expiry."""
+    return (f"{prefix}:{{parked}}:due", f"{prefix}:{{parked}}:messages", f"{prefix}:{{parked}}:inflight")

@@ -1,0 +1,218 @@
+"""The Throttle controller: the limiter as users call it, and what the task hook uses."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from .config import ALGORITHMS, Settings
+from .errors import ConfigurationError, ThrottleError
+from .keys import state_key
+from .rates import Rate, parse_rates
+from .spec import BoundCall, ThrottleSpec
+from .store import RedisStore, Reservation, WindowReply
+
+__all__ = ["Throttle", "Decision", "RateStatus", "Status"]
+
+logger = logging.getLogger("celery_throttle")
+_TAGS = {"s": "sliding", "f": "fixed"}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The answer of :meth:`Throttle.acquire`."""
+
+    allowed: bool
+    #: Seconds until a call of this cost would be admitted (0 when allowed).
+    retry_after: float
+    #: Units still free now, over the tightest rate.
+    remaining: int
+    #: Unix time at which everything counted now has left its window.
+    reset_at: float
+
+
+@dataclass(frozen=True)
+class RateStatus:
+    rate: Rate
+    algorithm: str
+    used: int
+    remaining: int
+    reset_at: float
+
+
+@dataclass(frozen=True)
+class Status:
+    """Current usage of one scope and key, per rate, without consuming anything."""
+
+    scope: str
+    key: str | None
+    rates: tuple[RateStatus, ...]
+
+    @property
+    def remaining(self) -> int | None:
+        return min((r.remaining for r in self.rates), default=None)
+
+
+class Throttle:
+    """Global limits for one Celery app. Get it from :func:`celery_throttle.install`."""
+
+    def __init__(self, app: Any, overrides: Mapping[str, Any] | None = None,
+                 clock: Callable[[], int] | None = None) -> None:
+        self.app = app
+        self._overrides = dict(overrides or {})
+        self._clock = clock
+        self._settings: Settings | None = None
+        self._store: RedisStore | None = None
+        self._lock = threading.Lock()
+        self._rules: list[tuple[str, ThrottleSpec]] | None = None
+
+    # -- configuration ----------------------------------------------------------------
+    def configure(self, overrides: Mapping[str, Any]) -> None:
+        """Apply more overrides (``install`` called again with settings)."""
+        with self._lock:
+            self._overrides.update(overrides)
+            self._settings = None
+            self._rules = None
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+        self.settings  # validate now, loudly
+
+    @property
+    def settings(self) -> Settings:
+        """Settings, read from ``app.conf`` on first use (the app may be configured
+        after ``install``)."""
+        if self._settings is None:
+            self._settings = Settings.from_app(self.app, self._overrides)
+        return self._settings
+
+    @property
+    def store(self) -> RedisStore:
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    s = self.settings
+                    self._store = RedisStore(s.redis_url, s.key_prefix, clock=self._clock)
+        return self._store
+
+    def rule_for(self, task_name: str) -> ThrottleSpec | None:
+        """The first ``throttle_rules`` entry whose glob matches ``task_name``."""
+        if self._rules is None:
+            self._rules = [
+                (pattern, ThrottleSpec.from_rule(pattern, options))
+                for pattern, options in self.settings.rules.items()
+            ]
+        for pattern, spec in self._rules:
+            if fnmatch.fnmatchcase(task_name, pattern):
+                return spec
+        return None
+
+    def patch_tasks(self, **_: Any) -> int:
+        """Hook every throttled task of the app (decorated or matched by a rule)."""
+        from .hook import attach, declared_spec
+
+        count = 0
+        for name, task in list(self.app.tasks.items()):
+            if name.startswith("celery."):
+                continue
+            spec = declared_spec(task) or self.rule_for(name)
+            if spec is not None:
+                spec.check_signature(task.run, f"task {name}")
+                attach(task, spec)
+                count += 1
+        return count
+
+    # -- the limiter ------------------------------------------------------------------
+    def grace_us(self, rates: Sequence[Rate]) -> int:
+        grace = self.settings.start_grace
+        if grace is None:
+            grace = min(max(min(r.period for r in rates) * 0.02, 0.01), 2.0)
+        return int(grace * 1_000_000)
+
+    def lead_us(self, rates: Sequence[Rate]) -> int:
+        """How early a reserved task is sent back, to absorb dispatch delays."""
+        return min(self.grace_us(rates), 500_000)
+
+    @staticmethod
+    def slack_us(rates: Sequence[Rate]) -> int:
+        # A call admitted now starts a moment after the check; count it as starting
+        # up to 2 ms later (never more than 1% of the shortest window).
+        return int(min(2000, min(r.period_us for r in rates) // 100))
+
+    def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None) -> WindowReply:
+        """Check one bound call; reserve a future start when denied and asked to."""
+        op = "claim" if claim is not None else "acquire"
+        reply = self.store.window(
+            state_key(self.settings.key_prefix, call.scope, call.key),
+            call.algorithm, op, call.rates, call.cost,
+            reserve=reserve, grace_us=self.grace_us(call.rates),
+            slack_us=self.slack_us(call.rates), claim=claim,
+        )
+        if reply.code == WindowReply.TOO_COSTLY:
+            raise ThrottleError(
+                f"cost {call.cost} of scope {call.scope!r} exceeds the limit {reply.wait_us} of one of its rates"
+            )
+        return reply
+
+    def acquire(
+        self,
+        scope: str,
+        key: str | None = None,
+        rates: str | Sequence[str] = (),
+        cost: int = 1,
+        algorithm: str | None = None,
+    ) -> Decision:
+        """Consume ``cost`` units of ``scope`` (and ``key``) now if every rate admits it.
+
+        A denial consumes nothing. ``retry_after`` says when the same call would fit.
+        """
+        call = self._direct_call(scope, key, rates, cost, algorithm)
+        reply = self.check(call, reserve=False)
+        return _decision(reply)
+
+    def status(self, scope: str, key: str | None = None) -> Status:
+        """Usage of every rate stored for ``scope``/``key``, consuming nothing."""
+        prefix = self.settings.key_prefix
+        hash_key = state_key(prefix, scope, key)
+        seen: set[tuple[str, Rate]] = set()
+        for field in self.store.read(hash_key):
+            head = field.split("|", 1)[0]
+            algorithm = _TAGS.get(head[:1])
+            limit, _, period_us = head[1:].partition("/")
+            if algorithm and limit.isdigit() and period_us.isdigit():
+                seen.add((algorithm, Rate(int(limit), int(period_us) / 1_000_000)))
+        out = []
+        for algorithm, rate in sorted(seen):
+            reply = self.store.window(hash_key, algorithm, "peek", [rate], 1)
+            used = rate.limit - reply.remaining
+            out.append(RateStatus(rate, algorithm, used, reply.remaining, reply.clear_at_us / 1e6))
+        return Status(scope, key, tuple(out))
+
+    def reset(self, scope: str, key: str | None = None) -> bool:
+        """Forget every window of ``scope``/``key``. True if there was anything."""
+        return self.store.delete(state_key(self.settings.key_prefix, scope, key)) > 0
+
+    def _direct_call(self, scope: str, key: str | None, rates: Any, cost: int, algorithm: str | None) -> BoundCall:
+        if not isinstance(scope, str) or not scope:
+            raise ConfigurationError(f"scope must be a non-empty string, got {scope!r}")
+        if key is not None and not isinstance(key, str):
+            raise ConfigurationError(f"key must be a string or None, got {key!r}")
+        algorithm = algorithm or self.settings.default_algorithm
+        if algorithm not in ALGORITHMS:
+            raise ConfigurationError(f"unknown algorithm {algorithm!r}: use one of {ALGORITHMS}")
+        parsed = parse_rates(rates)
+        if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
+            raise ConfigurationError(f"cost must be a positive integer, got {cost!r}")
+        return BoundCall(scope, key, parsed, cost, algorithm)
+
+
+def _decision(reply: WindowReply) -> Decision:
+    return Decision(
+        allowed=reply.allowed,
+        retry_after=0.0 if reply.allowed else reply.wait_us / 1e6,
+        remaining=reply.remaining,
+        reset_at=(reply.clear_at_us or reply.now_us) / 1e6,
+    )

@@ -1,0 +1,46 @@
+-- Hands parked messages that are due (or nearly) to one releasing worker.
+--
+-- Each one moves to the in-flight set under a lease: the worker that got it publishes it
+-- and then acks (ack.lua). If that worker dies first, the lease runs out and the message
+-- is handed out again, so nothing parked is lost. A message is never handed to two
+-- workers at once: this script is atomic.
+--
+-- KEYS[1]  sorted set of parked ids by due time (µs)
+-- KEYS[2]  hash: parked id -> serialized message
+-- KEYS[3]  sorted set of in-flight ids by lease expiry (µs)
+-- ARGV[1]  now (µs) or '' for the Redis clock (tests only)
+-- ARGV[2]  look-ahead (µs): release what is due before now + look-ahead
+-- ARGV[3]  at most this many messages
+-- ARGV[4]  lease (µs)
+-- Returns {now, id1, due1, message1, id2, due2, message2, ...}
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local limit, lease = tonumber(ARGV[3]), tonumber(ARGV[4])
+
+-- Leases that ran out: their worker died between taking and publishing. Due now.
+local lost = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, limit)
+for _, id in ipairs(lost) do
+  redis.call('ZREM', KEYS[3], id)
+  redis.call('ZADD', KEYS[1], now, id)
+end
+
+local out = {now}
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + tonumber(ARGV[2]),
+                       'WITHSCORES', 'LIMIT', 0, limit)
+for i = 1, #due, 2 do
+  local id = due[i]
+  redis.call('ZREM', KEYS[1], id)
+  local message = redis.call('HGET', KEYS[2], id)
+  if message then
+    redis.call('ZADD', KEYS[3], now + lease, id)
+    out[#out + 1] = id
+    out[#out + 1] = due[i + 1]
+    out[#out + 1] = message
+  end
+end
+return out

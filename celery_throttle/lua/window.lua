@@ -1,0 +1,145 @@
+-- Checks and records one call against every rate of one (scope, key), atomically.
+-- Prepended at load time by the algorithm (sliding.lua or fixed.lua), which defines ALGO.
+--
+-- KEYS[1]  hash holding the state of every rate of this (scope, key)
+-- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
+-- ARGV[2]  op: 'acquire' | 'peek' | 'claim'
+-- ARGV[3]  '1' to reserve a future start when denied, '0' not to
+-- ARGV[4]  cost: units this call uses
+-- ARGV[5]  grace (µs): how late a reserved start may come and still count as on time
+-- ARGV[6]  slack (µs): the same for a call admitted now
+-- ARGV[7..10]  for 'claim': the reservation's start, latest start, cost and grace
+-- ARGV[11] number of rates, then ARGV[12..]: limit, period (µs) per rate
+--
+-- Returns {code, wait, remaining, clear_at, start, latest, now} (times in µs):
+--   code  1 run now | 0 denied (start > 0: a start was reserved) | 2 claim came early
+--        -1 cost exceeds the limit given in `wait`
+--   wait  µs until the call may start
+--   remaining  units still free now, over the tightest rate
+--   clear_at  when every counted unit has left its window
+local key = KEYS[1]
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local op, reserve, cost = ARGV[2], ARGV[3] == '1', tonumber(ARGV[4])
+local grace, slack = tonumber(ARGV[5]), tonumber(ARGV[6])
+
+local rates = {}
+for i = 1, tonumber(ARGV[11]) do
+  local r = {limit = tonumber(ARGV[10 + 2 * i]), period = tonumber(ARGV[11 + 2 * i])}
+  r.prefix = string.format('%s%.0f/%.0f|', ALGO_TAG, r.limit, r.period)
+  r.items, r.dirty = {}, {}
+  ALGO.init(r)
+  rates[i] = r
+end
+
+local raw = redis.call('HGETALL', key)
+for i = 1, #raw, 2 do
+  local field = raw[i]
+  for _, r in ipairs(rates) do
+    if string.sub(field, 1, #r.prefix) == r.prefix then
+      local suffix = string.sub(field, #r.prefix + 1)
+      local item = ALGO.decode(r, raw[i + 1], now, suffix)
+      if item then r.items[suffix] = item else r.dirty[suffix] = true end
+    end
+  end
+end
+
+local function remaining(x)
+  local free = nil
+  for _, r in ipairs(rates) do
+    local f = r.limit - ALGO.usage(r, r.items, x)
+    if free == nil or f < free then free = f end
+  end
+  return math.max(free or 0, 0)
+end
+
+local function clear_at()
+  local t = 0
+  for _, r in ipairs(rates) do t = math.max(t, ALGO.clear_at(r, r.items)) end
+  return t
+end
+
+local function write_back()
+  local dels, sets = {}, {}
+  for _, r in ipairs(rates) do
+    for suffix, _ in pairs(r.dirty) do
+      local item = r.items[suffix]
+      if item then
+        sets[#sets + 1] = r.prefix .. suffix
+        sets[#sets + 1] = ALGO.encode(item)
+      else
+        dels[#dels + 1] = r.prefix .. suffix
+      end
+    end
+  end
+  for i = 1, #dels, 1000 do
+    redis.call('HDEL', key, unpack(dels, i, math.min(i + 999, #dels)))
+  end
+  for i = 1, #sets, 1000 do
+    redis.call('HSET', key, unpack(sets, i, math.min(i + 999, #sets)))
+  end
+  -- Keep the hash exactly as long as something in it still counts.
+  local clear = clear_at()
+  if #sets > 0 and clear > now then
+    local ttl = math.ceil((clear - now) / 1000) + 1000
+    if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+  end
+end
+
+local function reply(code, wait, start, latest)
+  return {code, wait, remaining(now), clear_at(), start, latest, now}
+end
+
+for _, r in ipairs(rates) do
+  if cost > r.limit then return {-1, r.limit, 0, 0, 0, 0, now} end
+end
+
+if op == 'claim' then
+  local c_start, c_latest = tonumber(ARGV[7]), tonumber(ARGV[8])
+  local c_cost, c_grace = tonumber(ARGV[9]), tonumber(ARGV[10])
+  if now < c_start then return reply(2, c_start - now, c_start, c_latest) end
+  if now <= c_latest then return reply(1, 0, c_start, c_latest) end
+  -- Too late to use the reserved start without breaking the window for whoever was
+  -- placed after it: give it back and try afresh.
+  for _, r in ipairs(rates) do
+    r.dirty[ALGO.unrecord(r, r.items, c_start, c_grace, c_cost)] = true
+  end
+end
+
+-- The earliest start every rate admits: each earliest() only moves x forward.
+local x, settled = now, false
+for _ = 1, 64 do
+  settled = true
+  for _, r in ipairs(rates) do
+    local e = ALGO.earliest(r, r.items, x, cost)
+    if e > x then x, settled = e, false end
+  end
+  if settled then break end
+end
+
+if op == 'peek' then
+  return reply(x == now and 1 or 0, x - now, 0, 0)
+end
+
+local code, start, latest = 0, 0, 0
+if settled and x == now then
+  code = 1
+  for _, r in ipairs(rates) do
+    local _, suffix = ALGO.record(r, r.items, now, now + slack, cost)
+    r.dirty[suffix] = true
+  end
+elseif settled and reserve then
+  start, latest = x, nil
+  for _, r in ipairs(rates) do
+    local until_, suffix = ALGO.record(r, r.items, x, x + grace, cost)
+    r.dirty[suffix] = true
+    if latest == nil or until_ < latest then latest = until_ end
+  end
+end
+write_back()
+return reply(code, x - now, start, latest)

@@ -1,0 +1,95 @@
+"""Long waits: parked in Redis, released by the workers themselves.
+
+A denied task whose wait is longer than ``throttle_park_after`` is not sent back as an
+ETA message (which a worker would hold in memory, and which a Redis broker would deliver
+again after ``visibility_timeout``). Its message is stored in Redis by due time; every
+worker runs a :class:`Releaser` thread that, about once a second, takes what is due
+(atomically, under a lease) and sends it back to the broker with the few seconds left
+as countdown. No extra process to run; any number of workers may release.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from kombu.serialization import dumps, loads, prepare_accept_content
+
+from .errors import StoreError
+
+if TYPE_CHECKING:
+    from .limiter import Throttle
+
+__all__ = ["park", "Releaser"]
+
+logger = logging.getLogger("celery_throttle")
+_LEASE_S = 60.0
+_BATCH = 500
+
+
+def encode_message(app: Any, sig: Any) -> bytes:
+    """Serialize a signature with the app's task serializer."""
+    options = {k: v for k, v in sig.options.items() if k not in ("countdown", "eta")}
+    body = {"task": sig.task, "args": list(sig.args), "kwargs": dict(sig.kwargs), "options": options}
+    content_type, encoding, data = dumps(body, serializer=app.conf.task_serializer)
+    if isinstance(data, str):
+        data = data.encode(encoding if encoding != "binary" else "utf-8")
+    return content_type.encode() + b"\n" + encoding.encode() + b"\n" + data
+
+
+def decode_message(app: Any, message: bytes) -> dict[str, Any]:
+    content_type, encoding, data = message.split(b"\n", 2)
+    return loads(data, content_type.decode(), encoding.decode(), accept=prepare_accept_content(app.conf.accept_content))
+
+
+def park(ctl: Throttle, sig: Any, due_us: int) -> str:
+    """Store a deferred task's message in Redis until ``due_us`` (Redis clock)."""
+    parked_id = f"{sig.options.get('task_id')}:{uuid.uuid4().hex[:12]}"
+    ctl.store.park(parked_id, due_us, encode_message(ctl.app, sig))
+    return parked_id
+
+
+class Releaser(threading.Thread):
+    """Sends parked messages back to the broker when they are due."""
+
+    def __init__(self, ctl: Throttle) -> None:
+        super().__init__(name="celery-throttle-releaser", daemon=True)
+        self.ctl = ctl
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        interval = self.ctl.settings.release_interval
+        while not self._stop_event.wait(interval * random.uniform(0.8, 1.0)):
+            try:
+                while self.release_once() >= _BATCH and not self._stop_event.is_set():
+                    pass
+            except StoreError as exc:
+                logger.warning("could not release parked tasks: %s", exc)
+            except Exception:  # never let the thread die: parked tasks would wait forever
+                logger.exception("releasing parked tasks failed")
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def release_once(self) -> int:
+        """Release what is due within the next interval; returns how many were taken."""
+        ctl = self.ctl
+        lookahead_us = int(ctl.settings.release_interval * 1.5 * 1e6)
+        now_us, items = ctl.store.release(lookahead_us, _BATCH, int(_LEASE_S * 1e6))
+        sent = []
+        for parked_id, due_us, message in items:
+            try:
+                body = decode_message(ctl.app, message)
+                ctl.app.signature(body).apply_async(countdown=max(due_us - now_us, 0) / 1e6)
+            except Exception:
+                # Left in flight: its lease runs out and it is handed out again.
+                logger.exception("could not send parked task %s back", parked_id)
+                continue
+            sent.append(parked_id)
+        ctl.store.ack(sent)
+        if sent:
+            logger.info("released %d parked task(s)", len(sent))
+        return len(items)

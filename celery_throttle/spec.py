@@ -1,0 +1,220 @@
+"""What a throttle declares (rates, key, scope, cost, algorithm) and how one call binds it.
+
+Everything that can be checked without the call's arguments is checked when the throttle
+is declared, so a mistake fails at import time, not in the worker.
+"""
+
+from __future__ import annotations
+
+import inspect
+import string
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence, Union
+
+from .config import ALGORITHMS
+from .errors import ConfigurationError, KeyBuildError
+from .rates import Rate, parse_rates
+
+__all__ = ["ThrottleSpec", "BoundCall", "RULE_OPTIONS"]
+
+RateArg = Union[str, Rate, Sequence[Union[str, Rate]], Callable[..., Any]]
+RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm")
+
+
+@dataclass(frozen=True)
+class BoundCall:
+    """One call's limit: which window to check, against which rates, for how many units."""
+
+    scope: str
+    key: str | None
+    rates: tuple[Rate, ...]
+    cost: int
+    algorithm: str
+
+
+@dataclass(frozen=True)
+class ThrottleSpec:
+    """A declared throttle. Build with :meth:`declare` or :meth:`from_rule`."""
+
+    rates: tuple[Rate, ...] | Callable[..., Any]
+    key: str | Callable[..., Any] | None = None
+    scope: str | None = None
+    cost: int | Callable[..., Any] = 1
+    algorithm: str | None = None
+
+    @classmethod
+    def declare(
+        cls,
+        rates: Sequence[RateArg],
+        key: str | Callable[..., Any] | None = None,
+        scope: str | None = None,
+        cost: int | Callable[..., Any] = 1,
+        algorithm: str | None = None,
+    ) -> ThrottleSpec:
+        if len(rates) == 1 and callable(rates[0]):
+            parsed: tuple[Rate, ...] | Callable[..., Any] = rates[0]
+        elif any(callable(r) for r in rates):
+            raise ConfigurationError("a callable rate must be the only rate of a throttle")
+        else:
+            parsed = parse_rates(list(rates))
+        if algorithm is not None and algorithm not in ALGORITHMS:
+            raise ConfigurationError(f"unknown algorithm {algorithm!r}: use one of {ALGORITHMS}")
+        if key is not None and not callable(key):
+            if not isinstance(key, str) or not key:
+                raise ConfigurationError(
+                    f"key must be a format string such as '{{tenant_id}}' or a callable, got {key!r}"
+                )
+            _template_fields(key)
+        if scope is not None and (not isinstance(scope, str) or not scope):
+            raise ConfigurationError(f"scope must be a non-empty string, got {scope!r}")
+        if not callable(cost):
+            _check_cost(cost, "cost")
+            if isinstance(parsed, tuple):
+                tightest = min(parsed, key=lambda r: r.limit)
+                if cost > tightest.limit:
+                    raise ConfigurationError(
+                        f"cost {cost} can never fit in rate {tightest}: a call would wait forever"
+                    )
+        return cls(parsed, key, scope, cost, algorithm)
+
+    @classmethod
+    def from_rule(cls, pattern: str, options: Mapping[str, Any]) -> ThrottleSpec:
+        """A spec from one ``throttle_rules`` entry."""
+        if not isinstance(options, Mapping) or "rate" not in options:
+            raise ConfigurationError(
+                f"throttle_rules[{pattern!r}] must be a dict with at least 'rate', got {options!r}"
+            )
+        unknown = set(options) - set(RULE_OPTIONS)
+        if unknown:
+            raise ConfigurationError(
+                f"throttle_rules[{pattern!r}] has unknown option(s) {sorted(unknown)}; "
+                f"known: {list(RULE_OPTIONS)}"
+            )
+        rate = options["rate"]
+        rates = list(rate) if isinstance(rate, (list, tuple)) else [rate]
+        try:
+            return cls.declare(
+                rates,
+                key=options.get("key"),
+                scope=options.get("scope"),
+                cost=options.get("cost", 1),
+                algorithm=options.get("algorithm"),
+            )
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"throttle_rules[{pattern!r}]: {exc}") from None
+
+    def check_signature(self, fn: Callable[..., Any], where: str) -> None:
+        """Fail now if the key template names an argument ``fn`` does not take."""
+        if not isinstance(self.key, str):
+            return
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return
+        missing = [name for name in _template_fields(self.key) if name not in params]
+        if missing:
+            raise ConfigurationError(
+                f"{where}: key {self.key!r} names {', '.join(map(repr, missing))}, "
+                f"but the task takes ({', '.join(params)})"
+            )
+
+    def bind(
+        self,
+        task_name: str,
+        signature: inspect.Signature | None,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        default_algorithm: str,
+    ) -> BoundCall:
+        """Resolve scope, key, rates and cost for one call of ``task_name``."""
+        scope = self.scope or task_name
+        algorithm = self.algorithm or default_algorithm
+        if isinstance(self.rates, tuple):
+            rates = self.rates
+        else:
+            value = _call(self.rates, task_name, "rate", args, kwargs)
+            try:
+                rates = parse_rates(value)
+            except ConfigurationError as exc:
+                raise KeyBuildError(f"task {task_name}: the rate callable returned {value!r}: {exc}") from None
+        cost = self.cost
+        if callable(cost):
+            cost = _call(cost, task_name, "cost", args, kwargs)
+            try:
+                _check_cost(cost, "cost")
+            except ConfigurationError as exc:
+                raise KeyBuildError(f"task {task_name}: {exc}") from None
+        key = self._key(task_name, signature, args, kwargs)
+        return BoundCall(scope, key, rates, int(cost), algorithm)
+
+    def _key(
+        self,
+        task_name: str,
+        signature: inspect.Signature | None,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> str | None:
+        if self.key is None:
+            return None
+        if callable(self.key):
+            value = _call(self.key, task_name, "key", args, kwargs)
+            if value is None or value == "" or not isinstance(value, (str, int)):
+                raise KeyBuildError(
+                    f"task {task_name}: the key callable returned {value!r}; it must return a non-empty string"
+                )
+            return str(value)
+        if signature is None:
+            raise KeyBuildError(f"task {task_name}: cannot read its parameters to build key {self.key!r}")
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise KeyBuildError(f"task {task_name}: arguments do not fit its signature: {exc}") from None
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        for name, param in signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                values.update(values.pop(name, {}))
+        for name in _template_fields(self.key):
+            if name not in values:
+                raise KeyBuildError(f"task {task_name}: key {self.key!r} needs argument {name!r}, not given")
+            if values[name] is None or values[name] == "":
+                raise KeyBuildError(
+                    f"task {task_name}: argument {name!r} is {values[name]!r}, "
+                    f"but the throttle key {self.key!r} needs a value"
+                )
+        try:
+            return self.key.format(**values)
+        except (AttributeError, IndexError, KeyError, ValueError) as exc:
+            raise KeyBuildError(f"task {task_name}: cannot build key {self.key!r}: {exc!r}") from None
+
+
+def _template_fields(template: str) -> list[str]:
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ConfigurationError(f"bad key template {template!r}: {exc}") from None
+    names = []
+    for _, field, _, _ in parsed:
+        if field is None:
+            continue
+        base = field.split(".", 1)[0].split("[", 1)[0]
+        if not base or base.isdigit():
+            raise ConfigurationError(
+                f"key template {template!r} must name arguments, as in '{{tenant_id}}'"
+            )
+        names.append(base)
+    return names
+
+
+def _check_cost(cost: Any, what: str) -> None:
+    if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
+        raise ConfigurationError(f"{what} must be a positive integer, got {cost!r}")
+
+
+def _call(fn: Callable[..., Any], task_name: str, what: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        raise KeyBuildError(f"task {task_name}: the {what} callable raised {exc!r}") from exc

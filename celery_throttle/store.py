@@ -1,0 +1,195 @@
+"""The Redis store: owns the connection and the Lua scripts.
+
+One client per store, created lazily in the process that uses it (redis-py's pool
+resets itself after a fork, so a prefork child gets its own connections). Scripts are
+registered once; redis-py sends EVALSHA and reloads a script on NOSCRIPT by itself, so a
+restarted Redis loses nothing but one round trip.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Callable, Sequence
+
+import redis
+from redis.exceptions import RedisError
+
+from .errors import StoreError
+from .keys import parking_keys
+from .rates import Rate
+
+__all__ = ["RedisStore", "WindowReply", "Reservation"]
+
+
+def _lua(name: str) -> str:
+    return resources.files("celery_throttle").joinpath("lua", name).read_text("utf-8")
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A start reserved for a denied call: it may start in ``[start_us, latest_us]``."""
+
+    start_us: int
+    latest_us: int
+    cost: int
+    grace_us: int
+
+    def to_header(self) -> list[int]:
+        return [self.start_us, self.latest_us, self.cost, self.grace_us]
+
+    @classmethod
+    def from_header(cls, value: Any) -> Reservation | None:
+        try:
+            start, latest, cost, grace = (int(v) for v in value)
+        except (TypeError, ValueError):
+            return None
+        return cls(start, latest, cost, grace)
+
+
+@dataclass(frozen=True)
+class WindowReply:
+    """What window.lua answered (times in microseconds of the Redis clock)."""
+
+    code: int
+    wait_us: int
+    remaining: int
+    clear_at_us: int
+    start_us: int
+    latest_us: int
+    now_us: int
+
+    RUN, DENIED, EARLY, TOO_COSTLY = 1, 0, 2, -1
+
+    @property
+    def allowed(self) -> bool:
+        return self.code == self.RUN
+
+
+class RedisStore:
+    """Window state and parked messages in one Redis (or Redis Cluster)."""
+
+    def __init__(self, url: str, prefix: str, clock: Callable[[], int] | None = None) -> None:
+        self.url = url
+        self.prefix = prefix
+        # Test-only: a callable returning "now" in microseconds instead of Redis TIME.
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._scripts: dict[str, Any] = {}
+
+    # -- connection -------------------------------------------------------------------
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._connect()
+        return self._client
+
+    def _connect(self) -> Any:
+        options = dict(socket_timeout=5, socket_connect_timeout=2, health_check_interval=30)
+        for scheme in ("redis+cluster://", "rediss+cluster://"):
+            if self.url.startswith(scheme):
+                url = self.url.replace("+cluster", "", 1)
+                client = redis.RedisCluster.from_url(url, **options)
+                break
+        else:
+            client = redis.Redis.from_url(self.url, **options)
+        self._scripts = {
+            "sliding": client.register_script(_lua("sliding.lua") + _lua("window.lua")),
+            "fixed": client.register_script(_lua("fixed.lua") + _lua("window.lua")),
+            "park": client.register_script(_lua("park.lua")),
+            "release": client.register_script(_lua("release.lua")),
+            "ack": client.register_script(_lua("ack.lua")),
+        }
+        return client
+
+    def _run(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        client = self.client
+        try:
+            return self._scripts[script](keys=list(keys), args=list(args), client=client)
+        except RedisError as exc:
+            raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
+
+    def _now_arg(self) -> str:
+        return "" if self._clock is None else str(int(self._clock()))
+
+    # -- windows ----------------------------------------------------------------------
+    def window(
+        self,
+        key: str,
+        algorithm: str,
+        op: str,
+        rates: Sequence[Rate],
+        cost: int,
+        *,
+        reserve: bool = False,
+        grace_us: int = 0,
+        slack_us: int = 0,
+        claim: Reservation | None = None,
+    ) -> WindowReply:
+        """Run window.lua once: acquire, peek, or claim a reservation, over every rate."""
+        claim_args = claim.to_header() if claim else [0, 0, 0, 0]
+        args: list[Any] = [self._now_arg(), op, "1" if reserve else "0", cost, grace_us, slack_us]
+        args += claim_args + [len(rates)]
+        for rate in rates:
+            args += [rate.limit, rate.period_us]
+        reply = self._run(algorithm, [key], args)
+        return WindowReply(*(int(v) for v in reply))
+
+    def read(self, key: str) -> dict[str, str]:
+        try:
+            raw = self.client.hgetall(key)
+        except RedisError as exc:
+            raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def delete(self, key: str) -> int:
+        try:
+            return int(self.client.delete(key))
+        except RedisError as exc:
+            raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
+
+    # -- parking ----------------------------------------------------------------------
+    def park(self, parked_id: str, due_us: int, message: bytes) -> int:
+        due, messages, _ = parking_keys(self.prefix)
+        return int(self._run("park", [due, messages], [parked_id, due_us, message]))
+
+    def release(self, lookahead_us: int, limit: int, lease_us: int) -> tuple[int, list[tuple[str, int, bytes]]]:
+        """Take up to ``limit`` parked messages due within ``lookahead_us``, under a lease."""
+        reply = self._run("release", parking_keys(self.prefix), [self._now_arg(), lookahead_us, limit, lease_us])
+        now = int(reply[0])
+        items = [
+            (reply[i].decode(), int(float(reply[i + 1])), reply[i + 2])
+            for i in range(1, len(reply), 3)
+        ]
+        return now, items
+
+    def ack(self, parked_ids: Sequence[str]) -> int:
+        if not parked_ids:
+            return 0
+        _, messages, inflight = parking_keys(self.prefix)
+        return int(self._run("ack", [inflight, messages], list(parked_ids)))
+
+    def parked_count(self) -> tuple[int, int]:
+        """(waiting, in flight) parked messages."""
+        due, _, inflight = parking_keys(self.prefix)
+        try:
+            return int(self.client.zcard(due)), int(self.client.zcard(inflight))
+        except RedisError as exc:
+            raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def _safe_url(url: str) -> str:
+    # Never log a password.
+    if "@" in url:
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url

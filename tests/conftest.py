@@ -1,0 +1,63 @@
+"""Fixtures: a real Redis, real worker subprocesses, and clean-up of every key written.
+
+A missing Redis skips the tests locally but fails them in CI (CI=true).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Iterator
+
+import pytest
+import redis
+
+from tests.helpers import WorkerGroup, redis_or_skip
+
+STORE_URL = "redis://127.0.0.1:6379/12"
+BROKER_URL = "redis://127.0.0.1:6379/13"
+
+
+@pytest.fixture(scope="session")
+def store_client() -> redis.Redis:
+    return redis_or_skip(STORE_URL)
+
+
+def _clean(client: redis.Redis, prefix: str) -> None:
+    for key in client.scan_iter(match=f"{prefix}*", count=1000):
+        client.delete(key)
+
+
+@pytest.fixture
+def prefix(store_client: redis.Redis) -> Iterator[str]:
+    """A key prefix of this test's own; every key under it is deleted afterwards."""
+    value = f"ct-test-{uuid.uuid4().hex[:10]}"
+    yield value
+    _clean(store_client, value)
+
+
+@pytest.fixture(scope="session")
+def workers(store_client: redis.Redis) -> Iterator[WorkerGroup]:
+    """Two worker processes, two pool processes each, shared by the behaviour tests.
+
+    Tests keep out of each other's way with scopes, keys and labels of their own.
+    """
+    prefix = f"ct-test-{uuid.uuid4().hex[:10]}"
+    group = WorkerGroup(prefix=prefix, broker=BROKER_URL, store=STORE_URL, count=2,
+                        concurrency=2, env={"CT_PARK_AFTER": "3"})
+    group.start()
+    yield group
+    group.stop()
+    _clean(store_client, prefix)
+    broker = redis.Redis.from_url(BROKER_URL)
+    broker.delete(group.queue)
+    _clean(broker, group.queue)
+
+
+def starts(client: redis.Redis, prefix: str, label: str) -> list[dict]:
+    return [e for e in (json.loads(x) for x in client.lrange(f"{prefix}:starts", 0, -1))
+            if e["label"] == label]
+
+
+os.environ.setdefault("CT_TEST", "1")

@@ -1,0 +1,214 @@
+"""Test helpers: Redis servers, worker subprocesses, and window arithmetic."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from bisect import bisect_left
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import pytest
+import redis
+from celery import Celery
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI") == "true"
+
+
+def redis_or_skip(url: str) -> redis.Redis:
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        if IN_CI:
+            raise
+        pytest.skip(f"no Redis at {url}: {exc}")
+    return client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class RedisServer:
+    """A throwaway redis-server on a free loopback port (to kill, restart, cluster)."""
+
+    def __init__(self, port: int | None = None, extra: Sequence[str] = ()) -> None:
+        if not shutil.which("redis-server"):
+            pytest.skip("redis-server binary not found")
+        self.port = port or free_port()
+        self.extra = list(extra)
+        self.dir = tempfile.mkdtemp(prefix="ct-redis-")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir, *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        wait_for(lambda: _pings(client), 10, what=f"redis-server on {self.port}")
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def stop(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+class WorkerGroup:
+    """Celery worker subprocesses running ``tests.taskapp``, and a client to send to them."""
+
+    def __init__(self, prefix: str, broker: str, store: str, count: int = 2, concurrency: int = 2,
+                 env: dict[str, str] | None = None, queue: str | None = None,
+                 records: str = "redis://127.0.0.1:6379/12") -> None:
+        self.prefix = prefix
+        self.broker = broker
+        self.store = store
+        self.records_url = records
+        self.count = count
+        self.concurrency = concurrency
+        self.queue = queue or f"{prefix}-q"
+        self.env = dict(env or {})
+        self.procs: list[subprocess.Popen | None] = []
+        self.logs: list[Path] = []
+        self.logdir = Path(tempfile.mkdtemp(prefix="ct-workers-"))
+        self.client = Celery("client", broker=broker, set_as_current=False)
+        self.client.conf.broker_connection_retry_on_startup = True
+        self.records = redis.Redis.from_url(records)
+
+    def _environ(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(CT_PREFIX=self.prefix, CT_QUEUE=self.queue, CT_BROKER=self.broker,
+                   CT_STORE=self.store, CT_RECORDS=self.records_url, PYTHONPATH=str(ROOT))
+        env.update(self.env)
+        return env
+
+    def start(self) -> WorkerGroup:
+        for i in range(self.count):
+            self.start_one(i)
+        for i in range(self.count):
+            self.wait_ready(i)
+        return self
+
+    def start_one(self, i: int) -> None:
+        log = self.logdir / f"worker{i}-{uuid.uuid4().hex[:6]}.log"
+        cmd = [sys.executable, "-m", "celery", "-A", "tests.taskapp", "worker", "-Q", self.queue,
+               "-c", str(self.concurrency), "-P", "prefork", "-n", f"w{i}-{self.prefix}@%h",
+               "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self._environ(), stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        while len(self.procs) <= i:
+            self.procs.append(None)
+            self.logs.append(log)
+        self.procs[i], self.logs[i] = proc, log
+
+    def wait_ready(self, i: int, timeout: float = 60) -> None:
+        def ready() -> bool:
+            if self.procs[i].poll() is not None:
+                raise AssertionError(f"worker {i} exited:\n{self.logs[i].read_text()[-3000:]}")
+            return b" ready." in self.logs[i].read_bytes()
+        wait_for(ready, timeout, 0.1, f"worker {i} ready")
+
+    def kill(self, i: int) -> None:
+        """SIGKILL a worker and its pool processes at once."""
+        proc = self.procs[i]
+        if proc and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for i, proc in enumerate(self.procs):
+            if proc is None:
+                continue
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill(i)
+        self.client.close()
+        shutil.rmtree(self.logdir, ignore_errors=True)
+
+    def log_text(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in self.logs if p.exists())
+
+    # -- sending and reading back ---------------------------------------------------------
+    def send(self, name: str, *args: Any, **options: Any) -> str:
+        kwargs = options.pop("kwargs", None)
+        result = self.client.send_task(f"tests.taskapp.{name}", args=args, kwargs=kwargs,
+                                       queue=self.queue, **options)
+        return result.id
+
+    def starts(self, label: str) -> list[dict]:
+        raw = self.records.lrange(f"{self.prefix}:starts", 0, -1)
+        return [e for e in (json.loads(x) for x in raw) if e["label"] == label]
+
+    def wait_starts(self, label: str, count: int, timeout: float, settle: float = 1.0) -> list[dict]:
+        """Wait for ``count`` starts of ``label``, then a moment more to catch extras."""
+        wait_for(lambda: len(self.starts(label)) >= count, timeout, 0.1,
+                 f"{count} starts of {label!r} (have {len(self.starts(label))})")
+        time.sleep(settle)
+        return self.starts(label)
+
+
+def max_in_window(times: Iterable[float], window: float, weights: Iterable[int] | None = None) -> int:
+    """Most units starting in any half-open interval of length ``window``."""
+    pairs = sorted(zip(times, weights or [1] * 10**9))
+    ts = [t for t, _ in pairs]
+    prefix = [0]
+    for _, w in pairs:
+        prefix.append(prefix[-1] + w)
+    best = 0
+    for i, t in enumerate(ts):
+        j = bisect_left(ts, t + window)  # starts in [t, t + window)
+        best = max(best, prefix[j] - prefix[i])
+    return best
+
+
+def max_in_aligned_windows(times: Iterable[float], window: float) -> int:
+    counts: dict[int, int] = {}
+    for t in times:
+        k = int(t // window)
+        counts[k] = counts.get(k, 0) + 1
+    return max(counts.values(), default=0)

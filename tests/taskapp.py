@@ -1,0 +1,160 @@
+"""The Celery app the test workers run (``celery -A tests.taskapp worker``).
+
+Configured from the environment so one module serves every worker a test starts:
+CT_BROKER, CT_STORE (throttle_redis_url), CT_PREFIX (key prefix; also where starts are
+recorded), CT_QUEUE, CT_PARK_AFTER, CT_ON_STORE_ERROR, CT_ACKS_LATE, CT_TASK_SLEEP.
+Each task body records its start (worker clock) in Redis for the test to read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+from celery import Celery, shared_task
+
+import celery_throttle
+from celery_throttle import throttle
+
+PREFIX = os.environ.get("CT_PREFIX", "ct-test")
+QUEUE = os.environ.get("CT_QUEUE", "ct-test")
+STORE = os.environ.get("CT_STORE", "redis://127.0.0.1:6379/12")
+RECORDS = os.environ.get("CT_RECORDS", "redis://127.0.0.1:6379/12")
+
+app = Celery("taskapp", broker=os.environ.get("CT_BROKER", "redis://127.0.0.1:6379/13"))
+app.conf.update(
+    task_default_queue=QUEUE,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    task_acks_late=os.environ.get("CT_ACKS_LATE") == "1",
+    task_reject_on_worker_lost=os.environ.get("CT_ACKS_LATE") == "1",
+    worker_prefetch_multiplier=int(os.environ.get("CT_PREFETCH", "4")),
+    throttle_redis_url=STORE,
+    throttle_key_prefix=PREFIX,
+    throttle_park_after=float(os.environ.get("CT_PARK_AFTER", "30")),
+    throttle_on_store_error=os.environ.get("CT_ON_STORE_ERROR", "defer"),
+    throttle_store_retry_delay=0.5,
+    throttle_store_retry_max_delay=2.0,
+    throttle_release_interval=0.5,
+    throttle_rules={
+        # First match wins: the specific name before the glob.
+        "tests.taskapp.unowned_fixed": {"rate": ["3/s"], "algorithm": "fixed"},
+        "tests.taskapp.unowned_*": {"rate": "4/s", "key": "{tenant}"},
+    },
+)
+ctl = celery_throttle.install(app)
+
+_records = None
+
+
+def record(label: str, **extra) -> None:
+    """Note one start of a task body, with the worker's clock."""
+    global _records
+    if _records is None:
+        _records = redis.Redis.from_url(RECORDS)
+    from celery import current_task
+
+    req = current_task.request
+    entry = {"label": label, "id": req.id, "t": time.time(), "retries": req.retries,
+             "pid": os.getpid(), **extra}
+    _records.rpush(f"{PREFIX}:starts", json.dumps(entry))
+    sleep = float(os.environ.get("CT_TASK_SLEEP", "0"))
+    if sleep:
+        time.sleep(sleep)
+
+
+# -- decorator below @app.task ---------------------------------------------------------
+@app.task
+@throttle("5/s")
+def below(label):
+    record(label)
+
+
+# -- decorator above @app.task, fixed window, key template -----------------------------
+@throttle("4/s", key="{tenant}", algorithm="fixed")
+@app.task
+def above(label, tenant):
+    record(label, tenant=tenant)
+
+
+# -- shared_task, two rates, shared scope, callable cost --------------------------------
+@shared_task
+@throttle("6/s", "9/3s", scope="shared-api", cost=lambda label, ids: len(ids))
+def sync_issues(label, ids):
+    record(label, ids=len(ids))
+
+
+@app.task
+@throttle("6/s", "9/3s", scope="shared-api")
+def other_user_of_api(label):
+    record(label)
+
+
+# -- per-tenant plans via a callable rate ----------------------------------------------
+PLANS = {"free": "2/s", "pro": "6/s"}
+
+
+@app.task
+@throttle(lambda label, tenant, plan: PLANS[plan], key="{tenant}")
+def planned(label, tenant, plan):
+    record(label, tenant=tenant)
+
+
+# -- retry budget: the task's own retries still work, throttling spends none -----------
+@app.task(bind=True, max_retries=0)
+@throttle("3/s")
+def no_retries(self, label):
+    record(label)
+
+
+@app.task(bind=True, max_retries=2, default_retry_delay=0.1)
+@throttle("3/s", scope="retrying")
+def retries_itself(self, label, fail_times):
+    record(label)
+    if self.request.retries < fail_times:
+        raise self.retry()
+
+
+# -- tasks we do not own: throttled by throttle_rules ----------------------------------
+@app.task
+def unowned_export(label, tenant):
+    record(label, tenant=tenant)
+
+
+@app.task
+def unowned_fixed(label):
+    record(label)
+
+
+@app.task
+def unthrottled(label):
+    record(label)
+
+
+# -- long waits: parked in Redis -------------------------------------------------------
+@app.task
+@throttle("3/4s", key="{tenant}")
+def slow_quota(label, tenant):
+    record(label, tenant=tenant)
+
+
+# -- a key argument that may be bad ----------------------------------------------------
+@app.task
+@throttle("10/s", key="{tenant}")
+def keyed(label, tenant):
+    record(label, tenant=repr(tenant))
+
+
+# -- precision: generic task whose limit comes from its arguments ----------------------
+@app.task
+@throttle(lambda label, rate, algorithm: rate, key="{label}")
+def precise_sliding(label, rate, algorithm="sliding"):
+    record(label)
+
+
+@app.task
+@throttle(lambda label, rate: rate, key="{label}", algorithm="fixed")
+def precise_fixed(label, rate):
+    record(label)
