@@ -127,20 +127,26 @@ class Throttle:
 
     # -- the limiter ------------------------------------------------------------------
     def grace_us(self, rates: Sequence[Rate]) -> int:
+        """How long after its reserved start a deferred task may still use it (µs).
+
+        It absorbs the broker's and the pool's dispatch delays; each window of a
+        saturated sliding limit is stretched by it, so it stays a small fraction.
+        """
         grace = self.settings.start_grace
         if grace is None:
             grace = min(max(min(r.period for r in rates) * 0.02, 0.01), 2.0)
-        return int(grace * 1_000_000)
+        return max(int(grace * 1_000_000), 2 * self.slack_us(rates))
 
     def lead_us(self, rates: Sequence[Rate]) -> int:
-        """How early a reserved task is sent back, to absorb dispatch delays."""
+        """How early a reserved task is sent back; it waits out the rest in the worker."""
         return min(self.grace_us(rates), 500_000)
 
     @staticmethod
     def slack_us(rates: Sequence[Rate]) -> int:
-        # A call admitted now starts a moment after the check; count it as starting
-        # up to 2 ms later (never more than 1% of the shortest window).
-        return int(min(2000, min(r.period_us for r in rates) // 100))
+        """How long after a check the body may start and still count as starting then:
+        1% of the shortest window, between 2 and 20 ms (a busy machine can deschedule a
+        process between the check and the first line of the body)."""
+        return int(min(max(min(r.period_us for r in rates) // 100, 2000), 20_000))
 
     def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None) -> WindowReply:
         """Check one bound call; reserve a future start when denied and asked to."""

@@ -111,7 +111,8 @@ class WorkerGroup:
         self.procs: list[subprocess.Popen | None] = []
         self.logs: list[Path] = []
         self.logdir = Path(tempfile.mkdtemp(prefix="ct-workers-"))
-        self.client = Celery("client", broker=broker, set_as_current=False)
+        self.client = Celery("client", broker=broker, backend="redis://127.0.0.1:6379/13",
+                             set_as_current=False)
         self.client.conf.broker_connection_retry_on_startup = True
         self.records = redis.Redis.from_url(records)
 
@@ -131,7 +132,8 @@ class WorkerGroup:
 
     def start_one(self, i: int) -> None:
         log = self.logdir / f"worker{i}-{uuid.uuid4().hex[:6]}.log"
-        cmd = [sys.executable, "-m", "celery", "-A", "tests.taskapp", "worker", "-Q", self.queue,
+        cmd = [sys.executable, "-m", "celery", "-A", "tests.taskapp", "worker",
+               "-Q", f"{self.queue},{self.queue}-alt",
                "-c", str(self.concurrency), "-P", "prefork", "-n", f"w{i}-{self.prefix}@%h",
                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
         with open(log, "wb") as out:
@@ -176,9 +178,12 @@ class WorkerGroup:
     # -- sending and reading back ---------------------------------------------------------
     def send(self, name: str, *args: Any, **options: Any) -> str:
         kwargs = options.pop("kwargs", None)
-        result = self.client.send_task(f"tests.taskapp.{name}", args=args, kwargs=kwargs,
-                                       queue=self.queue, **options)
+        options.setdefault("queue", self.queue)
+        result = self.client.send_task(f"tests.taskapp.{name}", args=args, kwargs=kwargs, **options)
         return result.id
+
+    def denials(self) -> list[dict]:
+        return [json.loads(x) for x in self.records.lrange(f"{self.prefix}:throttled", 0, -1)]
 
     def starts(self, label: str) -> list[dict]:
         raw = self.records.lrange(f"{self.prefix}:starts", 0, -1)

@@ -23,8 +23,10 @@ QUEUE = os.environ.get("CT_QUEUE", "ct-test")
 STORE = os.environ.get("CT_STORE", "redis://127.0.0.1:6379/12")
 RECORDS = os.environ.get("CT_RECORDS", "redis://127.0.0.1:6379/12")
 
-app = Celery("taskapp", broker=os.environ.get("CT_BROKER", "redis://127.0.0.1:6379/13"))
+app = Celery("taskapp", broker=os.environ.get("CT_BROKER", "redis://127.0.0.1:6379/13"),
+             backend=os.environ.get("CT_BACKEND", "redis://127.0.0.1:6379/13"))
 app.conf.update(
+    result_expires=600,
     task_default_queue=QUEUE,
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
@@ -49,17 +51,28 @@ ctl = celery_throttle.install(app)
 _records = None
 
 
-def record(label: str, **extra) -> None:
-    """Note one start of a task body, with the worker's clock."""
+def _records_client() -> redis.Redis:
     global _records
     if _records is None:
         _records = redis.Redis.from_url(RECORDS)
+    return _records
+
+
+@celery_throttle.signals.task_throttled.connect
+def _note_denial(sender, request, delay, scope, key, parked, **_):
+    _records_client().rpush(f"{PREFIX}:throttled", json.dumps(
+        {"task": sender.name, "id": request.id, "delay": delay, "scope": scope, "key": key,
+         "parked": parked}))
+
+
+def record(label: str, **extra) -> None:
+    """Note one start of a task body, with the worker's clock."""
     from celery import current_task
 
     req = current_task.request
     entry = {"label": label, "id": req.id, "t": time.time(), "retries": req.retries,
-             "pid": os.getpid(), **extra}
-    _records.rpush(f"{PREFIX}:starts", json.dumps(entry))
+             "pid": os.getpid(), "queue": (req.delivery_info or {}).get("routing_key"), **extra}
+    _records_client().rpush(f"{PREFIX}:starts", json.dumps(entry))
     sleep = float(os.environ.get("CT_TASK_SLEEP", "0"))
     if sleep:
         time.sleep(sleep)

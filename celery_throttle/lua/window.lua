@@ -7,7 +7,8 @@
 -- ARGV[3]  '1' to reserve a future start when denied, '0' not to
 -- ARGV[4]  cost: units this call uses
 -- ARGV[5]  grace (µs): how late a reserved start may come and still count as on time
--- ARGV[6]  slack (µs): the same for a call admitted now
+-- ARGV[6]  slack (µs): how long after the check the body may start (a call admitted now
+--          counts as starting within it; a claim must leave it before its latest start)
 -- ARGV[7..10]  for 'claim': the reservation's start, latest start, cost and grace
 -- ARGV[11] number of rates, then ARGV[12..]: limit, period (µs) per rate
 --
@@ -103,7 +104,8 @@ if op == 'claim' then
   local c_start, c_latest = tonumber(ARGV[7]), tonumber(ARGV[8])
   local c_cost, c_grace = tonumber(ARGV[9]), tonumber(ARGV[10])
   if now < c_start then return reply(2, c_start - now, c_start, c_latest) end
-  if now <= c_latest then return reply(1, 0, c_start, c_latest) end
+  -- On time: the body starts within `slack` of now, still inside the reserved span.
+  if now + slack <= c_latest then return reply(1, 0, c_start, c_latest) end
   -- Too late to use the reserved start without breaking the window for whoever was
   -- placed after it: give it back and try afresh.
   for _, r in ipairs(rates) do

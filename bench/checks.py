@@ -1,0 +1,170 @@
+"""Section 5: what one check costs, single client, against the local Redis.
+
+Every limiter runs under a limit it never reaches (1,000,000/s), so each call is the
+common "allowed" path. Each variant runs for a fixed time per round; rounds are
+interleaved and the best round is kept (the machine is shared). Latency is per call; for
+the 10-key pipelined rows it is per pipeline of 10.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import redis
+from celery import Celery
+
+import celery_throttle
+from bench.bulk import Bulk, supported
+from bench.common import STORE_URL, Results, fmt_num, percentile
+from celery_throttle.keys import state_key
+from celery_throttle.rates import Rate
+
+RATE = "1000000/s"
+INCR_LUA = "return redis.call('INCR', KEYS[1])"
+KEYS10 = [f"k{i}" for i in range(10)]
+
+
+@dataclass
+class Stat:
+    """Throughput and latency of one variant's best round."""
+
+    per_s: float
+    p50_us: float
+    p99_us: float
+    calls: int
+
+
+def measure(fn: Callable[[], Any], seconds: float, per_call: int = 1, max_calls: int = 2_000_000) -> Stat:
+    """Call ``fn`` for ``seconds`` (or ``max_calls`` times); each call does ``per_call`` checks."""
+    for _ in range(50):  # warm up: connections, script loads
+        fn()
+    lat: list[int] = []
+    clock = time.perf_counter_ns
+    start = clock()
+    end = start + int(seconds * 1e9)
+    n = 0
+    while n < max_calls:
+        t0 = clock()
+        fn()
+        t1 = clock()
+        lat.append(t1 - t0)
+        n += 1
+        if t1 >= end:
+            break
+    elapsed = (clock() - start) / 1e9
+    lat.sort()
+    return Stat(n * per_call / elapsed, percentile(lat, 0.5) / 1000, percentile(lat, 0.99) / 1000, n * per_call)
+
+
+def _variants(prefix: str) -> list[tuple[str, str, str, Callable[[], Any], int]]:
+    """(name, family, group, callable, checks per call) for every variant available."""
+    out: list[tuple[str, str, str, Callable[[], Any], int]] = []
+    client = redis.Redis.from_url(STORE_URL)
+    incr = client.register_script(INCR_LUA)
+    out.append(("redis PING", "ping", "ref", client.ping, 1))
+    out.append(("EVALSHA INCR (floor)", "floor", "ref", lambda: incr(keys=[f"{prefix}:floor"]), 1))
+
+    app = Celery("bench-cost", broker=STORE_URL, set_as_current=False)
+    app.conf.update(throttle_redis_url=STORE_URL, throttle_key_prefix=prefix)
+    ctl = celery_throttle.install(app)
+    rate = Rate(1_000_000, 1.0)
+    for algo in ("sliding", "fixed"):
+        out.append((f"ours {algo}: ctl.acquire", algo, "ours",
+                    lambda a=algo: ctl.acquire("cost", key=f"acq-{a}", rates=RATE, algorithm=a), 1))
+        key = state_key(prefix, "cost", f"win-{algo}")
+        out.append((f"ours {algo}: store.window", algo, "ours",
+                    lambda a=algo, k=key: ctl.store.window(k, a, "acquire", [rate], 1), 1))
+
+    try:
+        from limits import parse
+        from limits.storage import RedisStorage
+        from limits.strategies import (FixedWindowRateLimiter, MovingWindowRateLimiter,
+                                       SlidingWindowCounterRateLimiter)
+
+        storage = RedisStorage(STORE_URL, key_prefix=f"{prefix}-limits")
+        item = parse("1000000/second")
+        for name, family, cls in (("limits FixedWindow", "fixed", FixedWindowRateLimiter),
+                                  ("limits MovingWindow", "sliding", MovingWindowRateLimiter),
+                                  ("limits SlidingWindowCounter", "sliding", SlidingWindowCounterRateLimiter)):
+            limiter = cls(storage)
+            out.append((name, family, "peer", lambda lim=limiter: lim.hit(item, "k"), 1))
+    except ImportError:
+        pass
+    try:
+        from throttled import RedisStore, Throttled, rate_limiter
+
+        store = RedisStore(server=STORE_URL)
+        for name, family, using in (("throttled-py fixed_window", "fixed", "fixed_window"),
+                                    ("throttled-py sliding_window", "sliding", "sliding_window"),
+                                    ("throttled-py gcra", "gcra", "gcra")):
+            thr = Throttled(using=using, quota=rate_limiter.per_sec(1_000_000), store=store,
+                            key_prefix=f"{prefix}-throttled")
+            out.append((name, family, "peer", lambda t=thr: t.limit("k"), 1))
+    except ImportError:
+        pass
+
+    # Ten keys per round trip, where the API allows it.
+    pipe = client.pipeline(transaction=False)
+
+    def floor10() -> None:
+        for k in KEYS10:
+            incr(keys=[f"{prefix}:floor:{k}"], client=pipe)
+        pipe.execute()
+
+    out.append(("EVALSHA INCR (floor), 10 keys pipelined", "floor", "ref10", floor10, 10))
+    if supported(ctl.store):
+        for algo in ("sliding", "fixed"):
+            keys = [state_key(prefix, "cost10", f"{algo}-{k}") for k in KEYS10]
+
+            def ours10(a: str = algo, ks: list[str] = keys) -> None:
+                with Bulk(ctl.store, batch=10):
+                    for k in ks:
+                        ctl.store.window(k, a, "acquire", [rate], 1)
+
+            out.append((f"ours {algo}: store.window, 10 keys pipelined", algo, "ours10", ours10, 10))
+    return out
+
+
+def run_checks(res: Results, prefix: str, seconds: float, rounds: int) -> None:
+    """Measure every variant, then add the section-5 rows."""
+    variants = _variants(prefix)
+    best: dict[str, Stat] = {}
+    for r in range(rounds):
+        for name, _, _, fn, per_call in (variants if r % 2 == 0 else variants[::-1]):
+            try:
+                stat = measure(fn, seconds, per_call)
+            except Exception as exc:  # a peer library failing must not stop the bench
+                res.notes.append(f"check cost: {name} failed: {exc!r}")
+                continue
+            if name not in best or stat.per_s > best[name].per_s:
+                best[name] = stat
+    sec = "5 check cost"
+    for name, family, group, _, _ in variants:
+        if name not in best:
+            continue
+        s = best[name]
+        value = f"{fmt_num(s.per_s, 0)}/s (p50 {s.p50_us:.0f} µs, p99 {s.p99_us:.0f} µs)"
+        res.add(sec, "checks/s, 1 client", name, value, "", None)
+    floor = best.get("EVALSHA INCR (floor)")
+    floor10 = best.get("EVALSHA INCR (floor), 10 keys pipelined")
+    for name, family, group, _, _ in variants:
+        s = best.get(name)
+        if s is None or not group.startswith("ours"):
+            continue
+        ref = floor10 if group == "ours10" else floor
+        if ref:
+            ratio = s.per_s / ref.per_s
+            res.add(sec, "ours / EVALSHA floor", name, f"{ratio:.2f}x", ">= 0.95x", ratio >= 0.95)
+        if group == "ours":
+            peers = [(n, best[n]) for n, f, g, _, _ in variants if g == "peer" and f == family and n in best]
+            if peers:
+                peer_name, peer = max(peers, key=lambda p: p[1].per_s)
+                ratio = s.per_s / peer.per_s
+                res.add(sec, "ours / best peer, same algorithm", name, f"{ratio:.2f}x",
+                        ">= 1.00x", ratio >= 1.0, f"best peer: {peer_name}")
+    res.notes.append("Check cost: limits and throttled-py have no pipelined/batch API, so only the "
+                     "EVALSHA floor and celery_throttle's script (through bench/bulk.py) run 10 keys "
+                     "per round trip.")
+    res.series["checks"] = {k: vars(v) for k, v in best.items()}

@@ -1,0 +1,230 @@
+"""Sections run against real workers: bursts (1-3), overhead (6) and long waits (8)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery
+
+import celery_throttle
+from bench.common import (BROKER_URL, STORE_URL, Results, fmt_bytes, fmt_num, ideal_makespan,
+                          max_in_aligned, max_in_window, store_client, used_memory, wait_until)
+from bench.workers import WorkerGroup
+from celery_throttle.rates import parse_rate
+
+#: (variant shown, task in bench.workerapp)
+BURST_VARIANTS = (
+    ("sliding", "sliding"),
+    ("fixed", "fixed"),
+    ("naive fixed (seed)", "naive_fixed"),
+    ("naive sliding log", "naive_sliding"),
+    ("celery rate_limit", "builtin"),
+)
+OURS = ("sliding", "fixed")
+
+
+@dataclass
+class BurstRun:
+    """What one burst produced."""
+
+    variant: str
+    tasks: int
+    limit: int
+    window: float
+    times: list[float] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    denied: int = 0
+    complete: bool = False
+    sent_at: float = 0.0
+
+
+def run_burst(group: WorkerGroup, variant: str, task: str, tasks: int, rate: str,
+              phase: float = 0.6) -> BurstRun:
+    """Send ``tasks`` calls at once, ``phase`` of the way into an aligned window, and
+    wait for them all to start. Starting late in a window makes the fixed window's
+    boundary burst show."""
+    r = parse_rate(rate)
+    label = f"burst-{task}"
+    if r.period <= 5:  # align the burst with the window, within 5 s
+        now = time.time()
+        target = math.floor(now / r.period) * r.period + phase * r.period
+        if target < now + 0.05:
+            target += r.period
+        time.sleep(max(target - time.time(), 0))
+    run = BurstRun(variant, tasks, r.limit, r.period, sent_at=time.time())
+    group.send(task, label, group.queue, tasks)
+    timeout = ideal_makespan(tasks, r.limit, r.period) * 4 + 30
+    run.complete = group.wait_starts(label, tasks, timeout, settle=1.5)
+    starts = group.starts(label)
+    run.times = [t for t, _ in starts]
+    run.ids = [i for _, i in starts]
+    run.denied = group.counter("denied", label)
+    return run
+
+
+def report_bursts(res: Results, runs: list[BurstRun]) -> None:
+    """Sections 1-3 from the burst runs."""
+    for run in runs:
+        n, m, w = run.limit, run.tasks, run.window
+        ours = run.variant in OURS
+        tag = f"{m} tasks at {n}/{w:g}s"
+        if not run.times:
+            res.add("1 violation", "max starts in any window / limit", run.variant, "no starts", ok=False if ours else None)
+            continue
+        slide = max_in_window(run.times, w) / n
+        aligned = max_in_aligned(run.times, w) / n
+        if run.variant == "sliding":
+            res.add("1 violation", "max in any window / limit", run.variant, f"{slide:.2f}", "<= 1.00",
+                    slide <= 1.0, tag)
+        elif run.variant == "fixed":
+            res.add("1 violation", "max in an aligned window / limit", run.variant, f"{aligned:.2f}",
+                    "<= 1.00", aligned <= 1.0, tag)
+            res.add("1 violation", "max in any window / limit", run.variant, f"{slide:.2f}",
+                    "<= 2.00 (nature)", slide <= 2.0, "across a boundary")
+        else:
+            note = "aligned window max {:.2f}".format(aligned) if "fixed" in run.variant else ""
+            if run.variant == "celery rate_limit":
+                note = "per worker: 2 workers"
+            res.add("1 violation", "max in any window / limit", run.variant, f"{slide:.2f}", "",
+                    None, note)
+    for run in runs:
+        if not run.times:
+            continue
+        ideal = ideal_makespan(run.tasks, run.limit, run.window)
+        span = max(run.times) - min(run.times)
+        ratio = span / ideal if ideal else float("nan")
+        ours = run.variant in OURS
+        res.add("2 makespan", "first-to-last start / ideal", run.variant, f"{ratio:.3f}",
+                "<= 1.05" if ours else "", (ratio <= 1.05) if ours else None,
+                f"{span:.2f}s vs ideal {ideal:.2f}s")
+    for run in runs:
+        if run.variant == "celery rate_limit":
+            res.add("3 re-sends", "re-sends per task", run.variant, "0 (held in worker)", "", None,
+                    "tasks wait in worker memory")
+            continue
+        per_task = run.denied / run.tasks
+        bound = (run.tasks - run.limit) / run.tasks + 0.05
+        ours = run.variant in OURS
+        res.add("3 re-sends", "re-sends per task", run.variant, f"{per_task:.2f}",
+                f"<= {bound:.2f}" if ours else "", (per_task <= bound) if ours else None,
+                f"{run.denied} denials")
+    for run in runs:
+        unique = len(set(run.ids))
+        dup = len(run.ids) - unique
+        ok = run.complete and unique == run.tasks and dup == 0
+        res.add("1 violation", "each task ran exactly once", run.variant,
+                f"{unique}/{run.tasks}, {dup} dup", "all, 0 dup", ok)
+
+
+def run_overhead(group: WorkerGroup, tasks: int, rounds: int) -> dict[str, list[float]]:
+    """Throughput (starts/s) of the same no-op, unthrottled and under a limit it never
+    reaches. The queue is filled first, then opened, so the sender does not pace it."""
+    out: dict[str, list[float]] = {"unthrottled": [], "sliding": [], "fixed": []}
+    order = (("unthrottled", "plain"), ("sliding", "fast_sliding"), ("fixed", "fast_fixed"))
+    for r in range(rounds):
+        for variant, task in (order if r % 2 == 0 else order[::-1]):
+            label = f"ovh-{task}-{r}"
+            queue = f"{group.prefix}-{label}"
+            group.send(task, label, queue, tasks)
+            if group.consume(queue) < group.count:
+                raise RuntimeError(f"workers did not start consuming {queue}")
+            group.wait_starts(label, tasks, tasks / 50 + 60, settle=0.3)
+            group.consume(queue, on=False)
+            times = sorted(t for t, _ in group.starts(label))
+            if len(times) >= 2 and times[-1] > times[0]:
+                out[variant].append((len(times) - 1) / (times[-1] - times[0]))
+    return out
+
+
+def report_overhead(res: Results, rates: dict[str, list[float]], tasks: int) -> None:
+    base = max(rates["unthrottled"], default=float("nan"))
+    res.add("6 overhead", "no-op tasks/s (best round)", "unthrottled", fmt_num(base, 0), "", None,
+            f"{tasks} tasks, 2 workers x 2 procs")
+    for variant in ("sliding", "fixed"):
+        best = max(rates[variant], default=float("nan"))
+        ratio = best / base if base == base and base else float("nan")
+        res.add("6 overhead", "throttled / unthrottled tasks/s", variant,
+                f"{ratio:.2f} ({fmt_num(best, 0)}/s)", ">= 0.90", ratio >= 0.90)
+    res.notes.append("Overhead rounds (tasks/s): " + "; ".join(
+        f"{k}: {', '.join(fmt_num(x, 0) for x in v)}" for k, v in rates.items()))
+
+
+def _controller(prefix: str) -> Any:
+    app = Celery("bench-ctl", broker=BROKER_URL, set_as_current=False)
+    app.conf.update(throttle_redis_url=STORE_URL, throttle_key_prefix=prefix)
+    return celery_throttle.install(app)
+
+
+def run_long_wait(res: Results, prefix: str, tasks: int, window: int, quick: bool) -> None:
+    """Section 8: ``tasks`` calls against a spent quota of ``tasks`` per ``window`` s."""
+    rate = f"{tasks}/{window}s"
+    visibility = 10
+    group = WorkerGroup(prefix, "long", env={
+        "CB_LONG_RATE": rate, "CB_PARK_AFTER": "2", "CB_VISIBILITY": str(visibility)})
+    redis_client = store_client()
+    samples: list[tuple[float, int, int, int]] = []
+    try:
+        group.start()
+        # Warm the pool processes up so the baseline is not their first-import growth.
+        group.send("plain", "long-warmup", group.queue, 40)
+        group.wait_starts("long-warmup", 40, 60, settle=1.0)
+        rss0, mem0 = group.rss(), used_memory(redis_client)
+        label = "long"
+        queue = f"{prefix}-long-q"
+        t_send = time.time()
+        ids = group.send("long_wait", label, queue, tasks)
+        send_s = time.time() - t_send
+        ctl = _controller(prefix)
+        spent = ctl.acquire("bench.workerapp.long_wait", key=label, rates=rate, cost=tasks)
+        refill_at = spent.reset_at
+        if group.consume(queue) < group.count:
+            raise RuntimeError(f"workers did not start consuming {queue}")
+        timeout = window + tasks / 40 + 120
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            started = group.start_count(label)
+            waiting, inflight = ctl.store.parked_count()
+            samples.append((time.time(), group.rss(), used_memory(redis_client), waiting + inflight))
+            if started >= tasks:
+                break
+            time.sleep(0.5)
+        # Stay past the visibility timeout: a message held unacked would come back now.
+        settle_until = time.time() + (visibility + 2 if not quick else 4)
+        while time.time() < settle_until:
+            samples.append((time.time(), group.rss(), used_memory(redis_client), sum(ctl.store.parked_count())))
+            time.sleep(0.5)
+        starts = group.starts(label)
+        denied, parked = group.counter("denied", label), group.counter("parked", label)
+        errors = group.errors()
+    finally:
+        group.stop()
+    times = [t for t, _ in starts]
+    seen = [i for _, i in starts]
+    unique = len(set(seen))
+    dup = len(seen) - unique
+    foreign = len(set(seen) - set(ids))
+    early = sum(1 for t in times if t < refill_at - 0.002)
+    waiting = [s for s in samples if s[0] < refill_at]
+    peak_rss = max((s[1] for s in waiting), default=rss0) - rss0
+    peak_mem = max((s[2] for s in waiting), default=mem0) - mem0
+    peak_parked = max((s[3] for s in samples), default=0)
+    tag = f"{tasks} tasks, quota {rate} spent, park_after 2s, visibility_timeout {visibility}s"
+    sec = "8 long waits"
+    res.add(sec, "worker RSS growth while waiting", "sliding", f"{fmt_bytes(peak_rss)} "
+            f"({peak_rss / tasks:.0f} B/task)", "", None, f"4 procs + 2 main, baseline {fmt_bytes(rss0)}")
+    res.add(sec, "Redis used_memory growth while waiting", "sliding",
+            f"{fmt_bytes(peak_mem)} ({peak_mem / tasks:.0f} B/task)", "", None, "whole server")
+    res.add(sec, "tasks parked in Redis (peak)", "sliding", f"{peak_parked}", "", None,
+            f"{parked} parked of {denied} denials")
+    res.add(sec, "ran exactly once", "sliding", f"{unique}/{tasks}, {dup} dup",
+            "all, 0 dup", unique == tasks and dup == 0 and foreign == 0, tag)
+    res.add(sec, "started before the quota refilled", "sliding", f"{early}", "0", early == 0)
+    if times:
+        res.add(sec, "all ran after refill within", "sliding", f"{max(times) - refill_at:.1f}s",
+                "", None, f"send took {send_s:.1f}s")
+    if errors:
+        res.notes.append(f"Long-wait worker log errors ({len(errors)}): " + " | ".join(errors[:5]))
+    res.series["long_wait"] = {"samples": samples, "refill_at": refill_at, "rss0": rss0, "mem0": mem0}

@@ -1,0 +1,326 @@
+"""A pure-Python reference model of the window scripts, and a plain truth checker.
+
+``WindowModel`` does exactly what ``celery_throttle/lua/window.lua`` does with
+``sliding.lua`` or ``fixed.lua`` prepended: same state, same arithmetic (the Lua numbers
+are doubles; every time here stays below 2**53, where Python ints and Lua doubles agree,
+and divisions are written as float divisions like the Lua's), same reply. Tests run the
+real scripts against it operation by operation.
+
+The truth checker knows nothing of buckets or reservations: given the (start time,
+units) of every call that actually started, it measures the most units in any half-open
+interval of one period (sliding) or in any aligned window (fixed).
+
+Times are integer microseconds throughout.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Sequence
+
+__all__ = [
+    "SLOTS",
+    "MAX_ROUNDS",
+    "Claim",
+    "ModelReply",
+    "SlidingRate",
+    "FixedRate",
+    "WindowModel",
+    "max_units_in_any_interval",
+    "max_units_per_aligned_window",
+]
+
+#: Buckets per period of a sliding window (sliding.lua's SLOTS).
+SLOTS = 50
+#: Rounds of the multi-rate "earliest start" search before window.lua gives up.
+MAX_ROUNDS = 64
+
+
+class Claim(Protocol):
+    """What a claim carries: ``celery_throttle.store.Reservation`` fits."""
+
+    start_us: int
+    latest_us: int
+    cost: int
+    grace_us: int
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    """Fields in the order of ``celery_throttle.store.WindowReply``."""
+
+    code: int
+    wait_us: int
+    remaining: int
+    clear_at_us: int
+    start_us: int
+    latest_us: int
+    now_us: int
+
+    def as_tuple(self) -> tuple[int, ...]:
+        return (self.code, self.wait_us, self.remaining, self.clear_at_us,
+                self.start_us, self.latest_us, self.now_us)
+
+
+# -- sliding ------------------------------------------------------------------------------
+
+
+@dataclass
+class Bucket:
+    units: int
+    latest: int
+
+
+class SlidingRate:
+    """One rate of a sliding window: buckets keyed by floor(latest / slot)."""
+
+    tag = "s"
+
+    def __init__(self, limit: int, period_us: int) -> None:
+        self.limit = limit
+        self.period = period_us
+        self.slot = max(math.ceil(period_us / SLOTS), 1000)
+        self.prefix = f"{self.tag}{limit}/{period_us}|"
+        self.buckets: dict[int, Bucket] = {}
+
+    def bucket_of(self, latest: int) -> int:
+        return math.floor(latest / self.slot)
+
+    def load(self, now: int) -> None:
+        """What decode() keeps: buckets whose latest start may still count at ``now``."""
+        self.buckets = {k: b for k, b in self.buckets.items()
+                        if b.units > 0 and b.latest > now - self.period}
+
+    def usage(self, x: int) -> int:
+        return sum(b.units for b in self.buckets.values() if b.latest > x - self.period)
+
+    def earliest(self, x: int, cost: int) -> int:
+        live = [b for b in self.buckets.values() if b.latest > x - self.period]
+        used = sum(b.units for b in live)
+        if used + cost <= self.limit:
+            return x
+        for b in sorted(live, key=lambda b: b.latest):
+            used -= b.units
+            if used + cost <= self.limit:
+                return max(x, b.latest + self.period)
+        return x + self.period
+
+    def record(self, at: int, latest: int, cost: int) -> int:
+        k = self.bucket_of(latest)
+        b = self.buckets.get(k)
+        if b is None:
+            self.buckets[k] = Bucket(cost, latest)
+        else:
+            b.units += cost
+            b.latest = max(b.latest, latest)
+        return latest
+
+    def unrecord(self, at: int, grace: int, cost: int) -> None:
+        k = self.bucket_of(at + grace)
+        b = self.buckets.get(k)
+        if b is not None:
+            b.units -= cost
+            if b.units <= 0:
+                del self.buckets[k]
+
+    def clear_at(self) -> int:
+        return max((b.latest + self.period for b in self.buckets.values()), default=0)
+
+    def fields(self) -> dict[str, str]:
+        return {f"{self.prefix}{k}": f"{b.units}:{b.latest}" for k, b in self.buckets.items()}
+
+    def live_field(self, suffix: str, value: str, now: int) -> bool:
+        """Whether a stored field would survive decode() at ``now``."""
+        units, _, latest = value.partition(":")
+        return int(units) > 0 and int(latest) > now - self.period
+
+
+# -- fixed --------------------------------------------------------------------------------
+
+
+class FixedRate:
+    """One rate of a fixed window: units per aligned window k = floor(t / period)."""
+
+    tag = "f"
+
+    def __init__(self, limit: int, period_us: int) -> None:
+        self.limit = limit
+        self.period = period_us
+        self.prefix = f"{self.tag}{limit}/{period_us}|"
+        self.windows: dict[int, int] = {}
+
+    def window_of(self, t: int) -> int:
+        return math.floor(t / self.period)
+
+    def load(self, now: int) -> None:
+        current = self.window_of(now)
+        self.windows = {k: u for k, u in self.windows.items() if u > 0 and k >= current}
+
+    def usage(self, x: int) -> int:
+        return self.windows.get(self.window_of(x), 0)
+
+    def earliest(self, x: int, cost: int) -> int:
+        k = self.window_of(x)
+        while self.windows.get(k, 0) + cost > self.limit:
+            k += 1
+        return max(x, k * self.period)
+
+    def record(self, at: int, latest: int, cost: int) -> int:
+        k = self.window_of(at)
+        self.windows[k] = self.windows.get(k, 0) + cost
+        return (k + 1) * self.period - 1
+
+    def unrecord(self, at: int, grace: int, cost: int) -> None:
+        k = self.window_of(at)
+        if k in self.windows:
+            units = self.windows[k] - cost
+            if units <= 0:
+                del self.windows[k]
+            else:
+                self.windows[k] = units
+
+    def clear_at(self) -> int:
+        return max(((k + 1) * self.period for k in self.windows), default=0)
+
+    def fields(self) -> dict[str, str]:
+        return {f"{self.prefix}{k}": str(u) for k, u in self.windows.items()}
+
+    def live_field(self, suffix: str, value: str, now: int) -> bool:
+        return int(value) > 0 and int(suffix) >= self.window_of(now)
+
+
+# -- the script ---------------------------------------------------------------------------
+
+_ALGORITHMS = {"sliding": SlidingRate, "fixed": FixedRate}
+
+
+class WindowModel:
+    """The state of one hash (one scope and key) for one algorithm and set of rates."""
+
+    def __init__(self, algorithm: str, rates: Sequence[tuple[int, int]]) -> None:
+        """``rates``: (limit, period in µs) pairs, in the order they are sent to Redis."""
+        cls = _ALGORITHMS[algorithm]
+        self.algorithm = algorithm
+        self.rates: list[SlidingRate | FixedRate] = [cls(limit, period) for limit, period in rates]
+
+    # window.lua, step by step
+    def window(
+        self,
+        now: int,
+        op: str,
+        cost: int,
+        *,
+        reserve: bool = False,
+        grace_us: int = 0,
+        slack_us: int = 0,
+        claim: Claim | None = None,
+    ) -> ModelReply:
+        for r in self.rates:
+            r.load(now)
+
+        def reply(code: int, wait: int, start: int, latest: int) -> ModelReply:
+            return ModelReply(code, wait, self.remaining(now), self.clear_at(), start, latest, now)
+
+        for r in self.rates:
+            if cost > r.limit:
+                return ModelReply(-1, r.limit, 0, 0, 0, 0, now)
+
+        if op == "claim":
+            c_start, c_latest, c_cost, c_grace = (
+                (claim.start_us, claim.latest_us, claim.cost, claim.grace_us) if claim else (0, 0, 0, 0)
+            )
+            if now < c_start:
+                return reply(2, c_start - now, c_start, c_latest)
+            # On time only if the body, starting within `slack` of now, stays inside
+            # the reserved span.
+            if now + slack_us <= c_latest:
+                return reply(1, 0, c_start, c_latest)
+            # Late: give the reserved units back, then try afresh.
+            for r in self.rates:
+                r.unrecord(c_start, c_grace, c_cost)
+
+        x, settled = now, False
+        for _ in range(MAX_ROUNDS):
+            settled = True
+            for r in self.rates:
+                e = r.earliest(x, cost)
+                if e > x:
+                    x, settled = e, False
+            if settled:
+                break
+
+        if op == "peek":
+            return reply(1 if x == now else 0, x - now, 0, 0)
+
+        code, start, latest = 0, 0, 0
+        if settled and x == now:
+            code = 1
+            for r in self.rates:
+                r.record(now, now + slack_us, cost)
+        elif settled and reserve:
+            start = x
+            latest = min(r.record(x, x + grace_us, cost) for r in self.rates)
+        return reply(code, x - now, start, latest)
+
+    def remaining(self, now: int) -> int:
+        free = min((r.limit - r.usage(now) for r in self.rates), default=0)
+        return max(free, 0)
+
+    def clear_at(self) -> int:
+        return max((r.clear_at() for r in self.rates), default=0)
+
+    # what the hash should hold
+    def fields(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for r in self.rates:
+            out.update(r.fields())
+        return out
+
+    def live_stored_fields(self, stored: dict[str, str], now: int) -> dict[str, str]:
+        """The fields of a stored hash that decode() would keep at ``now``.
+
+        Expired fields are only deleted when a script writes the hash back, so a stored
+        hash may hold a few more; they count for nothing. A field that belongs to none of
+        the rates is kept, so that a comparison with :meth:`fields` reports it.
+        """
+        out: dict[str, str] = {}
+        for name, value in stored.items():
+            for r in self.rates:
+                if name.startswith(r.prefix):
+                    if r.live_field(name[len(r.prefix):], value, now):
+                        out[name] = value
+                    break
+            else:
+                out[name] = value
+        return out
+
+
+# -- truth --------------------------------------------------------------------------------
+
+
+def max_units_in_any_interval(admissions: Iterable[tuple[int, int]], period: int) -> int:
+    """Most units starting in any half-open interval ``[a, a + period)``.
+
+    ``admissions``: (start time, units) of every call that started. The maximum is
+    reached with ``a`` at some start, so only those are tried.
+    """
+    pairs = sorted(admissions)
+    times = [t for t, _ in pairs]
+    prefix = [0]
+    for _, units in pairs:
+        prefix.append(prefix[-1] + units)
+    best = 0
+    for i, t in enumerate(times):
+        j = bisect_left(times, t + period)
+        best = max(best, prefix[j] - prefix[i])
+    return best
+
+
+def max_units_per_aligned_window(admissions: Iterable[tuple[int, int]], period: int) -> int:
+    """Most units starting in one aligned window ``[k * period, (k + 1) * period)``."""
+    totals: dict[int, int] = {}
+    for t, units in admissions:
+        totals[t // period] = totals.get(t // period, 0) + units
+    return max(totals.values(), default=0)

@@ -1,0 +1,193 @@
+"""The controller used directly (acquire / status / reset), install(), and declaration errors.
+
+These talk to the real Redis but need no worker.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import redis
+from celery import Celery, shared_task
+
+import celery_throttle
+from celery_throttle import ConfigurationError, throttle
+from celery_throttle.worker import ThrottleStep
+
+STORE = "redis://127.0.0.1:6379/12"
+
+
+@pytest.fixture
+def ctl(prefix: str, store_client: redis.Redis) -> celery_throttle.Throttle:
+    app = Celery("direct", broker="memory://", set_as_current=False)
+    return celery_throttle.install(app, redis_url=STORE, key_prefix=prefix)
+
+
+def test_acquire_admits_up_to_the_limit_then_says_when(ctl: celery_throttle.Throttle) -> None:
+    decisions = [ctl.acquire("github-api", key="acme", rates=["3/s"]) for _ in range(4)]
+    assert [d.allowed for d in decisions] == [True, True, True, False]
+    assert [d.remaining for d in decisions[:3]] == [2, 1, 0]
+    denied = decisions[-1]
+    assert 0.9 < denied.retry_after <= 1.1
+    assert denied.reset_at > time.time()
+    # When the window has moved on, the call is admitted again
+    time.sleep(denied.retry_after + 0.02)
+    assert ctl.acquire("github-api", key="acme", rates=["3/s"]).allowed
+
+
+def test_denial_by_one_rate_consumes_nothing_from_the_others(ctl: celery_throttle.Throttle) -> None:
+    for _ in range(2):
+        assert ctl.acquire("api", rates=["2/s", "100/h"]).allowed
+    assert not ctl.acquire("api", rates=["2/s", "100/h"]).allowed
+    usage = {str(r.rate): r.used for r in ctl.status("api").rates}
+    assert usage == {"2/s": 2, "100/h": 2}
+
+
+def test_cost_uses_several_units(ctl: celery_throttle.Throttle) -> None:
+    assert ctl.acquire("bulk", rates="10/m", cost=7).allowed
+    d = ctl.acquire("bulk", rates="10/m", cost=4)
+    assert not d.allowed and d.remaining == 3
+    assert ctl.acquire("bulk", rates="10/m", cost=3).allowed
+
+
+def test_keys_partition_the_limit(ctl: celery_throttle.Throttle) -> None:
+    assert ctl.acquire("export", key="a", rates="1/m").allowed
+    assert ctl.acquire("export", key="b", rates="1/m").allowed
+    assert not ctl.acquire("export", key="a", rates="1/m").allowed
+    assert not ctl.acquire("export", rates="1/m", key="b").allowed
+    assert ctl.acquire("export", rates="1/m").allowed  # no key: the scope's own limit
+
+
+def test_fixed_window_resets_at_the_aligned_boundary(ctl: celery_throttle.Throttle) -> None:
+    for _ in range(2):
+        assert ctl.acquire("f", rates="2/s", algorithm="fixed").allowed
+    d = ctl.acquire("f", rates="2/s", algorithm="fixed")
+    assert not d.allowed
+    boundary = d.reset_at
+    assert boundary == int(boundary)  # aligned on a whole second (Redis clock)
+    assert abs(time.time() + d.retry_after - boundary) < 0.05
+
+
+def test_status_and_reset(ctl: celery_throttle.Throttle) -> None:
+    assert ctl.status("s", key="k").rates == ()
+    ctl.acquire("s", key="k", rates=["5/s", "50/h"], cost=2)
+    status = ctl.status("s", key="k")
+    assert {(str(r.rate), r.used, r.remaining) for r in status.rates} == {("5/s", 2, 3), ("50/h", 2, 48)}
+    assert status.remaining == 3
+    # status consumed nothing
+    assert ctl.status("s", key="k").remaining == 3
+    assert ctl.reset("s", key="k") is True
+    assert ctl.status("s", key="k").rates == ()
+    assert ctl.reset("s", key="k") is False
+
+
+def test_every_key_has_the_prefix_and_a_ttl(ctl: celery_throttle.Throttle, prefix: str,
+                                            store_client: redis.Redis) -> None:
+    ctl.acquire("ttl", key="x", rates=["5/s", "10/m"])
+    keys = list(store_client.scan_iter(match=f"{prefix}*"))
+    assert keys == [f"{prefix}:{{ttl:x}}".encode()]
+    assert 59_000 < store_client.pttl(keys[0]) <= 61_100
+
+
+def test_direct_use_rejects_bad_input_clearly(ctl: celery_throttle.Throttle) -> None:
+    with pytest.raises(ConfigurationError, match="bad rate"):
+        ctl.acquire("x", rates="10 per second")
+    with pytest.raises(ConfigurationError, match="algorithm"):
+        ctl.acquire("x", rates="1/s", algorithm="token-bucket")
+    with pytest.raises(ConfigurationError, match="cost"):
+        ctl.acquire("x", rates="1/s", cost=0)
+    with pytest.raises(celery_throttle.ThrottleError, match="exceeds the limit"):
+        ctl.acquire("x", rates="2/s", cost=3)
+
+
+def test_install_is_idempotent_and_reads_app_conf() -> None:
+    app = Celery("idem", broker="redis://127.0.0.1:6379/3", set_as_current=False)
+    app.conf.throttle_key_prefix = "custom"
+    first = celery_throttle.install(app)
+    second = celery_throttle.install(app)
+    assert first is second
+    assert list(app.steps["worker"]).count(ThrottleStep) == 1
+    assert first.settings.key_prefix == "custom"
+    assert first.settings.redis_url == "redis://127.0.0.1:6379/3"  # the broker, when Redis
+    assert first.settings.default_algorithm == "sliding"
+    assert celery_throttle.install(app, key_prefix="other").settings.key_prefix == "other"
+
+
+def test_redis_url_defaults_to_localhost_for_other_brokers() -> None:
+    app = Celery("amqp", broker="amqp://guest@127.0.0.1//", set_as_current=False)
+    assert celery_throttle.install(app).settings.redis_url == "redis://localhost:6379/0"
+
+
+def test_bad_settings_fail_at_install() -> None:
+    app = Celery("bad", broker="memory://", set_as_current=False)
+    with pytest.raises(ConfigurationError, match="throttle_default_algorithm"):
+        celery_throttle.install(app, default_algorithm="leaky")
+    with pytest.raises(ConfigurationError, match="unknown throttle setting"):
+        celery_throttle.install(app, rate_limit="10/s")
+
+
+def test_bad_rules_stop_the_worker_at_start() -> None:
+    app = Celery("rules", broker="memory://", set_as_current=False)
+    app.conf.throttle_rules = {"rules.*": {"rate": "10/s", "key": "{tenant_id}"}}
+    celery_throttle.install(app)
+
+    @app.task(name="rules.charge")
+    def charge(customer_id):
+        return customer_id
+
+    # The worker refuses to start, naming the rule's mistake
+    with pytest.raises(ConfigurationError, match="names 'tenant_id', but the task takes"):
+        ThrottleStep(SimpleNamespace(app=app))
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        (("10/x",), {}, "bad rate"),
+        (("ten/s",), {}, "bad rate"),
+        (("0/s",), {}, "at least 1"),
+        (("10/s",), {"algorithm": "leaky"}, "unknown algorithm"),
+        (("10/s",), {"cost": 0}, "positive integer"),
+        (("10/s",), {"cost": True}, "positive integer"),
+        (("10/s",), {"cost": 11}, "can never fit"),
+        (("10/s",), {"key": "{0}"}, "must name arguments"),
+        ((), {}, "at least one rate"),
+    ],
+)
+def test_wrong_use_fails_at_declaration(args: tuple, kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        throttle(*args, **kwargs)
+
+
+def test_key_naming_a_missing_argument_fails_at_import_in_either_order() -> None:
+    app = Celery("decl", broker="memory://", set_as_current=False)
+    with pytest.raises(ConfigurationError, match="'tenant'"):
+        @app.task
+        @throttle("10/s", key="{tenant}")
+        def below(tenant_id): ...
+
+    with pytest.raises(ConfigurationError, match="'tenant'"):
+        @throttle("10/s", key="{tenant}")
+        @app.task
+        def above(tenant_id): ...
+
+    with pytest.raises(ConfigurationError, match="below @shared_task"):
+        @throttle("10/s")
+        @shared_task
+        def shared(x): ...
+
+
+def test_eager_and_direct_calls_are_not_throttled(prefix: str) -> None:
+    app = Celery("eager", broker="memory://", set_as_current=False)
+    app.conf.task_always_eager = True
+    celery_throttle.install(app, redis_url=STORE, key_prefix=prefix)
+
+    @throttle("1/h")
+    @app.task
+    def once(x):
+        return x
+
+    assert [once.delay(i).get() for i in range(3)] == [0, 1, 2]
+    assert once(5) == 5
