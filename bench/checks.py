@@ -34,12 +34,22 @@ class Stat:
     p50_us: float
     p99_us: float
     calls: int
+    #: Redis CPU per check (µs): every command's time on the server during the round,
+    #: from INFO commandstats, so other clients' commands add a little.
+    server_us: float = float("nan")
 
 
-def measure(fn: Callable[[], Any], seconds: float, per_call: int = 1, max_calls: int = 2_000_000) -> Stat:
+def _server_usec(client: Any) -> int:
+    stats = client.info("commandstats")
+    return sum(int(v.get("usec", 0)) for k, v in stats.items() if k != "cmdstat_info")
+
+
+def measure(fn: Callable[[], Any], seconds: float, per_call: int = 1, max_calls: int = 2_000_000,
+            stats_client: Any = None) -> Stat:
     """Call ``fn`` for ``seconds`` (or ``max_calls`` times); each call does ``per_call`` checks."""
     for _ in range(50):  # warm up: connections, script loads
         fn()
+    usec0 = _server_usec(stats_client) if stats_client is not None else 0
     lat: list[int] = []
     clock = time.perf_counter_ns
     start = clock()
@@ -54,8 +64,12 @@ def measure(fn: Callable[[], Any], seconds: float, per_call: int = 1, max_calls:
         if t1 >= end:
             break
     elapsed = (clock() - start) / 1e9
+    server = float("nan")
+    if stats_client is not None:
+        server = (_server_usec(stats_client) - usec0) / (n * per_call)
     lat.sort()
-    return Stat(n * per_call / elapsed, percentile(lat, 0.5) / 1000, percentile(lat, 0.99) / 1000, n * per_call)
+    return Stat(n * per_call / elapsed, percentile(lat, 0.5) / 1000, percentile(lat, 0.99) / 1000,
+                n * per_call, server)
 
 
 def _variants(prefix: str) -> list[tuple[str, str, str, Callable[[], Any], int]]:
@@ -89,7 +103,8 @@ def _variants(prefix: str) -> list[tuple[str, str, str, Callable[[], Any], int]]
                                   ("limits MovingWindow", "sliding", MovingWindowRateLimiter),
                                   ("limits SlidingWindowCounter", "sliding", SlidingWindowCounterRateLimiter)):
             limiter = cls(storage)
-            out.append((name, family, "peer", lambda lim=limiter: lim.hit(item, "k"), 1))
+            ident = name.split()[-1]  # the strategies share key names: one each
+            out.append((name, family, "peer", lambda lim=limiter, i=ident: lim.hit(item, i), 1))
     except ImportError:
         pass
     try:
@@ -130,11 +145,12 @@ def _variants(prefix: str) -> list[tuple[str, str, str, Callable[[], Any], int]]
 def run_checks(res: Results, prefix: str, seconds: float, rounds: int) -> None:
     """Measure every variant, then add the section-5 rows."""
     variants = _variants(prefix)
+    stats_client = redis.Redis.from_url(STORE_URL)
     best: dict[str, Stat] = {}
     for r in range(rounds):
         for name, _, _, fn, per_call in (variants if r % 2 == 0 else variants[::-1]):
             try:
-                stat = measure(fn, seconds, per_call)
+                stat = measure(fn, seconds, per_call, stats_client=stats_client)
             except Exception as exc:  # a peer library failing must not stop the bench
                 res.notes.append(f"check cost: {name} failed: {exc!r}")
                 continue
@@ -146,7 +162,8 @@ def run_checks(res: Results, prefix: str, seconds: float, rounds: int) -> None:
             continue
         s = best[name]
         value = f"{fmt_num(s.per_s, 0)}/s (p50 {s.p50_us:.0f} µs, p99 {s.p99_us:.0f} µs)"
-        res.add(sec, "checks/s, 1 client", name, value, "", None)
+        res.add(sec, "checks/s, 1 client", name, value, "", None,
+                f"Redis CPU {s.server_us:.1f} µs/check" if s.server_us == s.server_us else "")
     floor = best.get("EVALSHA INCR (floor)")
     floor10 = best.get("EVALSHA INCR (floor), 10 keys pipelined")
     for name, family, group, _, _ in variants:

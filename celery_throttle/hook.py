@@ -98,7 +98,8 @@ def guard(task: Any, args: Any, kwargs: Any) -> None:
     if reply.code == WindowReply.EARLY:
         reservation = claim
     elif reply.start_us:
-        reservation = Reservation(reply.start_us, reply.latest_us, call.cost, ctl.grace_us(call.rates))
+        reservation = Reservation(reply.start_us, reply.latest_us, call.cost,
+                                  ctl.grace_us(call.rates), reply.epoch)
     else:
         reservation = None
     state.update(k=ident, r=reservation.to_header() if reservation else None)

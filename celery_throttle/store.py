@@ -29,23 +29,27 @@ def _lua(name: str) -> str:
 
 @dataclass(frozen=True)
 class Reservation:
-    """A start reserved for a denied call: it may start in ``[start_us, latest_us]``."""
+    """A start reserved for a denied call: it may start in ``[start_us, latest_us]``.
+
+    ``epoch`` names the window state it was made in; a reset or lost state voids it.
+    """
 
     start_us: int
     latest_us: int
     cost: int
     grace_us: int
+    epoch: int
 
     def to_header(self) -> list[int]:
-        return [self.start_us, self.latest_us, self.cost, self.grace_us]
+        return [self.start_us, self.latest_us, self.cost, self.grace_us, self.epoch]
 
     @classmethod
     def from_header(cls, value: Any) -> Reservation | None:
         try:
-            start, latest, cost, grace = (int(v) for v in value)
+            start, latest, cost, grace, epoch = (int(v) for v in value)
         except (TypeError, ValueError):
             return None
-        return cls(start, latest, cost, grace)
+        return cls(start, latest, cost, grace, epoch)
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class WindowReply:
     start_us: int
     latest_us: int
     now_us: int
+    epoch: int
 
     RUN, DENIED, EARLY, TOO_COSTLY = 1, 0, 2, -1
 
@@ -131,7 +136,7 @@ class RedisStore:
         claim: Reservation | None = None,
     ) -> WindowReply:
         """Run window.lua once: acquire, peek, or claim a reservation, over every rate."""
-        claim_args = claim.to_header() if claim else [0, 0, 0, 0]
+        claim_args = claim.to_header() if claim else [0, 0, 0, 0, ""]
         args: list[Any] = [self._now_arg(), op, "1" if reserve else "0", cost, grace_us, slack_us]
         args += claim_args + [len(rates)]
         for rate in rates:

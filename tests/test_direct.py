@@ -191,3 +191,23 @@ def test_eager_and_direct_calls_are_not_throttled(prefix: str) -> None:
 
     assert [once.delay(i).get() for i in range(3)] == [0, 1, 2]
     assert once(5) == 5
+
+
+def test_reset_voids_outstanding_reservations(ctl: celery_throttle.Throttle) -> None:
+    # Given a full 2/s window and a start reserved for a third call
+    from celery_throttle.spec import BoundCall
+    from celery_throttle.store import Reservation
+
+    call = BoundCall("r", None, celery_throttle.rates.parse_rates("2/s"), 1, "sliding")
+    assert ctl.check(call, reserve=True).allowed and ctl.check(call, reserve=True).allowed
+    denied = ctl.check(call, reserve=True)
+    token = Reservation(denied.start_us, denied.latest_us, 1, ctl.grace_us(call.rates), denied.epoch)
+    # When, shortly before that start, the state is reset (or lost) and two fresh calls
+    # fill the new window
+    time.sleep(max(denied.start_us - denied.now_us - 300_000, 0) / 1e6)
+    ctl.reset("r")
+    assert ctl.check(call, reserve=True).allowed and ctl.check(call, reserve=True).allowed
+    time.sleep(max(token.start_us - time.time() * 1e6, 0) / 1e6 + 0.001)
+    # Then the old token is not honoured (its unit is no longer counted): a third call
+    # in the same second is denied
+    assert not ctl.check(call, reserve=True, claim=token).allowed

@@ -9,10 +9,14 @@
 -- ARGV[5]  grace (µs): how late a reserved start may come and still count as on time
 -- ARGV[6]  slack (µs): how long after the check the body may start (a call admitted now
 --          counts as starting within it; a claim must leave it before its latest start)
--- ARGV[7..10]  for 'claim': the reservation's start, latest start, cost and grace
--- ARGV[11] number of rates, then ARGV[12..]: limit, period (µs) per rate
+-- ARGV[7..11]  for 'claim': the reservation's start, latest start, cost, grace, epoch
+-- ARGV[12] number of rates, then ARGV[13..]: limit, period (µs) per rate
 --
--- Returns {code, wait, remaining, clear_at, start, latest, now} (times in µs):
+-- The hash's field 'e' is its epoch: set when the hash is created. A reservation made
+-- in another epoch (the hash was reset, expired, or Redis lost its data) is not honoured:
+-- its units are no longer counted, so the call is checked afresh.
+--
+-- Returns {code, wait, remaining, clear_at, start, latest, now, epoch} (times in µs):
 --   code  1 run now | 0 denied (start > 0: a start was reserved) | 2 claim came early
 --        -1 cost exceeds the limit given in `wait`
 --   wait  µs until the call may start
@@ -30,8 +34,8 @@ local op, reserve, cost = ARGV[2], ARGV[3] == '1', tonumber(ARGV[4])
 local grace, slack = tonumber(ARGV[5]), tonumber(ARGV[6])
 
 local rates = {}
-for i = 1, tonumber(ARGV[11]) do
-  local r = {limit = tonumber(ARGV[10 + 2 * i]), period = tonumber(ARGV[11 + 2 * i])}
+for i = 1, tonumber(ARGV[12]) do
+  local r = {limit = tonumber(ARGV[11 + 2 * i]), period = tonumber(ARGV[12 + 2 * i])}
   r.prefix = string.format('%s%.0f/%.0f|', ALGO_TAG, r.limit, r.period)
   r.items, r.dirty = {}, {}
   ALGO.init(r)
@@ -39,8 +43,10 @@ for i = 1, tonumber(ARGV[11]) do
 end
 
 local raw = redis.call('HGETALL', key)
+local epoch = nil
 for i = 1, #raw, 2 do
   local field = raw[i]
+  if field == 'e' then epoch = raw[i + 1] end
   for _, r in ipairs(rates) do
     if string.sub(field, 1, #r.prefix) == r.prefix then
       local suffix = string.sub(field, #r.prefix + 1)
@@ -81,6 +87,11 @@ local function write_back()
   for i = 1, #dels, 1000 do
     redis.call('HDEL', key, unpack(dels, i, math.min(i + 999, #dels)))
   end
+  if #sets > 0 and epoch == nil then
+    epoch = string.format('%.0f', now)
+    sets[#sets + 1] = 'e'
+    sets[#sets + 1] = epoch
+  end
   for i = 1, #sets, 1000 do
     redis.call('HSET', key, unpack(sets, i, math.min(i + 999, #sets)))
   end
@@ -93,13 +104,16 @@ local function write_back()
 end
 
 local function reply(code, wait, start, latest)
-  return {code, wait, remaining(now), clear_at(), start, latest, now}
+  return {code, wait, remaining(now), clear_at(), start, latest, now, tonumber(epoch or '0')}
 end
 
 for _, r in ipairs(rates) do
-  if cost > r.limit then return {-1, r.limit, 0, 0, 0, 0, now} end
+  if cost > r.limit then return {-1, r.limit, 0, 0, 0, 0, now, 0} end
 end
 
+if op == 'claim' and epoch ~= ARGV[11] then
+  op = 'acquire'  -- reserved in a state that is gone: nothing to claim or give back
+end
 if op == 'claim' then
   local c_start, c_latest = tonumber(ARGV[7]), tonumber(ARGV[8])
   local c_cost, c_grace = tonumber(ARGV[9]), tonumber(ARGV[10])
