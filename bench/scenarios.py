@@ -228,3 +228,29 @@ def run_long_wait(res: Results, prefix: str, tasks: int, window: int, quick: boo
     if errors:
         res.notes.append(f"Long-wait worker log errors ({len(errors)}): " + " | ".join(errors[:5]))
     res.series["long_wait"] = {"samples": samples, "refill_at": refill_at, "rss0": rss0, "mem0": mem0}
+
+
+def return_lateness(group: WorkerGroup, label: str) -> tuple[float, float, float, float] | None:
+    """From the traced denials of ``label``: (how long the first round of denials took,
+    then p50, p90 and max of how late each deferred task came back after its due time)."""
+    raw = group.records.lrange(f"{group.prefix}:denials:{label}", 0, -1)
+    if not raw:
+        return None
+    by_task: dict[str, list[tuple[float, float]]] = {}
+    for item in raw:
+        t, delay, task_id = item.decode().split()
+        by_task.setdefault(task_id, []).append((float(t), float(delay)))
+    started = {task_id: t for t, task_id in group.starts(label)}
+    late: list[float] = []
+    for task_id, denials in by_task.items():
+        denials.sort()
+        events = [t for t, _ in denials[1:]] + ([started[task_id]] if task_id in started else [])
+        for (t, delay), back in zip(denials, events):
+            late.append(back - (t + delay))
+    if not late:
+        return None
+    late.sort()
+    first = [d[0][0] for d in by_task.values()]
+    origin = min(min(started.values(), default=min(first)), min(first))
+    pick = lambda q: late[min(len(late) - 1, int(q * len(late)))]  # noqa: E731
+    return max(first) - origin, pick(0.5), pick(0.9), late[-1]

@@ -8,7 +8,7 @@ from celery.app.task import Task
 from celery.local import PromiseProxy, Proxy
 
 from .errors import ConfigurationError
-from .hook import attach
+from .hook import attach, declared_spec
 from .spec import RateArg, ThrottleSpec
 
 __all__ = ["throttle"]
@@ -52,6 +52,11 @@ def throttle(
             raise ConfigurationError(
                 "put @throttle below @shared_task (between it and the function), not above it"
             )
+        if hasattr(obj, "__throttle__") or (isinstance(obj, Task) and declared_spec(obj)):
+            raise ConfigurationError(
+                    "a task takes one @throttle: list several rates in it instead, "
+                    'e.g. @throttle("10/s", "5000/h")'
+                )
         if isinstance(obj, Task):
             spec.check_signature(obj.run, f"task {obj.name}")
             attach(obj, spec)

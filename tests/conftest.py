@@ -5,18 +5,17 @@ A missing Redis skips the tests locally but fails them in CI (CI=true).
 
 from __future__ import annotations
 
-import json
-import os
 import uuid
 from typing import Iterator
 
 import pytest
 import redis
 
-from tests.helpers import WorkerGroup, redis_or_skip
+from tests.helpers import WorkerGroup, delete_queues, rabbitmq_or_skip, redis_or_skip
 
 STORE_URL = "redis://127.0.0.1:6379/12"
 BROKER_URL = "redis://127.0.0.1:6379/13"
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
 
 @pytest.fixture(scope="session")
@@ -37,27 +36,26 @@ def prefix(store_client: redis.Redis) -> Iterator[str]:
     _clean(store_client, value)
 
 
+@pytest.fixture(scope="session", params=["redis", "rabbitmq"], ids=["redis-broker", "rabbitmq-broker"])
+def broker_url(request: pytest.FixtureRequest) -> str:
+    """The behaviour suite runs with Redis as broker and with RabbitMQ (the store is Redis)."""
+    if request.param == "redis":
+        return BROKER_URL
+    return rabbitmq_or_skip(RABBITMQ_URL)
+
+
 @pytest.fixture(scope="session")
-def workers(store_client: redis.Redis) -> Iterator[WorkerGroup]:
+def workers(store_client: redis.Redis, broker_url: str) -> Iterator[WorkerGroup]:
     """Two worker processes, two pool processes each, shared by the behaviour tests.
 
     Tests keep out of each other's way with scopes, keys and labels of their own.
     """
     prefix = f"ct-test-{uuid.uuid4().hex[:10]}"
-    group = WorkerGroup(prefix=prefix, broker=BROKER_URL, store=STORE_URL, count=2,
+    group = WorkerGroup(prefix=prefix, broker=broker_url, store=STORE_URL, count=2,
                         concurrency=2, env={"CT_PARK_AFTER": "3"})
     group.start()
     yield group
     group.stop()
     _clean(store_client, prefix)
-    broker = redis.Redis.from_url(BROKER_URL)
-    broker.delete(group.queue)
-    _clean(broker, group.queue)
+    delete_queues(broker_url, [group.queue, f"{group.queue}-alt"])
 
-
-def starts(client: redis.Redis, prefix: str, label: str) -> list[dict]:
-    return [e for e in (json.loads(x) for x in client.lrange(f"{prefix}:starts", 0, -1))
-            if e["label"] == label]
-
-
-os.environ.setdefault("CT_TEST", "1")

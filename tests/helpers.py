@@ -35,6 +35,33 @@ def redis_or_skip(url: str) -> redis.Redis:
     return client
 
 
+def rabbitmq_or_skip(url: str) -> str:
+    from kombu import Connection
+
+    try:
+        with Connection(url, connect_timeout=3) as conn:
+            conn.ensure_connection(max_retries=1)
+    except Exception as exc:
+        if IN_CI:
+            raise
+        pytest.skip(f"no RabbitMQ at {url}: {exc}")
+    return url
+
+
+def delete_queues(broker_url: str, queues: Sequence[str]) -> None:
+    """Remove a test's queues from the broker (Redis lists or RabbitMQ queues)."""
+    from kombu import Connection
+
+    with Connection(broker_url, connect_timeout=3) as conn:
+        channel = conn.channel()
+        for queue in queues:
+            try:
+                channel.queue_delete(queue)
+            except Exception:
+                channel = conn.channel()  # amqp closes the channel on an unknown queue
+        channel.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

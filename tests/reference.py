@@ -4,7 +4,9 @@
 ``sliding.lua`` or ``fixed.lua`` prepended: same state, same arithmetic (the Lua numbers
 are doubles; every time here stays below 2**53, where Python ints and Lua doubles agree,
 and divisions are written as float divisions like the Lua's), same reply. Tests run the
-real scripts against it operation by operation.
+real scripts against it operation by operation. Besides the windows' own fields, the
+hash holds its epoch (field ``e``, the time it was first written); a reservation names
+the epoch it was made in, and a claim from another epoch is an ordinary acquire.
 
 The truth checker knows nothing of buckets or reservations: given the (start time,
 units) of every call that actually started, it measures the most units in any half-open
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
 __all__ = [
+    "EPOCH_FIELD",
     "SLOTS",
     "MAX_ROUNDS",
     "Claim",
@@ -45,6 +48,7 @@ class Claim(Protocol):
     latest_us: int
     cost: int
     grace_us: int
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,11 @@ class ModelReply:
     start_us: int
     latest_us: int
     now_us: int
+    epoch: int
 
     def as_tuple(self) -> tuple[int, ...]:
         return (self.code, self.wait_us, self.remaining, self.clear_at_us,
-                self.start_us, self.latest_us, self.now_us)
+                self.start_us, self.latest_us, self.now_us, self.epoch)
 
 
 # -- sliding ------------------------------------------------------------------------------
@@ -117,13 +122,15 @@ class SlidingRate:
             b.latest = max(b.latest, latest)
         return latest
 
-    def unrecord(self, at: int, grace: int, cost: int) -> None:
+    def unrecord(self, at: int, grace: int, cost: int) -> bool:
+        """Returns whether the bucket is left holding units (written back, not deleted)."""
         k = self.bucket_of(at + grace)
         b = self.buckets.get(k)
         if b is not None:
             b.units -= cost
             if b.units <= 0:
                 del self.buckets[k]
+        return k in self.buckets
 
     def clear_at(self) -> int:
         return max((b.latest + self.period for b in self.buckets.values()), default=0)
@@ -172,7 +179,7 @@ class FixedRate:
         self.windows[k] = self.windows.get(k, 0) + cost
         return (k + 1) * self.period - 1
 
-    def unrecord(self, at: int, grace: int, cost: int) -> None:
+    def unrecord(self, at: int, grace: int, cost: int) -> bool:
         k = self.window_of(at)
         if k in self.windows:
             units = self.windows[k] - cost
@@ -180,6 +187,7 @@ class FixedRate:
                 del self.windows[k]
             else:
                 self.windows[k] = units
+        return k in self.windows
 
     def clear_at(self) -> int:
         return max(((k + 1) * self.period for k in self.windows), default=0)
@@ -196,6 +204,10 @@ class FixedRate:
 _ALGORITHMS = {"sliding": SlidingRate, "fixed": FixedRate}
 
 
+#: The hash field holding its epoch: the time (µs) the hash was created.
+EPOCH_FIELD = "e"
+
+
 class WindowModel:
     """The state of one hash (one scope and key) for one algorithm and set of rates."""
 
@@ -204,6 +216,14 @@ class WindowModel:
         cls = _ALGORITHMS[algorithm]
         self.algorithm = algorithm
         self.rates: list[SlidingRate | FixedRate] = [cls(limit, period) for limit, period in rates]
+        #: The hash's field "e": the time it was first written; None while it does not
+        #: exist. A claim made in another epoch is neither honoured nor given back.
+        self.epoch: int | None = None
+
+    def reset(self) -> None:
+        """The hash is gone (deleted, expired, lost): a new epoch starts with its next write."""
+        self.rates = [type(r)(r.limit, r.period) for r in self.rates]
+        self.epoch = None
 
     # window.lua, step by step
     def window(
@@ -221,16 +241,23 @@ class WindowModel:
             r.load(now)
 
         def reply(code: int, wait: int, start: int, latest: int) -> ModelReply:
-            return ModelReply(code, wait, self.remaining(now), self.clear_at(), start, latest, now)
+            return ModelReply(code, wait, self.remaining(now), self.clear_at(), start, latest, now,
+                              self.epoch or 0)
 
         for r in self.rates:
             if cost > r.limit:
-                return ModelReply(-1, r.limit, 0, 0, 0, 0, now)
+                return ModelReply(-1, r.limit, 0, 0, 0, 0, now, 0)
 
+        # A reservation made in another epoch (or none: RedisStore sends '' without a
+        # claim) is not honoured and gives nothing back: the call is an acquire.
+        claim_epoch = str(claim.epoch) if claim else ""
+        if op == "claim" and (self.epoch is None or claim_epoch != str(self.epoch)):
+            op = "acquire"
+
+        written = False  # whether write_back() sets any field (then the epoch too)
         if op == "claim":
-            c_start, c_latest, c_cost, c_grace = (
-                (claim.start_us, claim.latest_us, claim.cost, claim.grace_us) if claim else (0, 0, 0, 0)
-            )
+            assert claim is not None
+            c_start, c_latest, c_cost, c_grace = claim.start_us, claim.latest_us, claim.cost, claim.grace_us
             if now < c_start:
                 return reply(2, c_start - now, c_start, c_latest)
             # On time only if the body, starting within `slack` of now, stays inside
@@ -239,7 +266,7 @@ class WindowModel:
                 return reply(1, 0, c_start, c_latest)
             # Late: give the reserved units back, then try afresh.
             for r in self.rates:
-                r.unrecord(c_start, c_grace, c_cost)
+                written = r.unrecord(c_start, c_grace, c_cost) or written
 
         x, settled = now, False
         for _ in range(MAX_ROUNDS):
@@ -259,9 +286,13 @@ class WindowModel:
             code = 1
             for r in self.rates:
                 r.record(now, now + slack_us, cost)
+            written = True
         elif settled and reserve:
             start = x
             latest = min(r.record(x, x + grace_us, cost) for r in self.rates)
+            written = True
+        if written and self.epoch is None:
+            self.epoch = now
         return reply(code, x - now, start, latest)
 
     def remaining(self, now: int) -> int:
@@ -273,7 +304,7 @@ class WindowModel:
 
     # what the hash should hold
     def fields(self) -> dict[str, str]:
-        out: dict[str, str] = {}
+        out: dict[str, str] = {} if self.epoch is None else {EPOCH_FIELD: str(self.epoch)}
         for r in self.rates:
             out.update(r.fields())
         return out

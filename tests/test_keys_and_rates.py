@@ -175,7 +175,7 @@ PREFIXES = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9_.:\-]{0,30}\Z")
 
 AWKWARD = st.text(alphabet=":{}*?[] %#\\\"'\t\n|/", max_size=12)
 UNICODE = st.text(max_size=40)  # any code point but lone surrogates
-HUGE = st.builds(lambda piece, n: (piece * (10_000 // len(piece) + 1))[:n] ,
+HUGE = st.builds(lambda piece, n: (piece * (10_000 // len(piece) + 1))[:n],
                  st.text(min_size=1, max_size=4), st.integers(9_990, 10_010))
 LONGISH = st.text(alphabet="ab%:é", min_size=MAX_TOKEN // 3 - 2, max_size=MAX_TOKEN + 2)
 TENANTS = st.one_of(st.just(""), AWKWARD, UNICODE, HUGE, LONGISH)
@@ -201,7 +201,9 @@ def cluster_hash_tag(key: str) -> str | None:
 @example("throttle", "scope", "")
 @example("throttle", "scope", "x" * 10_000)
 @example("throttle", "\u00e9\U0001f600", "\u202e\u0000")
-def test_a_state_key_is_the_prefix_then_one_bounded_hash_tag(prefix: str, scope: str, key: str | None) -> None:
+def test_a_state_key_is_the_prefix_then_one_bounded_hash_tag(
+    prefix: str, scope: str, key: str | None
+) -> None:
     k = state_key(prefix, scope, key)
     # Then it starts with "<prefix>:" and the hash tag comes right after
     assert k.startswith(prefix + ":{")
@@ -250,7 +252,8 @@ def test_an_encoded_component_is_brace_and_colon_free_and_bounded(text: str) -> 
     "package bug: keys.encode() percent-encodes with strict UTF-8 before ever reaching "
     "its 'surrogatepass' digest, so a tenant id with a lone surrogate (what json.loads "
     "gives for '\"\\\\ud800\"') raises UnicodeEncodeError instead of giving a key"))
-@pytest.mark.parametrize("tenant", ["\ud800", "ok-\udfff", "x" * 200 + "\ud800"])
+@pytest.mark.parametrize("tenant", ["\ud800", "ok-\udfff", "x" * 200 + "\ud800"],
+                         ids=["lone", "trailing", "long"])
 def test_a_tenant_with_a_lone_surrogate_still_gets_its_own_key(tenant: str) -> None:
     key = state_key("throttle", "scope", tenant)
     assert key != state_key("throttle", "scope", tenant.replace("\ud800", "?").replace("\udfff", "?"))

@@ -3,9 +3,11 @@
 Every operation runs on the real scripts (through ``RedisStore`` with an injected clock)
 and on ``tests.reference.WindowModel``; the replies must agree field for field, and the
 hash must hold what the model holds. Separately, every call that actually started
-(immediate admissions at their time, reservations claimed on time at their claim time)
-is fed to a truth checker that knows nothing of buckets: no interval of one period
-(sliding) or aligned window (fixed) may ever hold more units than the limit.
+(immediate admissions at their time, reservations claimed on time at their claim time;
+and again with each body starting late within its slack, where the script promises it
+may) is fed to a truth checker that knows nothing of buckets: no interval of one period
+(sliding) or aligned window (fixed) may ever hold more units than the limit. A reset
+deletes the hash and forgets, on purpose: the truth is checked per epoch.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from tests.reference import (
 STORE_URL = "redis://127.0.0.1:6379/12"
 ALGORITHMS = ("sliding", "fixed")
 #: A plausible "now": late 2023 in µs, well below 2**53.
-EPOCH_US = 1_700_000_000_000_000
+BASE_US = 1_700_000_000_000_000
 
 RATE_SETS: dict[str, tuple[str, ...]] = {
     "one": ("5/s",),
@@ -89,7 +91,7 @@ class FakeClock:
 
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock(EPOCH_US)
+    return FakeClock(BASE_US)
 
 
 @pytest.fixture
@@ -117,11 +119,12 @@ class Harness:
     rates: list[Rate]
     rng: random.Random
     model: WindowModel = field(init=False)
-    #: (time, units) of every call that started, at the time it was told to start.
-    admissions: list[tuple[int, int]] = field(default_factory=list)
-    #: The same, with immediate admissions started at a random moment of their slack
-    #: (the script counts them as starting anywhere up to now + slack).
-    jittered: list[tuple[int, int]] = field(default_factory=list)
+    #: (time, units) of every call that started, at the time it was told to start; one
+    #: list per epoch (a reset forgets what came before, on purpose).
+    eras: list[list[tuple[int, int]]] = field(default_factory=lambda: [[]])
+    #: The same, with each body starting at a random moment of its slack where the
+    #: script promises that it may.
+    jittered_eras: list[list[tuple[int, int]]] = field(default_factory=lambda: [[]])
     #: Reservations handed out and not yet claimed (some never will be: lost tasks).
     pending: list[Reservation] = field(default_factory=list)
     #: The wait of the last denied call: jumping exactly there is a good edge case.
@@ -142,6 +145,22 @@ class Harness:
     @property
     def max_period(self) -> int:
         return max(r.period_us for r in self.rates)
+
+    @property
+    def admissions(self) -> list[tuple[int, int]]:
+        return [a for era in self.eras for a in era]
+
+    def reset(self) -> None:
+        """Delete the hash (what a reset, an expiry or a lost Redis does)."""
+        self.store.delete(self.key)
+        self.model.reset()
+        self.eras.append([])
+        self.jittered_eras.append([])
+        self.history.append(f"reset at now={self.clock.now}")
+        # The next epoch is the time of the next write: make sure it differs from the
+        # last one, which may be now (epochs are µs; two in the same µs cannot happen
+        # with Redis's clock, but can with a test clock that stands still).
+        self.advance(1)
 
     def advance(self, dt: int) -> None:
         assert dt >= 0
@@ -170,10 +189,14 @@ class Harness:
         # Then the script decided exactly what the model decided
         assert astuple(got) == want.as_tuple(), self.explain(
             f"script replied {astuple(got)}, model {want.as_tuple()} "
-            "(code, wait, remaining, clear_at, start, latest, now)"
+            "(code, wait, remaining, clear_at, start, latest, now, epoch)"
         )
         self._account(op, cost, grace_us, slack_us, claim, got)
         self.check_stored_state()
+        # The script's TTLs are real milliseconds computed from the test clock: keep the
+        # hash from expiring in real time while a slow machine runs the walk (TTLs have
+        # their own test below).
+        self.store.client.pexpire(self.key, 600_000, gt=True)
         return got
 
     def _account(self, op: str, cost: int, grace_us: int, slack_us: int,
@@ -185,7 +208,7 @@ class Harness:
         if op == "peek":
             return
         if got.code == WindowReply.RUN:
-            self.admissions.append((now, cost))
+            self.eras[-1].append((now, cost))
             # The body may start up to `slack` later. The script promises that for an
             # on-time claim (now + slack <= latest) and, in a sliding window, for an
             # immediate admission (recorded as [now, now + slack]); a fixed window
@@ -194,11 +217,11 @@ class Harness:
             on_time_claim = got.start_us != 0
             promised = on_time_claim or self.algorithm == "sliding"
             jitter = self.rng.randint(0, slack_us) if promised else 0
-            self.jittered.append((now + jitter, cost))
+            self.jittered_eras[-1].append((now + jitter, cost))
         elif got.code == WindowReply.DENIED:
             self.last_wait = got.wait_us
             if got.start_us:
-                self.pending.append(Reservation(got.start_us, got.latest_us, cost, grace_us))
+                self.pending.append(Reservation(got.start_us, got.latest_us, cost, grace_us, got.epoch))
 
     def check_stored_state(self) -> None:
         raw = self.store.client.hgetall(self.key)
@@ -209,23 +232,27 @@ class Harness:
         )
 
     def check_invariant(self) -> None:
+        for admissions, jittered in zip(self.eras, self.jittered_eras):
+            self._check_era(admissions, jittered)
+
+    def _check_era(self, admissions: list[tuple[int, int]], jittered: list[tuple[int, int]]) -> None:
         for rate in self.rates:
             if self.algorithm == "sliding":
-                worst = max_units_in_any_interval(self.admissions, rate.period_us)
-                worst_jittered = max_units_in_any_interval(self.jittered, rate.period_us)
+                worst = max_units_in_any_interval(admissions, rate.period_us)
+                worst_jittered = max_units_in_any_interval(jittered, rate.period_us)
                 assert worst <= rate.limit, self.explain(
                     f"{worst} units started within one period of {rate} (limit {rate.limit})")
                 assert worst_jittered <= rate.limit, self.explain(
                     f"{worst_jittered} units started within one period of {rate} "
-                    f"when immediate admissions start late within their slack")
+                    f"when bodies start late within their slack")
             else:
-                worst = max_units_per_aligned_window(self.admissions, rate.period_us)
-                worst_jittered = max_units_per_aligned_window(self.jittered, rate.period_us)
+                worst = max_units_per_aligned_window(admissions, rate.period_us)
+                worst_jittered = max_units_per_aligned_window(jittered, rate.period_us)
                 assert worst <= rate.limit, self.explain(
                     f"{worst} units started in one aligned window of {rate} (limit {rate.limit})")
                 assert worst_jittered <= rate.limit, self.explain(
                     f"{worst_jittered} units started in one aligned window of {rate} "
-                    f"when claims start late within their slack")
+                    f"when claimed bodies start late within their slack")
 
     def explain(self, what: str) -> str:
         tail = "\n  ".join(self.history[-25:])
@@ -275,7 +302,9 @@ class Harness:
 
     def random_operation(self) -> None:
         roll = self.rng.random()
-        if roll < 0.3:
+        if roll < 0.01:
+            self.reset()
+        elif roll < 0.3:
             self.advance(self.random_step())
         elif roll < 0.5:
             self.run("acquire", self.random_cost(), slack_us=self.random_slack())
@@ -295,7 +324,7 @@ class Harness:
 def new_harness(store: RedisStore, clock: FakeClock, algorithm: str, names: Sequence[str],
                 seed: int) -> Harness:
     rng = random.Random(seed)
-    clock.now = EPOCH_US + rng.randint(0, 10**12)  # windows aligned anywhere
+    clock.now = BASE_US + rng.randint(0, 10**12)  # windows aligned anywhere
     key = state_key(store.prefix, f"model-{algorithm}", uuid.uuid4().hex)
     return Harness(store, clock, key, algorithm, rates_of(names), rng)
 
@@ -313,7 +342,8 @@ def test_script_matches_model_and_never_overfills_a_window(
 ) -> None:
     # Given one hash, several rates at once, and a seeded random walk of acquires,
     # reservations, peeks, claims (early, on time, late) and time jumps
-    h = new_harness(store, clock, algorithm, RATE_SETS[rate_set], seed=zlib.crc32(f"{algorithm}/{rate_set}/{seed}".encode()))
+    stable_seed = zlib.crc32(f"{algorithm}/{rate_set}/{seed}".encode())
+    h = new_harness(store, clock, algorithm, RATE_SETS[rate_set], seed=stable_seed)
     for _ in range(STEPS):
         # When each operation runs on the script and on the model
         h.random_operation()
@@ -343,7 +373,7 @@ class WindowMachine(RuleBasedStateMachine):
                 offset=st.integers(0, 10**12), seed=st.integers(0, 2**16))
     def start(self, algorithm: str, rate_set: str, offset: int, seed: int) -> None:
         self.h = new_harness(self.store, self.clock, algorithm, RATE_SETS[rate_set], seed)
-        self.clock.now = EPOCH_US + offset
+        self.clock.now = BASE_US + offset
 
     def teardown(self) -> None:
         if self.h is not None:
@@ -383,6 +413,11 @@ class WindowMachine(RuleBasedStateMachine):
     def acquire_or_reserve(self, cost: int, grace: int, slack: int) -> None:
         assert self.h is not None
         self.h.run("acquire", cost, reserve=True, grace_us=grace, slack_us=slack)
+
+    @rule()
+    def reset(self) -> None:
+        assert self.h is not None
+        self.h.reset()
 
     @rule(cost=COSTS)
     def peek(self, cost: int) -> None:
@@ -429,10 +464,11 @@ def test_cost_above_a_limit_is_refused_with_minus_one_and_changes_nothing(
     before = redis_client.hgetall(key)
     clock.now += 1000
     # When a call costs 4, more than the 3 of "3/s"
-    claim = Reservation(clock.now, clock.now + 10, 4, 10) if op == "claim" else None
+    epoch = int(store.read(key)["e"])
+    claim = Reservation(clock.now, clock.now + 10, 4, 10, epoch) if op == "claim" else None
     reply = store.window(key, algorithm, op, rates, 4, reserve=True, claim=claim)
     # Then it is refused with code -1, the refusing limit in `wait`, and nothing written
-    assert astuple(reply) == (WindowReply.TOO_COSTLY, 3, 0, 0, 0, 0, clock.now)
+    assert astuple(reply) == (WindowReply.TOO_COSTLY, 3, 0, 0, 0, 0, clock.now, 0)
     assert not reply.allowed
     assert redis_client.hgetall(key) == before
 
@@ -446,6 +482,30 @@ def test_a_cost_equal_to_the_limit_fits_an_empty_window(store: RedisStore, algor
     assert store.window(key, algorithm, "peek", rates, 1).code == WindowReply.DENIED
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_reservation_made_before_a_reset_is_checked_afresh(
+    store: RedisStore, clock: FakeClock, algorithm: str
+) -> None:
+    # Given a full "1/s" window and a reservation for the next free start
+    rates = rates_of(["1/s"])
+    key = state_key(store.prefix, "epoch", algorithm)
+    assert store.window(key, algorithm, "acquire", rates, 1).allowed
+    denied = store.window(key, algorithm, "acquire", rates, 1, reserve=True, grace_us=20_000)
+    assert denied.code == WindowReply.DENIED and denied.start_us > clock.now and denied.epoch
+    reservation = Reservation(denied.start_us, denied.latest_us, 1, 20_000, denied.epoch)
+    # When the state is reset (or expires, or Redis loses it), and at the reserved start
+    # another call takes the only unit of the new state
+    store.delete(key)
+    clock.now = reservation.start_us
+    fresh = store.window(key, algorithm, "acquire", rates, 1)
+    assert fresh.allowed and fresh.epoch == clock.now != reservation.epoch
+    # Then the old reservation, claimed on time, is not honoured: it is an ordinary
+    # acquire in the new state (denied: the unit is taken) and gives nothing back
+    claimed = store.window(key, algorithm, "claim", rates, 1, claim=reservation)
+    assert (claimed.code, claimed.start_us) == (WindowReply.DENIED, 0)
+    assert store.window(key, algorithm, "peek", rates, 1).remaining == 0
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "package bug: fixed.lua records an immediate admission in the window of `now` and "
     "ignores `slack`, although window.lua says a call admitted now counts as starting "
@@ -457,7 +517,7 @@ def test_fixed_admission_at_the_end_of_a_window_counts_where_it_may_start(
     # Given a fixed "2/s" window, a 10 ms slack, and the clock at the last µs of a window
     rates, slack, period = rates_of(["2/s"]), 10_000, 1_000_000
     key = state_key(store.prefix, "fixed-slack", "t")
-    clock.now = (EPOCH_US // period + 5) * period - 1
+    clock.now = (BASE_US // period + 5) * period - 1
     # When a call of cost 2 is admitted there, and another of cost 2 asks 1 µs later
     first = store.window(key, "fixed", "acquire", rates, 2, slack_us=slack)
     first_may_start_at = clock.now + slack  # in the next window
@@ -543,6 +603,7 @@ def test_sliding_day_limit_memory_stays_flat_after_5000_admissions(
         assert store.window(key, "sliding", "acquire", rates, 1, slack_us=2000).allowed
         if i % 250 == 249:
             worst = max(worst, redis_client.memory_usage(key, samples=0))
-    # Then the hash keeps about one bucket per 50th of the day, and under 4 kB
-    assert redis_client.hlen(key) <= SLOTS + 1
+    # Then the hash keeps one bucket per 50th of the day (a day's span touches at most
+    # 51 of them) and its epoch field, and stays under 4 kB
+    assert redis_client.hlen(key) <= SLOTS + 2
     assert worst < 4096, f"MEMORY USAGE reached {worst} bytes"

@@ -1,0 +1,196 @@
+"""``python -m bench [--quick] [--only NAME]``: the celery_throttle benchmark.
+
+Sections: ``burst`` (1 violation, 2 makespan, 3 re-sends, 4 naive baselines, and the
+chart), ``cost`` (5 check cost), ``overhead`` (6), ``memory`` (7), ``long`` (8 long waits).
+Starts its own workers against the local Redis (dbs 10 and 11, which it owns), prints a
+table, writes bench/out/ (results.md, results.json, chart.png, worker logs). A full run
+also writes bench/results.md and bench/chart.png, to commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from bench.common import (BENCH_DIR, OUT_DIR, Results, broker_client, delete_prefix, new_prefix,
+                          store_client)
+
+SECTIONS = ("burst", "cost", "overhead", "memory", "long")
+ALIASES = {"1": "burst", "2": "burst", "3": "burst", "4": "burst", "violation": "burst",
+           "makespan": "burst", "resends": "burst", "naive": "burst", "chart": "burst",
+           "5": "cost", "checks": "cost", "6": "overhead", "7": "memory", "8": "long",
+           "long-waits": "long"}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How big each section runs."""
+
+    rate: str
+    burst_tasks: int
+    overhead_tasks: int
+    overhead_rounds: int
+    cost_seconds: float
+    cost_rounds: int
+    memory_limits: tuple[int, ...]
+    tenants: int
+    long_tasks: int
+    long_window: int
+
+
+FULL = Scale("25/s", 250, 2000, 2, 1.5, 3, (10, 1000, 100000), 100000, 20000, 150)
+QUICK = Scale("20/s", 100, 400, 1, 0.3, 1, (10, 1000, 10000), 10000, 2000, 25)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small scale, 1-2 minutes")
+    p.add_argument("--only", action="append", default=[], metavar="NAME",
+                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-8")
+    args = p.parse_args(argv)
+    chosen = []
+    for item in args.only:
+        for name in item.split(","):
+            name = ALIASES.get(name.strip().lower(), name.strip().lower())
+            if name not in SECTIONS:
+                p.error(f"unknown section {name!r}: use one of {', '.join(SECTIONS)} or 1-8")
+            chosen.append(name)
+    args.sections = [s for s in SECTIONS if s in chosen] if chosen else list(SECTIONS)
+    return args
+
+
+def _guard(res: Results, section: str, fn: Any, *a: Any) -> Any:
+    """Run one section; a failure becomes a row and the run goes on."""
+    try:
+        return fn(*a)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        res.add(section, "section failed", "-", f"{type(exc).__name__}: {exc}"[:200], "", False)
+        res.notes.append(f"{section} failed:\n{traceback.format_exc()[-1500:]}")
+        return None
+
+
+def _clean(prefix: str | None = None) -> None:
+    """Databases 10 and 11 are the bench's own: emptied at start and end."""
+    for client in (store_client(), broker_client()):
+        if prefix:
+            delete_prefix(client, prefix)
+        client.flushdb()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    scale = QUICK if args.quick else FULL
+    full_run = not args.quick and not args.only
+    command = "python -m bench" + (" --quick" if args.quick else "") + "".join(f" --only {s}" for s in args.only)
+    prefix = new_prefix()
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(OUT_DIR / "logs", ignore_errors=True)
+    _clean()
+    res = Results()
+    started = time.time()
+    groups: list[Any] = []
+    try:
+        if "burst" in args.sections or "overhead" in args.sections:
+            from bench.workers import WorkerGroup
+
+            group = WorkerGroup(prefix, "main", env={"CB_RATE": scale.rate, "CB_TRACE": "1"})
+            groups.append(group)
+            print(f"starting 2 workers x 2 processes ({prefix}) ...", flush=True)
+            group.start()
+            if "burst" in args.sections:
+                _guard(res, "1-4 burst", _burst, res, group, scale)
+            if "overhead" in args.sections:
+                _guard(res, "6 overhead", _overhead, res, group, scale)
+            group.stop()
+            groups.remove(group)
+        if "cost" in args.sections:
+            from bench.checks import run_checks
+
+            print("check cost ...", flush=True)
+            _guard(res, "5 check cost", run_checks, res, prefix, scale.cost_seconds, scale.cost_rounds)
+        if "memory" in args.sections:
+            from bench.memory import run_memory
+
+            print("memory ...", flush=True)
+            _guard(res, "7 memory", run_memory, res, prefix, scale.memory_limits, scale.tenants)
+        if "long" in args.sections:
+            from bench.scenarios import run_long_wait
+
+            print(f"long waits: {scale.long_tasks} tasks ...", flush=True)
+            _guard(res, "8 long waits", run_long_wait, res, prefix, scale.long_tasks, scale.long_window,
+                   args.quick)
+    except KeyboardInterrupt:
+        res.notes.append("interrupted")
+    finally:
+        from bench.workers import stop_all
+
+        stop_all(groups)
+        _clean(prefix)
+    elapsed = time.time() - started
+    _finish(res, command, elapsed, full_run)
+    return 0
+
+
+def _burst(res: Results, group: Any, scale: Scale) -> None:
+    from bench.chart import draw
+    from bench.scenarios import BURST_VARIANTS, report_bursts, run_burst
+
+    runs = []
+    for variant, task in BURST_VARIANTS:
+        print(f"burst: {variant}, {scale.burst_tasks} tasks at {scale.rate} ...", flush=True)
+        runs.append(run_burst(group, variant, task, scale.burst_tasks, scale.rate))
+    report_bursts(res, runs)
+    _trace_notes(res, group, runs)
+    res.series["burst"] = {r.variant: {"times": r.times, "limit": r.limit, "window": r.window} for r in runs}
+    title = (f"{scale.burst_tasks} tasks sent at once, limit {scale.rate}, "
+             "2 workers x 2 prefork processes")
+    draw(res.series["burst"], OUT_DIR / "chart.png", title)
+
+
+def _trace_notes(res: Results, group: Any, runs: list[Any]) -> None:
+    """How late denied tasks came back, from the traced denials (celery_throttle only)."""
+    from bench.scenarios import return_lateness
+
+    for run in runs:
+        if run.variant not in ("sliding", "fixed"):
+            continue
+        stats = return_lateness(group, f"burst-{run.variant}")
+        if stats:
+            res.add("3 re-sends", "return after due: p50 / p90 / max", run.variant,
+                    " / ".join(f"{x * 1000:.0f} ms" for x in stats[1:]), "", None,
+                    f"first-round denials took {stats[0]:.2f}s")
+
+
+def _overhead(res: Results, group: Any, scale: Scale) -> None:
+    from bench.scenarios import report_overhead, run_overhead
+
+    print(f"overhead: {scale.overhead_tasks} no-op tasks x {scale.overhead_rounds} rounds ...", flush=True)
+    rates = run_overhead(group, scale.overhead_tasks, scale.overhead_rounds)
+    report_overhead(res, rates, scale.overhead_tasks)
+
+
+def _finish(res: Results, command: str, elapsed: float, full_run: bool) -> None:
+    from bench import report
+
+    meta = {"command": command, "when": dt.datetime.now().isoformat(timespec="seconds"),
+            "elapsed_s": elapsed, "machine": report.machine()}
+    report.print_table(res, f"{command} — {elapsed:.0f} s")
+    paths = [OUT_DIR / "results.md"] + ([BENCH_DIR / "results.md"] if full_run else [])
+    report.write(res, meta, paths)
+    report.write_json(res, meta, OUT_DIR / "results.json")
+    chart = OUT_DIR / "chart.png"
+    if full_run and chart.exists() and "burst" in res.series:
+        shutil.copyfile(chart, BENCH_DIR / "chart.png")
+    print(f"wrote {', '.join(str(p) for p in paths)}" + (f", {chart}" if chart.exists() else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
