@@ -26,9 +26,11 @@ MAX_TOKEN = 120
 def encode(text: str) -> str:
     """Encode one component; long ones become ``#`` and a SHA-256 (``#`` never survives
     percent-encoding, so a digest cannot equal an encoded string)."""
-    token = quote(text, safe=_SAFE)
+    # surrogatepass: a lone surrogate (json.loads('"\\ud800"') makes one) is still a key.
+    raw = text.encode("utf-8", "surrogatepass")
+    token = quote(raw, safe=_SAFE)
     if len(token) > MAX_TOKEN:
-        token = "#" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+        token = "#" + hashlib.sha256(raw).hexdigest()
     return token
 
 

@@ -17,6 +17,7 @@ _UNITS = {
     "d": 86400, "day": 86400, "days": 86400,
 }
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d+(?:\.\d+)?)?\s*([a-z]+)\s*$")
+_MAX_PERIOD = 10_000 * 86400  # beyond that a float period stops being exact
 ACCEPTED = (
     'a count and a period such as "10/s", "100/m", "1000/h", "5000/d", '
     'or a number of units such as "5/10s", "100/5m" (units: ms, s, m, h, d)'
@@ -35,11 +36,12 @@ class Rate:
         return int(round(self.period * 1_000_000))
 
     def __str__(self) -> str:
-        for name, seconds in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-            count = self.period / seconds
-            if count >= 1 and count == int(count):
-                return f"{self.limit}/{int(count) if count != 1 else ''}{name}"
-        return f"{self.limit}/{int(self.period * 1000)}ms"
+        us = self.period_us
+        for name, unit_us in (("d", 86400_000_000), ("h", 3600_000_000), ("m", 60_000_000), ("s", 1_000_000)):
+            if us >= unit_us and us % unit_us == 0:
+                count = us // unit_us
+                return f"{self.limit}/{count if count != 1 else ''}{name}"
+        return f"{self.limit}/{us // 1000 if us % 1000 == 0 else us / 1000}ms"
 
 
 def parse_rate(text: str | Rate) -> Rate:
@@ -53,9 +55,9 @@ def parse_rate(text: str | Rate) -> Rate:
         raise ConfigurationError(f"bad rate {text!r}: use {ACCEPTED}")
     limit = int(match.group(1))
     period = float(match.group(2) or 1) * _UNITS[match.group(3)]
-    if limit <= 0 or period < 0.001:
+    if limit <= 0 or not 0.001 <= period <= _MAX_PERIOD:
         raise ConfigurationError(
-            f"bad rate {text!r}: the count must be at least 1 and the period at least 1ms"
+            f"bad rate {text!r}: the count must be at least 1 and the period between 1ms and 10000d"
         )
     return Rate(limit, period)
 

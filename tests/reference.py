@@ -101,7 +101,7 @@ class SlidingRate:
     def usage(self, x: int) -> int:
         return sum(b.units for b in self.buckets.values() if b.latest > x - self.period)
 
-    def earliest(self, x: int, cost: int) -> int:
+    def earliest(self, x: int, cost: int, slack: int = 0) -> int:
         live = [b for b in self.buckets.values() if b.latest > x - self.period]
         used = sum(b.units for b in live)
         if used + cost <= self.limit:
@@ -168,8 +168,10 @@ class FixedRate:
     def usage(self, x: int) -> int:
         return self.windows.get(self.window_of(x), 0)
 
-    def earliest(self, x: int, cost: int) -> int:
+    def earliest(self, x: int, cost: int, slack: int = 0) -> int:
         k = self.window_of(x)
+        if x + slack >= (k + 1) * self.period:  # a start within slack must stay inside
+            k += 1
         while self.windows.get(k, 0) + cost > self.limit:
             k += 1
         return max(x, k * self.period)
@@ -272,7 +274,7 @@ class WindowModel:
         for _ in range(MAX_ROUNDS):
             settled = True
             for r in self.rates:
-                e = r.earliest(x, cost)
+                e = r.earliest(x, cost, slack_us)
                 if e > x:
                     x, settled = e, False
             if settled:

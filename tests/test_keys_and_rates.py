@@ -84,10 +84,6 @@ def test_a_rate_round_trips_through_str(limit: int, unit: str, count: int) -> No
     assert printed_count * SECONDS[printed_unit] == period
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "package bug: Rate.__str__ prints int(period * 1000) ms, truncating float error, so "
-    "str(parse_rate('1/4007ms')) == '1/4006ms' (874 of 1..200000 ms fail), and decimal "
-    "periods such as '1/1.001s' print as '1/1000ms'"))
 @pytest.mark.parametrize("text", ["1/4007ms", "1/4015ms", "1/1.001s", "1/2.5ms"])
 def test_a_millisecond_or_decimal_rate_round_trips_through_str(text: str) -> None:
     rate = parse_rate(text)
@@ -137,7 +133,7 @@ def test_a_rate_that_is_not_a_string_is_refused_naming_what_is_accepted(value: A
 
 @pytest.mark.parametrize("text", ["0/s", "0/10m", "1/0s", "1/0ms", "1/0.5ms", "1/0.0009s"])
 def test_a_zero_count_or_sub_millisecond_period_is_refused(text: str) -> None:
-    with pytest.raises(ConfigurationError, match="at least 1 and the period at least 1ms"):
+    with pytest.raises(ConfigurationError, match="at least 1 and the period between 1ms and 10000d"):
         parse_rate(text)
 
 
@@ -153,10 +149,6 @@ def test_any_text_gives_a_usable_rate_or_a_configuration_error(text: str) -> Non
     str(rate)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "package bug: parse_rate accepts a period whose float overflows, returning "
-    "Rate(1, inf); str() and period_us then raise OverflowError instead of the rate "
-    "being refused with ConfigurationError"))
 def test_a_period_too_long_to_represent_is_refused() -> None:
     with pytest.raises(ConfigurationError):
         rate = parse_rate("1/" + "9" * 400 + "s")
@@ -248,10 +240,6 @@ def test_an_encoded_component_is_brace_and_colon_free_and_bounded(text: str) -> 
     assert not set(token) & set(":{} *")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "package bug: keys.encode() percent-encodes with strict UTF-8 before ever reaching "
-    "its 'surrogatepass' digest, so a tenant id with a lone surrogate (what json.loads "
-    "gives for '\"\\\\ud800\"') raises UnicodeEncodeError instead of giving a key"))
 @pytest.mark.parametrize("tenant", ["\ud800", "ok-\udfff", "x" * 200 + "\ud800"],
                          ids=["lone", "trailing", "long"])
 def test_a_tenant_with_a_lone_surrogate_still_gets_its_own_key(tenant: str) -> None:

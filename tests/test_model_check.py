@@ -506,11 +506,6 @@ def test_a_reservation_made_before_a_reset_is_checked_afresh(
     assert store.window(key, algorithm, "peek", rates, 1).remaining == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "package bug: fixed.lua records an immediate admission in the window of `now` and "
-    "ignores `slack`, although window.lua says a call admitted now counts as starting "
-    "anywhere within slack; near a window's end its body starts in the next window, which "
-    "then admits a full limit more"))
 def test_fixed_admission_at_the_end_of_a_window_counts_where_it_may_start(
     store: RedisStore, clock: FakeClock
 ) -> None:

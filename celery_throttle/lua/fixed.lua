@@ -28,9 +28,11 @@ function ALGO.usage(r, items, x)
   return items[window_of(r, x)] or 0
 end
 
--- Earliest time >= x at which `cost` more units fit: the first window with room.
-function ALGO.earliest(r, items, x, cost)
+-- Earliest time >= x at which `cost` more units fit: the first window with room, and
+-- far enough from its end that a start up to `slack` later still falls inside it.
+function ALGO.earliest(r, items, x, cost, slack)
   local k = math.floor(x / r.period)
+  if x + slack >= (k + 1) * r.period then k = k + 1 end
   while (items[string.format('%.0f', k)] or 0) + cost > r.limit do
     k = k + 1
   end

@@ -45,7 +45,7 @@ function ALGO.usage(r, items, x)
 end
 
 -- Earliest time >= x at which `cost` more units fit. Counts only fall as x grows.
-function ALGO.earliest(r, items, x, cost)
+function ALGO.earliest(r, items, x, cost, slack)
   local live, used = {}, 0
   for _, e in pairs(items) do
     if e.latest > x - r.period then

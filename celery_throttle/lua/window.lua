@@ -132,7 +132,7 @@ local x, settled = now, false
 for _ = 1, 64 do
   settled = true
   for _, r in ipairs(rates) do
-    local e = ALGO.earliest(r, r.items, x, cost)
+    local e = ALGO.earliest(r, r.items, x, cost, slack)
     if e > x then x, settled = e, false end
   end
   if settled then break end

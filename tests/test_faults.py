@@ -1,0 +1,290 @@
+"""Faults: the store going down, workers dying, Redis Cluster, skewed clocks.
+
+Each test starts the servers and workers it needs (loopback only) and is bounded in time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import redis
+from celery import Celery
+
+import celery_throttle
+from celery_throttle import StoreError
+from celery_throttle.parking import Releaser
+from tests.conftest import BROKER_URL, RABBITMQ_URL, STORE_URL, _clean
+from tests.helpers import (RedisServer, WorkerGroup, delete_queues, max_in_window, rabbitmq_or_skip,
+                           wait_for)
+
+FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
+
+def _prefix() -> str:
+    return f"ct-test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def group_factory(store_client: redis.Redis) -> Iterator:
+    groups: list[WorkerGroup] = []
+
+    def make(**kwargs) -> WorkerGroup:
+        kwargs.setdefault("prefix", _prefix())
+        kwargs.setdefault("broker", BROKER_URL)
+        kwargs.setdefault("store", STORE_URL)
+        group = WorkerGroup(**kwargs)
+        groups.append(group)
+        return group
+
+    yield make
+    for group in groups:
+        group.stop()
+        _clean(store_client, group.prefix)
+        delete_queues(group.broker, [group.queue, f"{group.queue}-alt"])
+
+
+def _ran_once(group: WorkerGroup, label: str, ids: list[str]) -> list[dict]:
+    starts = group.starts(label)
+    counts = Counter(e["id"] for e in starts)
+    assert set(counts) == set(ids), f"lost: {set(ids) - set(counts)}"
+    assert max(counts.values()) == 1, f"ran twice: {[i for i, n in counts.items() if n > 1]}"
+    return starts
+
+
+@pytest.mark.slow
+def test_store_killed_mid_burst_loses_nothing_and_limit_holds_after(group_factory) -> None:
+    # Given workers whose store is a Redis of its own (the broker is the main Redis)
+    store = RedisServer().start()
+    try:
+        group = group_factory(store=store.url, env={"CT_PARK_AFTER": "30"}).start()
+        label = "burst"
+        ids = [group.send("below", label) for _ in range(40)]
+        wait_for(lambda: len(group.starts(label)) >= 5, 20, what="the first starts")
+        # When the store dies mid-burst and comes back empty 3 s later
+        store.kill()
+        time.sleep(3)
+        store.start()
+        restarted = time.time()
+        group.wait_starts(label, 40, timeout=90)
+        # Then every task ran exactly once, the limit held after recovery, no worker died
+        starts = _ran_once(group, label, ids)
+        after = [e["t"] for e in starts if e["t"] > restarted]
+        assert after and max_in_window(after, 1.0) <= 5
+        assert all(p.poll() is None for p in group.procs)
+        assert "throttle store unreachable, deferring" in group.log_text()
+    finally:
+        store.stop()
+
+
+def test_store_down_with_allow_runs_tasks_unthrottled(group_factory) -> None:
+    dead = f"redis://127.0.0.1:{RedisServer().port}/0"
+    group = group_factory(store=dead, count=1, env={"CT_ON_STORE_ERROR": "allow"}).start()
+    ids = [group.send("below", "allow") for _ in range(8)]
+    starts = group.wait_starts("allow", 8, timeout=30, settle=0.5)
+    assert sorted(e["id"] for e in starts) == sorted(ids)
+    assert "running tests.taskapp.below" in group.log_text()
+
+
+def test_store_down_with_fail_fails_the_task_visibly(group_factory) -> None:
+    dead = f"redis://127.0.0.1:{RedisServer().port}/0"
+    group = group_factory(store=dead, count=1, env={"CT_ON_STORE_ERROR": "fail"}).start()
+    result = group.client.AsyncResult(group.send("below", "fail"))
+    wait_for(lambda: result.state == "FAILURE", 30, what="the task to fail")
+    assert isinstance(result.result, Exception) and "failed" in str(result.result)
+    assert group.starts("fail") == []
+
+
+def test_acquire_raises_store_error_when_redis_is_unreachable() -> None:
+    app = Celery("dead", broker="memory://", set_as_current=False)
+    ctl = celery_throttle.install(app, redis_url=f"redis://127.0.0.1:{RedisServer().port}/0")
+    with pytest.raises(StoreError, match="127.0.0.1"):
+        ctl.acquire("x", rates="1/s")
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_burst_loses_no_task(group_factory) -> None:
+    # Given acks_late workers on RabbitMQ (unacked messages come back when a worker dies)
+    broker = rabbitmq_or_skip(RABBITMQ_URL)
+    group = group_factory(broker=broker, env={"CT_ACKS_LATE": "1", "CT_TASK_SLEEP": "0.05",
+                                              "CT_PARK_AFTER": "30"}).start()
+    ids = [group.send("below", "kill") for _ in range(30)]
+    wait_for(lambda: len(group.starts("kill")) >= 8, 20, what="the burst to be under way")
+    # When one worker and its pool are SIGKILLed mid-burst
+    group.kill(0)
+    wait_for(lambda: len({e["id"] for e in group.starts("kill")}) >= 30, 60, what="every task")
+    time.sleep(1)
+    starts = group.starts("kill")
+    counts = Counter(e["id"] for e in starts)
+    # Then no task is lost; only a task whose body was running when killed may run again
+    assert set(counts) == set(ids)
+    assert sum(n - 1 for n in counts.values()) <= 2
+    assert max_in_window([e["t"] for e in starts], 1.0) <= 5
+
+
+@pytest.mark.slow
+def test_parked_tasks_survive_the_death_of_every_worker(group_factory) -> None:
+    prefix = _prefix()
+    group = group_factory(prefix=prefix, env={"CT_PARK_AFTER": "1"}).start()
+    ids = [group.send("slow_quota", "survive", "t") for _ in range(6)]
+    parked_key = f"{prefix}:{{parked}}:due"
+    wait_for(lambda: group.records.zcard(parked_key) == 3, 15, what="three parked tasks")
+    # When every worker dies while they are parked
+    for i in range(group.count):
+        group.kill(i)
+    time.sleep(5)  # their due time passes with no worker alive
+    # Then the next worker to start releases them, and each runs once
+    for i in range(group.count):
+        group.start_one(i)
+        group.wait_ready(i)
+    group.wait_starts("survive", 6, timeout=30)
+    _ran_once(group, "survive", ids)
+    assert group.records.zcard(parked_key) == 0
+
+
+def test_two_releasers_take_each_parked_task_exactly_once(prefix: str) -> None:
+    # Given 300 parked messages, all due
+    app = Celery("release", broker="memory://", set_as_current=False)
+    ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
+    now = ctl.store.release(0, 1, 1)[0]
+    for i in range(300):
+        ctl.store.park(f"id-{i}", now - 1000, b"x")
+    taken: list[list[str]] = [[], []]
+
+    def drain(slot: int) -> None:
+        from celery_throttle.store import RedisStore
+
+        store = RedisStore(STORE_URL, prefix)  # each releaser has its own connection
+        while True:
+            _, items = store.release(0, 7, 60_000_000)
+            if not items:
+                return
+            taken[slot] += [i for i, _, _ in items]
+            store.ack([i for i, _, _ in items])
+
+    # When two releasers race for them
+    threads = [threading.Thread(target=drain, args=(n,)) for n in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    # Then each was taken exactly once, and both took some
+    assert not set(taken[0]) & set(taken[1])
+    assert sorted(taken[0] + taken[1]) == sorted(f"id-{i}" for i in range(300))
+    assert taken[0] and taken[1]
+    assert ctl.store.parked_count() == (0, 0)
+
+
+def test_a_releaser_that_dies_before_its_ack_loses_nothing(prefix: str) -> None:
+    app = Celery("lease", broker="memory://", set_as_current=False)
+    ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
+    now = ctl.store.release(0, 1, 1)[0]
+    ctl.store.park("a", now, b"payload")
+    # Given a releaser that took the message under a 200 ms lease and died
+    _, items = ctl.store.release(0, 10, 200_000)
+    assert [i for i, _, _ in items] == ["a"]
+    assert ctl.store.release(0, 10, 200_000)[1] == []  # nobody else gets it meanwhile
+    # When the lease runs out, the message is handed out again
+    time.sleep(0.3)
+    _, again = ctl.store.release(0, 10, 200_000)
+    assert [(i, m) for i, _, m in again] == [("a", b"payload")]
+
+
+def test_releaser_sends_parked_task_back_with_its_options(prefix: str) -> None:
+    from celery_throttle.parking import park
+
+    app = Celery("relapp", broker="memory://", set_as_current=False)
+    ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
+    sent = []
+
+    @app.task(name="relapp.job")
+    def job(x, y=None): ...
+
+    sig = job.signature((1,), {"y": "z"}, task_id="fixed-id", queue="special", priority=3,
+                        headers={"h": 1})
+    park(ctl, sig, due_us=ctl.store.release(0, 1, 1)[0])
+    from celery.signals import before_task_publish
+
+    def capture(sender, headers, routing_key, body, **kw):
+        sent.append((sender, headers["id"], routing_key, body[0], body[1], headers.get("h")))
+
+    before_task_publish.connect(capture, weak=False)
+    try:
+        assert Releaser(ctl).release_once() == 1
+    finally:
+        before_task_publish.disconnect(capture)
+    assert sent == [("relapp.job", "fixed-id", "special", [1], {"y": "z"}, 1)]
+    assert ctl.store.parked_count() == (0, 0)
+
+
+def _cluster(ports: list[int]) -> list[RedisServer]:
+    servers = []
+    for port in ports:
+        server = RedisServer(port=port)
+        server.extra = ["--cluster-enabled", "yes", "--cluster-config-file",
+                        f"{server.dir}/nodes.conf", "--cluster-node-timeout", "2000"]
+        servers.append(server.start())
+    subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                    "--cluster-replicas", "0", "--cluster-yes"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+    client = redis.Redis(port=ports[0])
+    wait_for(lambda: client.cluster("info")["cluster_state"] == "ok", 20, what="cluster ok")
+    return servers
+
+
+@pytest.fixture
+def cluster_url() -> Iterator[str]:
+    from tests.helpers import free_port
+
+    servers = _cluster([free_port() for _ in range(3)])
+    try:
+        yield f"redis+cluster://127.0.0.1:{servers[0].port}"
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.mark.cluster
+def test_redis_cluster_store_keeps_precision_and_parks(cluster_url: str, group_factory) -> None:
+    # Direct use over many keys, spread over every master
+    app = Celery("cluster", broker="memory://", set_as_current=False)
+    ctl = celery_throttle.install(app, redis_url=cluster_url, key_prefix="ct")
+    for tenant in range(30):
+        assert [ctl.acquire("api", key=f"t{tenant}", rates="2/m").allowed for _ in range(3)] == [
+            True, True, False]
+    # Real workers with the cluster as their store
+    group = group_factory(store=cluster_url, env={"CT_PARK_AFTER": "2"}).start()
+    ids = [group.send("below", "cl") for _ in range(15)]
+    ids_parked = [group.send("slow_quota", "clp", "t") for _ in range(6)]
+    starts = group.wait_starts("cl", 15, timeout=40)
+    assert max_in_window([e["t"] for e in starts], 1.0) <= 5
+    _ran_once(group, "cl", ids)
+    group.wait_starts("clp", 6, timeout=40)
+    parked = _ran_once(group, "clp", ids_parked)
+    assert max_in_window([e["t"] for e in parked], 4.0) <= 3
+    assert any(d["parked"] for d in group.denials())
+
+
+@pytest.mark.skipif(not FAKETIME.exists(), reason="libfaketime not installed (apt-get install faketime)")
+def test_workers_with_skewed_clocks_share_one_window(group_factory) -> None:
+    # Given two workers whose clocks are 3 s ahead and 2 s behind
+    group = group_factory(count=2, env={"CT_RECORD_CLOCK": "redis", "CT_PARK_AFTER": "30"})
+    for i, skew in enumerate(("+3s", "-2s")):
+        group.env.update(LD_PRELOAD=str(FAKETIME), FAKETIME=skew, FAKETIME_DONT_FAKE_MONOTONIC="1")
+        group.start_one(i)
+    for i in range(2):
+        group.wait_ready(i)
+    # When a burst is shared between them
+    ids = [group.send("below", "skew") for _ in range(20)]
+    starts = group.wait_starts("skew", 20, timeout=60)
+    # Then the limit holds on the Redis clock and every task ran once
+    _ran_once(group, "skew", ids)
+    assert max_in_window([e["t"] for e in starts], 1.0) <= 5
+    assert len({e["pid"] for e in starts}) >= 2
