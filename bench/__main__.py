@@ -44,8 +44,8 @@ class Scale:
     long_window: int
 
 
-FULL = Scale("25/s", 250, 2000, 2, 1.5, 3, (10, 1000, 100000), 100000, 20000, 150)
-QUICK = Scale("20/s", 100, 400, 1, 0.3, 1, (10, 1000, 10000), 10000, 2000, 25)
+FULL = Scale("25/s", 250, 1500, 3, 1.5, 3, (10, 1000, 100000), 100000, 20000, 160)
+QUICK = Scale("20/s", 100, 600, 2, 0.3, 1, (10, 1000, 10000), 10000, 2000, 20)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     scale = QUICK if args.quick else FULL
     full_run = not args.quick and not args.only
-    command = "python -m bench" + (" --quick" if args.quick else "") + "".join(f" --only {s}" for s in args.only)
+    command = "python -m bench" + (" --quick" if args.quick else "")
+    command += "".join(f" --only {s}" for s in args.only)
     prefix = new_prefix()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(OUT_DIR / "logs", ignore_errors=True)

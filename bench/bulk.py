@@ -9,10 +9,15 @@ a placeholder "allowed" reply. This leans on two internals, ``RedisStore._run`` 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
-#: What a queued call answers: code 1 (allowed), then zeros (see store.WindowReply).
-_PLACEHOLDER = [1, 0, 0, 0, 0, 0, 0]
+from celery_throttle.store import WindowReply
+
+
+def _placeholder() -> list[int]:
+    """What a queued call answers: code 1 (allowed), then zeros for WindowReply's other fields."""
+    return [1] + [0] * (len(dataclasses.fields(WindowReply)) - 1)
 
 
 def supported(store: Any) -> bool:
@@ -51,7 +56,7 @@ class Bulk:
         self._queued += 1
         if self._queued >= self.batch:
             self.flush()
-        return _PLACEHOLDER
+        return _placeholder()
 
     def flush(self) -> list[Any]:
         """Send what is queued; returns the raw replies."""

@@ -100,7 +100,8 @@ def run_memory(res: Results, prefix: str, limits: tuple[int, ...], tenants: int)
             if i % 1000 == 999:
                 pipe.execute()
         pipe.execute()
-        res.add(sec, f"bytes/key at {limit}/d", "naive sliding log", fmt_bytes(client.memory_usage(key, samples=0) or 0))
+        res.add(sec, f"bytes/key at {limit}/d", "naive sliding log",
+                fmt_bytes(client.memory_usage(key, samples=0) or 0))
         client.unlink(key)
     delete_prefix(client, f"{prefix}:{{mem:")
 

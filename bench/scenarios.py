@@ -11,7 +11,7 @@ from celery import Celery
 
 import celery_throttle
 from bench.common import (BROKER_URL, STORE_URL, Results, fmt_bytes, fmt_num, ideal_makespan,
-                          max_in_aligned, max_in_window, store_client, used_memory, wait_until)
+                          max_in_aligned, max_in_window, store_client, used_memory)
 from bench.workers import WorkerGroup
 from celery_throttle.rates import parse_rate
 
@@ -39,6 +39,8 @@ class BurstRun:
     denied: int = 0
     complete: bool = False
     sent_at: float = 0.0
+    #: CPU seconds all worker processes used for the run (denials and re-sends included).
+    cpu: float = 0.0
 
 
 def run_burst(group: WorkerGroup, variant: str, task: str, tasks: int, rate: str,
@@ -55,9 +57,11 @@ def run_burst(group: WorkerGroup, variant: str, task: str, tasks: int, rate: str
             target += r.period
         time.sleep(max(target - time.time(), 0))
     run = BurstRun(variant, tasks, r.limit, r.period, sent_at=time.time())
+    cpu0 = group.cpu()
     group.send(task, label, group.queue, tasks)
     timeout = ideal_makespan(tasks, r.limit, r.period) * 4 + 30
     run.complete = group.wait_starts(label, tasks, timeout, settle=1.5)
+    run.cpu = group.cpu() - cpu0
     starts = group.starts(label)
     run.times = [t for t, _ in starts]
     run.ids = [i for _, i in starts]
@@ -72,7 +76,8 @@ def report_bursts(res: Results, runs: list[BurstRun]) -> None:
         ours = run.variant in OURS
         tag = f"{m} tasks at {n}/{w:g}s"
         if not run.times:
-            res.add("1 violation", "max starts in any window / limit", run.variant, "no starts", ok=False if ours else None)
+            res.add("1 violation", "max starts in any window / limit", run.variant, "no starts",
+                    ok=False if ours else None)
             continue
         slide = max_in_window(run.times, w) / n
         aligned = max_in_aligned(run.times, w) / n
@@ -87,7 +92,7 @@ def report_bursts(res: Results, runs: list[BurstRun]) -> None:
         else:
             note = "aligned window max {:.2f}".format(aligned) if "fixed" in run.variant else ""
             if run.variant == "celery rate_limit":
-                note = "per worker: 2 workers"
+                note = "per worker node, 2 workers"
             res.add("1 violation", "max in any window / limit", run.variant, f"{slide:.2f}", "",
                     None, note)
     for run in runs:
@@ -103,14 +108,14 @@ def report_bursts(res: Results, runs: list[BurstRun]) -> None:
     for run in runs:
         if run.variant == "celery rate_limit":
             res.add("3 re-sends", "re-sends per task", run.variant, "0 (held in worker)", "", None,
-                    "tasks wait in worker memory")
+                    f"tasks wait in worker memory; worker CPU {run.cpu / run.tasks * 1000:.1f} ms/task")
             continue
         per_task = run.denied / run.tasks
         bound = (run.tasks - run.limit) / run.tasks + 0.05
         ours = run.variant in OURS
         res.add("3 re-sends", "re-sends per task", run.variant, f"{per_task:.2f}",
                 f"<= {bound:.2f}" if ours else "", (per_task <= bound) if ours else None,
-                f"{run.denied} denials")
+                f"{run.denied} denials; worker CPU {run.cpu / run.tasks * 1000:.1f} ms/task")
     for run in runs:
         unique = len(set(run.ids))
         dup = len(run.ids) - unique
@@ -121,17 +126,21 @@ def report_bursts(res: Results, runs: list[BurstRun]) -> None:
 
 def run_overhead(group: WorkerGroup, tasks: int, rounds: int) -> dict[str, list[float]]:
     """Throughput (starts/s) of the same no-op, unthrottled and under a limit it never
-    reaches. The queue is filled first, then opened, so the sender does not pace it."""
-    out: dict[str, list[float]] = {"unthrottled": [], "sliding": [], "fixed": []}
+    reaches, and the workers' CPU per task (key ``"<variant> cpu"``). The queue is
+    filled first, then opened, so the sender does not pace it."""
+    out: dict[str, list[float]] = {"unthrottled": [], "sliding": [], "fixed": [],
+                                   "unthrottled cpu": [], "sliding cpu": [], "fixed cpu": []}
     order = (("unthrottled", "plain"), ("sliding", "fast_sliding"), ("fixed", "fast_fixed"))
     for r in range(rounds):
         for variant, task in (order if r % 2 == 0 else order[::-1]):
             label = f"ovh-{task}-{r}"
             queue = f"{group.prefix}-{label}"
             group.send(task, label, queue, tasks)
+            cpu0 = group.cpu()
             if group.consume(queue) < group.count:
                 raise RuntimeError(f"workers did not start consuming {queue}")
             group.wait_starts(label, tasks, tasks / 50 + 60, settle=0.3)
+            out[f"{variant} cpu"].append((group.cpu() - cpu0) / tasks)
             group.consume(queue, on=False)
             times = sorted(t for t, _ in group.starts(label))
             if len(times) >= 2 and times[-1] > times[0]:
@@ -141,15 +150,18 @@ def run_overhead(group: WorkerGroup, tasks: int, rounds: int) -> dict[str, list[
 
 def report_overhead(res: Results, rates: dict[str, list[float]], tasks: int) -> None:
     base = max(rates["unthrottled"], default=float("nan"))
+    base_cpu = min(rates["unthrottled cpu"], default=float("nan"))
     res.add("6 overhead", "no-op tasks/s (best round)", "unthrottled", fmt_num(base, 0), "", None,
-            f"{tasks} tasks, 2 workers x 2 procs")
+            f"{tasks} tasks, 2 workers x 2 procs; worker CPU {base_cpu * 1000:.2f} ms/task")
     for variant in ("sliding", "fixed"):
         best = max(rates[variant], default=float("nan"))
         ratio = best / base if base == base and base else float("nan")
+        cpu = min(rates[f"{variant} cpu"], default=float("nan"))
         res.add("6 overhead", "throttled / unthrottled tasks/s", variant,
-                f"{ratio:.2f} ({fmt_num(best, 0)}/s)", ">= 0.90", ratio >= 0.90)
+                f"{ratio:.2f} ({fmt_num(best, 0)}/s)", ">= 0.90", ratio >= 0.90,
+                f"worker CPU {cpu * 1000:.2f} ms/task")
     res.notes.append("Overhead rounds (tasks/s): " + "; ".join(
-        f"{k}: {', '.join(fmt_num(x, 0) for x in v)}" for k, v in rates.items()))
+        f"{k}: {', '.join(fmt_num(x, 0) for x in v)}" for k, v in rates.items() if not k.endswith("cpu")))
 
 
 def _controller(prefix: str) -> Any:
@@ -171,7 +183,9 @@ def run_long_wait(res: Results, prefix: str, tasks: int, window: int, quick: boo
         # Warm the pool processes up so the baseline is not their first-import growth.
         group.send("plain", "long-warmup", group.queue, 40)
         group.wait_starts("long-warmup", 40, 60, settle=1.0)
-        rss0, mem0 = group.rss(), used_memory(redis_client)
+        by_pid0 = group.rss_by_pid()
+        rss0, mem0, cpu0 = sum(by_pid0.values()), used_memory(redis_client), group.cpu()
+        worst_pid = 0
         label = "long"
         queue = f"{prefix}-long-q"
         t_send = time.time()
@@ -184,17 +198,24 @@ def run_long_wait(res: Results, prefix: str, tasks: int, window: int, quick: boo
             raise RuntimeError(f"workers did not start consuming {queue}")
         timeout = window + tasks / 40 + 120
         deadline = time.monotonic() + timeout
+        denied_before = cpu_denials = 0.0
         while time.monotonic() < deadline:
             started = group.start_count(label)
             waiting, inflight = ctl.store.parked_count()
             samples.append((time.time(), group.rss(), used_memory(redis_client), waiting + inflight))
+            if time.time() < refill_at:
+                denied_before = group.counter("denied", label)
+                cpu_denials = group.cpu() - cpu0
+                by_pid = group.rss_by_pid()
+                worst_pid = max([worst_pid] + [v - by_pid0.get(p, v) for p, v in by_pid.items()])
             if started >= tasks:
                 break
             time.sleep(0.5)
         # Stay past the visibility timeout: a message held unacked would come back now.
         settle_until = time.time() + (visibility + 2 if not quick else 4)
         while time.time() < settle_until:
-            samples.append((time.time(), group.rss(), used_memory(redis_client), sum(ctl.store.parked_count())))
+            samples.append((time.time(), group.rss(), used_memory(redis_client),
+                            sum(ctl.store.parked_count())))
             time.sleep(0.5)
         starts = group.starts(label)
         denied, parked = group.counter("denied", label), group.counter("parked", label)
@@ -214,11 +235,15 @@ def run_long_wait(res: Results, prefix: str, tasks: int, window: int, quick: boo
     tag = f"{tasks} tasks, quota {rate} spent, park_after 2s, visibility_timeout {visibility}s"
     sec = "8 long waits"
     res.add(sec, "worker RSS growth while waiting", "sliding", f"{fmt_bytes(peak_rss)} "
-            f"({peak_rss / tasks:.0f} B/task)", "", None, f"4 procs + 2 main, baseline {fmt_bytes(rss0)}")
+            f"({peak_rss / tasks:.0f} B/task)", "", None,
+            f"2 main + 4 pool processes, baseline {fmt_bytes(rss0)}; worst process +{fmt_bytes(worst_pid)}")
     res.add(sec, "Redis used_memory growth while waiting", "sliding",
             f"{fmt_bytes(peak_mem)} ({peak_mem / tasks:.0f} B/task)", "", None, "whole server")
     res.add(sec, "tasks parked in Redis (peak)", "sliding", f"{peak_parked}", "", None,
-            f"{parked} parked of {denied} denials")
+            f"{parked} parked of {denied} denials; {denied_before:.0f} denied before the refill")
+    if denied_before:
+        res.add(sec, "worker CPU per denial", "sliding", f"{cpu_denials / denied_before * 1000:.1f} ms",
+                "", None, "all worker processes, while the quota was spent")
     res.add(sec, "ran exactly once", "sliding", f"{unique}/{tasks}, {dup} dup",
             "all, 0 dup", unique == tasks and dup == 0 and foreign == 0, tag)
     res.add(sec, "started before the quota refilled", "sliding", f"{early}", "0", early == 0)

@@ -114,16 +114,17 @@ def _naive_task(task: Any, algorithm: str, label: str) -> None:
                                 member=f"{task.request.id}:{time.time()}")
     if not allowed:
         client().incr(f"{PREFIX}:denied:{label}")
-        raise task.retry(countdown=wait, max_retries=None)
+        raise task.retry(countdown=wait)
     record(label, task.request.id)
 
 
-@app.task(bind=True)
+# max_retries=None on the task: ``retry(max_retries=None)`` alone means "the default, 3".
+@app.task(bind=True, max_retries=None)
 def naive_fixed(self, label):
     _naive_task(self, "fixed", label)
 
 
-@app.task(bind=True)
+@app.task(bind=True, max_retries=None)
 def naive_sliding(self, label):
     _naive_task(self, "sliding", label)
 

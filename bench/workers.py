@@ -142,7 +142,15 @@ class WorkerGroup:
 
     def rss(self) -> int:
         """Total resident memory (bytes) of every worker process."""
-        return sum(rss_of(pid) for pid in self.pids())
+        return sum(self.rss_by_pid().values())
+
+    def rss_by_pid(self) -> dict[int, int]:
+        """Resident memory (bytes) of each worker process."""
+        return {pid: rss_of(pid) for pid in self.pids()}
+
+    def cpu(self) -> float:
+        """CPU seconds (user + system) used so far by every worker process."""
+        return sum(cpu_of(pid) for pid in self.pids())
 
 
 def _children(pid: int) -> list[int]:
@@ -161,6 +169,15 @@ def _children(pid: int) -> list[int]:
             except (OSError, ValueError, IndexError):
                 continue
     return out
+
+
+def cpu_of(pid: int) -> float:
+    """User + system CPU seconds of one process, from /proc/<pid>/stat."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def rss_of(pid: int) -> int:

@@ -2,7 +2,8 @@
 
 Configured from the environment so one module serves every worker a test starts:
 CT_BROKER, CT_STORE (throttle_redis_url), CT_PREFIX (key prefix; also where starts are
-recorded), CT_QUEUE, CT_PARK_AFTER, CT_ON_STORE_ERROR, CT_ACKS_LATE, CT_TASK_SLEEP.
+recorded), CT_QUEUE, CT_PARK_AFTER, CT_ON_STORE_ERROR, CT_ACKS_LATE, CT_TASK_SLEEP,
+CT_CLOCK_SKEW (seconds this worker's clock is off, to record true start times).
 Each task body records its start (worker clock) in Redis for the test to read.
 """
 
@@ -70,12 +71,9 @@ def record(label: str, **extra) -> None:
     from celery import current_task
 
     req = current_task.request
-    # CT_RECORD_CLOCK=redis: the Redis server's clock, for workers whose clocks are skewed
-    if os.environ.get("CT_RECORD_CLOCK") == "redis":
-        seconds, micros = _records_client().time()
-        now = seconds + micros / 1e6
-    else:
-        now = time.time()
+    # A worker run with a skewed clock (libfaketime) is told its skew, so that starts
+    # are compared on one true clock; read first, before any I/O.
+    now = time.time() - float(os.environ.get("CT_CLOCK_SKEW", "0"))
     entry = {"label": label, "id": req.id, "t": now, "retries": req.retries,
              "pid": os.getpid(), "queue": (req.delivery_info or {}).get("routing_key"), **extra}
     _records_client().rpush(f"{PREFIX}:starts", json.dumps(entry))
