@@ -9,8 +9,10 @@ install:
 demo: install
 	$(PYTHON) -m examples.demo
 
+# The suite, then the 20 000-task soak as a second pass (kept apart: it takes minutes).
 test: install
 	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -m soak
 
 bench: install
 	$(PYTHON) -m pip install -q -e '.[bench]'

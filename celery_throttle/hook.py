@@ -83,14 +83,14 @@ def guard(task: Any, args: Any, kwargs: Any) -> None:
     claim = Reservation.from_header(state.get("r")) if state.get("k") == ident else None
     lead_us = ctl.lead_us(call.rates)
     try:
-        reply = ctl.check(call, reserve=True, claim=claim)
+        reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id)
         if reply.code == WindowReply.EARLY and reply.wait_us <= 2 * lead_us:
             # Sent back a little early on purpose (dispatch takes a few ms): wait
             # here for the reserved start rather than a round trip through the broker.
             # (An Event, not time.sleep: libfaketime, with which the clock-skew test
             # runs workers, breaks time.sleep's clock_nanosleep.)
             threading.Event().wait(reply.wait_us / 1e6)
-            reply = ctl.check(call, reserve=True, claim=claim)
+            reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id)
     except StoreError as exc:
         _on_store_error(ctl, task, request, args, kwargs, call, state, exc)
         return

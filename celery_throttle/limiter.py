@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .config import ALGORITHMS, Settings
 from .errors import ConfigurationError, ThrottleError
-from .keys import state_key
+from .keys import encode, state_key
 from .rates import Rate, parse_rates
 from .spec import BoundCall, ThrottleSpec
 from .store import RedisStore, Reservation, WindowReply
@@ -148,14 +148,20 @@ class Throttle:
         process between the check and the first line of the body)."""
         return int(min(max(min(r.period_us for r in rates) // 100, 2000), 20_000))
 
-    def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None) -> WindowReply:
-        """Check one bound call; reserve a future start when denied and asked to."""
+    def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
+              claimant: str | None = None) -> WindowReply:
+        """Check one bound call; reserve a future start when denied and asked to.
+
+        ``claim``: a reservation this call made earlier; ``claimant`` (the task id) makes
+        using it single-use.
+        """
         op = "claim" if claim is not None else "acquire"
+        key = state_key(self.settings.key_prefix, call.scope, call.key)
+        marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claim and claimant else None
         reply = self.store.window(
-            state_key(self.settings.key_prefix, call.scope, call.key),
-            call.algorithm, op, call.rates, call.cost,
+            key, call.algorithm, op, call.rates, call.cost,
             reserve=reserve, grace_us=self.grace_us(call.rates),
-            slack_us=self.slack_us(call.rates), claim=claim,
+            slack_us=self.slack_us(call.rates), claim=claim, claim_marker=marker,
         )
         if reply.code == WindowReply.TOO_COSTLY:
             raise ThrottleError(

@@ -134,14 +134,19 @@ class RedisStore:
         grace_us: int = 0,
         slack_us: int = 0,
         claim: Reservation | None = None,
+        claim_marker: str | None = None,
     ) -> WindowReply:
-        """Run window.lua once: acquire, peek, or claim a reservation, over every rate."""
+        """Run window.lua once: acquire, peek, or claim a reservation, over every rate.
+
+        ``claim_marker`` (a key in the same hash tag) makes the claim single-use.
+        """
         claim_args = claim.to_header() if claim else [0, 0, 0, 0, ""]
         args: list[Any] = [self._now_arg(), op, "1" if reserve else "0", cost, grace_us, slack_us]
         args += claim_args + [len(rates)]
         for rate in rates:
             args += [rate.limit, rate.period_us]
-        reply = self._run(algorithm, [key], args)
+        keys = [key, claim_marker] if claim is not None and claim_marker else [key]
+        reply = self._run(algorithm, keys, args)
         return WindowReply(*(int(v) for v in reply))
 
     def read(self, key: str) -> dict[str, str]:

@@ -175,3 +175,16 @@ def precise_sliding(label, rate, algorithm="sliding"):
 @throttle(lambda label, rate: rate, key="{label}", algorithm="fixed")
 def precise_fixed(label, rate):
     record(label)
+
+
+# -- soak: many tenants, the rate and algorithm chosen by the caller -------------------
+@app.task
+@throttle(lambda label, tenant, rate: rate, key="{tenant}", scope="soak-sliding")
+def soak_sliding(label, tenant, rate):
+    record(label, tenant=tenant)
+
+
+@app.task
+@throttle(lambda label, tenant, rate: rate, key="{tenant}", scope="soak-fixed", algorithm="fixed")
+def soak_fixed(label, tenant, rate):
+    record(label, tenant=tenant)

@@ -211,3 +211,22 @@ def test_reset_voids_outstanding_reservations(ctl: celery_throttle.Throttle) -> 
     # Then the old token is not honoured (its unit is no longer counted): a third call
     # in the same second is denied
     assert not ctl.check(call, reserve=True, claim=token).allowed
+
+
+def test_a_reservation_is_used_once(ctl: celery_throttle.Throttle) -> None:
+    # Given a full 2/s window and starts reserved for a third and a fourth call
+    from celery_throttle.spec import BoundCall
+    from celery_throttle.store import Reservation
+
+    call = BoundCall("once", None, celery_throttle.rates.parse_rates("2/s"), 1, "sliding")
+    assert ctl.check(call, reserve=True).allowed and ctl.check(call, reserve=True).allowed
+    denied = ctl.check(call, reserve=True)
+    assert not ctl.check(call, reserve=True).allowed  # a fourth call reserves the same second
+    token = Reservation(denied.start_us, denied.latest_us, 1, ctl.grace_us(call.rates), denied.epoch)
+    time.sleep(max(denied.start_us - denied.now_us, 0) / 1e6 + 0.001)
+    # When the task claims it on time, and a duplicate of its message claims it again
+    first = ctl.check(call, reserve=True, claim=token, claimant="task-1")
+    second = ctl.check(call, reserve=True, claim=token, claimant="task-1")
+    # Then only the first runs on it; the duplicate is checked afresh (and denied here)
+    assert first.allowed
+    assert not second.allowed

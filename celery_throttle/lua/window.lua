@@ -2,6 +2,10 @@
 -- Prepended at load time by the algorithm (sliding.lua or fixed.lua), which defines ALGO.
 --
 -- KEYS[1]  hash holding the state of every rate of this (scope, key)
+-- KEYS[2]  for 'claim': a marker naming this task's reservation (same hash tag). A
+--          reservation is used once: a second claim of it (a duplicated or redelivered
+--          message) is checked afresh instead of running on, or giving back, units that
+--          were already used.
 -- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
 -- ARGV[2]  op: 'acquire' | 'peek' | 'claim'
 -- ARGV[3]  '1' to reserve a future start when denied, '0' not to
@@ -111,13 +115,20 @@ for _, r in ipairs(rates) do
   if cost > r.limit then return {-1, r.limit, 0, 0, 0, 0, now, 0} end
 end
 
-if op == 'claim' and epoch ~= ARGV[11] then
-  op = 'acquire'  -- reserved in a state that is gone: nothing to claim or give back
+if op == 'claim' and (epoch ~= ARGV[11] or (KEYS[2] and redis.call('EXISTS', KEYS[2]) == 1)) then
+  op = 'acquire'  -- reserved in a state that is gone, or already used: check afresh
 end
 if op == 'claim' then
   local c_start, c_latest = tonumber(ARGV[7]), tonumber(ARGV[8])
   local c_cost, c_grace = tonumber(ARGV[9]), tonumber(ARGV[10])
   if now < c_start then return reply(2, c_start - now, c_start, c_latest) end
+  if KEYS[2] then
+    -- Remember the use until its units have surely left every window.
+    local longest = 0
+    for _, r in ipairs(rates) do longest = math.max(longest, r.period) end
+    local ttl = math.ceil((math.max(c_latest - now, 0) + longest) / 1000) + 1000
+    redis.call('SET', KEYS[2], '1', 'PX', ttl)
+  end
   -- On time: the body starts within `slack` of now, still inside the reserved span.
   if now + slack <= c_latest then return reply(1, 0, c_start, c_latest) end
   -- Too late to use the reserved start without breaking the window for whoever was
