@@ -200,7 +200,8 @@ class Throttle:
         for algorithm, rate in sorted(seen):
             reply = self.store.window(hash_key, algorithm, "peek", [rate], 1)
             used = rate.limit - reply.remaining
-            out.append(RateStatus(rate, algorithm, used, reply.remaining, reply.clear_at_us / 1e6))
+            reset_at = (reply.clear_at_us or reply.now_us) / 1e6
+            out.append(RateStatus(rate, algorithm, used, reply.remaining, reset_at))
         return Status(scope, key, tuple(out))
 
     def reset(self, scope: str, key: str | None = None) -> bool:

@@ -1,0 +1,30 @@
+"""``celery -A proj throttle ...``, through the real celery command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import celery_throttle
+from tests.helpers import ROOT
+from tests.taskapp import app
+
+
+def _celery(prefix: str, *args: str) -> str:
+    env = dict(os.environ, CT_PREFIX=prefix, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.taskapp", "throttle", *args],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_status_reset_and_parked_from_the_command_line(prefix: str) -> None:
+    ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
+    ctl.acquire("github-api", key="acme", rates=["10/m", "100/h"], cost=3)
+    out = _celery(prefix, "status", "github-api", "--key", "acme")
+    assert "sliding 10/m: used 3, remaining 7" in out
+    assert "sliding 100/h: used 3, remaining 97" in out
+    assert "parked: 0 waiting, 0 being released" in _celery(prefix, "parked")
+    assert "reset github-api key=acme" in _celery(prefix, "reset", "github-api", "--key", "acme")
+    assert "nothing counted" in _celery(prefix, "status", "github-api", "--key", "acme")
