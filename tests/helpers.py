@@ -12,13 +12,15 @@ import sys
 import tempfile
 import time
 import uuid
-from bisect import bisect_left
+from itertools import repeat
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import pytest
 import redis
 from celery import Celery
+
+from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI") == "true"
@@ -225,22 +227,10 @@ class WorkerGroup:
 
 
 def max_in_window(times: Iterable[float], window: float, weights: Iterable[int] | None = None) -> int:
-    """Most units starting in any half-open interval of length ``window``."""
-    pairs = sorted(zip(times, weights or [1] * 10**9))
-    ts = [t for t, _ in pairs]
-    prefix = [0]
-    for _, w in pairs:
-        prefix.append(prefix[-1] + w)
-    best = 0
-    for i, t in enumerate(ts):
-        j = bisect_left(ts, t + window)  # starts in [t, t + window)
-        best = max(best, prefix[j] - prefix[i])
-    return best
+    """Most units starting in any half-open interval of length ``window`` (seconds)."""
+    return max_units_in_any_interval(zip(times, weights or repeat(1)), window)
 
 
 def max_in_aligned_windows(times: Iterable[float], window: float) -> int:
-    counts: dict[int, int] = {}
-    for t in times:
-        k = int(t // window)
-        counts[k] = counts.get(k, 0) + 1
-    return max(counts.values(), default=0)
+    """Most starts in one aligned window ``[k * window, (k + 1) * window)``."""
+    return max_units_per_aligned_window(((t, 1) for t in times), window)

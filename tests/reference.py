@@ -333,7 +333,7 @@ class WindowModel:
 # -- truth --------------------------------------------------------------------------------
 
 
-def max_units_in_any_interval(admissions: Iterable[tuple[int, int]], period: int) -> int:
+def max_units_in_any_interval(admissions: Iterable[tuple[float, int]], period: float) -> int:
     """Most units starting in any half-open interval ``[a, a + period)``.
 
     ``admissions``: (start time, units) of every call that started. The maximum is
@@ -351,9 +351,9 @@ def max_units_in_any_interval(admissions: Iterable[tuple[int, int]], period: int
     return best
 
 
-def max_units_per_aligned_window(admissions: Iterable[tuple[int, int]], period: int) -> int:
+def max_units_per_aligned_window(admissions: Iterable[tuple[float, int]], period: float) -> int:
     """Most units starting in one aligned window ``[k * period, (k + 1) * period)``."""
     totals: dict[int, int] = {}
     for t, units in admissions:
-        totals[t // period] = totals.get(t // period, 0) + units
+        totals[int(t // period)] = totals.get(int(t // period), 0) + units
     return max(totals.values(), default=0)

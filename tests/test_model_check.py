@@ -236,23 +236,15 @@ class Harness:
             self._check_era(admissions, jittered)
 
     def _check_era(self, admissions: list[tuple[int, int]], jittered: list[tuple[int, int]]) -> None:
+        if self.algorithm == "sliding":
+            worst_of, where = max_units_in_any_interval, "within one period"
+        else:
+            worst_of, where = max_units_per_aligned_window, "in one aligned window"
         for rate in self.rates:
-            if self.algorithm == "sliding":
-                worst = max_units_in_any_interval(admissions, rate.period_us)
-                worst_jittered = max_units_in_any_interval(jittered, rate.period_us)
+            for starts, how in ((admissions, ""), (jittered, " when bodies start late within their slack")):
+                worst = worst_of(starts, rate.period_us)
                 assert worst <= rate.limit, self.explain(
-                    f"{worst} units started within one period of {rate} (limit {rate.limit})")
-                assert worst_jittered <= rate.limit, self.explain(
-                    f"{worst_jittered} units started within one period of {rate} "
-                    f"when bodies start late within their slack")
-            else:
-                worst = max_units_per_aligned_window(admissions, rate.period_us)
-                worst_jittered = max_units_per_aligned_window(jittered, rate.period_us)
-                assert worst <= rate.limit, self.explain(
-                    f"{worst} units started in one aligned window of {rate} (limit {rate.limit})")
-                assert worst_jittered <= rate.limit, self.explain(
-                    f"{worst_jittered} units started in one aligned window of {rate} "
-                    f"when claimed bodies start late within their slack")
+                    f"{worst} units started {where} of {rate} (limit {rate.limit}){how}")
 
     def explain(self, what: str) -> str:
         tail = "\n  ".join(self.history[-25:])
