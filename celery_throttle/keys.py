@@ -10,6 +10,7 @@ bounded, brace-free token.
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
 import string
 from urllib.parse import quote
 
@@ -23,6 +24,7 @@ _SAFE = string.ascii_letters + string.digits + "-_.@"
 MAX_TOKEN = 120
 
 
+@lru_cache(maxsize=65536)
 def encode(text: str) -> str:
     """Encode one component; long ones become ``#`` and a SHA-256 (``#`` never survives
     percent-encoding, so a digest cannot equal an encoded string)."""

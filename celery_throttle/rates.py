@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from dataclasses import dataclass
 
 from .errors import ConfigurationError
@@ -65,7 +66,17 @@ def parse_rate(text: str | Rate) -> Rate:
 def parse_rates(rates: object) -> tuple[Rate, ...]:
     """Parse a rate string or a list of them into a tuple of distinct rates."""
     if isinstance(rates, (str, Rate)):
-        rates = [rates]
+        rates = (rates,)
     if not isinstance(rates, (list, tuple)) or not rates:
         raise ConfigurationError(f"expected a rate or a list of rates, got {rates!r}; use {ACCEPTED}")
+    try:
+        return _parse_many(tuple(rates))
+    except TypeError:  # an unhashable item: parse_rate says what is wrong with it
+        return tuple(sorted(set(parse_rate(r) for r in rates)))
+
+
+@lru_cache(maxsize=1024)
+def _parse_many(rates: tuple[str | Rate, ...]) -> tuple[Rate, ...]:
+    # Cached: direct callers and callable per-tenant rates pass the same strings again
+    # and again, on the hot path.
     return tuple(sorted(set(parse_rate(r) for r in rates)))

@@ -9,6 +9,7 @@ restarted Redis loses nothing but one round trip.
 from __future__ import annotations
 
 import threading
+from functools import lru_cache
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Callable, Sequence
@@ -142,9 +143,8 @@ class RedisStore:
         """
         claim_args = claim.to_header() if claim else [0, 0, 0, 0, ""]
         args: list[Any] = [self._now_arg(), op, "1" if reserve else "0", cost, grace_us, slack_us]
-        args += claim_args + [len(rates)]
-        for rate in rates:
-            args += [rate.limit, rate.period_us]
+        args += claim_args
+        args += _rate_args(tuple(rates))
         keys = [key, claim_marker] if claim is not None and claim_marker else [key]
         reply = self._run(algorithm, keys, args)
         return WindowReply(*(int(v) for v in reply))
@@ -195,6 +195,14 @@ class RedisStore:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+@lru_cache(maxsize=1024)
+def _rate_args(rates: tuple[Rate, ...]) -> list[int]:
+    args = [len(rates)]
+    for rate in rates:
+        args += [rate.limit, rate.period_us]
+    return args
 
 
 def _safe_url(url: str) -> str:
