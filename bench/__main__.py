@@ -44,7 +44,7 @@ class Scale:
     long_window: int
 
 
-FULL = Scale("25/s", 250, 1200, 3, 0.75, 4, (10, 1000, 100000), 100000, 20000, 150)
+FULL = Scale("25/s", 250, 700, 5, 0.5, 6, (10, 1000, 100000), 100000, 20000, 150)
 QUICK = Scale("20/s", 100, 400, 2, 0.25, 2, (10, 1000, 10000), 10000, 2000, 20)
 
 
@@ -184,7 +184,7 @@ def _finish(res: Results, command: str, elapsed: float, full_run: bool) -> None:
     from bench import report
 
     meta = {"command": command, "when": dt.datetime.now().isoformat(timespec="seconds"),
-            "elapsed_s": elapsed, "machine": report.machine()}
+            "elapsed_s": elapsed, "machine": report.machine(), "commit": report.commit()}
     report.print_table(res, f"{command} — {elapsed:.0f} s")
     paths = [OUT_DIR / "results.md"] + ([BENCH_DIR / "results.md"] if full_run else [])
     report.write(res, meta, paths)

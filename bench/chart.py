@@ -36,13 +36,17 @@ def draw(burst: dict[str, Any], path: Path, title: str) -> Path:
     window = burst[variants[0]]["window"]
     # Each run on its own axis: 0 is the aligned window boundary before its first start.
     series = {}
-    horizon = 0.0
+    ends = {}
     for v in variants:
         ts = sorted(burst[v]["times"])
         origin = math.floor(ts[0] / window) * window
         rel = [t - origin for t in ts]
         series[v] = rel
-        horizon = max(horizon, rel[-1])
+        ends[v] = rel[-1]
+    # A very slow tail (Celery's rate_limit) would squeeze the rest: cut the axis at the
+    # last start of the others plus two windows, and say so in the legend.
+    others = [e for v, e in ends.items() if v != "celery rate_limit"] or list(ends.values())
+    horizon = min(max(ends.values()), max(others) + 2 * window)
     horizon = math.ceil(horizon / window + 0.25) * window
 
     fig = plt.figure(figsize=(12, 3.2 + 1.25 * len(variants)), dpi=110)
@@ -54,7 +58,10 @@ def draw(burst: dict[str, Any], path: Path, title: str) -> Path:
         rel = series[v]
         # starts in (x - window, x]: the count a window limit bounds
         ys = [bisect_right(rel, x) - bisect_right(rel, x - window) for x in xs]
-        top.plot(xs, ys, color=COLORS.get(v), lw=1.6, label=f"{v} (max {max(ys)})")
+        label = f"{v} (max {max(ys)})"
+        if ends[v] > horizon:
+            label += f", last start at {ends[v]:.0f}s"
+        top.plot(xs, ys, color=COLORS.get(v), lw=1.6, label=label)
     top.axhline(limit, color="black", ls="--", lw=1.2, label=f"limit {limit} per {window:g}s")
     top.axhline(2 * limit, color="grey", ls=":", lw=1.0, label="2 x limit")
     top.set_xlim(0, horizon)

@@ -10,7 +10,12 @@ from typing import Any
 
 from bench.common import MET, MISSED, Results
 
-_MARK = {MET: "met", MISSED: "MISSED", "info": ""}
+def _order(res: Results) -> list[Any]:
+    """Rows by section number (sections run in another order), stable within one."""
+    def key(row: Any) -> int:
+        head = row.section.split()[0].split("-")[0]
+        return int(head) if head.isdigit() else 99
+    return sorted(res.rows, key=key)
 
 
 def print_table(res: Results, title: str) -> None:
@@ -22,7 +27,7 @@ def print_table(res: Results, title: str) -> None:
                        ("Target", ""), ("Status", ""), ("Note", "dim")):
         table.add_column(col, style=style or None, overflow="fold")
     last = None
-    for r in res.rows:
+    for r in _order(res):
         status = {MET: "[green]met[/]", MISSED: "[bold red]MISSED[/]"}.get(r.status, "")
         table.add_row(r.section if r.section != last else "", r.metric, r.variant, r.value, r.target,
                       status, r.note)
@@ -41,12 +46,14 @@ def to_markdown(res: Results, meta: dict[str, Any]) -> str:
     lines = ["# celery_throttle benchmark results", ""]
     lines.append(f"Command: `{meta['command']}` — {meta['when']}, took {meta['elapsed_s']:.0f} s.  ")
     lines.append(f"Machine: {meta['machine']}.  ")
+    if meta.get("commit"):
+        lines.append(f"celery_throttle at commit {meta['commit']}.  ")
     lines.append("Workers: 2 Celery workers x 2 prefork processes, Redis broker and store on the "
                  "same local Redis; start times are the task bodies' own clock.")
     lines.append("")
     lines.append("| Section | Metric | Variant | Value | Target | Status | Note |")
     lines.append("|---|---|---|---|---|---|---|")
-    for r in res.rows:
+    for r in _order(res):
         status = {MET: "met", MISSED: "**missed**"}.get(r.status, "")
         lines.append("| " + " | ".join(_cell(x) for x in (r.section, r.metric, r.variant, r.value,
                                                            r.target, status, r.note)) + " |")
@@ -71,6 +78,22 @@ def write_json(res: Results, meta: dict[str, Any], path: Path) -> None:
             "series": {k: v for k, v in res.series.items() if k != "long_wait"}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+
+
+def commit() -> str:
+    """The checked-out commit, with "+changes" when the work tree differs from it."""
+    import subprocess
+
+    from bench.common import ROOT
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "celery_throttle"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + (" + uncommitted changes in celery_throttle/" if dirty else "")
 
 
 def machine() -> str:

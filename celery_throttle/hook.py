@@ -81,34 +81,41 @@ def guard(task: Any, args: Any, kwargs: Any) -> None:
     state = dict(_header(request))
     ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
     claim = Reservation.from_header(state.get("r")) if state.get("k") == ident else None
-    lead_us = ctl.lead_us(call.rates)
     try:
         reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id)
-        if reply.code == WindowReply.EARLY and reply.wait_us <= 2 * lead_us:
-            # Sent back a little early on purpose (dispatch takes a few ms): wait
-            # here for the reserved start rather than a round trip through the broker.
+        if reply.code == WindowReply.EARLY and claim and reply.wait_us <= _wait_here_us(ctl, call, claim):
+            # Sent back a little early on purpose (dispatch takes a while): wait here
+            # for the reserved start rather than a round trip through the broker.
             # (An Event, not time.sleep: libfaketime, with which the clock-skew test
             # runs workers, breaks time.sleep's clock_nanosleep.)
             threading.Event().wait(reply.wait_us / 1e6)
-            reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id)
+            reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id, learn=False)
     except StoreError as exc:
         _on_store_error(ctl, task, request, args, kwargs, call, state, exc)
         return
     if reply.allowed:
         return
     state.pop("e", None)
+    lead_us = ctl.lead_us(call.rates, reply.lead_us)
     if reply.code == WindowReply.EARLY:
         reservation = claim
+        lead_us = 0  # it already came back early once: aim at the start itself
     elif reply.start_us:
-        reservation = Reservation(reply.start_us, reply.latest_us, call.cost,
-                                  ctl.grace_us(call.rates), reply.epoch)
+        reservation = Reservation(reply.start_us, reply.latest_us, call.cost, reply.grace_us,
+                                  reply.epoch, lead_us)
     else:
         reservation = None
     state.update(k=ident, r=reservation.to_header() if reservation else None)
     # Come back `lead` early: the reserved start is then reached in time despite the
-    # broker and the pool's dispatch; the claim above waits out the difference.
+    # broker's and the pool's dispatch delay (learnt per key, see window.lua); the
+    # claim above waits out the difference.
     delay = max(reply.wait_us - (lead_us if reservation else 0), 0) / 1e6
     _defer(ctl, task, request, args, kwargs, call, state, delay, reply.now_us)
+
+
+def _wait_here_us(ctl: Throttle, call: BoundCall, claim: Reservation) -> int:
+    """How early an arrival may be and still wait in the worker instead of going back."""
+    return min(max(2 * claim.lead_us, 4 * ctl.slack_us(call.rates)), 1_000_000)
 
 
 def _header(request: Any) -> dict[str, Any]:

@@ -137,9 +137,12 @@ class Throttle:
             grace = min(max(min(r.period for r in rates) * 0.02, 0.01), 2.0)
         return max(int(grace * 1_000_000), 2 * self.slack_us(rates))
 
-    def lead_us(self, rates: Sequence[Rate]) -> int:
-        """How early a reserved task is sent back; it waits out the rest in the worker."""
-        return min(self.grace_us(rates), 500_000)
+    def lead_us(self, rates: Sequence[Rate], learnt: int = -1) -> int:
+        """How early a reserved task is sent back; it waits out the rest in the worker.
+
+        The key's learnt dispatch delay once there is one (see window.lua), else the grace.
+        """
+        return learnt if learnt >= 0 else min(self.grace_us(rates), 500_000)
 
     @staticmethod
     def slack_us(rates: Sequence[Rate]) -> int:
@@ -149,7 +152,7 @@ class Throttle:
         return int(min(max(min(r.period_us for r in rates) // 100, 2000), 20_000))
 
     def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
-              claimant: str | None = None) -> WindowReply:
+              claimant: str | None = None, learn: bool = True) -> WindowReply:
         """Check one bound call; reserve a future start when denied and asked to.
 
         ``claim``: a reservation this call made earlier; ``claimant`` (the task id) makes
@@ -161,7 +164,7 @@ class Throttle:
         reply = self.store.window(
             key, call.algorithm, op, call.rates, call.cost,
             reserve=reserve, grace_us=self.grace_us(call.rates),
-            slack_us=self.slack_us(call.rates), claim=claim, claim_marker=marker,
+            slack_us=self.slack_us(call.rates), claim=claim, claim_marker=marker, learn=learn,
         )
         if reply.code == WindowReply.TOO_COSTLY:
             raise ThrottleError(

@@ -33,6 +33,7 @@ class Reservation:
     """A start reserved for a denied call: it may start in ``[start_us, latest_us]``.
 
     ``epoch`` names the window state it was made in; a reset or lost state voids it.
+    ``lead_us``: how long before ``start_us`` the task was due to arrive.
     """
 
     start_us: int
@@ -40,17 +41,18 @@ class Reservation:
     cost: int
     grace_us: int
     epoch: int
+    lead_us: int = 0
 
     def to_header(self) -> list[int]:
-        return [self.start_us, self.latest_us, self.cost, self.grace_us, self.epoch]
+        return [self.start_us, self.latest_us, self.cost, self.grace_us, self.epoch, self.lead_us]
 
     @classmethod
     def from_header(cls, value: Any) -> Reservation | None:
         try:
-            start, latest, cost, grace, epoch = (int(v) for v in value)
+            start, latest, cost, grace, epoch, lead = (int(v) for v in value)
         except (TypeError, ValueError):
             return None
-        return cls(start, latest, cost, grace, epoch)
+        return cls(start, latest, cost, grace, epoch, lead)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ class WindowReply:
     latest_us: int
     now_us: int
     epoch: int
+    #: The learnt dispatch delay of this key (-1: nothing learnt yet).
+    lead_us: int
+    #: The grace given to the start reserved by this call (0 if none).
+    grace_us: int
 
     RUN, DENIED, EARLY, TOO_COSTLY = 1, 0, 2, -1
 
@@ -136,14 +142,18 @@ class RedisStore:
         slack_us: int = 0,
         claim: Reservation | None = None,
         claim_marker: str | None = None,
+        learn: bool = True,
     ) -> WindowReply:
         """Run window.lua once: acquire, peek, or claim a reservation, over every rate.
 
-        ``claim_marker`` (a key in the same hash tag) makes the claim single-use.
+        ``claim_marker`` (a key in the same hash tag) makes the claim single-use;
+        ``learn=False`` for a second claim of the same arrival (after waiting out an
+        early one), so the delay estimate sees each arrival once.
         """
-        claim_args = claim.to_header() if claim else [0, 0, 0, 0, ""]
+        claim_args = claim.to_header() if claim else [0, 0, 0, 0, "", 0]
         args: list[Any] = [self._now_arg(), op, "1" if reserve else "0", cost, grace_us, slack_us]
         args += claim_args
+        args.append("1" if learn else "0")
         args += _rate_args(tuple(rates))
         keys = [key, claim_marker] if claim is not None and claim_marker else [key]
         reply = self._run(algorithm, keys, args)

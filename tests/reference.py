@@ -49,6 +49,7 @@ class Claim(Protocol):
     cost: int
     grace_us: int
     epoch: int
+    lead_us: int
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,12 @@ class ModelReply:
     latest_us: int
     now_us: int
     epoch: int
+    lead_us: int
+    grace_us: int
 
     def as_tuple(self) -> tuple[int, ...]:
         return (self.code, self.wait_us, self.remaining, self.clear_at_us,
-                self.start_us, self.latest_us, self.now_us, self.epoch)
+                self.start_us, self.latest_us, self.now_us, self.epoch, self.lead_us, self.grace_us)
 
 
 # -- sliding ------------------------------------------------------------------------------
@@ -170,26 +173,34 @@ class FixedRate:
 
     def earliest(self, x: int, cost: int, slack: int = 0) -> int:
         k = self.window_of(x)
-        if x + slack >= (k + 1) * self.period:  # a start within slack must stay inside
+        while True:
+            t = max(x, k * self.period)
+            fits = self.windows.get(k, 0) + cost <= self.limit
+            if fits and self.window_of(t + slack) > k:  # may spill into the next window
+                fits = self.windows.get(k + 1, 0) + cost <= self.limit
+            if fits:
+                return t
             k += 1
-        while self.windows.get(k, 0) + cost > self.limit:
-            k += 1
-        return max(x, k * self.period)
 
     def record(self, at: int, latest: int, cost: int) -> int:
-        k = self.window_of(at)
-        self.windows[k] = self.windows.get(k, 0) + cost
+        """Counts the units in every window [at, latest] touches (at most two)."""
+        k, k2 = self.window_of(at), self.window_of(latest)
+        for w in {k, k2}:
+            self.windows[w] = self.windows.get(w, 0) + cost
         return (k + 1) * self.period - 1
 
     def unrecord(self, at: int, grace: int, cost: int) -> bool:
-        k = self.window_of(at)
-        if k in self.windows:
-            units = self.windows[k] - cost
-            if units <= 0:
-                del self.windows[k]
-            else:
-                self.windows[k] = units
-        return k in self.windows
+        """Returns whether a touched window is left holding units (written back)."""
+        left = False
+        for w in {self.window_of(at), self.window_of(at + grace)}:
+            if w in self.windows:
+                units = self.windows[w] - cost
+                if units <= 0:
+                    del self.windows[w]
+                else:
+                    self.windows[w] = units
+                    left = True
+        return left
 
     def clear_at(self) -> int:
         return max(((k + 1) * self.period for k in self.windows), default=0)
@@ -221,11 +232,15 @@ class WindowModel:
         #: The hash's field "e": the time it was first written; None while it does not
         #: exist. A claim made in another epoch is neither honoured nor given back.
         self.epoch: int | None = None
+        #: Fields "d" and "v": the learnt dispatch delay and its mean deviation (µs).
+        self.delay: int | None = None
+        self.jitter: int | None = None
 
     def reset(self) -> None:
         """The hash is gone (deleted, expired, lost): a new epoch starts with its next write."""
         self.rates = [type(r)(r.limit, r.period) for r in self.rates]
         self.epoch = None
+        self.delay = self.jitter = None
 
     # window.lua, step by step
     def window(
@@ -238,17 +253,19 @@ class WindowModel:
         grace_us: int = 0,
         slack_us: int = 0,
         claim: Claim | None = None,
+        learn: bool = True,
     ) -> ModelReply:
         for r in self.rates:
             r.load(now)
+        shortest = min(r.period for r in self.rates)
 
-        def reply(code: int, wait: int, start: int, latest: int) -> ModelReply:
+        def reply(code: int, wait: int, start: int, latest: int, grace: int = 0) -> ModelReply:
             return ModelReply(code, wait, self.remaining(now), self.clear_at(), start, latest, now,
-                              self.epoch or 0)
+                              self.epoch or 0, -1 if self.delay is None else self.delay, grace)
 
         for r in self.rates:
             if cost > r.limit:
-                return ModelReply(-1, r.limit, 0, 0, 0, 0, now, 0)
+                return ModelReply(-1, r.limit, 0, 0, 0, 0, now, 0, -1, 0)
 
         # A reservation made in another epoch (or none: RedisStore sends '' without a
         # claim) is not honoured and gives nothing back: the call is an acquire.
@@ -260,6 +277,14 @@ class WindowModel:
         if op == "claim":
             assert claim is not None
             c_start, c_latest, c_cost, c_grace = claim.start_us, claim.latest_us, claim.cost, claim.grace_us
+            if learn:  # how long the trip back took, beyond the lead it was given
+                sample = max(0, min(now - (c_start - claim.lead_us), math.floor(shortest / 10)))
+                if self.delay is None or self.jitter is None:
+                    self.delay, self.jitter = sample, math.floor(sample / 2)
+                else:
+                    err = sample - self.delay
+                    self.delay += math.floor(err / 8)
+                    self.jitter += math.floor((abs(err) - self.jitter) / 4)
             if now < c_start:
                 return reply(2, c_start - now, c_start, c_latest)
             # On time only if the body, starting within `slack` of now, stays inside
@@ -290,12 +315,15 @@ class WindowModel:
                 r.record(now, now + slack_us, cost)
             written = True
         elif settled and reserve:
+            if self.jitter is not None:
+                grace_us = max(grace_us, 4 * self.jitter + 2 * slack_us)
+            grace_us = min(grace_us, math.floor(shortest / 10))
             start = x
             latest = min(r.record(x, x + grace_us, cost) for r in self.rates)
             written = True
         if written and self.epoch is None:
             self.epoch = now
-        return reply(code, x - now, start, latest)
+        return reply(code, x - now, start, latest, grace_us if start > 0 else 0)
 
     def remaining(self, now: int) -> int:
         free = min((r.limit - r.usage(now) for r in self.rates), default=0)
@@ -307,6 +335,8 @@ class WindowModel:
     # what the hash should hold
     def fields(self) -> dict[str, str]:
         out: dict[str, str] = {} if self.epoch is None else {EPOCH_FIELD: str(self.epoch)}
+        if self.delay is not None:
+            out.update(d=str(self.delay), v=str(self.jitter))
         for r in self.rates:
             out.update(r.fields())
         return out

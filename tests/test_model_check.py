@@ -221,7 +221,8 @@ class Harness:
         elif got.code == WindowReply.DENIED:
             self.last_wait = got.wait_us
             if got.start_us:
-                self.pending.append(Reservation(got.start_us, got.latest_us, cost, grace_us, got.epoch))
+                self.pending.append(Reservation(got.start_us, got.latest_us, cost, got.grace_us, got.epoch,
+                                                self.rng.randint(0, 30_000)))
 
     def check_stored_state(self) -> None:
         raw = self.store.client.hgetall(self.key)
@@ -460,7 +461,7 @@ def test_cost_above_a_limit_is_refused_with_minus_one_and_changes_nothing(
     claim = Reservation(clock.now, clock.now + 10, 4, 10, epoch) if op == "claim" else None
     reply = store.window(key, algorithm, op, rates, 4, reserve=True, claim=claim)
     # Then it is refused with code -1, the refusing limit in `wait`, and nothing written
-    assert astuple(reply) == (WindowReply.TOO_COSTLY, 3, 0, 0, 0, 0, clock.now, 0)
+    assert astuple(reply) == (WindowReply.TOO_COSTLY, 3, 0, 0, 0, 0, clock.now, 0, -1, 0)
     assert not reply.allowed
     assert redis_client.hgetall(key) == before
 

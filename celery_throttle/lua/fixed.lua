@@ -28,33 +28,52 @@ function ALGO.usage(r, items, x)
   return items[window_of(r, x)] or 0
 end
 
--- Earliest time >= x at which `cost` more units fit: the first window with room, and
--- far enough from its end that a start up to `slack` later still falls inside it.
+-- Earliest time >= x at which `cost` more units fit. A start at t may happen up to
+-- `slack` later: when that crosses into the next window, it must fit in both.
 function ALGO.earliest(r, items, x, cost, slack)
   local k = math.floor(x / r.period)
-  if x + slack >= (k + 1) * r.period then k = k + 1 end
-  while (items[string.format('%.0f', k)] or 0) + cost > r.limit do
+  while true do
+    local t = math.max(x, k * r.period)
+    local fits = (items[string.format('%.0f', k)] or 0) + cost <= r.limit
+    if fits and math.floor((t + slack) / r.period) > k then
+      fits = (items[string.format('%.0f', k + 1)] or 0) + cost <= r.limit
+    end
+    if fits then return t end
     k = k + 1
   end
-  return math.max(x, k * r.period)
 end
 
--- Records `cost` units in the window of `at`; returns the latest valid start.
+-- Records `cost` units starting in [at, latest], in each window that span touches (at
+-- most two: `latest - at` is a small slack or grace); returns the latest valid start.
 function ALGO.record(r, items, at, latest, cost)
-  local w = window_of(r, at)
+  local w, w2 = window_of(r, at), window_of(r, latest)
   items[w] = (items[w] or 0) + cost
-  return (tonumber(w) + 1) * r.period - 1, w
+  if w2 ~= w then
+    items[w2] = (items[w2] or 0) + cost
+  else
+    w2 = nil
+  end
+  return (tonumber(w) + 1) * r.period - 1, w, w2
 end
 
-function ALGO.unrecord(r, items, at, grace, cost)
-  local w = window_of(r, at)
+local function take_back(items, w, cost)
   local units = items[w]
   if units then
     units = units - cost
     if units <= 0 then units = nil end
     items[w] = units
   end
-  return w
+end
+
+function ALGO.unrecord(r, items, at, grace, cost)
+  local w, w2 = window_of(r, at), window_of(r, at + grace)
+  take_back(items, w, cost)
+  if w2 ~= w then
+    take_back(items, w2, cost)
+  else
+    w2 = nil
+  end
+  return w, w2
 end
 
 function ALGO.clear_at(r, items)

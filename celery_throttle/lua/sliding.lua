@@ -72,7 +72,7 @@ function ALGO.record(r, items, at, latest, cost)
   else
     items[b] = {units = cost, latest = latest}
   end
-  return latest, b
+  return latest, b, nil
 end
 
 -- Gives back a reservation made by record(at, at + grace).

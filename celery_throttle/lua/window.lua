@@ -10,22 +10,34 @@
 -- ARGV[2]  op: 'acquire' | 'peek' | 'claim'
 -- ARGV[3]  '1' to reserve a future start when denied, '0' not to
 -- ARGV[4]  cost: units this call uses
--- ARGV[5]  grace (µs): how late a reserved start may come and still count as on time
+-- ARGV[5]  grace (µs): the least a reserved start may come late and still count as on
+--          time (it grows with the dispatch jitter learnt below, up to 10% of a window)
 -- ARGV[6]  slack (µs): how long after the check the body may start (a call admitted now
 --          counts as starting within it; a claim must leave it before its latest start)
--- ARGV[7..11]  for 'claim': the reservation's start, latest start, cost, grace, epoch
--- ARGV[12] number of rates, then ARGV[13..]: limit, period (µs) per rate
+-- ARGV[7..12] for 'claim': the reservation's start, latest start, cost, grace, epoch,
+--          and lead (how early it was sent back)
+-- ARGV[13] '1' if this claim is the task's arrival (learn its delay from it), '0' if not
+-- ARGV[14] number of rates, then ARGV[15..]: limit, period (µs) per rate
 --
 -- The hash's field 'e' is its epoch: set when the hash is created. A reservation made
 -- in another epoch (the hash was reset, expired, or Redis lost its data) is not honoured:
 -- its units are no longer counted, so the call is checked afresh.
 --
--- Returns {code, wait, remaining, clear_at, start, latest, now, epoch} (times in µs):
+-- Fields 'd' and 'v' learn how long a reserved task takes to come back, the way TCP
+-- learns a round trip: d is the smoothed delay from "due to arrive" to its claim, v its
+-- mean deviation. Denied tasks are sent back d early, and a reservation's grace covers
+-- 4 v: busy workers widen it (a little throughput for far fewer voided reservations),
+-- idle ones keep it tight.
+--
+-- Returns {code, wait, remaining, clear_at, start, latest, now, epoch, lead, grace}
+-- (times in µs):
 --   code  1 run now | 0 denied (start > 0: a start was reserved) | 2 claim came early
 --        -1 cost exceeds the limit given in `wait`
 --   wait  µs until the call may start
 --   remaining  units still free now, over the tightest rate
 --   clear_at  when every counted unit has left its window
+--   lead  the learnt delay d (-1 while nothing is learnt): send reserved tasks that early
+--   grace  the grace given to the start reserved by this call (0 if none)
 local key = KEYS[1]
 local now
 if ARGV[1] ~= '' then
@@ -38,8 +50,10 @@ local op, reserve, cost = ARGV[2], ARGV[3] == '1', tonumber(ARGV[4])
 local grace, slack = tonumber(ARGV[5]), tonumber(ARGV[6])
 
 local rates = {}
-for i = 1, tonumber(ARGV[12]) do
-  local r = {limit = tonumber(ARGV[11 + 2 * i]), period = tonumber(ARGV[12 + 2 * i])}
+local shortest = nil
+for i = 1, tonumber(ARGV[14]) do
+  local r = {limit = tonumber(ARGV[13 + 2 * i]), period = tonumber(ARGV[14 + 2 * i])}
+  if shortest == nil or r.period < shortest then shortest = r.period end
   r.prefix = string.format('%s%.0f/%.0f|', ALGO_TAG, r.limit, r.period)
   r.items, r.dirty = {}, {}
   ALGO.init(r)
@@ -47,10 +61,12 @@ for i = 1, tonumber(ARGV[12]) do
 end
 
 local raw = redis.call('HGETALL', key)
-local epoch = nil
+local epoch, delay, jitter = nil, nil, nil
 for i = 1, #raw, 2 do
   local field = raw[i]
   if field == 'e' then epoch = raw[i + 1] end
+  if field == 'd' then delay = tonumber(raw[i + 1]) end
+  if field == 'v' then jitter = tonumber(raw[i + 1]) end
   for _, r in ipairs(rates) do
     if string.sub(field, 1, #r.prefix) == r.prefix then
       local suffix = string.sub(field, #r.prefix + 1)
@@ -107,12 +123,13 @@ local function write_back()
   end
 end
 
-local function reply(code, wait, start, latest)
-  return {code, wait, remaining(now), clear_at(), start, latest, now, tonumber(epoch or '0')}
+local function reply(code, wait, start, latest, given_grace)
+  return {code, wait, remaining(now), clear_at(), start, latest, now, tonumber(epoch or '0'),
+          delay or -1, given_grace or 0}
 end
 
 for _, r in ipairs(rates) do
-  if cost > r.limit then return {-1, r.limit, 0, 0, 0, 0, now, 0} end
+  if cost > r.limit then return {-1, r.limit, 0, 0, 0, 0, now, 0, -1, 0} end
 end
 
 if op == 'claim' and (epoch ~= ARGV[11] or (KEYS[2] and redis.call('EXISTS', KEYS[2]) == 1)) then
@@ -120,7 +137,18 @@ if op == 'claim' and (epoch ~= ARGV[11] or (KEYS[2] and redis.call('EXISTS', KEY
 end
 if op == 'claim' then
   local c_start, c_latest = tonumber(ARGV[7]), tonumber(ARGV[8])
-  local c_cost, c_grace = tonumber(ARGV[9]), tonumber(ARGV[10])
+  local c_cost, c_grace, c_lead = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[12])
+  if ARGV[13] == '1' then
+    local sample = math.max(0, math.min(now - (c_start - c_lead), math.floor(shortest / 10)))
+    if delay == nil then
+      delay, jitter = sample, math.floor(sample / 2)
+    else
+      local err = sample - delay
+      delay = delay + math.floor(err / 8)
+      jitter = jitter + math.floor((math.abs(err) - jitter) / 4)
+    end
+    redis.call('HSET', key, 'd', string.format('%.0f', delay), 'v', string.format('%.0f', jitter))
+  end
   if now < c_start then return reply(2, c_start - now, c_start, c_latest) end
   if KEYS[2] then
     -- Remember the use until its units have surely left every window.
@@ -134,7 +162,9 @@ if op == 'claim' then
   -- Too late to use the reserved start without breaking the window for whoever was
   -- placed after it: give it back and try afresh.
   for _, r in ipairs(rates) do
-    r.dirty[ALGO.unrecord(r, r.items, c_start, c_grace, c_cost)] = true
+    local w, w2 = ALGO.unrecord(r, r.items, c_start, c_grace, c_cost)
+    r.dirty[w] = true
+    if w2 then r.dirty[w2] = true end
   end
 end
 
@@ -157,16 +187,20 @@ local code, start, latest = 0, 0, 0
 if settled and x == now then
   code = 1
   for _, r in ipairs(rates) do
-    local _, suffix = ALGO.record(r, r.items, now, now + slack, cost)
+    local _, suffix, suffix2 = ALGO.record(r, r.items, now, now + slack, cost)
     r.dirty[suffix] = true
+    if suffix2 then r.dirty[suffix2] = true end
   end
 elseif settled and reserve then
+  if jitter ~= nil then grace = math.max(grace, 4 * jitter + 2 * slack) end
+  grace = math.min(grace, math.floor(shortest / 10))
   start, latest = x, nil
   for _, r in ipairs(rates) do
-    local until_, suffix = ALGO.record(r, r.items, x, x + grace, cost)
+    local until_, suffix, suffix2 = ALGO.record(r, r.items, x, x + grace, cost)
     r.dirty[suffix] = true
+    if suffix2 then r.dirty[suffix2] = true end
     if latest == nil or until_ < latest then latest = until_ end
   end
 end
 write_back()
-return reply(code, x - now, start, latest)
+return reply(code, x - now, start, latest, start > 0 and grace or 0)
