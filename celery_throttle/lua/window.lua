@@ -115,11 +115,14 @@ local function write_back()
   for i = 1, #sets, 1000 do
     redis.call('HSET', key, unpack(sets, i, math.min(i + 999, #sets)))
   end
-  -- Keep the hash exactly as long as something in it still counts.
+  -- Keep the hash as long as something in it still counts. When the TTL must grow,
+  -- grow it by a further shortest window, so a busy key is not re-expired on every call.
   local clear = clear_at()
   if #sets > 0 and clear > now then
     local ttl = math.ceil((clear - now) / 1000) + 1000
-    if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+    if redis.call('PTTL', key) < ttl then
+      redis.call('PEXPIRE', key, ttl + math.ceil(shortest / 1000))
+    end
   end
 end
 
