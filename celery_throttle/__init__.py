@@ -44,6 +44,7 @@ def install(app: Any, **overrides: Any) -> Throttle:
     worker bootstep that hooks every throttled task (``@throttle`` or
     ``throttle_rules``) before the pool starts, and releases parked long waits.
     """
+    from .screen import ScreenStep
     from .worker import ThrottleStep
 
     ctl = app.__dict__.get("_celery_throttle")
@@ -51,6 +52,7 @@ def install(app: Any, **overrides: Any) -> Throttle:
         ctl = Throttle(app, overrides)
         app._celery_throttle = ctl
         app.steps["worker"].add(ThrottleStep)
+        app.steps["consumer"].add(ScreenStep)
         app.on_after_finalize.connect(ctl.patch_tasks, weak=False)
     elif overrides:
         ctl.configure(overrides)

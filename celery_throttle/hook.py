@@ -98,6 +98,15 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
         return _on_store_error(ctl, task, request, args, kwargs, call, state, exc)
     if reply.allowed:
         return True
+    defer_denied(ctl, task, request, args, kwargs, call, state, ident, claim, reply)
+    _collect_now_and_then()
+    return False
+
+
+def defer_denied(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call: BoundCall,
+                 state: dict[str, Any], ident: str, claim: Reservation | None,
+                 reply: WindowReply) -> None:
+    """Re-send (or park) a denied task to come back for the start its reply reserved."""
     state.pop("e", None)
     lead_us = ctl.lead_us(call.rates, reply.lead_us)
     if reply.code == WindowReply.EARLY:
@@ -114,7 +123,6 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     # claim above waits out the difference.
     delay = max(reply.wait_us - (lead_us if reservation else 0), 0) / 1e6
     _defer(ctl, task, request, args, kwargs, call, state, delay, reply.now_us)
-    return False
 
 
 def _wait_here_us(ctl: Throttle, call: BoundCall, claim: Reservation) -> int:
@@ -145,7 +153,6 @@ def _defer(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call:
         sig.apply_async(countdown=max(delay, 0.0))
     logger.debug("throttled %s[%s] scope=%s key=%s for %.3fs%s", task.name, request.id,
                  call.scope, call.key, delay, " (parked)" if parked else "")
-    _collect_now_and_then()
 
 
 _denials = 0

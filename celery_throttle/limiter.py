@@ -152,13 +152,13 @@ class Throttle:
         return int(min(max(min(r.period_us for r in rates) // 100, 2000), 20_000))
 
     def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
-              claimant: str | None = None, learn: bool = True) -> WindowReply:
+              claimant: str | None = None, learn: bool = True, screen: bool = False) -> WindowReply:
         """Check one bound call; reserve a future start when denied and asked to.
 
         ``claim``: a reservation this call made earlier; ``claimant`` (the task id) makes
-        using it single-use.
+        using it single-use. ``screen``: record nothing if the call fits now.
         """
-        op = "claim" if claim is not None else "acquire"
+        op = "claim" if claim is not None else "screen" if screen else "acquire"
         key = state_key(self.settings.key_prefix, call.scope, call.key)
         marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claim and claimant else None
         reply = self.store.window(

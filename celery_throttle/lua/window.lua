@@ -7,7 +7,8 @@
 --          message) is checked afresh instead of running on, or giving back, units that
 --          were already used.
 -- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
--- ARGV[2]  op: 'acquire' | 'peek' | 'claim'
+-- ARGV[2]  op: 'acquire' | 'peek' | 'claim' | 'screen' ('screen': like 'acquire', but a
+--          call that fits now is not recorded: the worker's pool will acquire it)
 -- ARGV[3]  '1' to reserve a future start when denied, '0' not to
 -- ARGV[4]  cost: units this call uses
 -- ARGV[5]  grace (µs): the least a reserved start may come late and still count as on
@@ -187,7 +188,9 @@ if op == 'peek' then
 end
 
 local code, start, latest = 0, 0, 0
-if settled and x == now then
+if settled and x == now and op == 'screen' then
+  code = 1
+elseif settled and x == now then
   code = 1
   for _, r in ipairs(rates) do
     local _, suffix, suffix2 = ALGO.record(r, r.items, now, now + slack, cost)
