@@ -309,7 +309,9 @@ class WindowModel:
             return reply(1 if x == now else 0, x - now, 0, 0)
 
         code, start, latest = 0, 0, 0
-        if settled and x == now:
+        if settled and x == now and op == "screen":
+            code = 1  # fits now: recorded by the acquire that follows, not here
+        elif settled and x == now:
             code = 1
             for r in self.rates:
                 r.record(now, now + slack_us, cost)

@@ -205,18 +205,15 @@ class Harness:
         if claim is not None and got.code != WindowReply.EARLY:
             # Claimed on time (runs), or late (given back, maybe replaced below).
             self.pending.remove(claim)
-        if op == "peek":
-            return
+        if op == "peek" or (op == "screen" and got.code == WindowReply.RUN):
+            return  # nothing recorded: the pool's acquire comes next
         if got.code == WindowReply.RUN:
             self.eras[-1].append((now, cost))
-            # The body may start up to `slack` later. The script promises that for an
-            # on-time claim (now + slack <= latest) and, in a sliding window, for an
-            # immediate admission (recorded as [now, now + slack]); a fixed window
-            # counts an immediate admission in the window of `now` only (see
-            # test_fixed_admission_at_the_end_of_a_window_counts_where_it_may_start).
-            on_time_claim = got.start_us != 0
-            promised = on_time_claim or self.algorithm == "sliding"
-            jitter = self.rng.randint(0, slack_us) if promised else 0
+            # The body may start up to `slack` later: the script promises that for an
+            # on-time claim (now + slack <= latest) and for an immediate admission
+            # (a sliding window records [now, now + slack]; a fixed one counts it in
+            # every window that span touches).
+            jitter = self.rng.randint(0, slack_us)
             self.jittered_eras[-1].append((now + jitter, cost))
         elif got.code == WindowReply.DENIED:
             self.last_wait = got.wait_us
@@ -303,6 +300,9 @@ class Harness:
             self.run("acquire", self.random_cost(), slack_us=self.random_slack())
         elif roll < 0.7:
             self.run("acquire", self.random_cost(), reserve=True, grace_us=self.random_grace(),
+                     slack_us=self.random_slack())
+        elif roll < 0.75:
+            self.run("screen", self.random_cost(), reserve=True, grace_us=self.random_grace(),
                      slack_us=self.random_slack())
         elif roll < 0.8:
             self.run("peek", self.random_cost())
