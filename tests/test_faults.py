@@ -224,28 +224,39 @@ def test_releaser_sends_parked_task_back_with_its_options(prefix: str) -> None:
     assert ctl.store.parked_count() == (0, 0)
 
 
-def _cluster(ports: list[int]) -> list[RedisServer]:
-    servers = []
-    for port in ports:
-        server = RedisServer(port=port)
-        server.extra = ["--cluster-enabled", "yes", "--cluster-config-file",
-                        f"{server.dir}/nodes.conf", "--cluster-node-timeout", "2000"]
-        servers.append(server.start())
-    subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                    "--cluster-replicas", "0", "--cluster-yes"], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
-    client = redis.Redis(port=ports[0])
-    wait_for(lambda: client.cluster("info")["cluster_state"] == "ok", 20, what="cluster ok")
-    return servers
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 @pytest.fixture
 def cluster_url() -> Iterator[str]:
-    from tests.helpers import free_port
-
-    servers = _cluster([free_port() for _ in range(3)])
+    servers: list[RedisServer] = []
     try:
-        yield f"redis+cluster://127.0.0.1:{servers[0].port}"
+        for _ in range(3):
+            server = RedisServer(port=_cluster_port())
+            server.extra = ["--cluster-enabled", "yes", "--cluster-config-file",
+                            f"{server.dir}/nodes.conf", "--cluster-node-timeout", "2000"]
+            servers.append(server.start())
+        ports = [s.port for s in servers]
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+        client = redis.Redis(port=ports[0])
+        wait_for(lambda: client.cluster("info")["cluster_state"] == "ok", 20, what="cluster ok")
+        yield f"redis+cluster://127.0.0.1:{ports[0]}"
     finally:
         for server in servers:
             server.stop()
