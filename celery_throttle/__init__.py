@@ -17,20 +17,20 @@ from .limiter import Decision, RateStatus, Status, Throttle
 from .rates import Rate, parse_rate
 
 __all__ = [
-    "install",
-    "throttle",
-    "Throttle",
+    "ConfigurationError",
     "Decision",
-    "Status",
-    "RateStatus",
+    "KeyBuildError",
     "Rate",
+    "RateStatus",
+    "Status",
+    "StoreError",
+    "Throttle",
+    "ThrottleError",
+    "__version__",
+    "install",
     "parse_rate",
     "signals",
-    "ThrottleError",
-    "ConfigurationError",
-    "KeyBuildError",
-    "StoreError",
-    "__version__",
+    "throttle",
 ]
 
 __version__ = "0.1.0"
@@ -57,5 +57,5 @@ def install(app: Any, **overrides: Any) -> Throttle:
     elif overrides:
         ctl.configure(overrides)
     if overrides:
-        ctl.settings  # bad overrides fail here, at the call site
+        _ = ctl.settings  # bad overrides fail here, at the call site
     return ctl

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 from .errors import ConfigurationError
 from .keys import check_prefix
 
-__all__ = ["Settings", "ALGORITHMS", "STORE_ERROR_POLICIES"]
+__all__ = ["ALGORITHMS", "STORE_ERROR_POLICIES", "Settings"]
 
 ALGORITHMS = ("sliding", "fixed")
 STORE_ERROR_POLICIES = ("defer", "allow", "fail")

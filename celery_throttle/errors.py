@@ -7,7 +7,7 @@ silently in the middle of a run.
 
 from __future__ import annotations
 
-__all__ = ["ThrottleError", "ConfigurationError", "KeyBuildError", "StoreError"]
+__all__ = ["ConfigurationError", "KeyBuildError", "StoreError", "ThrottleError"]
 
 
 class ThrottleError(Exception):

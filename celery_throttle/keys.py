@@ -10,13 +10,13 @@ bounded, brace-free token.
 from __future__ import annotations
 
 import hashlib
-from functools import lru_cache
 import string
+from functools import lru_cache
 from urllib.parse import quote
 
 from .errors import ConfigurationError
 
-__all__ = ["encode", "state_key", "parking_keys", "MAX_TOKEN"]
+__all__ = ["MAX_TOKEN", "encode", "parking_keys", "state_key"]
 
 # Characters kept as they are; everything else is percent-encoded (":" "{" "}" "%" "#"
 # included), which makes the encoding injective and leaves ":" free as a separator.

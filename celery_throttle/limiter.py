@@ -5,8 +5,9 @@ from __future__ import annotations
 import fnmatch
 import logging
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from .config import ALGORITHMS, Settings
 from .errors import ConfigurationError, ThrottleError
@@ -15,7 +16,7 @@ from .rates import Rate, parse_rates
 from .spec import BoundCall, ThrottleSpec
 from .store import RedisStore, Reservation, WindowReply
 
-__all__ = ["Throttle", "Decision", "RateStatus", "Status"]
+__all__ = ["Decision", "RateStatus", "Status", "Throttle"]
 
 logger = logging.getLogger("celery_throttle")
 _TAGS = {"s": "sliding", "f": "fixed"}
@@ -79,7 +80,7 @@ class Throttle:
             if self._store is not None:
                 self._store.close()
                 self._store = None
-        self.settings  # validate now, loudly
+        _ = self.settings  # validate now, loudly
 
     @property
     def settings(self) -> Settings:

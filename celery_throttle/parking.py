@@ -23,7 +23,7 @@ from .errors import StoreError
 if TYPE_CHECKING:
     from .limiter import Throttle
 
-__all__ = ["park", "Releaser"]
+__all__ = ["Releaser", "park"]
 
 logger = logging.getLogger("celery_throttle")
 _LEASE_S = 60.0

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .errors import ConfigurationError
 
@@ -34,7 +34,7 @@ class Rate:
 
     @property
     def period_us(self) -> int:
-        return int(round(self.period * 1_000_000))
+        return round(self.period * 1_000_000)
 
     def __str__(self) -> str:
         us = self.period_us
@@ -72,11 +72,11 @@ def parse_rates(rates: object) -> tuple[Rate, ...]:
     try:
         return _parse_many(tuple(rates))
     except TypeError:  # an unhashable item: parse_rate says what is wrong with it
-        return tuple(sorted(set(parse_rate(r) for r in rates)))
+        return tuple(sorted({parse_rate(r) for r in rates}))
 
 
 @lru_cache(maxsize=1024)
 def _parse_many(rates: tuple[str | Rate, ...]) -> tuple[Rate, ...]:
     # Cached: direct callers and callable per-tenant rates pass the same strings again
     # and again, on the hot path.
-    return tuple(sorted(set(parse_rate(r) for r in rates)))
+    return tuple(sorted({parse_rate(r) for r in rates}))

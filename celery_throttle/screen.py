@@ -14,7 +14,8 @@ sampled (one message in eight), so tasks under their limit do not pay twice.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from celery import bootsteps
 from celery.utils.imports import symbol_by_name

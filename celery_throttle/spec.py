@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import inspect
 import string
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any
 
 from .config import ALGORITHMS
 from .errors import ConfigurationError, KeyBuildError
 from .rates import Rate, parse_rates
 
-__all__ = ["ThrottleSpec", "BoundCall", "RULE_OPTIONS"]
+__all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec"]
 
-RateArg = Union[str, Rate, Sequence[Union[str, Rate]], Callable[..., Any]]
+RateArg = str | Rate | Sequence[str | Rate] | Callable[..., Any]
 RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm")
 
 

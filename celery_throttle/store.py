@@ -9,10 +9,11 @@ restarted Redis loses nothing but one round trip.
 from __future__ import annotations
 
 import threading
-from functools import lru_cache
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from importlib import resources
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import redis
 from redis.exceptions import RedisError
@@ -21,7 +22,7 @@ from .errors import StoreError
 from .keys import parking_keys
 from .rates import Rate
 
-__all__ = ["RedisStore", "WindowReply", "Reservation"]
+__all__ = ["RedisStore", "Reservation", "WindowReply"]
 
 
 def _lua(name: str) -> str:
@@ -101,7 +102,7 @@ class RedisStore:
         return self._client
 
     def _connect(self) -> Any:
-        options = dict(socket_timeout=5, socket_connect_timeout=2, health_check_interval=30)
+        options = {"socket_timeout": 5, "socket_connect_timeout": 2, "health_check_interval": 30}
         for scheme in ("redis+cluster://", "rediss+cluster://"):
             if self.url.startswith(scheme):
                 url = self.url.replace("+cluster", "", 1)

@@ -6,7 +6,7 @@ A missing Redis skips the tests locally but fails them in CI (CI=true).
 from __future__ import annotations
 
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis

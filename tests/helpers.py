@@ -12,9 +12,10 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterable, Sequence
 from itertools import repeat
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import pytest
 import redis
@@ -59,7 +60,7 @@ def delete_queues(broker_url: str, queues: Sequence[str]) -> None:
         for queue in queues:
             try:
                 channel.queue_delete(queue)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a queue already gone is fine
                 channel = conn.channel()  # amqp closes the channel on an unknown queue
         channel.close()
 

@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol
 
 __all__ = [
     "EPOCH_FIELD",
-    "SLOTS",
     "MAX_ROUNDS",
+    "SLOTS",
     "Claim",
+    "FixedRate",
     "ModelReply",
     "SlidingRate",
-    "FixedRate",
     "WindowModel",
     "max_units_in_any_interval",
     "max_units_per_aligned_window",

@@ -5,14 +5,13 @@ Each test starts the servers and workers it needs (loopback only) and is bounded
 
 from __future__ import annotations
 
-import os
 import subprocess
 import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import redis
@@ -22,8 +21,7 @@ import celery_throttle
 from celery_throttle import StoreError
 from celery_throttle.parking import Releaser
 from tests.conftest import BROKER_URL, RABBITMQ_URL, STORE_URL, _clean
-from tests.helpers import (RedisServer, WorkerGroup, delete_queues, max_in_window, rabbitmq_or_skip,
-                           wait_for)
+from tests.helpers import RedisServer, WorkerGroup, delete_queues, max_in_window, rabbitmq_or_skip, wait_for
 
 FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 

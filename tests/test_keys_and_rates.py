@@ -152,7 +152,7 @@ def test_any_text_gives_a_usable_rate_or_a_configuration_error(text: str) -> Non
 def test_a_period_too_long_to_represent_is_refused() -> None:
     with pytest.raises(ConfigurationError):
         rate = parse_rate("1/" + "9" * 400 + "s")
-        rate.period_us  # what the store sends to Redis
+        _ = rate.period_us  # what the store sends to Redis
 
 
 @given(st.lists(rate_texts(), min_size=1, max_size=6))

@@ -17,8 +17,8 @@ import random
 import time
 import uuid
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import astuple, dataclass, field
-from typing import Iterator, Sequence
 
 import pytest
 import redis

@@ -26,7 +26,7 @@ def test_soak_twenty_thousand_tasks_across_tenants(workers: WorkerGroup, broker_
     tenants = [f"tenant-{n}" for n in range(TENANTS)]
     # Given 20 000 tasks sent at once, half on sliding and half on fixed windows
     ids = []
-    for i in range(PER_TENANT):
+    for _ in range(PER_TENANT):
         for n, tenant in enumerate(tenants):
             task = "soak_sliding" if n % 2 == 0 else "soak_fixed"
             ids.append(workers.send(task, label, tenant, f"{RATE}/s"))
