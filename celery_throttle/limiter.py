@@ -14,12 +14,13 @@ from .errors import ConfigurationError, ThrottleError
 from .keys import encode, state_key
 from .rates import Rate, parse_rates
 from .spec import BoundCall, ThrottleSpec
-from .store import RedisStore, Reservation, WindowReply
+from .store import ALGORITHM_TAGS, RedisStore, Reservation, WindowReply
 
 __all__ = ["Decision", "RateStatus", "Status", "Throttle"]
 
+_ALGORITHM_OF_TAG = {tag: algorithm for algorithm, tag in ALGORITHM_TAGS.items()}
+
 logger = logging.getLogger("celery_throttle")
-_TAGS = {"s": "sliding", "f": "fixed"}
 
 
 @dataclass(frozen=True)
@@ -195,9 +196,8 @@ class Throttle:
         hash_key = state_key(prefix, scope, key)
         seen: set[tuple[str, Rate]] = set()
         for field in self.store.read(hash_key):
-            head = field.split("|", 1)[0]
-            algorithm = _TAGS.get(head[:1])
-            limit, _, period_us = head[1:].partition("/")
+            algorithm = _ALGORITHM_OF_TAG.get(field[:1])
+            limit, _, period_us = field[1:].partition("/")
             if algorithm and limit.isdigit() and period_us.isdigit():
                 seen.add((algorithm, Rate(int(limit), int(period_us) / 1_000_000)))
         out = []

@@ -122,7 +122,7 @@ class RedisStore:
     def _run(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         client = self.client
         try:
-            return self._scripts[script](keys=list(keys), args=list(args), client=client)
+            return self._scripts[script](keys=keys, args=args, client=client)
         except RedisError as exc:
             raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
 
@@ -151,21 +151,21 @@ class RedisStore:
         ``learn=False`` for a second claim of the same arrival (after waiting out an
         early one), so the delay estimate sees each arrival once.
         """
-        claim_args = claim.to_header() if claim else [0, 0, 0, 0, "", 0]
-        args: list[Any] = [self._now_arg(), op, "1" if reserve else "0", cost, grace_us, slack_us]
-        args += claim_args
+        args = [self._now_arg(), op, "1" if reserve else "0", cost, grace_us, slack_us]
+        args += claim.to_header() if claim else _NO_CLAIM
         args.append("1" if learn else "0")
-        args += _rate_args(tuple(rates))
+        args += _rate_args(algorithm, tuple(rates))
         keys = [key, claim_marker] if claim is not None and claim_marker else [key]
-        reply = self._run(algorithm, keys, args)
-        return WindowReply(*(int(v) for v in reply))
+        # Lua numbers come back as Redis integers: the reply is already ints.
+        return WindowReply(*self._run(algorithm, keys, args))
 
-    def read(self, key: str) -> dict[str, str]:
+    def read(self, key: str) -> dict[str, bytes]:
+        """The raw state hash: field name to value (a rate's value is MessagePack)."""
         try:
             raw = self.client.hgetall(key)
         except RedisError as exc:
             raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return {k.decode(): v for k, v in raw.items()}
 
     def delete(self, key: str) -> int:
         try:
@@ -208,12 +208,23 @@ class RedisStore:
             self._client = None
 
 
+_NO_CLAIM = (0, 0, 0, 0, "", 0)
+
+#: The first letter of a rate's field in the state hash: "s25/1000000" holds sliding
+#: "25/s". ``Throttle.status`` reads the rates a hash holds back from these names.
+ALGORITHM_TAGS = {"sliding": "s", "fixed": "f"}
+
+
+def rate_field(algorithm: str, rate: Rate) -> str:
+    return f"{ALGORITHM_TAGS[algorithm]}{rate.limit}/{rate.period_us}"
+
+
 @lru_cache(maxsize=1024)
-def _rate_args(rates: tuple[Rate, ...]) -> list[int]:
-    args = [len(rates)]
+def _rate_args(algorithm: str, rates: tuple[Rate, ...]) -> tuple[int | str, ...]:
+    args: list[int | str] = [len(rates)]
     for rate in rates:
-        args += [rate.limit, rate.period_us]
-    return args
+        args += [rate.limit, rate.period_us, rate_field(algorithm, rate)]
+    return tuple(args)
 
 
 def _safe_url(url: str) -> str:

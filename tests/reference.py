@@ -23,6 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgpack
+
 __all__ = [
     "EPOCH_FIELD",
     "MAX_ROUNDS",
@@ -91,7 +93,7 @@ class SlidingRate:
         self.limit = limit
         self.period = period_us
         self.slot = max(math.ceil(period_us / SLOTS), 1000)
-        self.prefix = f"{self.tag}{limit}/{period_us}|"
+        self.field = f"{self.tag}{limit}/{period_us}"
         self.buckets: dict[int, Bucket] = {}
 
     def bucket_of(self, latest: int) -> int:
@@ -139,13 +141,14 @@ class SlidingRate:
     def clear_at(self) -> int:
         return max((b.latest + self.period for b in self.buckets.values()), default=0)
 
-    def fields(self) -> dict[str, str]:
-        return {f"{self.prefix}{k}": f"{b.units}:{b.latest}" for k, b in self.buckets.items()}
+    def entries(self) -> list[int]:
+        """The stored list: latest, units of each bucket, in bucket order."""
+        return [v for k in sorted(self.buckets) for v in (self.buckets[k].latest, self.buckets[k].units)]
 
-    def live_field(self, suffix: str, value: str, now: int) -> bool:
-        """Whether a stored field would survive decode() at ``now``."""
-        units, _, latest = value.partition(":")
-        return int(units) > 0 and int(latest) > now - self.period
+    def live(self, stored: list[int], now: int) -> list[int]:
+        """What load() keeps of a stored list at ``now``."""
+        pairs = zip(stored[::2], stored[1::2])
+        return [v for latest, units in pairs if latest > now - self.period for v in (latest, units)]
 
 
 # -- fixed --------------------------------------------------------------------------------
@@ -159,7 +162,7 @@ class FixedRate:
     def __init__(self, limit: int, period_us: int) -> None:
         self.limit = limit
         self.period = period_us
-        self.prefix = f"{self.tag}{limit}/{period_us}|"
+        self.field = f"{self.tag}{limit}/{period_us}"
         self.windows: dict[int, int] = {}
 
     def window_of(self, t: int) -> int:
@@ -206,11 +209,13 @@ class FixedRate:
     def clear_at(self) -> int:
         return max(((k + 1) * self.period for k in self.windows), default=0)
 
-    def fields(self) -> dict[str, str]:
-        return {f"{self.prefix}{k}": str(u) for k, u in self.windows.items()}
+    def entries(self) -> list[int]:
+        """The stored list: window, units of each window holding units, in order."""
+        return [v for k in sorted(self.windows) for v in (k, self.windows[k])]
 
-    def live_field(self, suffix: str, value: str, now: int) -> bool:
-        return int(value) > 0 and int(suffix) >= self.window_of(now)
+    def live(self, stored: list[int], now: int) -> list[int]:
+        pairs = zip(stored[::2], stored[1::2])
+        return [v for k, units in pairs if k >= self.window_of(now) for v in (k, units)]
 
 
 # -- the script ---------------------------------------------------------------------------
@@ -336,30 +341,29 @@ class WindowModel:
         return max((r.clear_at() for r in self.rates), default=0)
 
     # what the hash should hold
-    def fields(self) -> dict[str, str]:
-        out: dict[str, str] = {} if self.epoch is None else {EPOCH_FIELD: str(self.epoch)}
+    def fields(self) -> dict[str, str | list[int]]:
+        out: dict[str, str | list[int]] = {} if self.epoch is None else {EPOCH_FIELD: str(self.epoch)}
         if self.delay is not None:
             out.update(d=str(self.delay), v=str(self.jitter))
         for r in self.rates:
-            out.update(r.fields())
+            if r.buckets if isinstance(r, SlidingRate) else r.windows:
+                out[r.field] = r.entries()
         return out
 
-    def live_stored_fields(self, stored: dict[str, str], now: int) -> dict[str, str]:
-        """The fields of a stored hash that decode() would keep at ``now``.
-
-        Expired fields are only deleted when a script writes the hash back, so a stored
-        hash may hold a few more; they count for nothing. A field that belongs to none of
-        the rates is kept, so that a comparison with :meth:`fields` reports it.
+    def live_stored_fields(self, stored: dict[str, bytes], now: int) -> dict[str, str | list[int]]:
+        """The stored hash as load() sees it at ``now``: each rate's MessagePack list
+        decoded, less what no longer counts (that is only dropped when a script writes
+        the rate back). A field that belongs to none of the rates is kept, so that a
+        comparison with :meth:`fields` reports it.
         """
-        out: dict[str, str] = {}
+        out: dict[str, str | list[int]] = {}
+        by_field = {r.field: r for r in self.rates}
         for name, value in stored.items():
-            for r in self.rates:
-                if name.startswith(r.prefix):
-                    if r.live_field(name[len(r.prefix):], value, now):
-                        out[name] = value
-                    break
-            else:
-                out[name] = value
+            rate = by_field.get(name)
+            if rate is None:
+                out[name] = value.decode()
+            elif live := rate.live(msgpack.unpackb(value), now):
+                out[name] = live
         return out
 
 

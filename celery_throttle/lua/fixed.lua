@@ -2,82 +2,83 @@
 -- [k * period, (k + 1) * period). A burst across a boundary can reach 2 x limit in one
 -- period's length: that is the algorithm's nature, kept for quotas where it is fine.
 --
--- Stored fields: "<prefix><k>" = "<units>", one per window that holds units (the current
--- one and any future window holding reservations).
-local ALGO, ALGO_TAG = {}, 'f'
-
-local function window_of(r, t)
-  return string.format('%.0f', math.floor(t / r.period))
-end
+-- State of one rate: a flat list {k, units, k, units, ...} sorted by window k, one pair
+-- per window that holds units (the current one and any future window holding
+-- reservations), stored MessagePack-encoded in one hash field.
+local ALGO = {}
 
 function ALGO.init(r) end
 
-function ALGO.decode(r, value, now, suffix)
-  local units, k = tonumber(value), tonumber(suffix)
-  if units == nil or k == nil or units <= 0 or k < math.floor(now / r.period) then
-    return nil
+-- What can still count at `now`: the current window and later ones.
+function ALGO.load(r, t, now)
+  local current, n, first = math.floor(now / r.period), #t, 1
+  while first < n and t[first] < current do first = first + 2 end
+  if first == 1 then return t end
+  local out = {}
+  for i = first, n do out[#out + 1] = t[i] end
+  return out
+end
+
+local function units_in(t, k)
+  for i = 1, #t - 1, 2 do
+    if t[i] == k then return t[i + 1] end
+    if t[i] > k then break end
   end
-  return units
+  return 0
 end
 
-function ALGO.encode(units)
-  return string.format('%.0f', units)
+-- Adds `units` (which may be negative) to window k, keeping the list sorted and free
+-- of empty windows.
+local function add(t, k, units)
+  local i = 1
+  while i < #t and t[i] < k do i = i + 2 end
+  if i < #t and t[i] == k then
+    t[i + 1] = t[i + 1] + units
+    if t[i + 1] <= 0 then
+      table.remove(t, i)
+      table.remove(t, i)
+    end
+  elseif units > 0 then
+    table.insert(t, i, k)
+    table.insert(t, i + 1, units)
+  end
 end
 
-function ALGO.usage(r, items, x)
-  return items[window_of(r, x)] or 0
+function ALGO.usage(r, t, x)
+  return units_in(t, math.floor(x / r.period))
 end
 
 -- Earliest time >= x at which `cost` more units fit. A start at t may happen up to
 -- `slack` later: when that crosses into the next window, it must fit in both.
-function ALGO.earliest(r, items, x, cost, slack)
+function ALGO.earliest(r, t, x, cost, slack)
   local k = math.floor(x / r.period)
   while true do
-    local t = math.max(x, k * r.period)
-    local fits = (items[string.format('%.0f', k)] or 0) + cost <= r.limit
-    if fits and math.floor((t + slack) / r.period) > k then
-      fits = (items[string.format('%.0f', k + 1)] or 0) + cost <= r.limit
+    local at = math.max(x, k * r.period)
+    local fits = units_in(t, k) + cost <= r.limit
+    if fits and math.floor((at + slack) / r.period) > k then
+      fits = units_in(t, k + 1) + cost <= r.limit
     end
-    if fits then return t end
+    if fits then return at end
     k = k + 1
   end
 end
 
 -- Records `cost` units starting in [at, latest], in each window that span touches (at
 -- most two: `latest - at` is a small slack or grace); returns the latest valid start.
-function ALGO.record(r, items, at, latest, cost)
-  local w, w2 = window_of(r, at), window_of(r, latest)
-  items[w] = (items[w] or 0) + cost
-  if w2 ~= w then
-    items[w2] = (items[w2] or 0) + cost
-  else
-    w2 = nil
-  end
-  return (tonumber(w) + 1) * r.period - 1, w, w2
+function ALGO.record(r, t, at, latest, cost)
+  local k, k2 = math.floor(at / r.period), math.floor(latest / r.period)
+  add(t, k, cost)
+  if k2 ~= k then add(t, k2, cost) end
+  return (k + 1) * r.period - 1
 end
 
-local function take_back(items, w, cost)
-  local units = items[w]
-  if units then
-    units = units - cost
-    if units <= 0 then units = nil end
-    items[w] = units
-  end
+function ALGO.unrecord(r, t, at, grace, cost)
+  local k, k2 = math.floor(at / r.period), math.floor((at + grace) / r.period)
+  add(t, k, -cost)
+  if k2 ~= k then add(t, k2, -cost) end
 end
 
-function ALGO.unrecord(r, items, at, grace, cost)
-  local w, w2 = window_of(r, at), window_of(r, at + grace)
-  take_back(items, w, cost)
-  if w2 ~= w then
-    take_back(items, w2, cost)
-  else
-    w2 = nil
-  end
-  return w, w2
-end
-
-function ALGO.clear_at(r, items)
-  local t = 0
-  for w, _ in pairs(items) do t = math.max(t, (tonumber(w) + 1) * r.period) end
-  return t
+function ALGO.clear_at(r, t)
+  if #t == 0 then return 0 end
+  return (t[#t - 1] + 1) * r.period
 end

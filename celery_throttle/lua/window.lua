@@ -1,7 +1,8 @@
 -- Checks and records one call against every rate of one (scope, key), atomically.
 -- Prepended at load time by the algorithm (sliding.lua or fixed.lua), which defines ALGO.
 --
--- KEYS[1]  hash holding the state of every rate of this (scope, key)
+-- KEYS[1]  hash holding the state of every rate of this (scope, key): one field per rate
+--          (named by the caller), plus 'e', 'd' and 'v' below
 -- KEYS[2]  for 'claim': a marker naming this task's reservation (same hash tag). A
 --          reservation is used once: a second claim of it (a duplicated or redelivered
 --          message) is checked afresh instead of running on, or giving back, units that
@@ -18,7 +19,7 @@
 -- ARGV[7..12] for 'claim': the reservation's start, latest start, cost, grace, epoch,
 --          and lead (how early it was sent back)
 -- ARGV[13] '1' if this claim is the task's arrival (learn its delay from it), '0' if not
--- ARGV[14] number of rates, then ARGV[15..]: limit, period (µs) per rate
+-- ARGV[14] number of rates, then ARGV[15..]: limit, period (µs) and field name per rate
 --
 -- The hash's field 'e' is its epoch: set when the hash is created. A reservation made
 -- in another epoch (the hash was reset, expired, or Redis lost its data) is not honoured:
@@ -50,37 +51,33 @@ end
 local op, reserve, cost = ARGV[2], ARGV[3] == '1', tonumber(ARGV[4])
 local grace, slack = tonumber(ARGV[5]), tonumber(ARGV[6])
 
-local rates = {}
+local rates, fields = {}, {'e', 'd', 'v'}
 local shortest = nil
 for i = 1, tonumber(ARGV[14]) do
-  local r = {limit = tonumber(ARGV[13 + 2 * i]), period = tonumber(ARGV[14 + 2 * i])}
+  local r = {limit = tonumber(ARGV[12 + 3 * i]), period = tonumber(ARGV[13 + 3 * i]),
+             field = ARGV[14 + 3 * i], dirty = false}
   if shortest == nil or r.period < shortest then shortest = r.period end
-  r.prefix = string.format('%s%.0f/%.0f|', ALGO_TAG, r.limit, r.period)
-  r.items, r.dirty = {}, {}
   ALGO.init(r)
   rates[i] = r
+  fields[3 + i] = r.field
 end
 
-local raw = redis.call('HGETALL', key)
-local epoch, delay, jitter = nil, nil, nil
-for i = 1, #raw, 2 do
-  local field = raw[i]
-  if field == 'e' then epoch = raw[i + 1] end
-  if field == 'd' then delay = tonumber(raw[i + 1]) end
-  if field == 'v' then jitter = tonumber(raw[i + 1]) end
-  for _, r in ipairs(rates) do
-    if string.sub(field, 1, #r.prefix) == r.prefix then
-      local suffix = string.sub(field, #r.prefix + 1)
-      local item = ALGO.decode(r, raw[i + 1], now, suffix)
-      if item then r.items[suffix] = item else r.dirty[suffix] = true end
-    end
-  end
+local stored = redis.call('HMGET', key, unpack(fields))
+-- HMGET answers false for a missing field.
+local epoch = stored[1] or nil
+local delay = stored[2] and tonumber(stored[2]) or nil
+local jitter = stored[3] and tonumber(stored[3]) or nil
+for i, r in ipairs(rates) do
+  local ok, list = false, nil
+  if stored[3 + i] then ok, list = pcall(cmsgpack.unpack, stored[3 + i]) end
+  -- A value that does not decode to a list counts for nothing (and is replaced).
+  r.list = ALGO.load(r, (ok and type(list) == 'table') and list or {}, now)
 end
 
 local function remaining(x)
   local free = nil
   for _, r in ipairs(rates) do
-    local f = r.limit - ALGO.usage(r, r.items, x)
+    local f = r.limit - ALGO.usage(r, r.list, x)
     if free == nil or f < free then free = f end
   end
   return math.max(free or 0, 0)
@@ -88,38 +85,32 @@ end
 
 local function clear_at()
   local t = 0
-  for _, r in ipairs(rates) do t = math.max(t, ALGO.clear_at(r, r.items)) end
+  for _, r in ipairs(rates) do t = math.max(t, ALGO.clear_at(r, r.list)) end
   return t
 end
 
 local function write_back()
   local dels, sets = {}, {}
   for _, r in ipairs(rates) do
-    for suffix, _ in pairs(r.dirty) do
-      local item = r.items[suffix]
-      if item then
-        sets[#sets + 1] = r.prefix .. suffix
-        sets[#sets + 1] = ALGO.encode(item)
-      else
-        dels[#dels + 1] = r.prefix .. suffix
-      end
+    if r.dirty and #r.list > 0 then
+      sets[#sets + 1] = r.field
+      sets[#sets + 1] = cmsgpack.pack(r.list)
+    elseif r.dirty then
+      dels[#dels + 1] = r.field
     end
   end
-  for i = 1, #dels, 1000 do
-    redis.call('HDEL', key, unpack(dels, i, math.min(i + 999, #dels)))
-  end
-  if #sets > 0 and epoch == nil then
+  if #dels > 0 then redis.call('HDEL', key, unpack(dels)) end
+  if #sets == 0 then return end
+  if epoch == nil then
     epoch = string.format('%.0f', now)
     sets[#sets + 1] = 'e'
     sets[#sets + 1] = epoch
   end
-  for i = 1, #sets, 1000 do
-    redis.call('HSET', key, unpack(sets, i, math.min(i + 999, #sets)))
-  end
+  redis.call('HSET', key, unpack(sets))
   -- Keep the hash as long as something in it still counts. When the TTL must grow,
   -- grow it by a further shortest window, so a busy key is not re-expired on every call.
   local clear = clear_at()
-  if #sets > 0 and clear > now then
+  if clear > now then
     local ttl = math.ceil((clear - now) / 1000) + 1000
     if redis.call('PTTL', key) < ttl then
       redis.call('PEXPIRE', key, ttl + math.ceil(shortest / 1000))
@@ -166,9 +157,8 @@ if op == 'claim' then
   -- Too late to use the reserved start without breaking the window for whoever was
   -- placed after it: give it back and try afresh.
   for _, r in ipairs(rates) do
-    local w, w2 = ALGO.unrecord(r, r.items, c_start, c_grace, c_cost)
-    r.dirty[w] = true
-    if w2 then r.dirty[w2] = true end
+    ALGO.unrecord(r, r.list, c_start, c_grace, c_cost)
+    r.dirty = true
   end
 end
 
@@ -177,7 +167,7 @@ local x, settled = now, false
 for _ = 1, 64 do
   settled = true
   for _, r in ipairs(rates) do
-    local e = ALGO.earliest(r, r.items, x, cost, slack)
+    local e = ALGO.earliest(r, r.list, x, cost, slack)
     if e > x then x, settled = e, false end
   end
   if settled then break end
@@ -193,18 +183,16 @@ if settled and x == now and op == 'screen' then
 elseif settled and x == now then
   code = 1
   for _, r in ipairs(rates) do
-    local _, suffix, suffix2 = ALGO.record(r, r.items, now, now + slack, cost)
-    r.dirty[suffix] = true
-    if suffix2 then r.dirty[suffix2] = true end
+    ALGO.record(r, r.list, now, now + slack, cost)
+    r.dirty = true
   end
 elseif settled and reserve then
   if jitter ~= nil then grace = math.max(grace, 4 * jitter + 2 * slack) end
   grace = math.min(grace, math.floor(shortest / 10))
   start, latest = x, nil
   for _, r in ipairs(rates) do
-    local until_, suffix, suffix2 = ALGO.record(r, r.items, x, x + grace, cost)
-    r.dirty[suffix] = true
-    if suffix2 then r.dirty[suffix2] = true end
+    local until_ = ALGO.record(r, r.list, x, x + grace, cost)
+    r.dirty = true
     if latest == nil or until_ < latest then latest = until_ end
   end
 end
