@@ -45,50 +45,58 @@ class ScreenStep(bootsteps.StartStopStep):
                 c.strategies[name] = _screened(ctl, task, c.strategies[name], c.connection_errors)
 
 
-#: After this many screened messages of a key in a row fit, only one in this many is
+#: After this many screened messages of a task in a row fit, only one in this many is
 #: screened until the next denial: under its limit a task then pays one round trip, not
-#: two, and the onset of a burst is still seen within a few messages.
+#: two, and the onset of a burst is still seen within a few messages. The count is per
+#: task, not per key: a skipped message is not even decoded.
 _SAMPLE = 8
-_MAX_KEYS = 10_000
 
 
 def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any) -> Callable[..., Any]:
     Request = symbol_by_name(task.Request)
-    fits_in_a_row: dict[str, int] = {}
+    fits_in_a_row = 0
 
     def screened(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any) -> Any:
+        nonlocal fits_in_a_row
         headers = message.headers or {}
         if "task" not in headers or headers.get("eta") or (headers.get(HEADER) or {}).get("r"):
             return handler(message, body, ack, reject, callbacks, **kw)
+        streak = fits_in_a_row
+        if streak >= _SAMPLE and streak % _SAMPLE:
+            fits_in_a_row = streak + 1
+            return handler(message, body, ack, reject, callbacks, **kw)
         try:
-            req = Request(message, app=task.app, task=task)
-            args, kwargs = req.args, req.kwargs
+            args, kwargs = _arguments(message)
             spec = type(task)._throttle_spec
             call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
                              ctl.settings.default_algorithm)
-            ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
-            streak = fits_in_a_row.get(ident, 0)
-            if streak >= _SAMPLE and streak % _SAMPLE:
-                fits_in_a_row[ident] = streak + 1
-                return handler(message, body, ack, reject, callbacks, **kw)
             reply = ctl.check(call, reserve=True, screen=True)
         except ThrottleError:
             # Bad arguments or Redis down: the pool path deals with it, visibly.
             return handler(message, body, ack, reject, callbacks, **kw)
-        if len(fits_in_a_row) > _MAX_KEYS:
-            fits_in_a_row.clear()
-        if reply.code != WindowReply.DENIED or not reply.start_us:
-            fits_in_a_row[ident] = streak + 1
+        except Exception:
+            # A body that does not decode: Celery's own path reports it.
             return handler(message, body, ack, reject, callbacks, **kw)
-        fits_in_a_row[ident] = 0
-        context = req._context
+        if reply.code != WindowReply.DENIED or not reply.start_us:
+            fits_in_a_row = streak + 1
+            return handler(message, body, ack, reject, callbacks, **kw)
+        fits_in_a_row = 0
+        ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
         try:
+            context = Request(message, app=task.app, task=task)._context
             defer_denied(ctl, task, context, args, kwargs, call, {}, ident, None, reply)
         except Exception:
             logger.exception("could not defer %s[%s] from the consumer; handing it to the pool",
-                             task.name, req.id)
+                             task.name, headers.get("id"))
             return handler(message, body, ack, reject, callbacks, **kw)
         ack(logger, errors)
         return None
 
     return screened
+
+
+def _arguments(message: Any) -> tuple[Any, Any]:
+    """(args, kwargs) of a protocol 2 message: its body is ``[args, kwargs, embed]``.
+    (Celery defers decoding to the pool; one decode here is cheaper than a Request.)"""
+    args, kwargs, _ = message.decode()
+    return args, kwargs
