@@ -142,9 +142,15 @@ class Throttle:
     def lead_us(self, rates: Sequence[Rate], learnt: int = -1) -> int:
         """How early a reserved task is sent back; it waits out the rest in the worker.
 
-        The key's learnt dispatch delay once there is one (see window.lua), else the grace.
+        The key's learnt dispatch delay and margin once there are some (see window.lua);
+        before that, the grace plus as much again (at most half the busiest rate's
+        spacing: every early task holds a pool process while it waits).
         """
-        return learnt if learnt >= 0 else min(self.grace_us(rates), 500_000)
+        if learnt >= 0:
+            return learnt
+        grace = self.grace_us(rates)
+        half_pace = min(r.period_us // r.limit // 2 for r in rates)
+        return min(grace + min(grace, half_pace), 500_000)
 
     @staticmethod
     def slack_us(rates: Sequence[Rate]) -> int:

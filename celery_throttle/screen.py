@@ -19,6 +19,7 @@ from typing import Any
 
 from celery import bootsteps
 from celery.utils.imports import symbol_by_name
+from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .errors import ThrottleError
 from .hook import HEADER, defer_denied
@@ -74,7 +75,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any) -> 
         except ThrottleError:
             # Bad arguments or Redis down: the pool path deals with it, visibly.
             return handler(message, body, ack, reject, callbacks, **kw)
-        except Exception:
+        except (DecodeError, ContentDisallowed, ValueError, TypeError):
             # A body that does not decode: Celery's own path reports it.
             return handler(message, body, ack, reject, callbacks, **kw)
         if reply.code != WindowReply.DENIED or not reply.start_us:

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 #: Buckets per period of a sliding window (sliding.lua's SLOTS).
-SLOTS = 50
+SLOTS = 100
 #: Rounds of the multi-rate "earliest start" search before window.lua gives up.
 MAX_ROUNDS = 64
 
@@ -267,7 +267,7 @@ class WindowModel:
 
         def reply(code: int, wait: int, start: int, latest: int, grace: int = 0) -> ModelReply:
             return ModelReply(code, wait, self.remaining(now), self.clear_at(), start, latest, now,
-                              self.epoch or 0, -1 if self.delay is None else self.delay, grace)
+                              self.epoch or 0, self.lead(), grace)
 
         for r in self.rates:
             if cost > r.limit:
@@ -332,6 +332,13 @@ class WindowModel:
         if written and self.epoch is None:
             self.epoch = now
         return reply(code, x - now, start, latest, grace_us if start > 0 else 0)
+
+    def lead(self) -> int:
+        """The learnt delay plus a margin of 2 v, at most half the busiest rate's spacing."""
+        if self.delay is None or self.jitter is None:
+            return -1
+        half_pace = min(math.floor(r.period / r.limit / 2) for r in self.rates)
+        return self.delay + min(2 * self.jitter, half_pace)
 
     def remaining(self, now: int) -> int:
         free = min((r.limit - r.usage(now) for r in self.rates), default=0)

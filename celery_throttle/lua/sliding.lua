@@ -13,7 +13,7 @@
 -- State of one rate: a flat list {latest, units, latest, units, ...} sorted by latest
 -- (so by bucket), stored MessagePack-encoded in one hash field: one C call decodes it,
 -- where a field per bucket cost a Lua string match each.
-local SLOTS = 50
+local SLOTS = 100
 
 local ALGO = {}
 

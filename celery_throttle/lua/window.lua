@@ -27,9 +27,11 @@
 --
 -- Fields 'd' and 'v' learn how long a reserved task takes to come back, the way TCP
 -- learns a round trip: d is the smoothed delay from "due to arrive" to its claim, v its
--- mean deviation. Denied tasks are sent back d early, and a reservation's grace covers
--- 4 v: busy workers widen it (a little throughput for far fewer voided reservations),
--- idle ones keep it tight.
+-- mean deviation. Denied tasks are sent back d early plus a margin of 2 v (at most half
+-- the spacing of the busiest rate, since each early task waits in a pool process),
+-- so most arrive before their start and wait for it in the worker. A reservation's
+-- grace covers 4 v: busy workers widen it (a little throughput for far fewer voided
+-- reservations), idle ones keep it tight.
 --
 -- Returns {code, wait, remaining, clear_at, start, latest, now, epoch, lead, grace}
 -- (times in µs):
@@ -38,7 +40,7 @@
 --   wait  µs until the call may start
 --   remaining  units still free now, over the tightest rate
 --   clear_at  when every counted unit has left its window
---   lead  the learnt delay d (-1 while nothing is learnt): send reserved tasks that early
+--   lead  d plus the margin above (-1 while nothing is learnt): send reserved tasks that early
 --   grace  the grace given to the start reserved by this call (0 if none)
 local key = KEYS[1]
 local now
@@ -52,11 +54,13 @@ local op, reserve, cost = ARGV[2], ARGV[3] == '1', tonumber(ARGV[4])
 local grace, slack = tonumber(ARGV[5]), tonumber(ARGV[6])
 
 local rates, fields = {}, {'e', 'd', 'v'}
-local shortest = nil
+local shortest, half_pace = nil, nil
 for i = 1, tonumber(ARGV[14]) do
   local r = {limit = tonumber(ARGV[12 + 3 * i]), period = tonumber(ARGV[13 + 3 * i]),
              field = ARGV[14 + 3 * i], dirty = false}
   if shortest == nil or r.period < shortest then shortest = r.period end
+  local pace = math.floor(r.period / r.limit / 2)
+  if half_pace == nil or pace < half_pace then half_pace = pace end
   ALGO.init(r)
   rates[i] = r
   fields[3 + i] = r.field
@@ -120,7 +124,7 @@ end
 
 local function reply(code, wait, start, latest, given_grace)
   return {code, wait, remaining(now), clear_at(), start, latest, now, tonumber(epoch or '0'),
-          delay or -1, given_grace or 0}
+          delay and (delay + math.min(2 * jitter, half_pace)) or -1, given_grace or 0}
 end
 
 for _, r in ipairs(rates) do
