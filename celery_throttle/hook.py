@@ -86,7 +86,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
     claim = Reservation.from_header(state.get("r")) if state.get("k") == ident else None
     try:
-        reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id)
+        reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id, lease=True)
         if reply.code == WindowReply.EARLY and claim and reply.wait_us <= _wait_here_us(ctl, call, claim):
             # Sent back a little early on purpose (dispatch takes a while): wait here
             # for the reserved start rather than a round trip through the broker.

@@ -12,6 +12,7 @@ from typing import Any
 from .config import ALGORITHMS, Settings
 from .errors import ConfigurationError, ThrottleError
 from .keys import encode, state_key
+from .lease import Leases, sent_at
 from .rates import Rate, parse_rates
 from .spec import BoundCall, ThrottleSpec
 from .store import ALGORITHM_TAGS, RedisStore, Reservation, WindowReply
@@ -70,6 +71,7 @@ class Throttle:
         self._store: RedisStore | None = None
         self._lock = threading.Lock()
         self._rules: list[tuple[str, ThrottleSpec]] | None = None
+        self._leases = Leases()
 
     # -- configuration ----------------------------------------------------------------
     def configure(self, overrides: Mapping[str, Any]) -> None:
@@ -159,25 +161,41 @@ class Throttle:
         process between the check and the first line of the body)."""
         return int(min(max(min(r.period_us for r in rates) // 100, 2000), 20_000))
 
+    @staticmethod
+    def lease_span_us(rates: Sequence[Rate]) -> int:
+        """How long a lease lasts: 5% of the shortest window, between 2 ms and 1 s."""
+        return int(min(max(min(r.period_us for r in rates) // 20, 2000), 1_000_000))
+
     def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
-              claimant: str | None = None, learn: bool = True, screen: bool = False) -> WindowReply:
+              claimant: str | None = None, learn: bool = True, screen: bool = False,
+              lease: bool = False) -> WindowReply:
         """Check one bound call; reserve a future start when denied and asked to.
 
         ``claim``: a reservation this call made earlier; ``claimant`` (the task id) makes
-        using it single-use. ``screen``: record nothing if the call fits now.
+        using it single-use. ``screen``: record nothing if the call fits now. ``lease``:
+        a fresh call may be admitted from, or take, a lease (see :mod:`.lease`).
         """
         op = "claim" if claim is not None else "screen" if screen else "acquire"
         key = state_key(self.settings.key_prefix, call.scope, call.key)
+        slack = self.slack_us(call.rates)
+        lease = lease and op == "acquire"
+        if lease and self._leases.take(key, call.cost, slack):
+            return WindowReply(WindowReply.RUN, 0, -1, 0, 0, 0, 0, 0, -1, 0)
+        span = self.lease_span_us(call.rates) if lease else 0
+        units = self._leases.wanted(key, call.cost, span) if lease else 0
+        sent = sent_at()
         marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claim and claimant else None
         reply = self.store.window(
             key, call.algorithm, op, call.rates, call.cost,
-            reserve=reserve, grace_us=self.grace_us(call.rates),
-            slack_us=self.slack_us(call.rates), claim=claim, claim_marker=marker, learn=learn,
+            reserve=reserve, grace_us=self.grace_us(call.rates), slack_us=slack, claim=claim,
+            claim_marker=marker, learn=learn, lease=units, lease_span_us=span,
         )
         if reply.code == WindowReply.TOO_COSTLY:
             raise ThrottleError(
                 f"cost {call.cost} of scope {call.scope!r} exceeds the limit {reply.wait_us} of one of its rates"
             )
+        if reply.leased:
+            self._leases.grant(key, reply.leased - call.cost, max(span, slack), sent)
         return reply
 
     def acquire(

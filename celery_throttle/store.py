@@ -72,6 +72,8 @@ class WindowReply:
     lead_us: int
     #: The grace given to the start reserved by this call (0 if none).
     grace_us: int
+    #: Units granted as a lease, this call's own included (0 if none).
+    leased: int = 0
 
     RUN, DENIED, EARLY, TOO_COSTLY = 1, 0, 2, -1
 
@@ -144,16 +146,20 @@ class RedisStore:
         claim: Reservation | None = None,
         claim_marker: str | None = None,
         learn: bool = True,
+        lease: int = 0,
+        lease_span_us: int = 0,
     ) -> WindowReply:
         """Run window.lua once: acquire, peek, or claim a reservation, over every rate.
 
         ``claim_marker`` (a key in the same hash tag) makes the claim single-use;
         ``learn=False`` for a second claim of the same arrival (after waiting out an
-        early one), so the delay estimate sees each arrival once.
+        early one), so the delay estimate sees each arrival once. ``lease``: units an
+        acquire that fits may take at once for calls to come within ``lease_span_us``
+        (granted only while every rate stays at most half full; see window.lua).
         """
         args = [self._now_arg(), op, "1" if reserve else "0", cost, grace_us, slack_us]
         args += claim.to_header() if claim else _NO_CLAIM
-        args.append("1" if learn else "0")
+        args += ("1" if learn else "0", lease, lease_span_us)
         args += _rate_args(algorithm, tuple(rates))
         keys = [key, claim_marker] if claim is not None and claim_marker else [key]
         # Lua numbers come back as Redis integers: the reply is already ints.

@@ -69,10 +69,11 @@ class ModelReply:
     epoch: int
     lead_us: int
     grace_us: int
+    leased: int = 0
 
     def as_tuple(self) -> tuple[int, ...]:
-        return (self.code, self.wait_us, self.remaining, self.clear_at_us,
-                self.start_us, self.latest_us, self.now_us, self.epoch, self.lead_us, self.grace_us)
+        return (self.code, self.wait_us, self.remaining, self.clear_at_us, self.start_us,
+                self.latest_us, self.now_us, self.epoch, self.lead_us, self.grace_us, self.leased)
 
 
 # -- sliding ------------------------------------------------------------------------------
@@ -260,18 +261,20 @@ class WindowModel:
         slack_us: int = 0,
         claim: Claim | None = None,
         learn: bool = True,
+        lease: int = 0,
+        lease_span_us: int = 0,
     ) -> ModelReply:
         for r in self.rates:
             r.load(now)
         shortest = min(r.period for r in self.rates)
 
-        def reply(code: int, wait: int, start: int, latest: int, grace: int = 0) -> ModelReply:
+        def reply(code: int, wait: int, start: int, latest: int, grace: int = 0, leased: int = 0) -> ModelReply:
             return ModelReply(code, wait, self.remaining(now), self.clear_at(), start, latest, now,
-                              self.epoch or 0, self.lead(), grace)
+                              self.epoch or 0, self.lead(), grace, leased)
 
         for r in self.rates:
             if cost > r.limit:
-                return ModelReply(-1, r.limit, 0, 0, 0, 0, now, 0, -1, 0)
+                return ModelReply(-1, r.limit, 0, 0, 0, 0, now, 0, -1, 0, 0)
 
         # A reservation made in another epoch (or none: RedisStore sends '' without a
         # claim) is not honoured and gives nothing back: the call is an acquire.
@@ -314,13 +317,22 @@ class WindowModel:
         if op == "peek":
             return reply(1 if x == now else 0, x - now, 0, 0)
 
-        code, start, latest = 0, 0, 0
+        code, start, latest, leased = 0, 0, 0, 0
         if settled and x == now and op == "screen":
             code = 1  # fits now: recorded by the acquire that follows, not here
         elif settled and x == now:
             code = 1
+            units, span = cost, slack_us
+            if op == "acquire" and lease > cost:
+                # A lease: `lease` units over [now, now + span], only while every rate
+                # stays at most half full with them.
+                wide = max(lease_span_us, slack_us)
+                if all(2 * (max(r.usage(now), r.usage(now + wide)) + lease) <= r.limit
+                       and r.earliest(now, lease, wide) == now
+                       for r in self.rates):
+                    units, span, leased = lease, wide, lease
             for r in self.rates:
-                r.record(now, now + slack_us, cost)
+                r.record(now, now + span, units)
             written = True
         elif settled and reserve:
             if self.jitter is not None:
@@ -331,7 +343,7 @@ class WindowModel:
             written = True
         if written and self.epoch is None:
             self.epoch = now
-        return reply(code, x - now, start, latest, grace_us if start > 0 else 0)
+        return reply(code, x - now, start, latest, grace_us if start > 0 else 0, leased)
 
     def lead(self) -> int:
         """The learnt delay plus a margin of 2 v, at most half the busiest rate's spacing."""

@@ -89,6 +89,13 @@ def below(label):
     record(label)
 
 
+# -- a busy key: a limit far above what a burst's first tasks use (leases) ---------------
+@app.task
+@throttle("300/s")
+def busy(label):
+    record(label)
+
+
 # -- decorator above @app.task, fixed window, key template -----------------------------
 @throttle("4/s", key="{tenant}", algorithm="fixed")
 @app.task

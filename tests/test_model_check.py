@@ -131,6 +131,8 @@ class Harness:
     #: The wait of the last denied call: jumping exactly there is a good edge case.
     last_wait: int = 0
     history: list[str] = field(default_factory=list)
+    #: Leases the script granted (the walk must exercise them).
+    leases: int = 0
 
     def __post_init__(self) -> None:
         self.model = WindowModel(self.algorithm, [(r.limit, r.period_us) for r in self.rates])
@@ -177,22 +179,27 @@ class Harness:
         grace_us: int = 0,
         slack_us: int = 0,
         claim: Reservation | None = None,
+        lease: int = 0,
+        lease_span_us: int = 0,
     ) -> WindowReply:
         now = self.clock.now
         got = self.store.window(self.key, self.algorithm, op, self.rates, cost, reserve=reserve,
-                                grace_us=grace_us, slack_us=slack_us, claim=claim)
+                                grace_us=grace_us, slack_us=slack_us, claim=claim,
+                                lease=lease, lease_span_us=lease_span_us)
         want = self.model.window(now, op, cost, reserve=reserve, grace_us=grace_us,
-                                 slack_us=slack_us, claim=claim)
+                                 slack_us=slack_us, claim=claim, lease=lease, lease_span_us=lease_span_us)
         self.history.append(
             f"{op} cost={cost} reserve={reserve} grace={grace_us} slack={slack_us} "
-            f"claim={claim and claim.to_header()} at now={now} -> {astuple(got)}"
+            f"claim={claim and claim.to_header()} lease={lease}/{lease_span_us} at now={now} "
+            f"-> {astuple(got)}"
         )
         # Then the script decided exactly what the model decided
         assert astuple(got) == want.as_tuple(), self.explain(
             f"script replied {astuple(got)}, model {want.as_tuple()} "
             "(code, wait, remaining, clear_at, start, latest, now, epoch)"
         )
-        self._account(op, cost, grace_us, slack_us, claim, got)
+        self.leases += 1 if got.leased else 0
+        self._account(op, cost, max(slack_us, lease_span_us) if got.leased else slack_us, claim, got)
         self.check_stored_state()
         # The script's TTLs are real milliseconds computed from the test clock: keep the
         # hash from expiring in real time while a slow machine runs the walk (TTLs have
@@ -200,8 +207,8 @@ class Harness:
         self.store.client.pexpire(self.key, 600_000, gt=True)
         return got
 
-    def _account(self, op: str, cost: int, grace_us: int, slack_us: int,
-                 claim: Reservation | None, got: WindowReply) -> None:
+    def _account(self, op: str, cost: int, slack_us: int, claim: Reservation | None,
+                 got: WindowReply) -> None:
         now = self.clock.now
         if claim is not None and got.code != WindowReply.EARLY:
             # Claimed on time (runs), or late (given back, maybe replaced below).
@@ -209,13 +216,14 @@ class Harness:
         if op == "peek" or (op == "screen" and got.code == WindowReply.RUN):
             return  # nothing recorded: the pool's acquire comes next
         if got.code == WindowReply.RUN:
-            self.eras[-1].append((now, cost))
+            self.eras[-1].append((now, got.leased or cost))
             # The body may start up to `slack` later: the script promises that for an
             # on-time claim (now + slack <= latest) and for an immediate admission
             # (a sliding window records [now, now + slack]; a fixed one counts it in
-            # every window that span touches).
-            jitter = self.rng.randint(0, slack_us)
-            self.jittered_eras[-1].append((now + jitter, cost))
+            # every window that span touches). A lease's units start anywhere in its span.
+            for _ in range(got.leased or 1):
+                units = 1 if got.leased else cost
+                self.jittered_eras[-1].append((now + self.rng.randint(0, slack_us), units))
         elif got.code == WindowReply.DENIED:
             self.last_wait = got.wait_us
             if got.start_us:
@@ -297,6 +305,10 @@ class Harness:
             self.reset()
         elif roll < 0.3:
             self.advance(self.random_step())
+        elif roll < 0.42:
+            cost = self.random_cost()
+            self.run("acquire", cost, slack_us=self.random_slack(),
+                     lease=cost * self.rng.randint(1, 12), lease_span_us=self.random_slack() * 5)
         elif roll < 0.5:
             self.run("acquire", self.random_cost(), slack_us=self.random_slack())
         elif roll < 0.7:
@@ -344,6 +356,43 @@ def test_script_matches_model_and_never_overfills_a_window(
     # Then (checked at every step) they agreed, and no window ever held too much
     h.check_invariant()
     assert h.admissions, "the walk admitted nothing: it tested nothing"
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("rate_set", sorted(RATE_SETS))
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_leases_match_the_model_and_never_overfill_a_window(
+    store: RedisStore, clock: FakeClock, algorithm: str, rate_set: str, seed: int
+) -> None:
+    # Given one hash and a seeded walk of leased acquires (granted only while every rate
+    # stays half full), plain acquires, reservations and time jumps: from an empty
+    # window, through the half-full line, to the limit
+    stable_seed = zlib.crc32(f"lease/{algorithm}/{rate_set}/{seed}".encode())
+    h = new_harness(store, clock, algorithm, RATE_SETS[rate_set], seed=stable_seed)
+    rng, tight = h.rng, min(h.rates, key=lambda r: r.limit)
+    for _ in range(STEPS // 2):
+        roll = rng.random()
+        # When each operation runs on the script and on the model
+        if roll < 0.25:
+            h.advance(rng.randint(0, 2 * h.min_period // max(tight.limit, 1) + 1))
+        elif roll < 0.3:
+            h.advance(rng.randint(h.max_period, 2 * h.max_period))
+        elif roll < 0.8:
+            cost = rng.choice([1, 1, 2])
+            h.run("acquire", cost, slack_us=h.random_slack(),
+                  lease=cost * rng.randint(2, max(2, tight.limit // 3)), lease_span_us=h.random_slack() * 5)
+        elif roll < 0.9:
+            h.run("acquire", 1, slack_us=h.random_slack())
+        else:
+            h.run("acquire", 1, reserve=True, grace_us=h.random_grace(), slack_us=h.random_slack())
+    # Then they agreed at every step, no window held too much with every leased unit
+    # started anywhere in its span, and leases were granted where one fits in half a
+    # window (2 units need a limit of 4), never elsewhere
+    h.check_invariant()
+    if tight.limit >= 4:
+        assert h.leases, "no lease was granted: the walk tested nothing"
+    else:
+        assert h.leases == 0
 
 
 # -- the same, explored by hypothesis -----------------------------------------------------
@@ -401,6 +450,12 @@ class WindowMachine(RuleBasedStateMachine):
     def acquire(self, cost: int, slack: int) -> None:
         assert self.h is not None
         self.h.run("acquire", cost, slack_us=slack)
+
+    @rule(cost=COSTS, calls=st.integers(1, 12), span=st.sampled_from([0, 1, 2000, 50_000]),
+          slack=st.sampled_from([0, 2000]))
+    def acquire_a_lease(self, cost: int, calls: int, span: int, slack: int) -> None:
+        assert self.h is not None
+        self.h.run("acquire", cost, slack_us=slack, lease=cost * calls, lease_span_us=span)
 
     @rule(cost=COSTS, grace=st.sampled_from([0, 1, 10_000, 20_000, 500_000]),
           slack=st.sampled_from([0, 2000]))
@@ -462,7 +517,7 @@ def test_cost_above_a_limit_is_refused_with_minus_one_and_changes_nothing(
     claim = Reservation(clock.now, clock.now + 10, 4, 10, epoch) if op == "claim" else None
     reply = store.window(key, algorithm, op, rates, 4, reserve=True, claim=claim)
     # Then it is refused with code -1, the refusing limit in `wait`, and nothing written
-    assert astuple(reply) == (WindowReply.TOO_COSTLY, 3, 0, 0, 0, 0, clock.now, 0, -1, 0)
+    assert astuple(reply) == (WindowReply.TOO_COSTLY, 3, 0, 0, 0, 0, clock.now, 0, -1, 0, 0)
     assert not reply.allowed
     assert redis_client.hgetall(key) == before
 

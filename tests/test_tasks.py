@@ -10,6 +10,7 @@ import time
 import uuid
 from collections import Counter
 
+import redis
 from celery.result import AsyncResult
 
 from tests.helpers import WorkerGroup, max_in_aligned_windows, max_in_window, wait_for
@@ -37,6 +38,32 @@ def test_sliding_limit_holds_across_every_worker_process(workers: WorkerGroup) -
     times = sorted(e["t"] for e in starts)
     assert max_in_window(times, 1.0) <= 5
     assert len({e["pid"] for e in starts}) >= 2, "the burst should be spread over processes"
+
+
+def _script_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_busy_key_far_below_its_limit_is_admitted_from_leases_and_still_held(
+    workers: WorkerGroup, store_client: redis.Redis
+) -> None:
+    # Given a sliding 300/s limit and 4 pool processes
+    label = _label()
+    # When 120 tasks are sent at once (at most 40% of the limit)
+    before = _script_calls(store_client)
+    ids = [workers.send("busy", label) for _ in range(120)]
+    starts = workers.wait_starts(label, 120, timeout=30, settle=0.2)
+    # Then each ran once, and the pool took most starts from leases: fewer script calls
+    # than tasks (without leases every start is one, plus the consumer's screening)
+    _assert_each_ran_once(starts, ids)
+    assert _script_calls(store_client) - before < 120
+    # And when 700 more follow at once, far past the limit, no 1 s ever holds more than
+    # 300 starts (leases stop at half the limit; every start is then checked alone)
+    more = f"{label}-more"
+    ids = [workers.send("busy", more) for _ in range(700)]
+    burst = workers.wait_starts(more, 700, timeout=60)
+    _assert_each_ran_once(burst, ids)
+    assert max_in_window(sorted(e["t"] for e in starts + burst), 1.0) <= 300
 
 
 def test_fixed_window_per_tenant_above_the_task_decorator(workers: WorkerGroup) -> None:

@@ -19,7 +19,14 @@
 -- ARGV[7..12] for 'claim': the reservation's start, latest start, cost, grace, epoch,
 --          and lead (how early it was sent back)
 -- ARGV[13] '1' if this claim is the task's arrival (learn its delay from it), '0' if not
--- ARGV[14] number of rates, then ARGV[15..]: limit, period (µs) and field name per rate
+-- ARGV[14] lease: units an 'acquire' that fits may take at once for calls to come (0: none)
+-- ARGV[15] lease span (µs): those calls start within it
+-- ARGV[16] number of rates, then ARGV[17..]: limit, period (µs) and field name per rate
+--
+-- A lease is granted only while every rate stays at most half full with it: the leased
+-- units are recorded as one span [now, now + lease span], so every start made with them
+-- is counted exactly like an admitted one, and a key near its limit is checked call by
+-- call. Units a worker leases and does not use count until they leave the window.
 --
 -- The hash's field 'e' is its epoch: set when the hash is created. A reservation made
 -- in another epoch (the hash was reset, expired, or Redis lost its data) is not honoured:
@@ -33,7 +40,7 @@
 -- grace covers 4 v: busy workers widen it (a little throughput for far fewer voided
 -- reservations), idle ones keep it tight.
 --
--- Returns {code, wait, remaining, clear_at, start, latest, now, epoch, lead, grace}
+-- Returns {code, wait, remaining, clear_at, start, latest, now, epoch, lead, grace, leased}
 -- (times in µs):
 --   code  1 run now | 0 denied (start > 0: a start was reserved) | 2 claim came early
 --        -1 cost exceeds the limit given in `wait`
@@ -42,6 +49,7 @@
 --   clear_at  when every counted unit has left its window
 --   lead  d plus the margin above (-1 while nothing is learnt): send reserved tasks that early
 --   grace  the grace given to the start reserved by this call (0 if none)
+--   leased  units granted as a lease, this call's own included (0 if none)
 local key = KEYS[1]
 local now
 if ARGV[1] ~= '' then
@@ -52,12 +60,13 @@ else
 end
 local op, reserve, cost = ARGV[2], ARGV[3] == '1', tonumber(ARGV[4])
 local grace, slack = tonumber(ARGV[5]), tonumber(ARGV[6])
+local lease, lease_span = tonumber(ARGV[14]), tonumber(ARGV[15])
 
 local rates, fields = {}, {'e', 'd', 'v'}
 local shortest, half_pace = nil, nil
-for i = 1, tonumber(ARGV[14]) do
-  local r = {limit = tonumber(ARGV[12 + 3 * i]), period = tonumber(ARGV[13 + 3 * i]),
-             field = ARGV[14 + 3 * i], dirty = false}
+for i = 1, tonumber(ARGV[16]) do
+  local r = {limit = tonumber(ARGV[14 + 3 * i]), period = tonumber(ARGV[15 + 3 * i]),
+             field = ARGV[16 + 3 * i], dirty = false}
   if shortest == nil or r.period < shortest then shortest = r.period end
   local pace = math.floor(r.period / r.limit / 2)
   if half_pace == nil or pace < half_pace then half_pace = pace end
@@ -122,13 +131,25 @@ local function write_back()
   end
 end
 
-local function reply(code, wait, start, latest, given_grace)
+local function reply(code, wait, start, latest, given_grace, leased)
   return {code, wait, remaining(now), clear_at(), start, latest, now, tonumber(epoch or '0'),
-          delay and (delay + math.min(2 * jitter, half_pace)) or -1, given_grace or 0}
+          delay and (delay + math.min(2 * jitter, half_pace)) or -1, given_grace or 0, leased or 0}
+end
+
+-- Whether `units` started anywhere in [now, now + span] fit, leaving every rate at most
+-- half full.
+local function lease_fits(units, span)
+  for _, r in ipairs(rates) do
+    local used = math.max(ALGO.usage(r, r.list, now), ALGO.usage(r, r.list, now + span))
+    if 2 * (used + units) > r.limit then return false end
+    -- (only now: earliest() looks for room however far ahead, and `units` fit a window)
+    if ALGO.earliest(r, r.list, now, units, span) ~= now then return false end
+  end
+  return true
 end
 
 for _, r in ipairs(rates) do
-  if cost > r.limit then return {-1, r.limit, 0, 0, 0, 0, now, 0, -1, 0} end
+  if cost > r.limit then return {-1, r.limit, 0, 0, 0, 0, now, 0, -1, 0, 0} end
 end
 
 if op == 'claim' and (epoch ~= ARGV[11] or (KEYS[2] and redis.call('EXISTS', KEYS[2]) == 1)) then
@@ -181,13 +202,18 @@ if op == 'peek' then
   return reply(x == now and 1 or 0, x - now, 0, 0)
 end
 
-local code, start, latest = 0, 0, 0
+local code, start, latest, leased = 0, 0, 0, 0
 if settled and x == now and op == 'screen' then
   code = 1
 elseif settled and x == now then
   code = 1
+  local units, span = cost, slack
+  if op == 'acquire' and lease > cost then
+    span = math.max(lease_span, slack)
+    if lease_fits(lease, span) then units, leased = lease, lease else span = slack end
+  end
   for _, r in ipairs(rates) do
-    ALGO.record(r, r.list, now, now + slack, cost)
+    ALGO.record(r, r.list, now, now + span, units)
     r.dirty = true
   end
 elseif settled and reserve then
@@ -201,4 +227,4 @@ elseif settled and reserve then
   end
 end
 write_back()
-return reply(code, x - now, start, latest, start > 0 and grace or 0)
+return reply(code, x - now, start, latest, start > 0 and grace or 0, leased)
