@@ -134,12 +134,14 @@ class Throttle:
         """How long after its reserved start a deferred task may still use it (µs).
 
         It absorbs the broker's and the pool's dispatch delays; each window of a
-        saturated sliding limit is stretched by it, so it stays a small fraction.
+        saturated sliding limit is stretched by it, so it stays a small fraction. At
+        least 3 slacks: a claim must leave one slack before the span ends, and a late
+        arrival (a stall of a few tens of ms) costs the task a whole window.
         """
         grace = self.settings.start_grace
         if grace is None:
             grace = min(max(min(r.period for r in rates) * 0.02, 0.01), 2.0)
-        return max(int(grace * 1_000_000), 2 * self.slack_us(rates))
+        return max(int(grace * 1_000_000), 3 * self.slack_us(rates))
 
     def lead_us(self, rates: Sequence[Rate], learnt: int = -1) -> int:
         """How early a reserved task is sent back; it waits out the rest in the worker.
