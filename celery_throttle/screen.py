@@ -47,9 +47,10 @@ class ScreenStep(bootsteps.StartStopStep):
 
 
 #: After this many screened messages of a task in a row fit, only one in this many is
-#: screened until the next denial: under its limit a task then pays one round trip, not
-#: two, and the onset of a burst is still seen within a few messages. The count is per
-#: task, not per key: a skipped message is not even decoded.
+#: screened until the next denial (one in four times as many after a long run of fits):
+#: under its limit a task then pays one round trip, not two, and the onset of a burst is
+#: still seen within a few dozen messages (the pool turns away those in between). The
+#: count is per task, not per key: a skipped message is not even decoded.
 _SAMPLE = 8
 
 
@@ -63,7 +64,8 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any) -> 
         if "task" not in headers or headers.get("eta") or (headers.get(HEADER) or {}).get("r"):
             return handler(message, body, ack, reject, callbacks, **kw)
         streak = fits_in_a_row
-        if streak >= _SAMPLE and streak % _SAMPLE:
+        every = _SAMPLE if streak < 8 * _SAMPLE else 4 * _SAMPLE
+        if streak >= _SAMPLE and streak % every:
             fits_in_a_row = streak + 1
             return handler(message, body, ack, reject, callbacks, **kw)
         try:

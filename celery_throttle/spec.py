@@ -10,6 +10,7 @@ import inspect
 import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from .config import ALGORITHMS
@@ -191,7 +192,8 @@ class ThrottleSpec:
             raise KeyBuildError(f"task {task_name}: cannot build key {self.key!r}: {exc!r}") from None
 
 
-def _template_fields(template: str) -> list[str]:
+@lru_cache(maxsize=256)
+def _template_fields(template: str) -> tuple[str, ...]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
@@ -206,7 +208,7 @@ def _template_fields(template: str) -> list[str]:
                 f"key template {template!r} must name arguments, as in '{{tenant_id}}'"
             )
         names.append(base)
-    return names
+    return tuple(names)
 
 
 def _check_cost(cost: Any, what: str) -> None:
