@@ -18,8 +18,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from bench.common import (BENCH_DIR, OUT_DIR, Results, broker_client, delete_prefix, new_prefix,
-                          store_client)
+from bench.common import BENCH_DIR, OUT_DIR, Results, broker_client, delete_prefix, new_prefix, store_client
 
 SECTIONS = ("burst", "cost", "overhead", "memory", "long")
 ALIASES = {"1": "burst", "2": "burst", "3": "burst", "4": "burst", "violation": "burst",

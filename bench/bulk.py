@@ -10,7 +10,8 @@ a placeholder "allowed" reply. This leans on two internals, ``RedisStore._run`` 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from celery_throttle.store import WindowReply
 
@@ -44,7 +45,7 @@ class Bulk:
         self.store._run = self._queue  # an instance attribute shadows the method
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         try:
             del self.store._run
         finally:

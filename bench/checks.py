@@ -11,8 +11,9 @@ shared server add to it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import redis
 from celery import Celery
@@ -96,8 +97,11 @@ def _variants(prefix: str) -> list[tuple[str, str, str, Callable[[], Any], int]]
     try:
         from limits import parse
         from limits.storage import RedisStorage
-        from limits.strategies import (FixedWindowRateLimiter, MovingWindowRateLimiter,
-                                       SlidingWindowCounterRateLimiter)
+        from limits.strategies import (
+            FixedWindowRateLimiter,
+            MovingWindowRateLimiter,
+            SlidingWindowCounterRateLimiter,
+        )
 
         storage = RedisStorage(STORE_URL, key_prefix=f"{prefix}-limits")
         item = parse("1000000/second")

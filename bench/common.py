@@ -11,9 +11,10 @@ import os
 import time
 import uuid
 from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import redis
 
@@ -107,12 +108,12 @@ def ideal_makespan(tasks: int, limit: int, window: float) -> float:
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     if not sorted_values:
         return float("nan")
-    i = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
+    i = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
     return sorted_values[i]
 
 
 def fmt_num(x: float, digits: int = 2) -> str:
-    if x != x:  # NaN
+    if math.isnan(x):
         return "n/a"
     if abs(x) >= 1000:
         return f"{x:,.0f}"
@@ -120,7 +121,7 @@ def fmt_num(x: float, digits: int = 2) -> str:
 
 
 def fmt_bytes(n: float) -> str:
-    if n != n:
+    if math.isnan(n):
         return "n/a"
     for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if abs(n) >= size:

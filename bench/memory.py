@@ -13,14 +13,14 @@ Bulk fills go through pipelines (bench/bulk.py) when the store's internals allow
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from celery import Celery
 
 import celery_throttle
 from bench.bulk import Bulk, supported
-from bench.common import (BROKER_URL, STORE_URL, Results, delete_prefix, fmt_bytes, store_client,
-                          used_memory)
+from bench.common import BROKER_URL, STORE_URL, Results, delete_prefix, fmt_bytes, store_client, used_memory
 from bench.naive import NaiveLimiter
 from celery_throttle.keys import state_key
 from celery_throttle.limiter import Throttle

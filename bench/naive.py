@@ -58,7 +58,7 @@ class NaiveLimiter:
         self.script = client.register_script(FIXED_LUA if algorithm == "fixed" else SLIDING_LUA)
 
     def args(self, limit: int, window_s: float, member: str) -> list[Any]:
-        window_ms = int(round(window_s * 1000))
+        window_ms = round(window_s * 1000)
         return [limit, window_ms] if self.algorithm == "fixed" else [limit, window_ms, member]
 
     def hit(self, key: str, limit: int, window_s: float, member: str = "") -> tuple[bool, float]:

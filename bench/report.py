@@ -10,6 +10,7 @@ from typing import Any
 
 from bench.common import MET, MISSED, Results
 
+
 def _order(res: Results) -> list[Any]:
     """Rows by section number (sections run in another order), stable within one."""
     def key(row: Any) -> int:
@@ -88,9 +89,9 @@ def commit() -> str:
 
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
+                              text=True, timeout=10, check=False).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "celery_throttle"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
     return head + (" + uncommitted changes in celery_throttle/" if dirty else "")

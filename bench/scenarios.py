@@ -11,8 +11,18 @@ from typing import Any
 from celery import Celery
 
 import celery_throttle
-from bench.common import (BROKER_URL, STORE_URL, Results, fmt_bytes, fmt_num, ideal_makespan,
-                          max_in_aligned, max_in_window, store_client, used_memory)
+from bench.common import (
+    BROKER_URL,
+    STORE_URL,
+    Results,
+    fmt_bytes,
+    fmt_num,
+    ideal_makespan,
+    max_in_aligned,
+    max_in_window,
+    store_client,
+    used_memory,
+)
 from bench.workers import WorkerGroup
 from celery_throttle.rates import parse_rate
 
@@ -93,7 +103,7 @@ def report_bursts(res: Results, runs: list[BurstRun]) -> None:
             res.add("1 violation", "max in any window / limit", run.variant, f"{slide:.2f}",
                     "<= 2.00 (nature)", slide <= 2.0, "across a boundary")
         else:
-            note = "aligned window max {:.2f}".format(aligned) if "fixed" in run.variant else ""
+            note = f"aligned window max {aligned:.2f}" if "fixed" in run.variant else ""
             if run.variant == "celery rate_limit":
                 note = "per worker node, 2 workers"
             res.add("1 violation", "max in any window / limit", run.variant, f"{slide:.2f}", "",
@@ -295,5 +305,5 @@ def return_lateness(group: WorkerGroup, label: str) -> tuple[float, float, float
     late.sort()
     first = [d[0][0] for d in by_task.values()]
     origin = min(min(started.values(), default=min(first)), min(first))
-    pick = lambda q: late[min(len(late) - 1, int(q * len(late)))]  # noqa: E731
+    pick = lambda q: late[min(len(late) - 1, int(q * len(late)))]
     return max(first) - origin, pick(0.5), pick(0.9), late[-1]

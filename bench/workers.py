@@ -8,8 +8,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from celery import Celery
 
@@ -55,7 +56,7 @@ class WorkerGroup:
                                                    stderr=subprocess.STDOUT, start_new_session=True))
             self.logs.append(log)
         for i in range(self.count):
-            if not wait_until(lambda: self._ready(i), timeout, 0.2):
+            if not wait_until(lambda i=i: self._ready(i), timeout, 0.2):
                 raise RuntimeError(f"worker {i} of {self.name} not ready in {timeout}s:\n{self.tail(i)}")
         return self
 
