@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 __all__ = ["Leases"]
@@ -46,14 +47,14 @@ class Leases:
 
     def __init__(self) -> None:
         self._pid = os.getpid()
-        self._keys: dict[str, _Key] = {}
+        self._keys: dict[Hashable, _Key] = {}
 
-    def _table(self) -> dict[str, _Key]:
+    def _table(self) -> dict[Hashable, _Key]:
         if self._pid != os.getpid():  # inherited through a fork: not this process's
             self._pid, self._keys = os.getpid(), {}
         return self._keys
 
-    def take(self, ident: str, cost: int, slack_us: int) -> bool:
+    def take(self, ident: Hashable, cost: int, slack_us: int) -> bool:
         """Use ``cost`` leased units of ``ident`` for a call starting within ``slack_us``."""
         table = self._table()
         now = _now_us()
@@ -72,7 +73,7 @@ class Leases:
         key.units = 0
         return False
 
-    def wanted(self, ident: str, cost: int, span_us: int) -> int:
+    def wanted(self, ident: Hashable, cost: int, span_us: int) -> int:
         """Units to ask for in the next check of ``ident`` (0: no lease): the calls this
         process expects within ``span_us`` at its recent pace."""
         key = self._table().get(ident)
@@ -81,7 +82,7 @@ class Leases:
         calls = min(int(span_us / max(key.interval_us, 1.0)), MAX_UNITS)
         return calls * cost if calls >= 2 else 0
 
-    def grant(self, ident: str, units: int, span_us: int, sent_us: int) -> None:
+    def grant(self, ident: Hashable, units: int, span_us: int, sent_us: int) -> None:
         """Keep ``units`` more for ``ident``, usable until ``span_us`` after the request
         was sent (the lease runs from the script's time, which is later)."""
         key = self._table().get(ident)

@@ -181,10 +181,13 @@ class Throttle:
         key = state_key(self.settings.key_prefix, call.scope, call.key)
         slack = self.slack_us(call.rates)
         lease = lease and op == "acquire"
-        if lease and self._leases.take(key, call.cost, slack):
+        # A lease holds units of these very rates: a call of the same key under other
+        # rates (a callable rate that changed) does not use it.
+        leased_as = (key, call.algorithm, call.rates)
+        if lease and self._leases.take(leased_as, call.cost, slack):
             return WindowReply(WindowReply.RUN, 0, -1, 0, 0, 0, 0, 0, -1, 0)
         span = self.lease_span_us(call.rates) if lease else 0
-        units = self._leases.wanted(key, call.cost, span) if lease else 0
+        units = self._leases.wanted(leased_as, call.cost, span) if lease else 0
         sent = sent_at()
         marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claim and claimant else None
         reply = self.store.window(
@@ -197,7 +200,7 @@ class Throttle:
                 f"cost {call.cost} of scope {call.scope!r} exceeds the limit {reply.wait_us} of one of its rates"
             )
         if reply.leased:
-            self._leases.grant(key, reply.leased - call.cost, max(span, slack), sent)
+            self._leases.grant(leased_as, reply.leased - call.cost, max(span, slack), sent)
         return reply
 
     def acquire(
