@@ -9,7 +9,6 @@ a placeholder "allowed" reply. This leans on two internals, ``RedisStore._run`` 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ from celery_throttle.store import WindowReply
 
 def _placeholder() -> list[int]:
     """What a queued call answers: code 1 (allowed), then zeros for WindowReply's other fields."""
-    return [1] + [0] * (len(dataclasses.fields(WindowReply)) - 1)
+    return [1] + [0] * (len(WindowReply._fields) - 1)
 
 
 def supported(store: Any) -> bool:

@@ -7,6 +7,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from .config import ALGORITHMS, Settings
@@ -138,10 +139,7 @@ class Throttle:
         least 3 slacks: a claim must leave one slack before the span ends, and a late
         arrival (a stall of a few tens of ms) costs the task a whole window.
         """
-        grace = self.settings.start_grace
-        if grace is None:
-            grace = min(max(min(r.period for r in rates) * 0.02, 0.01), 2.0)
-        return max(int(grace * 1_000_000), 3 * self.slack_us(rates))
+        return _grace_us(tuple(rates), self.settings.start_grace)
 
     def lead_us(self, rates: Sequence[Rate], learnt: int = -1) -> int:
         """How early a reserved task is sent back; it waits out the rest in the worker.
@@ -161,12 +159,12 @@ class Throttle:
         """How long after a check the body may start and still count as starting then:
         1% of the shortest window, between 2 and 20 ms (a busy machine can deschedule a
         process between the check and the first line of the body)."""
-        return int(min(max(min(r.period_us for r in rates) // 100, 2000), 20_000))
+        return _slack_us(tuple(rates))
 
     @staticmethod
     def lease_span_us(rates: Sequence[Rate]) -> int:
         """How long a lease lasts: 5% of the shortest window, between 2 ms and 1 s."""
-        return int(min(max(min(r.period_us for r in rates) // 20, 2000), 1_000_000))
+        return _lease_span_us(tuple(rates))
 
     def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
               claimant: str | None = None, learn: bool = True, screen: bool = False,
@@ -253,6 +251,25 @@ class Throttle:
         if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
             raise ConfigurationError(f"cost must be a positive integer, got {cost!r}")
         return BoundCall(scope, key, parsed, cost, algorithm)
+
+
+# The timings of a set of rates, worked out once per set: every check needs them.
+@lru_cache(maxsize=1024)
+def _slack_us(rates: tuple[Rate, ...]) -> int:
+    return int(min(max(min(r.period_us for r in rates) // 100, 2000), 20_000))
+
+
+@lru_cache(maxsize=1024)
+def _lease_span_us(rates: tuple[Rate, ...]) -> int:
+    return int(min(max(min(r.period_us for r in rates) // 20, 2000), 1_000_000))
+
+
+@lru_cache(maxsize=1024)
+def _grace_us(rates: tuple[Rate, ...], start_grace: float | None) -> int:
+    grace = start_grace
+    if grace is None:
+        grace = min(max(min(r.period for r in rates) * 0.02, 0.01), 2.0)
+    return max(int(grace * 1_000_000), 3 * _slack_us(rates))
 
 
 def _decision(reply: WindowReply) -> Decision:

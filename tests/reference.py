@@ -21,6 +21,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from io import BytesIO
 from typing import Protocol
 
 import msgpack
@@ -151,6 +152,17 @@ class SlidingRate:
         pairs = zip(stored[::2], stored[1::2])
         return [v for latest, units in pairs if latest > now - self.period for v in (latest, units)]
 
+    @staticmethod
+    def decode(value: bytes) -> list[int]:
+        """The stored list, from the field's MessagePack stream: the cold buckets' total
+        units, the hot (last) bucket's latest and units, then the cold buckets' pairs."""
+        values = list(msgpack.Unpacker(BytesIO(value)))
+        if isinstance(values[0], list):  # a flat list, as earlier versions wrote it
+            return values[0]
+        cold_units, hot_latest, hot_units, *cold = values
+        assert cold_units == sum(cold[1::2]), f"cold total {cold_units} is not the sum of {cold}"
+        return [*cold, hot_latest, hot_units]
+
 
 # -- fixed --------------------------------------------------------------------------------
 
@@ -217,6 +229,11 @@ class FixedRate:
     def live(self, stored: list[int], now: int) -> list[int]:
         pairs = zip(stored[::2], stored[1::2])
         return [v for k, units in pairs if k >= self.window_of(now) for v in (k, units)]
+
+    @staticmethod
+    def decode(value: bytes) -> list[int]:
+        """The stored list: one MessagePack array."""
+        return msgpack.unpackb(value)
 
 
 # -- the script ---------------------------------------------------------------------------
@@ -370,8 +387,7 @@ class WindowModel:
         return out
 
     def live_stored_fields(self, stored: dict[str, bytes], now: int) -> dict[str, str | list[int]]:
-        """The stored hash as load() sees it at ``now``: each rate's MessagePack list
-        decoded, less what no longer counts (that is only dropped when a script writes
+        """The stored hash as load() sees it at ``now``: each rate's list decoded, less what no longer counts (that is only dropped when a script writes
         the rate back). A field that belongs to none of the rates is kept, so that a
         comparison with :meth:`fields` reports it.
         """
@@ -381,7 +397,7 @@ class WindowModel:
             rate = by_field.get(name)
             if rate is None:
                 out[name] = value.decode()
-            elif live := rate.live(msgpack.unpackb(value), now):
+            elif live := rate.live(rate.decode(value), now):
                 out[name] = live
         return out
 

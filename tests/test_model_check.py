@@ -18,7 +18,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 
 import msgpack
 import pytest
@@ -36,10 +36,11 @@ from hypothesis.stateful import (
 
 from celery_throttle.keys import state_key
 from celery_throttle.rates import Rate, parse_rate
-from celery_throttle.store import RedisStore, Reservation, WindowReply
+from celery_throttle.store import RedisStore, Reservation, WindowReply, rate_field
 from tests.helpers import redis_or_skip
 from tests.reference import (
     SLOTS,
+    SlidingRate,
     WindowModel,
     max_units_in_any_interval,
     max_units_per_aligned_window,
@@ -191,11 +192,11 @@ class Harness:
         self.history.append(
             f"{op} cost={cost} reserve={reserve} grace={grace_us} slack={slack_us} "
             f"claim={claim and claim.to_header()} lease={lease}/{lease_span_us} at now={now} "
-            f"-> {astuple(got)}"
+            f"-> {tuple(got)}"
         )
         # Then the script decided exactly what the model decided
-        assert astuple(got) == want.as_tuple(), self.explain(
-            f"script replied {astuple(got)}, model {want.as_tuple()} "
+        assert tuple(got) == want.as_tuple(), self.explain(
+            f"script replied {tuple(got)}, model {want.as_tuple()} "
             "(code, wait, remaining, clear_at, start, latest, now, epoch)"
         )
         self.leases += 1 if got.leased else 0
@@ -517,7 +518,7 @@ def test_cost_above_a_limit_is_refused_with_minus_one_and_changes_nothing(
     claim = Reservation(clock.now, clock.now + 10, 4, 10, epoch) if op == "claim" else None
     reply = store.window(key, algorithm, op, rates, 4, reserve=True, claim=claim)
     # Then it is refused with code -1, the refusing limit in `wait`, and nothing written
-    assert astuple(reply) == (WindowReply.TOO_COSTLY, 3, 0, 0, 0, 0, clock.now, 0, -1, 0, 0)
+    assert tuple(reply) == (WindowReply.TOO_COSTLY, 3, 0, 0, 0, 0, clock.now, 0, -1, 0, 0)
     assert not reply.allowed
     assert redis_client.hgetall(key) == before
 
@@ -529,6 +530,53 @@ def test_a_cost_equal_to_the_limit_fits_an_empty_window(store: RedisStore, algor
     reply = store.window(key, algorithm, "acquire", rates, 3)
     assert reply.allowed and reply.remaining == 0
     assert store.window(key, algorithm, "peek", rates, 1).code == WindowReply.DENIED
+
+
+GARBLED = {
+    "empty": b"",
+    "not msgpack": b"\xc1",
+    "a string": msgpack.packb("x"),
+    "one number": msgpack.packb(5),
+    "a header cut short": msgpack.packb(5) + msgpack.packb(BASE_US),
+    "a list holding a string": msgpack.packb([BASE_US, "x"]),
+}
+
+
+@pytest.mark.parametrize("value", GARBLED.values(), ids=GARBLED.keys())
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_window_state_that_does_not_decode_counts_for_nothing_and_is_replaced(
+    store: RedisStore, clock: FakeClock, redis_client: redis.Redis, algorithm: str, value: bytes
+) -> None:
+    # Given a rate's field holding something no script wrote
+    rates = rates_of(["3/s"])
+    key = state_key(store.prefix, "garbled", algorithm)
+    field = rate_field(algorithm, rates[0])
+    redis_client.hset(key, field, value)
+    # When a call checks that rate
+    reply = store.window(key, algorithm, "acquire", rates, 1)
+    # Then the field counted nothing, and holds a state the scripts wrote
+    assert reply.allowed and reply.remaining == 2
+    decode = WindowModel(algorithm, [(3, 1_000_000)]).rates[0].decode
+    assert decode(redis_client.hget(key, field))[1::2] == [1]
+    assert store.window(key, algorithm, "peek", rates, 1).remaining == 2
+
+
+def test_a_sliding_state_written_as_one_flat_list_still_counts(
+    store: RedisStore, clock: FakeClock, redis_client: redis.Redis
+) -> None:
+    # Given a sliding field as earlier versions wrote it: one list of latest, units
+    rates = rates_of(["3/s"])
+    key = state_key(store.prefix, "flat", "t")
+    field = rate_field("sliding", rates[0])
+    redis_client.hset(key, field, msgpack.packb([clock.now - 500_000, 1, clock.now - 1000, 1]))
+    # When a call comes, and again once the older bucket has left the window
+    first = store.window(key, "sliding", "acquire", rates, 1)
+    clock.now += 600_000
+    second = store.window(key, "sliding", "peek", rates, 1)
+    # Then both buckets counted, then only the newer one (and the one just admitted)
+    assert first.allowed and first.remaining == 0
+    assert second.remaining == 1
+    assert SlidingRate.decode(redis_client.hget(key, field))[1::2] == [1, 1, 1]
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -649,8 +697,8 @@ def test_sliding_day_limit_memory_stays_flat_after_5000_admissions(
         assert store.window(key, "sliding", "acquire", rates, 1, slack_us=2000).allowed
         if i % 250 == 249:
             worst = max(worst, redis_client.memory_usage(key, samples=0))
-    # Then the hash keeps one field for the rate, holding one bucket per 50th of the day
-    # (a day's span touches at most 51 of them), and its epoch field; under 4 kB
+    # Then the hash keeps one field for the rate, holding one bucket per SLOTS-th of the
+    # day (a day's span touches at most SLOTS + 1 of them), and its epoch field; under 4 kB
     assert sorted(redis_client.hkeys(key)) == [b"e", b"s100000/86400000000"]
-    assert len(msgpack.unpackb(redis_client.hget(key, "s100000/86400000000"))) <= 2 * (SLOTS + 1)
+    assert len(SlidingRate.decode(redis_client.hget(key, "s100000/86400000000"))) <= 2 * (SLOTS + 1)
     assert worst < 4096, f"MEMORY USAGE reached {worst} bytes"

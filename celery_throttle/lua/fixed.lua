@@ -7,16 +7,23 @@
 -- reservations), stored MessagePack-encoded in one hash field.
 local ALGO = {}
 
-function ALGO.init(r) end
-
 -- What can still count at `now`: the current window and later ones.
-function ALGO.load(r, t, now)
+function ALGO.load(r, raw, now)
+  local ok, t = false, nil
+  if raw then ok, t = pcall(cmsgpack.unpack, raw) end
+  -- A value that does not decode to a list of numbers counts for nothing (and is replaced).
+  if not ok or type(t) ~= 'table' then t = {} end
+  for i = 1, #t do
+    if type(t[i]) ~= 'number' then t = {} break end
+  end
   local current, n, first = math.floor(now / r.period), #t, 1
   while first < n and t[first] < current do first = first + 2 end
-  if first == 1 then return t end
-  local out = {}
-  for i = first, n do out[#out + 1] = t[i] end
-  return out
+  if first > 1 then
+    local out = {}
+    for i = first, n do out[#out + 1] = t[i] end
+    t = out
+  end
+  r.list = t
 end
 
 local function units_in(t, k)
@@ -44,13 +51,15 @@ local function add(t, k, units)
   end
 end
 
-function ALGO.usage(r, t, x)
+function ALGO.usage(r, x)
+  local t = r.list
   return units_in(t, math.floor(x / r.period))
 end
 
 -- Earliest time >= x at which `cost` more units fit. A start at t may happen up to
 -- `slack` later: when that crosses into the next window, it must fit in both.
-function ALGO.earliest(r, t, x, cost, slack)
+function ALGO.earliest(r, x, cost, slack)
+  local t = r.list
   local k = math.floor(x / r.period)
   while true do
     local at = math.max(x, k * r.period)
@@ -65,20 +74,28 @@ end
 
 -- Records `cost` units starting in [at, latest], in each window that span touches (at
 -- most two: `latest - at` is a small slack or grace); returns the latest valid start.
-function ALGO.record(r, t, at, latest, cost)
+function ALGO.record(r, at, latest, cost)
+  local t = r.list
   local k, k2 = math.floor(at / r.period), math.floor(latest / r.period)
   add(t, k, cost)
   if k2 ~= k then add(t, k2, cost) end
   return (k + 1) * r.period - 1
 end
 
-function ALGO.unrecord(r, t, at, grace, cost)
+function ALGO.unrecord(r, at, grace, cost)
+  local t = r.list
   local k, k2 = math.floor(at / r.period), math.floor((at + grace) / r.period)
   add(t, k, -cost)
   if k2 ~= k then add(t, k2, -cost) end
 end
 
-function ALGO.clear_at(r, t)
+function ALGO.clear_at(r)
+  local t = r.list
   if #t == 0 then return 0 end
   return (t[#t - 1] + 1) * r.period
+end
+
+-- The field's new value, or nil when nothing is left to count.
+function ALGO.dump(r)
+  return #r.list > 0 and cmsgpack.pack(r.list) or nil
 end

@@ -10,29 +10,107 @@
 -- period, keyed by floor(latest / slot). A bucket keeps its total units and the greatest
 -- `latest` of what it holds: merging only makes entries look later, which is safe.
 --
--- State of one rate: a flat list {latest, units, latest, units, ...} sorted by latest
--- (so by bucket), stored MessagePack-encoded in one hash field: one C call decodes it,
--- where a field per bucket cost a Lua string match each.
+-- The buckets, sorted by latest, are {latest, units} pairs. The last one is "hot": the
+-- next starts mostly land in it. One hash field holds a MessagePack stream
+--   cold units, hot latest, hot units, latest, units, latest, units, ...
+-- (the cold pairs: every bucket before the hot one, and their total). A check that fits
+-- and lands in the hot bucket, or opens a new one after it, reads three numbers and
+-- writes them back in front of the unchanged cold bytes: it never decodes or encodes
+-- the other buckets (that took 20 of a check's 32 µs with 100 full buckets). Anything
+-- else (a denial looking for room, a start before the hot bucket, a give-back) decodes
+-- them into a flat list {latest, units, ...} once and works on that.
 local SLOTS = 100
+
+local pack, unpack_one, unpack_limit = cmsgpack.pack, cmsgpack.unpack_one, cmsgpack.unpack_limit
 
 local ALGO = {}
 
-function ALGO.init(r)
+local function number(v)
+  if type(v) ~= 'number' then error('not a window state') end
+  return v
+end
+
+local function empty(r)
+  r.list, r.cold, r.cold_units, r.cold_first, r.hot_latest, r.hot_units = nil, '', 0, nil, nil, 0
+end
+
+-- Reads the stream (or a flat list, as written before the hot bucket was split off).
+local function decode(r, raw)
+  local at, first = unpack_one(raw, 0)
+  if type(first) == 'table' then
+    for i = 1, #first do number(first[i]) end
+    r.list = first
+    return
+  end
+  r.cold_units = number(first)
+  at, r.hot_latest = unpack_one(raw, at)
+  at, r.hot_units = unpack_one(raw, at)
+  number(r.hot_latest)
+  number(r.hot_units)
+  if at ~= -1 then
+    r.cold = string.sub(raw, at + 1)
+    r.cold_first = number(select(2, unpack_one(r.cold, 0)))
+  end
+end
+
+-- Decodes `raw` and drops what no longer counts at `now`: entries with latest <=
+-- now - period (always a prefix).
+local function read(r, raw, now)
+  decode(r, raw)
+  local cut = now - r.period
+  local t = r.list
+  if t then
+    local n, first = #t, 1
+    while first < n and t[first] <= cut do first = first + 2 end
+    if first > 1 then
+      local out = {}
+      for i = first, n do out[#out + 1] = t[i] end
+      r.list = out
+    end
+    return
+  end
+  if r.hot_latest <= cut then return empty(r) end  -- the latest bucket left: all did
+  local at = 0
+  while r.cold_first ~= nil and r.cold_first <= cut do
+    local units
+    at, units = unpack_one(r.cold, (unpack_one(r.cold, at)))  -- skip its latest
+    r.cold_units = r.cold_units - number(units)
+    r.cold_first = at ~= -1 and number(select(2, unpack_one(r.cold, at))) or nil
+  end
+  if at ~= 0 then r.cold = r.cold_first and string.sub(r.cold, at + 1) or '' end
+end
+
+function ALGO.load(r, raw, now)
   r.slot = math.max(math.ceil(r.period / SLOTS), 1000)
+  empty(r)
+  -- A value that does not decode to a window state counts for nothing (and is replaced).
+  if raw and not pcall(read, r, raw, now) then empty(r) end
 end
 
--- What can still count at `now`: entries with latest > now - period (a prefix is not).
-function ALGO.load(r, t, now)
-  local cut, n, first = now - r.period, #t, 1
-  while first < n and t[first] <= cut do first = first + 2 end
-  if first == 1 then return t end
-  local out = {}
-  for i = first, n do out[#out + 1] = t[i] end
-  return out
+-- The buckets as one flat list, from here on the only copy of them.
+local function flat(r)
+  if r.list then return r.list end
+  local t, at = {}, 0
+  while r.cold ~= '' and at ~= -1 do
+    local chunk = {unpack_limit(r.cold, 1000, at)}
+    at = chunk[1]
+    for i = 2, #chunk do t[#t + 1] = chunk[i] end
+  end
+  if r.hot_latest then
+    t[#t + 1] = r.hot_latest
+    t[#t + 1] = r.hot_units
+  end
+  r.list = t
+  return t
 end
 
-function ALGO.usage(r, t, x)
-  local cut, used = x - r.period, 0
+function ALGO.usage(r, x)
+  local cut = x - r.period
+  if not r.list then
+    if r.hot_latest == nil or r.hot_latest <= cut then return 0 end
+    if r.cold_first == nil or r.cold_first > cut then return r.cold_units + r.hot_units end
+  end
+  local t, used = flat(r), 0
   for i = #t - 1, 1, -2 do
     if t[i] <= cut then break end
     used = used + t[i + 1]
@@ -41,10 +119,10 @@ function ALGO.usage(r, t, x)
 end
 
 -- Earliest time >= x at which `cost` more units fit. Counts only fall as x grows.
-function ALGO.earliest(r, t, x, cost, slack)
-  local used = ALGO.usage(r, t, x)
+function ALGO.earliest(r, x, cost, slack)
+  local used = ALGO.usage(r, x)
   if used + cost <= r.limit then return x end
-  local cut = x - r.period
+  local t, cut = flat(r), x - r.period
   for i = 1, #t - 1, 2 do
     if t[i] > cut then
       used = used - t[i + 1]
@@ -63,7 +141,25 @@ local function find(r, t, latest)
 end
 
 -- Records `cost` units that start in [at, latest]; returns the latest valid start.
-function ALGO.record(r, t, at, latest, cost)
+function ALGO.record(r, at, latest, cost)
+  if not r.list then
+    local hot = r.hot_latest and math.floor(r.hot_latest / r.slot)
+    local b = math.floor(latest / r.slot)
+    if hot == nil or b > hot then
+      if hot ~= nil then  -- the hot bucket turns cold
+        r.cold = r.cold .. pack(r.hot_latest, r.hot_units)
+        r.cold_units = r.cold_units + r.hot_units
+        r.cold_first = r.cold_first or r.hot_latest
+      end
+      r.hot_latest, r.hot_units = latest, cost
+      return latest
+    elseif b == hot then
+      r.hot_units = r.hot_units + cost
+      if latest > r.hot_latest then r.hot_latest = latest end
+      return latest
+    end
+  end
+  local t = flat(r)
   local i, found = find(r, t, latest)
   if found then
     t[i + 1] = t[i + 1] + cost
@@ -76,7 +172,8 @@ function ALGO.record(r, t, at, latest, cost)
 end
 
 -- Gives back a reservation made by record(at, at + grace).
-function ALGO.unrecord(r, t, at, grace, cost)
+function ALGO.unrecord(r, at, grace, cost)
+  local t = flat(r)
   local i, found = find(r, t, at + grace)
   if found then
     t[i + 1] = t[i + 1] - cost
@@ -88,7 +185,26 @@ function ALGO.unrecord(r, t, at, grace, cost)
 end
 
 -- When the last counted unit leaves the window (0 when nothing is counted).
-function ALGO.clear_at(r, t)
-  if #t == 0 then return 0 end
-  return t[#t - 1] + r.period
+function ALGO.clear_at(r)
+  if r.list then
+    local n = #r.list
+    return n == 0 and 0 or r.list[n - 1] + r.period
+  end
+  return r.hot_latest and r.hot_latest + r.period or 0
+end
+
+-- The field's new value, or nil when nothing is left to count.
+function ALGO.dump(r)
+  local t = r.list
+  if not t then
+    return r.hot_latest and pack(r.cold_units, r.hot_latest, r.hot_units) .. r.cold or nil
+  end
+  local n = #t
+  if n == 0 then return nil end
+  local cold_units = 0
+  for i = 2, n - 2, 2 do cold_units = cold_units + t[i] end
+  local parts = {pack(cold_units, t[n - 1], t[n])}
+  -- (in chunks: unpack() of a long list would overflow Lua's C stack)
+  for i = 1, n - 2, 1000 do parts[#parts + 1] = pack(unpack(t, i, math.min(i + 999, n - 2))) end
+  return table.concat(parts)
 end

@@ -70,7 +70,6 @@ for i = 1, tonumber(ARGV[16]) do
   if shortest == nil or r.period < shortest then shortest = r.period end
   local pace = math.floor(r.period / r.limit / 2)
   if half_pace == nil or pace < half_pace then half_pace = pace end
-  ALGO.init(r)
   rates[i] = r
   fields[3 + i] = r.field
 end
@@ -80,17 +79,12 @@ local stored = redis.call('HMGET', key, unpack(fields))
 local epoch = stored[1] or nil
 local delay = stored[2] and tonumber(stored[2]) or nil
 local jitter = stored[3] and tonumber(stored[3]) or nil
-for i, r in ipairs(rates) do
-  local ok, list = false, nil
-  if stored[3 + i] then ok, list = pcall(cmsgpack.unpack, stored[3 + i]) end
-  -- A value that does not decode to a list counts for nothing (and is replaced).
-  r.list = ALGO.load(r, (ok and type(list) == 'table') and list or {}, now)
-end
+for i, r in ipairs(rates) do ALGO.load(r, stored[3 + i] or nil, now) end
 
 local function remaining(x)
   local free = nil
   for _, r in ipairs(rates) do
-    local f = r.limit - ALGO.usage(r, r.list, x)
+    local f = r.limit - ALGO.usage(r, x)
     if free == nil or f < free then free = f end
   end
   return math.max(free or 0, 0)
@@ -98,16 +92,17 @@ end
 
 local function clear_at()
   local t = 0
-  for _, r in ipairs(rates) do t = math.max(t, ALGO.clear_at(r, r.list)) end
+  for _, r in ipairs(rates) do t = math.max(t, ALGO.clear_at(r)) end
   return t
 end
 
 local function write_back()
   local dels, sets = {}, {}
   for _, r in ipairs(rates) do
-    if r.dirty and #r.list > 0 then
+    local value = r.dirty and ALGO.dump(r)
+    if value then
       sets[#sets + 1] = r.field
-      sets[#sets + 1] = cmsgpack.pack(r.list)
+      sets[#sets + 1] = value
     elseif r.dirty then
       dels[#dels + 1] = r.field
     end
@@ -140,10 +135,10 @@ end
 -- half full.
 local function lease_fits(units, span)
   for _, r in ipairs(rates) do
-    local used = math.max(ALGO.usage(r, r.list, now), ALGO.usage(r, r.list, now + span))
+    local used = math.max(ALGO.usage(r, now), ALGO.usage(r, now + span))
     if 2 * (used + units) > r.limit then return false end
     -- (only now: earliest() looks for room however far ahead, and `units` fit a window)
-    if ALGO.earliest(r, r.list, now, units, span) ~= now then return false end
+    if ALGO.earliest(r, now, units, span) ~= now then return false end
   end
   return true
 end
@@ -182,7 +177,7 @@ if op == 'claim' then
   -- Too late to use the reserved start without breaking the window for whoever was
   -- placed after it: give it back and try afresh.
   for _, r in ipairs(rates) do
-    ALGO.unrecord(r, r.list, c_start, c_grace, c_cost)
+    ALGO.unrecord(r, c_start, c_grace, c_cost)
     r.dirty = true
   end
 end
@@ -192,7 +187,7 @@ local x, settled = now, false
 for _ = 1, 64 do
   settled = true
   for _, r in ipairs(rates) do
-    local e = ALGO.earliest(r, r.list, x, cost, slack)
+    local e = ALGO.earliest(r, x, cost, slack)
     if e > x then x, settled = e, false end
   end
   if settled then break end
@@ -213,7 +208,7 @@ elseif settled and x == now then
     if lease_fits(lease, span) then units, leased = lease, lease else span = slack end
   end
   for _, r in ipairs(rates) do
-    ALGO.record(r, r.list, now, now + span, units)
+    ALGO.record(r, now, now + span, units)
     r.dirty = true
   end
 elseif settled and reserve then
@@ -221,7 +216,7 @@ elseif settled and reserve then
   grace = math.min(grace, math.floor(shortest / 10))
   start, latest = x, nil
   for _, r in ipairs(rates) do
-    local until_ = ALGO.record(r, r.list, x, x + grace, cost)
+    local until_ = ALGO.record(r, x, x + grace, cost)
     r.dirty = true
     if latest == nil or until_ < latest then latest = until_ end
   end
