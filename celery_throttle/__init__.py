@@ -44,11 +44,13 @@ def install(app: Any, **overrides: Any) -> Throttle:
     worker bootstep that hooks every throttled task (``@throttle`` or
     ``throttle_rules``) before the pool starts, and releases parked long waits.
     """
-    from .screen import ScreenStep
-    from .worker import ThrottleStep
-
     ctl = app.__dict__.get("_celery_throttle")
     if ctl is None:
+        # (imported here: every throttled task start looks its controller up through
+        # install(), and an import statement costs more than the lookup)
+        from .screen import ScreenStep
+        from .worker import ThrottleStep
+
         ctl = Throttle(app, overrides)
         app._celery_throttle = ctl
         app.steps["worker"].add(ThrottleStep)

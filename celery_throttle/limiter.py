@@ -163,7 +163,7 @@ class Throttle:
 
     @staticmethod
     def lease_span_us(rates: Sequence[Rate]) -> int:
-        """How long a lease lasts: 5% of the shortest window, between 2 ms and 1 s."""
+        """How long a lease lasts: 10% of the shortest window, between 2 ms and 1 s."""
         return _lease_span_us(tuple(rates))
 
     def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
@@ -261,7 +261,7 @@ def _slack_us(rates: tuple[Rate, ...]) -> int:
 
 @lru_cache(maxsize=1024)
 def _lease_span_us(rates: tuple[Rate, ...]) -> int:
-    return int(min(max(min(r.period_us for r in rates) // 20, 2000), 1_000_000))
+    return int(min(max(min(r.period_us for r in rates) // 10, 2000), 1_000_000))
 
 
 @lru_cache(maxsize=1024)
