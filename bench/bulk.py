@@ -40,7 +40,14 @@ class Bulk:
         self._queued = 0
 
     def __enter__(self) -> Bulk:
-        self._pipe = self.store.client.pipeline(transaction=False)
+        client = self.store.client
+        # Loaded up front (once per store), so the pipeline can send EVALSHA as directly
+        # as the store does.
+        if not getattr(self.store, "_bulk_scripts_loaded", False):
+            for script in self.store._scripts.values():
+                client.script_load(script.script)
+            self.store._bulk_scripts_loaded = True
+        self._pipe = client.pipeline(transaction=False)
         self.store._run = self._queue  # an instance attribute shadows the method
         return self
 
@@ -52,7 +59,7 @@ class Bulk:
                 self.flush()
 
     def _queue(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> list[int]:
-        self.store._scripts[script](keys=list(keys), args=list(args), client=self._pipe)
+        self._pipe.evalsha(self.store._scripts[script].sha, len(keys), *keys, *args)
         self._queued += 1
         if self._queued >= self.batch:
             self.flush()
