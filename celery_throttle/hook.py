@@ -98,6 +98,11 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
         return _on_store_error(ctl, task, request, args, kwargs, call, state, exc)
     if reply.allowed:
         return True
+    if claim is not None and reply.code == WindowReply.DENIED:
+        # Its reserved start could not be used (it came too late, or the window state it
+        # was made in is gone): it queues again behind every start reserved since.
+        logger.info("throttled %s[%s] could not use its reserved start (now %+.1f ms from it); "
+                    "reserving again", task.name, request.id, (reply.now_us - claim.start_us) / 1000)
     defer_denied(ctl, task, request, args, kwargs, call, state, ident, claim, reply)
     _collect_now_and_then()
     return False
