@@ -127,13 +127,14 @@ class RedisStore:
     def _run(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         client = self.client
         # EVALSHA straight from the client: redis-py's Script.__call__ costs a few µs
-        # more per call, which is a tenth of a check. Its reload on NOSCRIPT is kept.
+        # more per call. A restarted or flushed Redis answers NOSCRIPT: load, run again.
         registered = self._scripts[script]
         try:
             try:
                 return client.evalsha(registered.sha, len(keys), *keys, *args)
-            except NoScriptError:  # a restarted or flushed Redis
-                return registered(keys=keys, args=args, client=client)
+            except NoScriptError:
+                client.script_load(registered.script)
+                return client.evalsha(registered.sha, len(keys), *keys, *args)
         except RedisError as exc:
             raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
 

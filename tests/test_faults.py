@@ -107,6 +107,23 @@ def test_acquire_raises_store_error_when_redis_is_unreachable() -> None:
         ctl.acquire("x", rates="1/s")
 
 
+def test_a_store_whose_scripts_were_flushed_reloads_them_and_keeps_counting() -> None:
+    # Given a controller that has run its script on a Redis of its own
+    server = RedisServer().start()
+    try:
+        app = Celery("flushed", broker="memory://", set_as_current=False)
+        ctl = celery_throttle.install(app, redis_url=server.url)
+        assert ctl.acquire("x", rates="2/m").allowed
+        # When Redis forgets every script (as a restart or SCRIPT FLUSH does)
+        redis.Redis.from_url(server.url).script_flush()
+        # Then the next calls load it again, answer, and still count the first one
+        assert ctl.acquire("x", rates="2/m").allowed
+        denied = ctl.acquire("x", rates="2/m")
+        assert not denied.allowed and denied.remaining == 0
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow
 def test_worker_killed_mid_burst_loses_no_task(group_factory) -> None:
     # Given acks_late workers on RabbitMQ (unacked messages come back when a worker dies)
