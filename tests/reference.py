@@ -41,6 +41,12 @@ __all__ = [
 
 #: Buckets per period of a sliding window (sliding.lua's SLOTS).
 SLOTS = 100
+#: Buckets a sliding rate keeps at most (sliding.lua's MAX_BUCKETS).
+MAX_BUCKETS = 2 * SLOTS
+#: Windows after the current one a fixed rate keeps before folding the older ones, and
+#: how many of them stay (fixed.lua's MAX_AHEAD and KEEP_AHEAD).
+MAX_AHEAD = 32
+KEEP_AHEAD = 16
 #: Rounds of the multi-rate "earliest start" search before window.lua gives up.
 MAX_ROUNDS = 64
 
@@ -143,6 +149,21 @@ class SlidingRate:
     def clear_at(self) -> int:
         return max((b.latest + self.period for b in self.buckets.values()), default=0)
 
+    def fold(self, now: int) -> None:
+        """Folds every front bucket followed by at least ``limit`` units (it can never
+        decide anything) into the next one, and more while there are too many buckets."""
+        keys = sorted(self.buckets)
+        rest = sum(self.buckets[k].units for k in keys[1:])
+        i = 0
+        while i + 1 < len(keys) and (rest >= self.limit or len(keys) - i > MAX_BUCKETS):
+            front, behind = self.buckets.pop(keys[i]), self.buckets[keys[i + 1]]
+            rest -= behind.units
+            behind.units += front.units  # and keeps its own latest, the later one
+            i += 1
+
+    def holds_units(self) -> bool:
+        return bool(self.buckets)
+
     def entries(self) -> list[int]:
         """The stored list: latest, units of each bucket, in bucket order."""
         return [v for k in sorted(self.buckets) for v in (self.buckets[k].latest, self.buckets[k].units)]
@@ -168,7 +189,8 @@ class SlidingRate:
 
 
 class FixedRate:
-    """One rate of a fixed window: units per aligned window k = floor(t / period)."""
+    """One rate of a fixed window: units per aligned window k = floor(t / period), and
+    (after a deep backlog) a range of windows a..b that counts as full."""
 
     tag = "f"
 
@@ -177,63 +199,107 @@ class FixedRate:
         self.period = period_us
         self.field = f"{self.tag}{limit}/{period_us}"
         self.windows: dict[int, int] = {}
+        self.full: tuple[int, int] | None = None
+        self.current = 0
 
     def window_of(self, t: int) -> int:
         return math.floor(t / self.period)
 
     def load(self, now: int) -> None:
-        current = self.window_of(now)
+        self.current = current = self.window_of(now)
         self.windows = {k: u for k, u in self.windows.items() if u > 0 and k >= current}
+        self.full = self._trimmed(self.full, current)
+
+    @staticmethod
+    def _trimmed(full: tuple[int, int] | None, current: int) -> tuple[int, int] | None:
+        if full is None or full[1] < current:
+            return None
+        return (max(full[0], current), full[1])
+
+    def in_full(self, k: int) -> bool:
+        return self.full is not None and self.full[0] <= k <= self.full[1]
+
+    def units_in(self, k: int) -> int:
+        return self.limit if self.in_full(k) else self.windows.get(k, 0)
 
     def usage(self, x: int) -> int:
-        return self.windows.get(self.window_of(x), 0)
+        return self.units_in(self.window_of(x))
 
     def earliest(self, x: int, cost: int, slack: int = 0) -> int:
         k = self.window_of(x)
         while True:
+            if self.full is not None and self.in_full(k):
+                k = self.full[1] + 1
+                continue
             t = max(x, k * self.period)
-            fits = self.windows.get(k, 0) + cost <= self.limit
-            if fits and self.window_of(t + slack) > k:  # may spill into the next window
-                fits = self.windows.get(k + 1, 0) + cost <= self.limit
-            if fits:
+            # it may start as late as t + slack: every window up to there must have room
+            if all(self.units_in(j) + cost <= self.limit for j in range(k, self.window_of(t + slack) + 1)):
                 return t
             k += 1
 
+    def _add(self, k: int, units: int) -> None:
+        if self.in_full(k):
+            return
+        total = self.windows.get(k, 0) + units
+        if total > 0:
+            self.windows[k] = total
+        else:
+            self.windows.pop(k, None)
+
     def record(self, at: int, latest: int, cost: int) -> int:
-        """Counts the units in every window [at, latest] touches (at most two)."""
-        k, k2 = self.window_of(at), self.window_of(latest)
-        for w in {k, k2}:
-            self.windows[w] = self.windows.get(w, 0) + cost
-        return (k + 1) * self.period - 1
+        """Counts the units in every window [at, latest] touches."""
+        for w in range(self.window_of(at), self.window_of(latest) + 1):
+            self._add(w, cost)
+        return (self.window_of(at) + 1) * self.period - 1
 
     def unrecord(self, at: int, grace: int, cost: int) -> bool:
-        """Returns whether a touched window is left holding units (written back)."""
-        left = False
-        for w in {self.window_of(at), self.window_of(at + grace)}:
-            if w in self.windows:
-                units = self.windows[w] - cost
-                if units <= 0:
-                    del self.windows[w]
-                else:
-                    self.windows[w] = units
-                    left = True
-        return left
+        """Returns whether anything is left to write back."""
+        for w in range(self.window_of(at), self.window_of(at + grace) + 1):
+            self._add(w, -cost)
+        return bool(self.windows) or self.full is not None
 
     def clear_at(self) -> int:
-        return max(((k + 1) * self.period for k in self.windows), default=0)
+        last = max([*self.windows, *(self.full[1:] if self.full else ())], default=None)
+        return 0 if last is None else (last + 1) * self.period
 
-    def entries(self) -> list[int]:
-        """The stored list: window, units of each window holding units, in order."""
-        return [v for k in sorted(self.windows) for v in (k, self.windows[k])]
+    def fold(self, now: int) -> None:
+        """Past MAX_AHEAD windows ahead of the current one, all but the last KEEP_AHEAD,
+        and what lies between them, count as full from then on."""
+        ahead = sorted(k for k in self.windows if k > self.current)
+        if len(ahead) <= MAX_AHEAD:
+            return
+        lo, hi = ahead[0], ahead[-KEEP_AHEAD] - 1
+        if self.full is not None:
+            lo, hi = min(lo, self.full[0]), max(hi, self.full[1])
+        for k in ahead:
+            if k <= hi:
+                del self.windows[k]
+        self.full = (lo, hi)
 
-    def live(self, stored: list[int], now: int) -> list[int]:
-        pairs = zip(stored[::2], stored[1::2])
-        return [v for k, units in pairs if k >= self.window_of(now) for v in (k, units)]
+    def holds_units(self) -> bool:
+        return bool(self.windows) or self.full is not None
+
+    def entries(self) -> list[int | list[int]]:
+        """The stored state: window, units of each window holding units, in order, then
+        the folded range [a, b] if there is one."""
+        out: list[int | list[int]] = [v for k in sorted(self.windows) for v in (k, self.windows[k])]
+        return out + ([list(self.full)] if self.full else [])
+
+    def live(self, stored: list[int | list[int]], now: int) -> list[int | list[int]]:
+        current = self.window_of(now)
+        pairs, full = stored, None
+        if stored and isinstance(stored[-1], list):
+            pairs, full = stored[:-1], (stored[-1][0], stored[-1][1])
+        out: list[int | list[int]] = [v for k, units in zip(pairs[::2], pairs[1::2])
+                                      if k >= current for v in (k, units)]
+        trimmed = self._trimmed(full, current)
+        return out + ([list(trimmed)] if trimmed else [])
 
     @staticmethod
-    def decode(value: bytes) -> list[int]:
-        """The stored list: one MessagePack array."""
-        return msgpack.unpackb(value)
+    def decode(value: bytes) -> list[int | list[int]]:
+        """The stored state: the windows' array, then the folded range's if any."""
+        windows, *rest = list(msgpack.Unpacker(BytesIO(value)))
+        return [*windows, *rest]
 
 
 # -- the script ---------------------------------------------------------------------------
@@ -248,10 +314,13 @@ EPOCH_FIELD = "e"
 class WindowModel:
     """The state of one hash (one scope and key) for one algorithm and set of rates."""
 
-    def __init__(self, algorithm: str, rates: Sequence[tuple[int, int]]) -> None:
-        """``rates``: (limit, period in µs) pairs, in the order they are sent to Redis."""
+    def __init__(self, algorithm: str, rates: Sequence[tuple[int, int]], *, fold: bool = True) -> None:
+        """``rates``: (limit, period in µs) pairs, in the order they are sent to Redis.
+        ``fold=False``: never fold a deep backlog (not what the scripts do: the exact
+        state that folding summarises, to compare decisions with)."""
         cls = _ALGORITHMS[algorithm]
         self.algorithm = algorithm
+        self.folds = fold
         self.rates: list[SlidingRate | FixedRate] = [cls(limit, period) for limit, period in rates]
         #: The hash's field "e": the time it was first written; None while it does not
         #: exist. A claim made in another epoch is neither honoured nor given back.
@@ -358,6 +427,9 @@ class WindowModel:
             start = x
             latest = min(r.record(x, x + grace_us, cost) for r in self.rates)
             written = True
+        if written and self.folds:
+            for r in self.rates:
+                r.fold(now)
         if written and self.epoch is None:
             self.epoch = now
         return reply(code, x - now, start, latest, grace_us if start > 0 else 0, leased)
@@ -382,7 +454,7 @@ class WindowModel:
         if self.delay is not None:
             out.update(d=str(self.delay), v=str(self.jitter))
         for r in self.rates:
-            if r.buckets if isinstance(r, SlidingRate) else r.windows:
+            if r.holds_units():
                 out[r.field] = r.entries()
         return out
 

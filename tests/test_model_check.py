@@ -17,7 +17,7 @@ import random
 import time
 import uuid
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import msgpack
@@ -40,6 +40,7 @@ from celery_throttle.store import RedisStore, Reservation, WindowReply, rate_fie
 from tests.helpers import redis_or_skip
 from tests.reference import (
     SLOTS,
+    ModelReply,
     SlidingRate,
     WindowModel,
     max_units_in_any_interval,
@@ -702,3 +703,132 @@ def test_sliding_day_limit_memory_stays_flat_after_5000_admissions(
     assert sorted(redis_client.hkeys(key)) == [b"e", b"s100000/86400000000"]
     assert len(SlidingRate.decode(redis_client.hget(key, "s100000/86400000000"))) <= 2 * (SLOTS + 1)
     assert worst < 4096, f"MEMORY USAGE reached {worst} bytes"
+
+
+# -- deep backlogs ------------------------------------------------------------------------
+
+#: Rate sets for thousands of reservations on one key.
+DEEP_SETS: dict[str, tuple[str, ...]] = {
+    "1/s": ("1/s",),
+    "10/s+1000/h": ("10/s", "1000/h"),
+    "5/s+12/3s": ("5/s", "12/3s"),
+}
+#: Reservations outstanding at the deepest point of a walk.
+DEEP = 1500
+#: What the state of one key may take, however deep its backlog (bytes of the hash's values).
+DEEP_STATE_BYTES = 4096
+
+
+def _timings(rates: Sequence[Rate]) -> tuple[int, int]:
+    """(grace, slack) as the limiter gives them for these rates."""
+    from celery_throttle.limiter import _grace_us, _slack_us
+
+    return _grace_us(tuple(rates), None), _slack_us(tuple(rates))
+
+
+def _state_bytes(h: Harness) -> int:
+    return sum(len(v) for v in h.store.client.hvals(h.key))
+
+
+def _deep_walk(h: Harness, cost_of: Callable[[], int], depth: int) -> int:
+    """Fills the key, denies ``depth`` calls (each reserves a start), then brings a third
+    of them back first come, first served: most on time, some late (given back and
+    reserved again), between fresh calls. Returns the largest state seen, in bytes."""
+    rng = h.rng
+    grace, slack = _timings(h.rates)
+    worst = 0
+    while h.run("acquire", 1, slack_us=slack).allowed:
+        pass
+    for i in range(depth):
+        if rng.random() < 0.05:
+            h.advance(rng.randint(0, h.min_period // 20))
+        h.run("acquire", cost_of(), reserve=True, grace_us=grace, slack_us=slack)
+        if i % 100 == 99:
+            worst = max(worst, _state_bytes(h))
+    for i in range(depth // 3):
+        first = min(h.pending, key=lambda r: r.start_us)
+        roll = rng.random()
+        if roll < 0.85:  # on time, somewhere in its grace
+            h.advance(max(first.start_us + rng.randint(0, max(first.latest_us - first.start_us - slack, 0))
+                          - h.clock.now, 0))
+        elif roll < 0.95:  # too late: given back, queued again
+            h.advance(max(first.latest_us + 1 - h.clock.now, 0))
+        else:  # a fresh call arrives first
+            h.run("acquire", cost_of(), reserve=True, grace_us=grace, slack_us=slack)
+            continue
+        h.run("claim", first.cost, reserve=True, claim=first, grace_us=grace, slack_us=slack)
+        if i % 50 == 49:
+            worst = max(worst, _state_bytes(h))
+    return worst
+
+
+@pytest.mark.parametrize("costs", ["one", "mixed"])
+@pytest.mark.parametrize("rate_set", sorted(DEEP_SETS))
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_deep_backlog_matches_the_model_stays_small_and_never_overfills_a_window(
+    store: RedisStore, clock: FakeClock, algorithm: str, rate_set: str, costs: str
+) -> None:
+    # Given one key at its limit, and 1500 calls denied one after another, each
+    # reserving a start (costs of 1, or mixed up to the tightest limit)
+    h = new_harness(store, clock, algorithm, DEEP_SETS[rate_set],
+                    seed=zlib.crc32(f"deep/{algorithm}/{rate_set}/{costs}".encode()))
+    choices = [1] if costs == "one" else sorted({1, 2, h.min_limit})
+
+    # When they come back first come, first served (some late), between fresh calls
+    worst = _deep_walk(h, lambda: h.rng.choice(choices), DEEP)
+
+    # Then the script agreed with the model at every step (state included), no window
+    # ever held too much, and the key's state stayed within a few kB throughout
+    h.check_invariant()
+    assert len(h.admissions) > DEEP // 10, "the walk admitted too little: it tested nothing"
+    assert worst <= DEEP_STATE_BYTES, f"the state grew to {worst} bytes"
+
+
+@pytest.mark.parametrize("cost", [1, 2])
+@pytest.mark.parametrize("rate_set", sorted(DEEP_SETS))
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_folding_a_deep_backlog_changes_no_decision_for_calls_of_one_cost(
+    algorithm: str, rate_set: str, cost: int
+) -> None:
+    # Given the model as the scripts run it (folding a deep backlog) and the same model
+    # keeping every window and bucket, fed the same calls of one cost
+    rates = rates_of(DEEP_SETS[rate_set])
+    if cost > min(r.limit for r in rates):
+        pytest.skip("cost above the tightest limit")
+    pairs = [(r.limit, r.period_us) for r in rates]
+    folded, exact = WindowModel(algorithm, pairs), WindowModel(algorithm, pairs, fold=False)
+    grace, slack = _timings(rates)
+    rng = random.Random(zlib.crc32(f"fold/{algorithm}/{rate_set}/{cost}".encode()))
+    now = BASE_US + rng.randint(0, 10**12)
+    pending: list[Reservation] = []
+    biggest = {"folded": 0, "exact": 0}
+
+    def both(op: str, claim: Reservation | None = None) -> ModelReply:
+        got = folded.window(now, op, cost, reserve=True, grace_us=grace, slack_us=slack, claim=claim)
+        want = exact.window(now, op, cost, reserve=True, grace_us=grace, slack_us=slack, claim=claim)
+        # Then every reply is the same, field for field
+        assert got == want, (op, now, claim)
+        if got.code == WindowReply.DENIED and got.start_us:
+            pending.append(Reservation(got.start_us, got.latest_us, cost, got.grace_us, got.epoch, 0))
+        return got
+
+    # When 1500 calls are denied, then a third of them come back on time (or late),
+    # first come first served, between fresh calls
+    for _ in range(DEEP):
+        now += rng.randint(0, 3)  # (all of them before the first reserved start)
+        both("acquire")
+    biggest = {"folded": _size(folded), "exact": _size(exact)}
+    for _ in range(DEEP // 3):
+        first = min(pending, key=lambda r: r.start_us)
+        now = max(now, first.start_us + rng.randint(0, max(first.latest_us - first.start_us - slack, 0)))
+        pending.remove(first)
+        both("claim", claim=first)
+        if rng.random() < 0.1:
+            both("acquire")
+    # And at the deepest point, the folded state was a small fraction of the exact one
+    assert biggest["folded"] * 4 < biggest["exact"], biggest
+
+
+def _size(model: WindowModel) -> int:
+    """How many numbers the model's rates hold."""
+    return sum(len(str(r.entries()).split(",")) for r in model.rates)

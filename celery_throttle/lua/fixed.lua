@@ -2,100 +2,142 @@
 -- [k * period, (k + 1) * period). A burst across a boundary can reach 2 x limit in one
 -- period's length: that is the algorithm's nature, kept for quotas where it is fine.
 --
--- State of one rate: a flat list {k, units, k, units, ...} sorted by window k, one pair
--- per window that holds units (the current one and any future window holding
--- reservations), stored MessagePack-encoded in one hash field.
+-- State of one rate, one hash field: a MessagePack stream of one or two arrays.
+--   {k, units, k, units, ...}  the windows that hold units, sorted by window k: the
+--                              current one and later ones holding reservations
+--   {a, b}                     (only after a deep backlog) windows a..b count as full
+-- A deep backlog must not make the state, or a check, grow with it. Reservations fill
+-- windows first come, first served, so every window between now and the last few
+-- reserved ones is already full for some rate of the key (or a later start would have
+-- gone there). When more than MAX_AHEAD windows after the current one hold units, all but
+-- the last KEEP_AHEAD of them, and whatever lies between, are folded into the range
+-- a..b. For calls of one cost that changes no decision; a smaller call that could have
+-- squeezed into a folded window's last units now queues behind the others (safe: a
+-- range only ever counts more than was recorded). A give-back into it gives nothing back.
 local ALGO = {}
+
+-- Windows after the current one that may hold units before the older ones are folded.
+local MAX_AHEAD = 32
+-- How many of the last windows ahead stay as they are when the others are folded.
+local KEEP_AHEAD = 16
+
+local function numbers(t)
+  if type(t) ~= 'table' then return false end
+  for i = 1, #t do
+    if type(t[i]) ~= 'number' then return false end
+  end
+  return true
+end
 
 -- What can still count at `now`: the current window and later ones.
 function ALGO.load(r, raw, now)
-  local ok, t = false, nil
-  if raw then ok, t = pcall(cmsgpack.unpack, raw) end
-  -- A value that does not decode to a list of numbers counts for nothing (and is replaced).
-  if not ok or type(t) ~= 'table' then t = {} end
-  for i = 1, #t do
-    if type(t[i]) ~= 'number' then t = {} break end
+  local ok, t, full = false, nil, nil
+  if raw then ok, t, full = pcall(cmsgpack.unpack, raw) end
+  -- A value that does not decode to a window state counts for nothing (and is replaced).
+  if not ok or not numbers(t) or (full ~= nil and not (numbers(full) and #full == 2)) then
+    t, full = {}, nil
   end
-  local current, n, first = math.floor(now / r.period), #t, 1
-  while first < n and t[first] < current do first = first + 2 end
-  if first > 1 then
-    local out = {}
-    for i = first, n do out[#out + 1] = t[i] end
-    t = out
-  end
-  r.list = t
-end
-
-local function units_in(t, k)
+  local current = math.floor(now / r.period)
+  r.current, r.units = current, {}
   for i = 1, #t - 1, 2 do
-    if t[i] == k then return t[i + 1] end
-    if t[i] > k then break end
+    if t[i] >= current and t[i + 1] > 0 then r.units[t[i]] = t[i + 1] end
   end
-  return 0
+  if full and full[2] < current then
+    full = nil
+  elseif full and full[1] < current then
+    full[1] = current
+  end
+  r.full = full
 end
 
--- Adds `units` (which may be negative) to window k, keeping the list sorted and free
--- of empty windows.
-local function add(t, k, units)
-  local i = 1
-  while i < #t and t[i] < k do i = i + 2 end
-  if i < #t and t[i] == k then
-    t[i + 1] = t[i + 1] + units
-    if t[i + 1] <= 0 then
-      table.remove(t, i)
-      table.remove(t, i)
-    end
-  elseif units > 0 then
-    table.insert(t, i, k)
-    table.insert(t, i + 1, units)
-  end
+local function in_full(r, k)
+  local full = r.full
+  return full ~= nil and full[1] <= k and k <= full[2]
+end
+
+local function units_in(r, k)
+  if in_full(r, k) then return r.limit end
+  return r.units[k] or 0
+end
+
+-- Adds `units` (which may be negative) to window k; a window left with none is dropped.
+-- A folded window already counts as full: nothing changes there.
+local function add(r, k, units)
+  if in_full(r, k) then return end
+  local u = (r.units[k] or 0) + units
+  if u > 0 then r.units[k] = u else r.units[k] = nil end
 end
 
 function ALGO.usage(r, x)
-  local t = r.list
-  return units_in(t, math.floor(x / r.period))
+  return units_in(r, math.floor(x / r.period))
 end
 
 -- Earliest time >= x at which `cost` more units fit. A start at t may happen up to
--- `slack` later: when that crosses into the next window, it must fit in both.
+-- `slack` later: it must fit in every window [t, t + slack] touches.
 function ALGO.earliest(r, x, cost, slack)
-  local t = r.list
   local k = math.floor(x / r.period)
   while true do
-    local at = math.max(x, k * r.period)
-    local fits = units_in(t, k) + cost <= r.limit
-    if fits and math.floor((at + slack) / r.period) > k then
-      fits = units_in(t, k + 1) + cost <= r.limit
+    if in_full(r, k) then
+      k = r.full[2] + 1
+    else
+      local at = math.max(x, k * r.period)
+      local fits, j, last = true, k, math.floor((at + slack) / r.period)
+      while fits and j <= last do
+        fits = units_in(r, j) + cost <= r.limit
+        j = j + 1
+      end
+      if fits then return at end
+      k = k + 1
     end
-    if fits then return at end
-    k = k + 1
   end
 end
 
--- Records `cost` units starting in [at, latest], in each window that span touches (at
--- most two: `latest - at` is a small slack or grace); returns the latest valid start.
+-- Records `cost` units starting in [at, latest], in each window that span touches (one
+-- or two, unless a slack is longer than a tiny window); returns the latest valid start.
 function ALGO.record(r, at, latest, cost)
-  local t = r.list
-  local k, k2 = math.floor(at / r.period), math.floor(latest / r.period)
-  add(t, k, cost)
-  if k2 ~= k then add(t, k2, cost) end
+  local k = math.floor(at / r.period)
+  for j = k, math.floor(latest / r.period) do add(r, j, cost) end
   return (k + 1) * r.period - 1
 end
 
 function ALGO.unrecord(r, at, grace, cost)
-  local t = r.list
-  local k, k2 = math.floor(at / r.period), math.floor((at + grace) / r.period)
-  add(t, k, -cost)
-  if k2 ~= k then add(t, k2, -cost) end
+  for j = math.floor(at / r.period), math.floor((at + grace) / r.period) do add(r, j, -cost) end
 end
 
 function ALGO.clear_at(r)
-  local t = r.list
-  if #t == 0 then return 0 end
-  return (t[#t - 1] + 1) * r.period
+  local last = r.full and r.full[2] or nil
+  for k in pairs(r.units) do
+    if last == nil or k > last then last = k end
+  end
+  return last and (last + 1) * r.period or 0
+end
+
+-- Folds the windows ahead (see the top of this file); `ahead` is sorted.
+local function fold(r, ahead)
+  local lo, hi = ahead[1], ahead[#ahead - KEEP_AHEAD + 1] - 1
+  if r.full then lo, hi = math.min(lo, r.full[1]), math.max(hi, r.full[2]) end
+  for _, k in ipairs(ahead) do
+    if k <= hi then r.units[k] = nil end
+  end
+  r.full = {lo, hi}
 end
 
 -- The field's new value, or nil when nothing is left to count.
 function ALGO.dump(r)
-  return #r.list > 0 and cmsgpack.pack(r.list) or nil
+  local keys, ahead = {}, {}
+  for k in pairs(r.units) do keys[#keys + 1] = k end
+  table.sort(keys)
+  for _, k in ipairs(keys) do
+    if k > r.current then ahead[#ahead + 1] = k end
+  end
+  if #ahead > MAX_AHEAD then fold(r, ahead) end
+  local t = {}
+  for _, k in ipairs(keys) do
+    if r.units[k] then
+      t[#t + 1] = k
+      t[#t + 1] = r.units[k]
+    end
+  end
+  if r.full then return cmsgpack.pack(t, r.full) end
+  return #t > 0 and cmsgpack.pack(t) or nil
 end

@@ -20,7 +20,24 @@
 -- script time). Anything else (a denial looking for room, a start before the hot
 -- bucket, a give-back) decodes them into a flat list {latest, units, ...} once and
 -- works on that.
+--
+-- A deep backlog (reservations for thousands of tasks) must not make the state, or the
+-- time of a check, grow with it. Every entry counts in usage(x) for every x before its
+-- latest + period, so an entry followed by at least `limit` units can never decide
+-- anything: wherever it counts, those later units already fill the window, and
+-- earliest() always stops at a later entry. When a rate is written, such front buckets
+-- are folded into the bucket after them ("the front": their units, its latest). What is
+-- left behind the front holds fewer than `limit` units: about one window of buckets,
+-- whatever waits. Folding only makes units look later, so it is always safe; a
+-- give-back of units folded away finds no bucket and gives nothing back.
 local SLOTS = 100
+-- Buckets kept at most per rate; past it the front is folded even if it could still
+-- decide something (safe, a little late: only a sparse schedule, of a rate that another
+-- rate holds back, reaches it; a saturated one spans about SLOTS buckets).
+local MAX_BUCKETS = 2 * SLOTS
+-- A stored cold pair takes at least 10 bytes (a time in µs is a 9-byte integer), so a
+-- state that is not decoded holds more than MAX_BUCKETS buckets only past this size.
+local MAX_COLD_BYTES = 10 * (MAX_BUCKETS - 1)
 
 local pack, unpack_one, unpack_limit = cmsgpack.pack, cmsgpack.unpack_one, cmsgpack.unpack_limit
 
@@ -194,12 +211,35 @@ function ALGO.clear_at(r)
   return r.hot_latest and r.hot_latest + r.period or 0
 end
 
+-- Folds the front (see the top of this file) of a decoded list.
+local function fold(r)
+  local t = r.list
+  local n = #t
+  local rest = 0
+  for i = 4, n, 2 do rest = rest + t[i] end  -- units behind the first bucket
+  local first, units, buckets = 1, t[2], n / 2
+  while first + 2 < n and (rest >= r.limit or buckets > MAX_BUCKETS) do
+    first = first + 2
+    units = units + t[first + 1]
+    rest = rest - t[first + 1]
+    buckets = buckets - 1
+  end
+  if first > 1 then
+    local out = {t[first], units}
+    for i = first + 2, n do out[#out + 1] = t[i] end
+    r.list = out
+  end
+end
+
 -- The field's new value, or nil when nothing is left to count.
 function ALGO.dump(r)
-  local t = r.list
-  if not t then
+  -- Only more than `limit` units, or more buckets than a window holds, can need a fold.
+  if not r.list and (r.cold_units + r.hot_units > r.limit or #r.cold > MAX_COLD_BYTES) then flat(r) end
+  if not r.list then
     return r.hot_latest and pack(r.cold_units, r.hot_latest, r.hot_units) .. r.cold or nil
   end
+  if #r.list > 2 then fold(r) end
+  local t = r.list
   local n = #t
   if n == 0 then return nil end
   local cold_units = 0
