@@ -1,7 +1,9 @@
 """``python -m bench [--quick] [--only NAME]``: the celery_throttle benchmark.
 
 Sections: ``burst`` (1 violation, 2 makespan, 3 re-sends, 4 naive baselines, and the
-chart), ``cost`` (5 check cost), ``overhead`` (6), ``memory`` (7), ``long`` (8 long waits).
+chart), ``cost`` (5 check cost), ``overhead`` (6), ``memory`` (7), ``long`` (8 long waits),
+``backlog`` (9 deep backlog cost, on a redis-server of its own), ``neighbour`` (10 noisy
+neighbour).
 Starts its own workers against the local Redis (dbs 10 and 11, which it owns), prints a
 table, writes bench/out/ (results.md, results.json, chart.png, worker logs). A full run
 also writes bench/results.md and bench/chart.png, to commit.
@@ -20,11 +22,12 @@ from typing import Any
 
 from bench.common import BENCH_DIR, OUT_DIR, Results, broker_client, delete_prefix, new_prefix, store_client
 
-SECTIONS = ("burst", "cost", "overhead", "memory", "long")
+SECTIONS = ("burst", "cost", "overhead", "memory", "long", "backlog", "neighbour")
 ALIASES = {"1": "burst", "2": "burst", "3": "burst", "4": "burst", "violation": "burst",
            "makespan": "burst", "resends": "burst", "naive": "burst", "chart": "burst",
            "5": "cost", "checks": "cost", "6": "overhead", "7": "memory", "8": "long",
-           "long-waits": "long"}
+           "long-waits": "long", "9": "backlog", "deep-backlog": "backlog", "10": "neighbour",
+           "neighbor": "neighbour", "noisy-neighbour": "neighbour"}
 
 
 @dataclass(frozen=True)
@@ -41,24 +44,39 @@ class Scale:
     tenants: int
     long_tasks: int
     long_window: int
+    #: Reservations outstanding on one key, for the deep-backlog cost.
+    backlog_depths: tuple[int, ...]
+    #: Due reservations claimed per depth (a third of them for a rate of one per second).
+    backlog_claims: int
+    #: Fitting calls per round, and rounds, against the peers.
+    fit_calls: int
+    fit_rounds: int
+    #: Tasks of one key sent at once, end to end.
+    backlog_tasks: int
+    #: Tenant A's flood sizes in the noisy-neighbour run.
+    floods: tuple[int, ...]
 
 
-FULL = Scale("25/s", 250, 700, 5, 0.5, 6, (10, 1000, 100000), 100000, 20000, 150)
-QUICK = Scale("20/s", 100, 400, 2, 0.25, 2, (10, 1000, 10000), 10000, 2000, 20)
+FULL = Scale("25/s", 250, 700, 5, 0.5, 6, (10, 1000, 100000), 100000, 20000, 150,
+             backlog_depths=(1, 1000, 10000, 100000), backlog_claims=30, fit_calls=15000, fit_rounds=3,
+             backlog_tasks=3000, floods=(1000, 10000, 100000))
+QUICK = Scale("20/s", 100, 400, 2, 0.25, 2, (10, 1000, 10000), 10000, 2000, 20,
+              backlog_depths=(1, 1000, 10000), backlog_claims=12, fit_calls=5000, fit_rounds=2,
+              backlog_tasks=1000, floods=(1000, 10000))
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small scale, 1-2 minutes")
     p.add_argument("--only", action="append", default=[], metavar="NAME",
-                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-8")
+                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-10")
     args = p.parse_args(argv)
     chosen = []
     for item in args.only:
         for name in item.split(","):
             name = ALIASES.get(name.strip().lower(), name.strip().lower())
             if name not in SECTIONS:
-                p.error(f"unknown section {name!r}: use one of {', '.join(SECTIONS)} or 1-8")
+                p.error(f"unknown section {name!r}: use one of {', '.join(SECTIONS)} or 1-10")
             chosen.append(name)
     args.sections = [s for s in SECTIONS if s in chosen] if chosen else list(SECTIONS)
     return args
@@ -132,6 +150,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"long waits: {scale.long_tasks} tasks ...", flush=True)
             _guard(res, "8 long waits", run_long_wait, res, prefix, scale.long_tasks, scale.long_window,
                    args.quick)
+        if "backlog" in args.sections:
+            from bench.backlog import run_backlog_store, run_backlog_tasks, run_fit_peers
+
+            print("deep backlog ...", flush=True)
+            _guard(res, "9 deep backlog", run_backlog_store, res, prefix, scale.backlog_depths,
+                   scale.backlog_claims)
+            _guard(res, "9 deep backlog", run_fit_peers, res, prefix, scale.fit_calls, scale.fit_rounds)
+            _guard(res, "9 deep backlog", run_backlog_tasks, res, prefix, scale.backlog_tasks)
+        if "neighbour" in args.sections:
+            from bench.neighbour import run_neighbour
+
+            print(f"noisy neighbour: floods of {', '.join(f'{n:,}' for n in scale.floods)} ...", flush=True)
+            _guard(res, "10 noisy neighbour", run_neighbour, res, prefix, scale.floods)
     except KeyboardInterrupt:
         res.notes.append("interrupted")
     finally:

@@ -4,8 +4,11 @@ Configured from the environment, so one module serves every worker group the ben
 starts: CB_BROKER, CB_STORE (throttle store and records), CB_PREFIX (key prefix), CB_QUEUE
 (the queue consumed at start), CB_RATE (the burst limit, e.g. "25/s"), CB_FAST_RATE (a
 limit never reached, for the overhead run), CB_LONG_RATE (the long-wait quota),
-CB_PARK_AFTER, CB_VISIBILITY (Redis broker visibility timeout, seconds), CB_TRACE=1 (note
-every denial in ``<prefix>:denials:<label>``).
+CB_BACKLOG_RATE (the one key of the deep-backlog run), CB_NEIGHBOUR_RATE (each tenant's
+quota in the noisy-neighbour run), CB_CHECK_AT_PUBLISH (``1``/``0``: sets
+``throttle_check_at_publish``; unset: the default), CB_PARK_AFTER, CB_VISIBILITY (Redis
+broker visibility timeout, seconds), CB_TRACE=1 (note every denial in
+``<prefix>:denials:<label>``).
 
 Every task body notes its start as ``"<time> <task id>"`` in the list
 ``<prefix>:starts:<label>`` (worker clock; the bench runs on one machine, where it is
@@ -33,6 +36,8 @@ STORE = os.environ.get("CB_STORE", "redis://127.0.0.1:6379/10")
 RATE = os.environ.get("CB_RATE", "25/s")
 FAST_RATE = os.environ.get("CB_FAST_RATE", "1000000/s")
 LONG_RATE = os.environ.get("CB_LONG_RATE", "100/20s")
+BACKLOG_RATE = os.environ.get("CB_BACKLOG_RATE", "1/s")
+NEIGHBOUR_RATE = os.environ.get("CB_NEIGHBOUR_RATE", "100/h")
 
 app = Celery("benchapp", broker=os.environ.get("CB_BROKER", "redis://127.0.0.1:6379/11"))
 _transport: dict[str, Any] = {}
@@ -48,6 +53,8 @@ app.conf.update(
     throttle_redis_url=STORE,
     throttle_key_prefix=PREFIX,
 )
+if os.environ.get("CB_CHECK_AT_PUBLISH"):
+    app.conf.throttle_check_at_publish = os.environ["CB_CHECK_AT_PUBLISH"] == "1"
 if os.environ.get("CB_PARK_AFTER"):
     app.conf.throttle_park_after = float(os.environ["CB_PARK_AFTER"])
     app.conf.throttle_release_interval = 0.5
@@ -104,12 +111,12 @@ def builtin(self, label):
 
 
 # -- the hand-written baselines ----------------------------------------------------------
-def _naive_task(task: Any, algorithm: str, label: str) -> None:
+def _naive_task(task: Any, algorithm: str, label: str, rate_text: str = RATE) -> None:
     client()
     limiter = _naive.get(algorithm)
     if limiter is None:
         limiter = _naive[algorithm] = NaiveLimiter(client(), algorithm)
-    rate = parse_rate(RATE)
+    rate = parse_rate(rate_text)
     allowed, wait = limiter.hit(f"{PREFIX}:naive-{algorithm}:{label}", rate.limit, rate.period,
                                 member=f"{task.request.id}:{time.time()}")
     if not allowed:
@@ -152,3 +159,22 @@ def fast_fixed(self, label):
 @throttle(LONG_RATE, key="{label}")
 def long_wait(self, label):
     record(label, self.request.id)
+
+
+# -- deep backlog: every call on one key -----------------------------------------------
+@app.task(bind=True)
+@throttle(BACKLOG_RATE, scope="bench-backlog")
+def backlog(self, label):
+    record(label, self.request.id)
+
+
+# -- noisy neighbour: a quota per tenant (the label names the tenant) ------------------
+@app.task(bind=True)
+@throttle(NEIGHBOUR_RATE, key="{label}")
+def neighbour(self, label):
+    record(label, self.request.id)
+
+
+@app.task(bind=True, max_retries=None)
+def neighbour_naive(self, label):
+    _naive_task(self, "sliding", label, NEIGHBOUR_RATE)

@@ -12,7 +12,7 @@ from typing import Any
 
 from . import signals
 from .decorator import throttle
-from .errors import ConfigurationError, KeyBuildError, StoreError, ThrottleError
+from .errors import ConfigurationError, KeyBuildError, StoreError, ThrottleError, WaitTooLong
 from .limiter import Decision, RateStatus, Status, Throttle
 from .rates import Rate, parse_rate
 
@@ -26,6 +26,7 @@ __all__ = [
     "StoreError",
     "Throttle",
     "ThrottleError",
+    "WaitTooLong",
     "__version__",
     "install",
     "parse_rate",

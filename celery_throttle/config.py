@@ -9,7 +9,7 @@ from typing import Any
 from .errors import ConfigurationError
 from .keys import check_prefix
 
-__all__ = ["ALGORITHMS", "STORE_ERROR_POLICIES", "Settings"]
+__all__ = ["ALGORITHMS", "STORE_ERROR_POLICIES", "Settings", "check_max_wait"]
 
 ALGORITHMS = ("sliding", "fixed")
 STORE_ERROR_POLICIES = ("defer", "allow", "fail")
@@ -38,6 +38,12 @@ class Settings:
     start_grace: float | None = None
     #: How often (seconds) each worker looks for parked tasks that are due.
     release_interval: float = 1.0
+    #: Whether the producer checks a throttled task when it sends it, and defers one
+    #: that does not fit (so floods of one key never queue in front of other keys).
+    check_at_publish: bool = True
+    #: A denied task whose reserved start would be further away than this (seconds)
+    #: fails with WaitTooLong instead of waiting; None: no cap. Per throttle: max_wait.
+    max_wait: float | None = None
     #: Backoff (seconds) for tasks deferred because Redis could not be reached.
     store_retry_delay: float = 1.0
     store_retry_max_delay: float = 30.0
@@ -76,10 +82,19 @@ class Settings:
             )
         if not isinstance(self.rules, Mapping):
             raise ConfigurationError("throttle_rules must be a dict of task-name glob -> options")
+        check_max_wait(self.max_wait, "throttle_max_wait")
+        if not isinstance(self.check_at_publish, bool):
+            raise ConfigurationError("throttle_check_at_publish must be True or False")
         for name in ("park_after", "release_interval", "store_retry_delay", "store_retry_max_delay"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ConfigurationError(f"throttle_{name} must be a positive number of seconds")
         return self
+
+
+def check_max_wait(value: Any, what: str) -> None:
+    """A wait cap is a positive number of seconds, or None for none."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ConfigurationError(f"{what} must be a positive number of seconds or None, got {value!r}")
 
 
 def _default_redis_url(app: Any) -> str:

@@ -21,6 +21,7 @@ def throttle(
     scope: str | None = None,
     cost: int | Callable[..., Any] = 1,
     algorithm: str | None = None,
+    max_wait: float | None = None,
 ) -> Callable[[Any], Any]:
     """Limit a task globally, across every worker, before its body runs.
 
@@ -35,11 +36,15 @@ def throttle(
     arguments, or a callable returning a string. ``scope``: the name the limit is stored
     under (default: the task's name). ``cost``: units per call (int or callable).
     ``algorithm``: ``"sliding"`` or ``"fixed"`` (default: ``throttle_default_algorithm``).
+    ``max_wait``: seconds; a denied call whose start would be further away fails with
+    :class:`~celery_throttle.errors.WaitTooLong` instead of waiting (default:
+    ``throttle_max_wait``, no cap).
     Mistakes raise :class:`~celery_throttle.errors.ConfigurationError` here.
     """
     if not rates:
         raise ConfigurationError('throttle() needs at least one rate, e.g. throttle("10/s")')
-    spec = ThrottleSpec.declare(rates, key=key, scope=scope, cost=cost, algorithm=algorithm)
+    spec = ThrottleSpec.declare(rates, key=key, scope=scope, cost=cost, algorithm=algorithm,
+                                max_wait=max_wait)
 
     def decorate(obj: Any) -> Any:
         if isinstance(obj, PromiseProxy):

@@ -7,7 +7,7 @@ silently in the middle of a run.
 
 from __future__ import annotations
 
-__all__ = ["ConfigurationError", "KeyBuildError", "StoreError", "ThrottleError"]
+__all__ = ["ConfigurationError", "KeyBuildError", "StoreError", "ThrottleError", "WaitTooLong"]
 
 
 class ThrottleError(Exception):
@@ -27,3 +27,11 @@ class KeyBuildError(ThrottleError, ValueError):
 
 class StoreError(ThrottleError):
     """The Redis store could not be reached or answered with an error."""
+
+
+class WaitTooLong(ThrottleError):
+    """A denied task's start would be further away than its ``max_wait``.
+
+    The task fails visibly (FAILURE state with this error) instead of waiting; nothing is
+    reserved for it. The message names the task, scope, key and the wait it would have had.
+    """

@@ -17,10 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from celery.app.trace import task_has_custom
 from celery.exceptions import Ignore
+from celery.utils import uuid
 
 from . import signals
-from .errors import StoreError
+from .deferral import HEADER, plan_return
+from .errors import StoreError, WaitTooLong
 from .keys import state_key
+from .publish import admit, park_at_publish
 from .spec import BoundCall, ThrottleSpec
 from .store import Reservation, WindowReply
 
@@ -30,9 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["HEADER", "attach", "declared_spec"]
 
 logger = logging.getLogger("celery_throttle")
-
-#: Message header carrying a deferred task's reservation and counters.
-HEADER = "celery_throttle"
 
 
 def declared_spec(task: Any) -> ThrottleSpec | None:
@@ -59,7 +59,31 @@ def attach(task: Any, spec: ThrottleSpec) -> None:
         if original is not None:
             original(self, task_id, args, kwargs)
 
+    send = cls.apply_async
+
+    def apply_async(self: Any, args: Any = None, kwargs: Any = None, task_id: str | None = None,
+                    producer: Any = None, link: Any = None, link_error: Any = None, shadow: Any = None,
+                    **options: Any) -> Any:
+        # Admission at publish (see publish.py): a task that does not fit now leaves with
+        # the start it reserved, as a countdown, or waits parked in Redis.
+        from . import install
+
+        ctl = install(self.app)
+        deferral = admit(ctl, self, args, kwargs, options)
+        if deferral is None:
+            return send(self, args, kwargs, task_id, producer, link, link_error, shadow, **options)
+        task_id = task_id or uuid()
+        headers = {**(options.pop("headers", None) or {}), HEADER: deferral.state}
+        if deferral.park:
+            message = dict(options, task_id=task_id, link=link, link_error=link_error, shadow=shadow,
+                           headers=headers)
+            if park_at_publish(ctl, self, deferral, args, kwargs, message):
+                return (options.get("result_cls") or self.AsyncResult)(task_id)
+        return send(self, args, kwargs, task_id, producer, link, link_error, shadow,
+                    headers=headers, countdown=deferral.delay or None, **options)
+
     cls.before_start = before_start
+    cls.apply_async = apply_async
     cls._throttle_hooked = True
     cls._throttle_signature = _signature(task)
 
@@ -85,19 +109,30 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     state = dict(_header(request))
     ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
     claim = Reservation.from_header(state.get("r")) if state.get("k") == ident else None
+    max_wait = ctl.max_wait(spec)
     try:
-        reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id, lease=True)
+        reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id, lease=True, max_wait=max_wait)
         if reply.code == WindowReply.EARLY and claim and reply.wait_us <= _wait_here_us(ctl, call, claim):
             # Sent back a little early on purpose (dispatch takes a while): wait here
             # for the reserved start rather than a round trip through the broker.
             # (An Event, not time.sleep: libfaketime, with which the clock-skew test
             # runs workers, breaks time.sleep's clock_nanosleep.)
             threading.Event().wait(reply.wait_us / 1e6)
-            reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id, learn=False)
+            reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id, learn=False,
+                              max_wait=max_wait)
     except StoreError as exc:
         return _on_store_error(ctl, task, request, args, kwargs, call, state, exc)
     if reply.allowed:
         return True
+    if reply.code == WindowReply.TOO_FAR:
+        wait = reply.wait_us / 1e6
+        signals.task_wait_exceeded.send(sender=task, request=request, wait=wait, max_wait=max_wait,
+                                        scope=call.scope, key=call.key)
+        raise WaitTooLong(
+            f"task {task.name}[{request.id}] would wait {_seconds(wait)} for scope {call.scope!r}"
+            f"{'' if call.key is None else f' key {call.key!r}'}: more than its max_wait of "
+            f"{_seconds(max_wait or 0)}"
+        )
     if claim is not None and reply.code == WindowReply.DENIED:
         # Its reserved start could not be used (it came too late, or the window state it
         # was made in is gone): it queues again behind every start reserved since.
@@ -112,22 +147,18 @@ def defer_denied(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any,
                  state: dict[str, Any], ident: str, claim: Reservation | None,
                  reply: WindowReply) -> None:
     """Re-send (or park) a denied task to come back for the start its reply reserved."""
-    state.pop("e", None)
-    lead_us = ctl.lead_us(call.rates, reply.lead_us)
-    if reply.code == WindowReply.EARLY:
-        reservation = claim
-        lead_us = 0  # it already came back early once: aim at the start itself
-    elif reply.start_us:
-        reservation = Reservation(reply.start_us, reply.latest_us, call.cost, reply.grace_us,
-                                  reply.epoch, lead_us)
-    else:
-        reservation = None
-    state.update(k=ident, r=reservation.to_header() if reservation else None)
-    # Come back `lead` early: the reserved start is then reached in time despite the
-    # broker's and the pool's dispatch delay (learnt per key, see window.lua); the
-    # claim above waits out the difference.
-    delay = max(reply.wait_us - (lead_us if reservation else 0), 0) / 1e6
+    delay = plan_return(ctl, call, state, ident, claim, reply)
     _defer(ctl, task, request, args, kwargs, call, state, delay, reply.now_us)
+
+
+def _seconds(value: float) -> str:
+    """A wait as people read it: 42.5s, 3m 20s, 2h 5m."""
+    if value < 60:
+        return f"{value:.1f}s"
+    minutes, seconds = divmod(int(value), 60)
+    if minutes < 60:
+        return f"{minutes}m {seconds}s"
+    return f"{minutes // 60}h {minutes % 60}m"
 
 
 def _wait_here_us(ctl: Throttle, call: BoundCall, claim: Reservation) -> int:

@@ -103,6 +103,17 @@ class Throttle:
                     self._store = RedisStore(s.redis_url, s.key_prefix, clock=self._clock)
         return self._store
 
+    def close(self) -> None:
+        """Close the connection to the store (a later call opens a new one)."""
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+
+    def max_wait(self, spec: ThrottleSpec) -> float | None:
+        """The longest a denied call of ``spec`` may wait (seconds), or None."""
+        return spec.max_wait if spec.max_wait is not None else self.settings.max_wait
+
     def rule_for(self, task_name: str) -> ThrottleSpec | None:
         """The first ``throttle_rules`` entry whose glob matches ``task_name``."""
         if self._rules is None:
@@ -168,14 +179,17 @@ class Throttle:
 
     def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
               claimant: str | None = None, learn: bool = True, screen: bool = False,
-              lease: bool = False) -> WindowReply:
+              lease: bool = False, publish: bool = False, max_wait: float | None = None) -> WindowReply:
         """Check one bound call; reserve a future start when denied and asked to.
 
         ``claim``: a reservation this call made earlier; ``claimant`` (the task id) makes
-        using it single-use. ``screen``: record nothing if the call fits now. ``lease``:
-        a fresh call may be admitted from, or take, a lease (see :mod:`.lease`).
+        using it single-use. ``screen``: record nothing if the call fits now. ``publish``:
+        reserve a start even if it fits now, for a task about to be sent (the worker
+        claims it). ``lease``: a fresh call may be admitted from, or take, a lease (see
+        :mod:`.lease`). ``max_wait`` (seconds): reserve no start further away (the reply's
+        code is then ``TOO_FAR``).
         """
-        op = "claim" if claim is not None else "screen" if screen else "acquire"
+        op = "claim" if claim is not None else "reserve" if publish else "screen" if screen else "acquire"
         key = state_key(self.settings.key_prefix, call.scope, call.key)
         slack = self.slack_us(call.rates)
         lease = lease and op == "acquire"
@@ -192,6 +206,7 @@ class Throttle:
             key, call.algorithm, op, call.rates, call.cost,
             reserve=reserve, grace_us=self.grace_us(call.rates), slack_us=slack, claim=claim,
             claim_marker=marker, learn=learn, lease=units, lease_span_us=span,
+            max_wait_us=int(max_wait * 1_000_000) if max_wait else 0,
         )
         if reply.code == WindowReply.TOO_COSTLY:
             raise ThrottleError(

@@ -73,7 +73,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any) -> 
             spec = type(task)._throttle_spec
             call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
                              ctl.settings.default_algorithm)
-            reply = ctl.check(call, reserve=True, screen=True)
+            reply = ctl.check(call, reserve=True, screen=True, max_wait=ctl.max_wait(spec))
         except ThrottleError:
             # Bad arguments or Redis down: the pool path deals with it, visibly.
             return handler(message, body, ack, reject, callbacks, **kw)

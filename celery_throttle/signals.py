@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["task_throttled"]
+__all__ = ["task_throttled", "task_wait_exceeded"]
 
 #: Sent in the worker each time a throttled task is denied and deferred.
 #: ``sender`` is the task; keyword arguments: ``request`` (the task's request),
@@ -13,4 +13,13 @@ __all__ = ["task_throttled"]
 task_throttled = Signal(
     name="task_throttled",
     providing_args={"request", "delay", "scope", "key", "parked"},
+)
+
+#: Sent in the worker when a denied task would wait longer than its ``max_wait``: it
+#: fails with :class:`~celery_throttle.errors.WaitTooLong` instead. ``sender`` is the
+#: task; keyword arguments: ``request``, ``wait`` (seconds it would have waited),
+#: ``max_wait``, ``scope``, ``key``.
+task_wait_exceeded = Signal(
+    name="task_wait_exceeded",
+    providing_args={"request", "wait", "max_wait", "scope", "key"},
 )

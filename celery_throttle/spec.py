@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .config import ALGORITHMS
+from .config import ALGORITHMS, check_max_wait
 from .errors import ConfigurationError, KeyBuildError
 from .rates import Rate, parse_rates
 
 __all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec"]
 
 RateArg = str | Rate | Sequence[str | Rate] | Callable[..., Any]
-RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm")
+RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class ThrottleSpec:
     scope: str | None = None
     cost: int | Callable[..., Any] = 1
     algorithm: str | None = None
+    #: Seconds a denied call may wait for its start at most (None: the setting's).
+    max_wait: float | None = None
 
     @classmethod
     def declare(
@@ -52,6 +54,7 @@ class ThrottleSpec:
         scope: str | None = None,
         cost: int | Callable[..., Any] = 1,
         algorithm: str | None = None,
+        max_wait: float | None = None,
     ) -> ThrottleSpec:
         if len(rates) == 1 and callable(rates[0]):
             parsed: tuple[Rate, ...] | Callable[..., Any] = rates[0]
@@ -77,7 +80,8 @@ class ThrottleSpec:
                     raise ConfigurationError(
                         f"cost {cost} can never fit in rate {tightest}: a call would wait forever"
                     )
-        return cls(parsed, key, scope, cost, algorithm)
+        check_max_wait(max_wait, "max_wait")
+        return cls(parsed, key, scope, cost, algorithm, max_wait)
 
     @classmethod
     def from_rule(cls, pattern: str, options: Mapping[str, Any]) -> ThrottleSpec:
@@ -101,6 +105,7 @@ class ThrottleSpec:
                 scope=options.get("scope"),
                 cost=options.get("cost", 1),
                 algorithm=options.get("algorithm"),
+                max_wait=options.get("max_wait"),
             )
         except ConfigurationError as exc:
             raise ConfigurationError(f"throttle_rules[{pattern!r}]: {exc}") from None

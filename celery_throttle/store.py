@@ -78,7 +78,7 @@ class WindowReply(NamedTuple):
     #: Units granted as a lease, this call's own included (0 if none).
     leased: int = 0
 
-    RUN, DENIED, EARLY, TOO_COSTLY = 1, 0, 2, -1
+    RUN, DENIED, EARLY, TOO_FAR, TOO_COSTLY = 1, 0, 2, 3, -1
 
     @property
     def allowed(self) -> bool:
@@ -158,6 +158,7 @@ class RedisStore:
         learn: bool = True,
         lease: int = 0,
         lease_span_us: int = 0,
+        max_wait_us: int = 0,
     ) -> WindowReply:
         """Run window.lua once: acquire, peek, or claim a reservation, over every rate.
 
@@ -166,10 +167,11 @@ class RedisStore:
         early one), so the delay estimate sees each arrival once. ``lease``: units an
         acquire that fits may take at once for calls to come within ``lease_span_us``
         (granted only while every rate stays at most half full; see window.lua).
+        ``max_wait_us``: a start further away than this is not reserved (code 3).
         """
         args = [self._now_arg(), op, "1" if reserve else "0", cost, grace_us, slack_us]
         args += claim.to_header() if claim else _NO_CLAIM
-        args += ("1" if learn else "0", lease, lease_span_us)
+        args += ("1" if learn else "0", lease, lease_span_us, max_wait_us)
         args += _rate_args(algorithm, tuple(rates))
         keys = [key, claim_marker] if claim is not None and claim_marker else [key]
         # Lua numbers come back as Redis integers: the reply is already ints.

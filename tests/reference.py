@@ -349,6 +349,7 @@ class WindowModel:
         learn: bool = True,
         lease: int = 0,
         lease_span_us: int = 0,
+        max_wait_us: int = 0,
     ) -> ModelReply:
         for r in self.rates:
             r.load(now)
@@ -391,6 +392,8 @@ class WindowModel:
                 written = r.unrecord(c_start, c_grace, c_cost) or written
 
         x, settled = now, False
+        if op == "reserve" and self.delay is not None:  # at publish: not before it arrives
+            x = now + self.lead()
         for _ in range(MAX_ROUNDS):
             settled = True
             for r in self.rates:
@@ -406,7 +409,7 @@ class WindowModel:
         code, start, latest, leased = 0, 0, 0, 0
         if settled and x == now and op == "screen":
             code = 1  # fits now: recorded by the acquire that follows, not here
-        elif settled and x == now:
+        elif settled and x == now and op != "reserve":
             code = 1
             units, span = cost, slack_us
             if op == "acquire" and lease > cost:
@@ -420,7 +423,9 @@ class WindowModel:
             for r in self.rates:
                 r.record(now, now + span, units)
             written = True
-        elif settled and reserve:
+        elif settled and (reserve or op == "reserve") and max_wait_us > 0 and x - now > max_wait_us:
+            code = 3  # further than the caller will wait: nothing reserved
+        elif settled and (reserve or op == "reserve"):
             if self.jitter is not None:
                 grace_us = max(grace_us, 4 * self.jitter + 2 * slack_us)
             grace_us = min(grace_us, math.floor(shortest / 10))

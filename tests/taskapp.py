@@ -66,6 +66,13 @@ def _note_denial(sender, request, delay, scope, key, parked, **_):
          "parked": parked}))
 
 
+@celery_throttle.signals.task_wait_exceeded.connect
+def _note_gave_up(sender, request, wait, max_wait, scope, key, **_):
+    _records_client().rpush(f"{PREFIX}:gave-up", json.dumps(
+        {"task": sender.name, "id": request.id, "wait": wait, "max_wait": max_wait, "scope": scope,
+         "key": key}))
+
+
 def record(label: str, **extra) -> None:
     """Note one start of a task body, with the worker's clock."""
     from celery import current_task
@@ -194,4 +201,17 @@ def soak_sliding(label, tenant, rate):
 @app.task
 @throttle(lambda label, tenant, rate: rate, key="{tenant}", scope="soak-fixed", algorithm="fixed")
 def soak_fixed(label, tenant, rate):
+    record(label, tenant=tenant)
+
+
+# -- canvas: a chord's body, unthrottled ------------------------------------------------
+@app.task
+def collect(results, label):
+    record(label, n=len(results))
+
+
+# -- a cap on waiting -------------------------------------------------------------------
+@app.task
+@throttle("2/m", key="{tenant}", max_wait=5)
+def capped(label, tenant):
     record(label, tenant=tenant)

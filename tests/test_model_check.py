@@ -183,16 +183,19 @@ class Harness:
         claim: Reservation | None = None,
         lease: int = 0,
         lease_span_us: int = 0,
+        max_wait_us: int = 0,
     ) -> WindowReply:
         now = self.clock.now
         got = self.store.window(self.key, self.algorithm, op, self.rates, cost, reserve=reserve,
                                 grace_us=grace_us, slack_us=slack_us, claim=claim,
-                                lease=lease, lease_span_us=lease_span_us)
-        want = self.model.window(now, op, cost, reserve=reserve, grace_us=grace_us,
-                                 slack_us=slack_us, claim=claim, lease=lease, lease_span_us=lease_span_us)
+                                lease=lease, lease_span_us=lease_span_us, max_wait_us=max_wait_us)
+        want = self.model.window(now, op, cost, reserve=reserve, grace_us=grace_us, slack_us=slack_us,
+                                 claim=claim, lease=lease, lease_span_us=lease_span_us,
+                                 max_wait_us=max_wait_us)
         self.history.append(
             f"{op} cost={cost} reserve={reserve} grace={grace_us} slack={slack_us} "
-            f"claim={claim and claim.to_header()} lease={lease}/{lease_span_us} at now={now} "
+            f"claim={claim and claim.to_header()} lease={lease}/{lease_span_us} max_wait={max_wait_us} "
+            f"at now={now} "
             f"-> {tuple(got)}"
         )
         # Then the script decided exactly what the model decided
@@ -273,6 +276,10 @@ class Harness:
         limiter_like = int(min(max(p * 0.02, 10_000), 2_000_000))
         return self.rng.choice([0, 1, 1000, limiter_like, self.rng.randint(0, p // 5 + 1), p])
 
+    def random_max_wait(self) -> int:
+        """Mostly no cap; sometimes one that a deep enough wait passes."""
+        return self.rng.choice([0, 0, 0, 1, self.min_period // 2, self.max_period, 3 * self.max_period])
+
     def random_slack(self) -> int:
         p = self.min_period
         return self.rng.choice([0, 1, min(2000, p // 100), self.rng.randint(0, p // 10 + 1)])
@@ -315,10 +322,12 @@ class Harness:
             self.run("acquire", self.random_cost(), slack_us=self.random_slack())
         elif roll < 0.7:
             self.run("acquire", self.random_cost(), reserve=True, grace_us=self.random_grace(),
-                     slack_us=self.random_slack())
-        elif roll < 0.75:
+                     slack_us=self.random_slack(), max_wait_us=self.random_max_wait())
+        elif roll < 0.73:
             self.run("screen", self.random_cost(), reserve=True, grace_us=self.random_grace(),
                      slack_us=self.random_slack())
+        elif roll < 0.76:
+            self.run("reserve", self.random_cost(), grace_us=self.random_grace(), slack_us=self.random_slack())
         elif roll < 0.8:
             self.run("peek", self.random_cost())
         elif self.pending:
@@ -464,6 +473,16 @@ class WindowMachine(RuleBasedStateMachine):
     def acquire_or_reserve(self, cost: int, grace: int, slack: int) -> None:
         assert self.h is not None
         self.h.run("acquire", cost, reserve=True, grace_us=grace, slack_us=slack)
+
+    @rule(cost=COSTS, grace=st.sampled_from([0, 10_000, 500_000]), slack=st.sampled_from([0, 2000]))
+    def reserve_at_publish(self, cost: int, grace: int, slack: int) -> None:
+        assert self.h is not None
+        self.h.run("reserve", cost, grace_us=grace, slack_us=slack)
+
+    @rule(cost=COSTS, max_wait=st.sampled_from([1, 500_000, 3_000_000]))
+    def reserve_no_further_than(self, cost: int, max_wait: int) -> None:
+        assert self.h is not None
+        self.h.run("acquire", cost, reserve=True, grace_us=10_000, max_wait_us=max_wait)
 
     @rule()
     def reset(self) -> None:

@@ -8,8 +8,11 @@
 --          message) is checked afresh instead of running on, or giving back, units that
 --          were already used.
 -- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
--- ARGV[2]  op: 'acquire' | 'peek' | 'claim' | 'screen' ('screen': like 'acquire', but a
---          call that fits now is not recorded: the worker's pool will acquire it)
+-- ARGV[2]  op: 'acquire' | 'peek' | 'claim' | 'screen' | 'reserve' ('screen': like
+--          'acquire', but a call that fits now is not recorded: the worker's pool will
+--          acquire it; 'reserve', at publish: a start is reserved even for a call that
+--          fits, no sooner than the key's learnt dispatch delay from now, and the
+--          worker claims it when the task arrives)
 -- ARGV[3]  '1' to reserve a future start when denied, '0' not to
 -- ARGV[4]  cost: units this call uses
 -- ARGV[5]  grace (µs): the least a reserved start may come late and still count as on
@@ -21,7 +24,8 @@
 -- ARGV[13] '1' if this claim is the task's arrival (learn its delay from it), '0' if not
 -- ARGV[14] lease: units an 'acquire' that fits may take at once for calls to come (0: none)
 -- ARGV[15] lease span (µs): those calls start within it
--- ARGV[16] number of rates, then ARGV[17..]: limit, period (µs) and field name per rate
+-- ARGV[16] max wait (µs): a start further away than this is not reserved (0: no cap)
+-- ARGV[17] number of rates, then ARGV[18..]: limit, period (µs) and field name per rate
 --
 -- A lease is granted only while every rate stays at most half full with it: the leased
 -- units are recorded as one span [now, now + lease span], so every start made with them
@@ -43,7 +47,8 @@
 -- Returns {code, wait, remaining, clear_at, start, latest, now, epoch, lead, grace, leased}
 -- (times in µs):
 --   code  1 run now | 0 denied (start > 0: a start was reserved) | 2 claim came early
---        -1 cost exceeds the limit given in `wait`
+--        3 denied, and the earliest start (in `wait`) is further than the max wait:
+--          nothing reserved | -1 cost exceeds the limit given in `wait`
 --   wait  µs until the call may start
 --   remaining  units still free now, over the tightest rate
 --   clear_at  when every counted unit has left its window
@@ -60,13 +65,13 @@ else
 end
 local op, reserve, cost = ARGV[2], ARGV[3] == '1', tonumber(ARGV[4])
 local grace, slack = tonumber(ARGV[5]), tonumber(ARGV[6])
-local lease, lease_span = tonumber(ARGV[14]), tonumber(ARGV[15])
+local lease, lease_span, max_wait = tonumber(ARGV[14]), tonumber(ARGV[15]), tonumber(ARGV[16])
 
 local rates, fields = {}, {'e', 'd', 'v'}
 local shortest, half_pace = nil, nil
-for i = 1, tonumber(ARGV[16]) do
-  local r = {limit = tonumber(ARGV[14 + 3 * i]), period = tonumber(ARGV[15 + 3 * i]),
-             field = ARGV[16 + 3 * i], dirty = false}
+for i = 1, tonumber(ARGV[17]) do
+  local r = {limit = tonumber(ARGV[15 + 3 * i]), period = tonumber(ARGV[16 + 3 * i]),
+             field = ARGV[17 + 3 * i], dirty = false}
   if shortest == nil or r.period < shortest then shortest = r.period end
   local pace = math.floor(r.period / r.limit / 2)
   if half_pace == nil or pace < half_pace then half_pace = pace end
@@ -182,8 +187,10 @@ if op == 'claim' then
   end
 end
 
--- The earliest start every rate admits: each earliest() only moves x forward.
+-- The earliest start every rate admits: each earliest() only moves x forward. A task
+-- sent at publish cannot start before it reaches a worker.
 local x, settled = now, false
+if op == 'reserve' and delay ~= nil then x = now + delay + math.min(2 * jitter, half_pace) end
 for _ = 1, 64 do
   settled = true
   for _, r in ipairs(rates) do
@@ -200,7 +207,7 @@ end
 local code, start, latest, leased = 0, 0, 0, 0
 if settled and x == now and op == 'screen' then
   code = 1
-elseif settled and x == now then
+elseif settled and x == now and op ~= 'reserve' then
   code = 1
   local units, span = cost, slack
   if op == 'acquire' and lease > cost then
@@ -211,7 +218,9 @@ elseif settled and x == now then
     ALGO.record(r, now, now + span, units)
     r.dirty = true
   end
-elseif settled and reserve then
+elseif settled and (reserve or op == 'reserve') and max_wait > 0 and x - now > max_wait then
+  code = 3
+elseif settled and (reserve or op == 'reserve') then
   if jitter ~= nil then grace = math.max(grace, 4 * jitter + 2 * slack) end
   grace = math.min(grace, math.floor(shortest / 10))
   start, latest = x, nil

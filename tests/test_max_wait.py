@@ -1,0 +1,58 @@
+"""``max_wait``: a task whose start would be too far away fails visibly instead of waiting."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_throttle import WaitTooLong, throttle
+from celery_throttle.config import Settings
+from celery_throttle.errors import ConfigurationError
+from celery_throttle.keys import state_key
+from celery_throttle.spec import ThrottleSpec
+from tests.helpers import WorkerGroup, wait_for
+from tests.reference import SlidingRate
+
+
+def test_a_task_that_would_wait_past_its_max_wait_fails_naming_scope_key_and_wait(
+    workers: WorkerGroup,
+) -> None:
+    # Given a 2/m quota per tenant whose tasks wait at most 5 s
+    label, tenant = uuid.uuid4().hex[:10], f"cap-{uuid.uuid4().hex[:8]}"
+    # When 4 tasks of one tenant are sent at once
+    ids = [workers.send("capped", label, tenant) for _ in range(4)]
+    # Then 2 ran, and the other 2 (a minute away) failed with WaitTooLong at once
+    starts = workers.wait_starts(label, 2, timeout=20)
+    assert len(starts) == 2
+    results = [AsyncResult(i, app=workers.client) for i in ids]
+    wait_for(lambda: sum(r.state == "FAILURE" for r in results) == 2, 20, what="2 failures")
+    failed = [r for r in results if r.state == "FAILURE"]
+    for result in failed:
+        assert isinstance(result.result, WaitTooLong), result.result
+        message = str(result.result)
+        assert "tests.taskapp.capped" in message and repr(tenant) in message and "max_wait of 5.0s" in message
+    # And each was reported by the task_wait_exceeded signal with the wait it would have had
+    gave_up = [json.loads(x) for x in workers.records.lrange(f"{workers.prefix}:gave-up", 0, -1)]
+    mine = [g for g in gave_up if g["key"] == tenant]
+    assert sorted(g["id"] for g in mine) == sorted(r.id for r in failed)
+    assert all(g["wait"] > 5 and g["max_wait"] == 5 for g in mine)
+    # And nothing was reserved for them: the window holds only the 2 that ran
+    state = workers.records.hget(state_key(workers.prefix, "tests.taskapp.capped", tenant), "s2/60000000")
+    assert sum(SlidingRate.decode(state)[1::2]) == 2
+    for result in results:
+        result.forget()
+
+
+def test_max_wait_is_checked_where_it_is_declared() -> None:
+    # Given bad values in the decorator, a rule and the setting, Then each is refused there
+    with pytest.raises(ConfigurationError, match="max_wait must be a positive number"):
+        throttle("1/s", max_wait=0)
+    with pytest.raises(ConfigurationError, match=r"throttle_rules\['a.\*'\].*max_wait"):
+        ThrottleSpec.from_rule("a.*", {"rate": "1/s", "max_wait": "soon"})
+    with pytest.raises(ConfigurationError, match="throttle_max_wait"):
+        Settings(max_wait=-1).validated()
+    # And good ones are kept
+    assert ThrottleSpec.from_rule("a.*", {"rate": "1/s", "max_wait": 30}).max_wait == 30
