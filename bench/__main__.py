@@ -46,8 +46,6 @@ class Scale:
     long_window: int
     #: Reservations outstanding on one key, for the deep-backlog cost.
     backlog_depths: tuple[int, ...]
-    #: Due reservations claimed per depth (a third of them for a rate of one per second).
-    backlog_claims: int
     #: Fitting calls per round, and rounds, against the peers.
     fit_calls: int
     fit_rounds: int
@@ -58,10 +56,10 @@ class Scale:
 
 
 FULL = Scale("25/s", 250, 700, 5, 0.5, 6, (10, 1000, 100000), 100000, 20000, 150,
-             backlog_depths=(1, 1000, 10000, 100000), backlog_claims=30, fit_calls=15000, fit_rounds=3,
+             backlog_depths=(1, 1000, 10000, 100000), fit_calls=15000, fit_rounds=3,
              backlog_tasks=3000, floods=(1000, 10000, 100000))
 QUICK = Scale("20/s", 100, 400, 2, 0.25, 2, (10, 1000, 10000), 10000, 2000, 20,
-              backlog_depths=(1, 1000, 10000), backlog_claims=12, fit_calls=5000, fit_rounds=2,
+              backlog_depths=(1, 1000, 10000), fit_calls=5000, fit_rounds=2,
               backlog_tasks=1000, floods=(1000, 10000))
 
 
@@ -154,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             from bench.backlog import run_backlog_store, run_backlog_tasks, run_fit_peers
 
             print("deep backlog ...", flush=True)
-            _guard(res, "9 deep backlog", run_backlog_store, res, prefix, scale.backlog_depths,
-                   scale.backlog_claims)
+            _guard(res, "9 deep backlog", run_backlog_store, res, prefix, scale.backlog_depths)
             _guard(res, "9 deep backlog", run_fit_peers, res, prefix, scale.fit_calls, scale.fit_rounds)
             _guard(res, "9 deep backlog", run_backlog_tasks, res, prefix, scale.backlog_tasks)
         if "neighbour" in args.sections:

@@ -59,8 +59,15 @@ def _records_client() -> redis.Redis:
     return _records
 
 
+# Only workers started by a test (which sets CT_PREFIX) note what they see: a test process
+# that imports this module (a producer sending these tasks) keeps its denials to itself.
+_NOTING = "CT_PREFIX" in os.environ
+
+
 @celery_throttle.signals.task_throttled.connect
 def _note_denial(sender, request, delay, scope, key, parked, **_):
+    if not _NOTING:
+        return
     _records_client().rpush(f"{PREFIX}:throttled", json.dumps(
         {"task": sender.name, "id": request.id, "delay": delay, "scope": scope, "key": key,
          "parked": parked}))
@@ -68,6 +75,8 @@ def _note_denial(sender, request, delay, scope, key, parked, **_):
 
 @celery_throttle.signals.task_wait_exceeded.connect
 def _note_gave_up(sender, request, wait, max_wait, scope, key, **_):
+    if not _NOTING:
+        return
     _records_client().rpush(f"{PREFIX}:gave-up", json.dumps(
         {"task": sender.name, "id": request.id, "wait": wait, "max_wait": max_wait, "scope": scope,
          "key": key}))
