@@ -14,10 +14,34 @@ from .store import Reservation, WindowReply
 if TYPE_CHECKING:
     from .limiter import Throttle
 
-__all__ = ["HEADER", "plan_return"]
+__all__ = ["HEADER", "plan_return", "read_state"]
 
-#: Message header carrying a deferred task's reservation and counters.
+#: Message header carrying a deferred task's reservation and counters:
+#: ``k`` the state key it was reserved under, ``r`` the reservation
+#: (:meth:`Reservation.to_header`), ``n`` deferrals so far, ``e`` store errors in a row.
 HEADER = "celery_throttle"
+
+
+def read_state(value: Any) -> dict[str, Any]:
+    """The header of a message as this module wrote it, from whatever it holds.
+
+    A message may come from a foreign producer, an older version or a hand: anything
+    that is not what we write counts as absent (a fresh call), field by field, and
+    never raises.
+    """
+    if not isinstance(value, dict):
+        return {}
+    state: dict[str, Any] = {}
+    if isinstance(value.get("k"), str):
+        state["k"] = value["k"]
+    reservation = Reservation.from_header(value.get("r"))
+    if reservation is not None:
+        state["r"] = reservation.to_header()
+    for counter in ("n", "e"):
+        number = value.get(counter)
+        if isinstance(number, int) and not isinstance(number, bool) and 0 <= number < 2**31:
+            state[counter] = number
+    return state
 
 
 def plan_return(ctl: Throttle, call: BoundCall, state: dict[str, Any], ident: str,

@@ -20,7 +20,7 @@ from celery.exceptions import Ignore
 from celery.utils import uuid
 
 from . import signals
-from .deferral import HEADER, plan_return
+from .deferral import HEADER, plan_return, read_state
 from .errors import StoreError, WaitTooLong
 from .keys import state_key
 from .publish import admit, park_at_publish
@@ -106,7 +106,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     spec: ThrottleSpec = type(task)._throttle_spec
     call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
                      ctl.settings.default_algorithm)
-    state = dict(_header(request))
+    state = _header(request)
     ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
     claim = Reservation.from_header(state.get("r")) if state.get("k") == ident else None
     max_wait = ctl.max_wait(spec)
@@ -167,8 +167,8 @@ def _wait_here_us(ctl: Throttle, call: BoundCall, claim: Reservation) -> int:
 
 
 def _header(request: Any) -> dict[str, Any]:
-    value = (request.headers or {}).get(HEADER) or getattr(request, HEADER, None)
-    return value if isinstance(value, dict) else {}
+    headers = request.headers if isinstance(request.headers, dict) else {}
+    return read_state(headers.get(HEADER) or getattr(request, HEADER, None))
 
 
 def _defer(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call: BoundCall,

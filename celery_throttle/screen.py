@@ -21,8 +21,9 @@ from celery import bootsteps
 from celery.utils.imports import symbol_by_name
 from kombu.exceptions import ContentDisallowed, DecodeError
 
+from .deferral import HEADER, read_state
 from .errors import ThrottleError
-from .hook import HEADER, defer_denied
+from .hook import defer_denied
 from .keys import state_key
 from .store import WindowReply
 
@@ -61,7 +62,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any) -> 
     def screened(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any) -> Any:
         nonlocal fits_in_a_row
         headers = message.headers or {}
-        if "task" not in headers or headers.get("eta") or (headers.get(HEADER) or {}).get("r"):
+        if "task" not in headers or headers.get("eta") or "r" in read_state(headers.get(HEADER)):
             return handler(message, body, ack, reject, callbacks, **kw)
         streak = fits_in_a_row
         every = _SAMPLE if streak < 8 * _SAMPLE else 4 * _SAMPLE

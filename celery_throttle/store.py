@@ -49,11 +49,13 @@ class Reservation:
 
     @classmethod
     def from_header(cls, value: Any) -> Reservation | None:
-        try:
-            start, latest, cost, grace, epoch, lead = (int(v) for v in value)
-        except (TypeError, ValueError):
+        """The reservation a header holds, or None for anything else."""
+        if not isinstance(value, (list, tuple)) or len(value) != 6:
             return None
-        return cls(start, latest, cost, grace, epoch, lead)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**53 for v in value):
+            return None
+        start, latest, cost, grace, epoch, lead = value
+        return cls(start, latest, cost, grace, epoch, lead) if cost > 0 else None
 
 
 class WindowReply(NamedTuple):
