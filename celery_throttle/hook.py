@@ -16,7 +16,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from celery.app.trace import task_has_custom
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 from celery.utils import uuid
 
 from . import signals
@@ -184,9 +184,20 @@ def _defer(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call:
     signals.task_throttled.send(sender=task, request=request, delay=delay,
                                 scope=call.scope, key=call.key, parked=parked)
     if parked:
-        park(ctl, sig, due_us=now_us + int(delay * 1e6))
-    else:
-        sig.apply_async(countdown=max(delay, 0.0))
+        try:
+            park(ctl, sig, due_us=now_us + int(delay * 1e6))
+        except StoreError as exc:
+            # Sent back with its countdown instead: it waits in a worker, but it is not lost.
+            logger.warning("could not park %s[%s], sending it back for %.1fs instead: %s",
+                           task.name, request.id, delay, exc)
+            parked = False
+    if not parked:
+        try:
+            sig.apply_async(countdown=max(delay, 0.0))
+        except Exception as exc:  # any broker error: the message must not be acked as done
+            logger.error("could not send %s[%s] back (%r): it is returned to the broker",
+                         task.name, request.id, exc)
+            raise Reject(exc, requeue=True) from exc
     logger.debug("throttled %s[%s] scope=%s key=%s for %.3fs%s", task.name, request.id,
                  call.scope, call.key, delay, " (parked)" if parked else "")
 

@@ -316,3 +316,24 @@ def test_workers_with_skewed_clocks_share_one_window(group_factory) -> None:
     _ran_once(group, "skew", ids)
     assert max_in_window([e["t"] for e in starts], 1.0) <= 5
     assert len({e["pid"] for e in starts}) >= 2
+
+
+def test_a_denied_task_that_cannot_be_parked_is_sent_back_with_its_countdown(group_factory) -> None:
+    # Given workers whose store user may touch window state but not the parking keys
+    # (an ACL: every park fails with NOPERM, every window check works), parking after 3 s
+    store = RedisServer().start()
+    try:
+        prefix = _prefix()
+        redis.Redis(port=store.port).acl_setuser(
+            "noparking", enabled=True, passwords=["+pw"], commands=["+@all"], keys=[f"{prefix}:{{tests.*"])
+        url = f"redis://noparking:pw@127.0.0.1:{store.port}/0"
+        group = group_factory(prefix=prefix, store=url, count=1, env={"CT_PARK_AFTER": "3"}).start()
+        # When 9 tasks of a 3/4s tenant are sent at once (waits of 4 and 8 s)
+        ids = [group.send("slow_quota", "unparked", "t") for _ in range(9)]
+        # Then none failed: each ran once within its limit, sent back with a countdown
+        starts = group.wait_starts("unparked", 9, timeout=40)
+        assert sorted(e["id"] for e in _ran_once(group, "unparked", ids)) == sorted(ids)
+        assert max_in_window([e["t"] for e in starts], 4.0) <= 3
+        assert "could not park tests.taskapp.slow_quota" in group.log_text()
+    finally:
+        store.stop()
