@@ -10,6 +10,8 @@ from typing import Any
 
 import click
 
+from .errors import ThrottleError
+
 __all__ = ["throttle"]
 
 
@@ -19,7 +21,17 @@ def _controller(ctx: click.Context) -> Any:
     return install(ctx.obj.app)
 
 
-@click.group(name="throttle")
+class _Group(click.Group):
+    """Says what went wrong in one line (Redis unreachable, a bad setting), no traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ThrottleError as exc:
+            raise click.ClickException(str(exc)) from None
+
+
+@click.group(name="throttle", cls=_Group)
 def throttle() -> None:
     """Global rate limits (celery_throttle)."""
 

@@ -9,7 +9,7 @@ from typing import Any
 from .errors import ConfigurationError
 from .keys import check_prefix
 
-__all__ = ["ALGORITHMS", "STORE_ERROR_POLICIES", "Settings", "check_max_wait"]
+__all__ = ["ALGORITHMS", "STORE_ERROR_POLICIES", "Settings", "check_max_wait", "require_redis_url"]
 
 ALGORITHMS = ("sliding", "fixed")
 STORE_ERROR_POLICIES = ("defer", "allow", "fail")
@@ -21,7 +21,7 @@ class Settings:
     """Every ``throttle_*`` setting, with its default (see README, "Settings")."""
 
     #: Where window state and parked tasks live. ``redis+cluster://`` for a Redis Cluster.
-    redis_url: str = _DEFAULT_REDIS
+    redis_url: str | None = _DEFAULT_REDIS
     #: Every Redis key the plugin writes starts with it.
     key_prefix: str = "throttle"
     #: Limits for tasks by name glob, for tasks you do not own.
@@ -97,11 +97,27 @@ def check_max_wait(value: Any, what: str) -> None:
         raise ConfigurationError(f"{what} must be a positive number of seconds or None, got {value!r}")
 
 
-def _default_redis_url(app: Any) -> str:
-    broker = app.conf.broker_url or ""
+def _default_redis_url(app: Any) -> str | None:
+    """The broker's URL when the broker is a Redis; None with any other broker: there is
+    no Redis to guess (a silent localhost would defer every task forever on a machine that
+    has none), and :func:`require_redis_url` says so when the store is first needed."""
+    broker = app.conf.broker_url
     if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
         return broker.split(";")[0]
-    return _DEFAULT_REDIS
+    if not broker:
+        return _DEFAULT_REDIS  # Celery's own default broker is local too
+    return None
+
+
+def require_redis_url(app: Any, settings: Settings) -> str:
+    """The store's URL, or a clear error naming the setting to give."""
+    if settings.redis_url:
+        return settings.redis_url
+    scheme = str(app.conf.broker_url).split("://", 1)[0]
+    raise ConfigurationError(
+        f"the broker is {scheme}://, not a Redis: set throttle_redis_url to the Redis that "
+        "holds the throttle's windows (e.g. app.conf.throttle_redis_url = 'redis://host:6379/0')"
+    )
 
 
 def _default_park_after(app: Any) -> float:

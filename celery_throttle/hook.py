@@ -123,6 +123,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     except StoreError as exc:
         return _on_store_error(ctl, task, request, args, kwargs, call, state, exc)
     if reply.allowed:
+        _forget_header(request)
         return True
     if reply.code == WindowReply.TOO_FAR:
         wait = reply.wait_us / 1e6
@@ -169,6 +170,14 @@ def _wait_here_us(ctl: Throttle, call: BoundCall, claim: Reservation) -> int:
 def _header(request: Any) -> dict[str, Any]:
     headers = request.headers if isinstance(request.headers, dict) else {}
     return read_state(headers.get(HEADER) or getattr(request, HEADER, None))
+
+
+def _forget_header(request: Any) -> None:
+    """A task that runs is done with its reservation: its own ``self.retry()`` (which
+    copies the request's headers) is a new call, checked afresh, not a late claim."""
+    if isinstance(request.headers, dict):
+        request.headers.pop(HEADER, None)
+    request.__dict__.pop(HEADER, None)
 
 
 def _defer(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call: BoundCall,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .config import ALGORITHMS, Settings
+from .config import ALGORITHMS, Settings, require_redis_url
 from .errors import ConfigurationError, ThrottleError
 from .keys import encode, state_key
 from .lease import Leases, sent_at
@@ -100,7 +100,8 @@ class Throttle:
             with self._lock:
                 if self._store is None:
                     s = self.settings
-                    self._store = RedisStore(s.redis_url, s.key_prefix, clock=self._clock)
+                    url = require_redis_url(self.app, s)
+                    self._store = RedisStore(url, s.key_prefix, clock=self._clock)
         return self._store
 
     def close(self) -> None:
@@ -134,12 +135,18 @@ class Throttle:
         for name, task in list(self.app.tasks.items()):
             if name.startswith("celery."):
                 continue
-            spec = declared_spec(task) or self.rule_for(name)
+            spec, where = declared_spec(task), f"task {name}"
+            if spec is None:
+                spec, pattern = self.rule_for(name), self._rule_pattern(name)
+                where = f"throttle_rules[{pattern!r}] for task {name}"
             if spec is not None:
-                spec.check_signature(task.run, f"task {name}")
+                spec.check_signature(task.run, where)
                 attach(task, spec)
                 count += 1
         return count
+
+    def _rule_pattern(self, task_name: str) -> str | None:
+        return next((p for p in self.settings.rules if fnmatch.fnmatchcase(task_name, p)), None)
 
     # -- the limiter ------------------------------------------------------------------
     def grace_us(self, rates: Sequence[Rate]) -> int:

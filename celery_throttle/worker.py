@@ -22,7 +22,8 @@ class ThrottleStep(bootsteps.StartStopStep):
         # Runs before the pool forks and before the consumer builds task tracers, so
         # every child sees the hooked classes. A bad rule stops the worker here, loudly.
         self.controller = install(worker.app)
-        self.controller.patch_tasks()
+        if self.controller.patch_tasks():
+            _ = self.controller.store  # no Redis to use: a clear error now, not a silent default
 
     def start(self, worker: Any) -> None:
         from .parking import Releaser

@@ -152,7 +152,9 @@ def no_retries(self, label):
 @app.task(bind=True, max_retries=2, default_retry_delay=0.1)
 @throttle("3/s", scope="retrying")
 def retries_itself(self, label, fail_times):
-    record(label)
+    headers = self.request.headers if isinstance(self.request.headers, dict) else {}
+    state = headers.get("celery_throttle") or getattr(self.request, "celery_throttle", None) or {}
+    record(label, reservation=state.get("r"))
     if self.request.retries < fail_times:
         raise self.retry()
 

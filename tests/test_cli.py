@@ -7,14 +7,20 @@ import subprocess
 import sys
 
 import celery_throttle
-from tests.helpers import ROOT
+from tests.helpers import ROOT, free_port
 from tests.taskapp import app
 
 
-def _celery(prefix: str, *args: str) -> str:
+def _run(prefix: str, *args: str, store: str | None = None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, CT_PREFIX=prefix, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.taskapp", "throttle", *args],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+    if store:
+        env["CT_STORE"] = store
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.taskapp", "throttle", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def _celery(prefix: str, *args: str) -> str:
+    out = _run(prefix, *args)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -28,3 +34,12 @@ def test_status_reset_and_parked_from_the_command_line(prefix: str) -> None:
     assert "parked: 0 waiting, 0 being released" in _celery(prefix, "parked")
     assert "reset github-api key=acme" in _celery(prefix, "reset", "github-api", "--key", "acme")
     assert "nothing counted" in _celery(prefix, "status", "github-api", "--key", "acme")
+
+
+def test_an_unreachable_store_is_one_line_of_error_not_a_traceback(prefix: str) -> None:
+    # Given a store nobody listens on
+    out = _run(prefix, "status", "github-api", store=f"redis://127.0.0.1:{free_port()}/0")
+    # Then the command fails with one line that says what and where
+    assert out.returncode == 1
+    assert out.stderr.startswith("Error: Redis at redis://127.0.0.1:"), out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -117,9 +117,23 @@ def test_install_is_idempotent_and_reads_app_conf() -> None:
     assert celery_throttle.install(app, key_prefix="other").settings.key_prefix == "other"
 
 
-def test_redis_url_defaults_to_localhost_for_other_brokers() -> None:
+def test_another_broker_without_throttle_redis_url_stops_the_worker_naming_the_setting() -> None:
+    # Given an AMQP broker and no throttle_redis_url (no Redis to guess)
     app = Celery("amqp", broker="amqp://guest@127.0.0.1//", set_as_current=False)
-    assert celery_throttle.install(app).settings.redis_url == "redis://localhost:6379/0"
+    ctl = celery_throttle.install(app)
+
+    @app.task(name="amqp.charge")
+    @celery_throttle.throttle("10/s")
+    def charge(customer_id):
+        return customer_id
+
+    # Then the worker refuses to start, and a direct call says the same, never a localhost
+    with pytest.raises(ConfigurationError, match=r"the broker is amqp://, not a Redis: set throttle_redis_url"):
+        ThrottleStep(SimpleNamespace(app=app))
+    with pytest.raises(ConfigurationError, match="throttle_redis_url"):
+        ctl.acquire("x", rates=["1/s"])
+    # And given the setting, it is used
+    assert celery_throttle.install(app, redis_url="redis://127.0.0.1:6379/12").store.url.endswith("/12")
 
 
 def test_bad_settings_fail_at_install() -> None:
@@ -140,7 +154,8 @@ def test_bad_rules_stop_the_worker_at_start() -> None:
         return customer_id
 
     # The worker refuses to start, naming the rule's mistake
-    with pytest.raises(ConfigurationError, match="names 'tenant_id', but the task takes"):
+    with pytest.raises(ConfigurationError, match=r"throttle_rules\['rules\.\*'\] for task rules\.charge: "
+                                                 "key '{tenant_id}' names 'tenant_id', but the task takes"):
         ThrottleStep(SimpleNamespace(app=app))
 
 

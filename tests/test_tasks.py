@@ -130,6 +130,10 @@ def test_own_retries_still_count_and_work(workers: WorkerGroup) -> None:
     per_task = {i: sorted(e["retries"] for e in starts if e["id"] == i) for i in ids}
     assert all(r == [0, 1] for r in per_task.values()), per_task
     assert max_in_window([e["t"] for e in starts], 1.0) <= 3
+    # And a retry does not carry the reservation its first try used (it is a new call)
+    for i in ids:
+        first, retry = sorted((e for e in starts if e["id"] == i), key=lambda e: e["retries"])
+        assert retry["reservation"] is None or retry["reservation"] != first["reservation"], (first, retry)
 
 
 def test_denied_task_keeps_its_id_args_and_queue(workers: WorkerGroup) -> None:
