@@ -24,6 +24,11 @@ _ALGORITHM_OF_TAG = {tag: algorithm for algorithm, tag in ALGORITHM_TAGS.items()
 
 logger = logging.getLogger("celery_throttle")
 
+#: How long (seconds) the consumer's screen and the check at publish wait on Redis at
+#: most: both are optional (the pool's check decides every start), and a consumer that
+#: waits on a slow Redis stops taking every other message too.
+QUICK_TIMEOUT = 0.25
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -70,6 +75,7 @@ class Throttle:
         self._clock = clock
         self._settings: Settings | None = None
         self._store: RedisStore | None = None
+        self._quick_store: RedisStore | None = None
         self._lock = threading.Lock()
         self._rules: list[tuple[str, ThrottleSpec]] | None = None
         self._leases = Leases()
@@ -81,9 +87,7 @@ class Throttle:
             self._overrides.update(overrides)
             self._settings = None
             self._rules = None
-            if self._store is not None:
-                self._store.close()
-                self._store = None
+        self.close()
         _ = self.settings  # validate now, loudly
 
     @property
@@ -104,12 +108,25 @@ class Throttle:
                     self._store = RedisStore(url, s.key_prefix, clock=self._clock)
         return self._store
 
+    @property
+    def quick_store(self) -> RedisStore:
+        """The store, through a connection that gives up after QUICK_TIMEOUT."""
+        if self._quick_store is None:
+            with self._lock:
+                if self._quick_store is None:
+                    s = self.settings
+                    self._quick_store = RedisStore(require_redis_url(self.app, s), s.key_prefix,
+                                                   clock=self._clock, timeout=QUICK_TIMEOUT,
+                                                   connect_timeout=QUICK_TIMEOUT)
+        return self._quick_store
+
     def close(self) -> None:
-        """Close the connection to the store (a later call opens a new one)."""
+        """Close the connections to the store (a later call opens new ones)."""
         with self._lock:
-            if self._store is not None:
-                self._store.close()
-                self._store = None
+            for store in (self._store, self._quick_store):
+                if store is not None:
+                    store.close()
+            self._store = self._quick_store = None
 
     def max_wait(self, spec: ThrottleSpec) -> float | None:
         """The longest a denied call of ``spec`` may wait (seconds), or None."""
@@ -186,7 +203,8 @@ class Throttle:
 
     def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
               claimant: str | None = None, learn: bool = True, screen: bool = False,
-              lease: bool = False, publish: bool = False, max_wait: float | None = None) -> WindowReply:
+              lease: bool = False, publish: bool = False, max_wait: float | None = None,
+              quick: bool = False) -> WindowReply:
         """Check one bound call; reserve a future start when denied and asked to.
 
         ``claim``: a reservation this call made earlier; ``claimant`` (the task id) makes
@@ -194,7 +212,8 @@ class Throttle:
         reserve a start even if it fits now, for a task about to be sent (the worker
         claims it). ``lease``: a fresh call may be admitted from, or take, a lease (see
         :mod:`.lease`). ``max_wait`` (seconds): reserve no start further away (the reply's
-        code is then ``TOO_FAR``).
+        code is then ``TOO_FAR``). ``quick``: for a caller that must not wait on Redis (the
+        consumer, a producer): a connection of its own with a short timeout.
         """
         op = "claim" if claim is not None else "reserve" if publish else "screen" if screen else "acquire"
         key = state_key(self.settings.key_prefix, call.scope, call.key)
@@ -209,7 +228,8 @@ class Throttle:
         units = self._leases.wanted(leased_as, call.cost, span) if lease else 0
         sent = sent_at()
         marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claim and claimant else None
-        reply = self.store.window(
+        store = self.quick_store if quick else self.store
+        reply = store.window(
             key, call.algorithm, op, call.rates, call.cost,
             reserve=reserve, grace_us=self.grace_us(call.rates), slack_us=slack, claim=claim,
             claim_marker=marker, learn=learn, lease=units, lease_span_us=span,

@@ -17,8 +17,6 @@ the check for a few seconds rather than wait on Redis for every task.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -26,6 +24,7 @@ from celery.app.task import Context
 from kombu.exceptions import EncodeError
 
 from . import signals
+from .breaker import Breaker
 from .deferral import HEADER, plan_return
 from .errors import StoreError, ThrottleError
 from .keys import state_key
@@ -62,20 +61,8 @@ class Deferral(NamedTuple):
     now_us: int
 
 
-class _Pause:
-    """Publish-time checks, paused for a while after a store error (per process)."""
-
-    until = 0.0
-    lock = threading.Lock()
-
-    @classmethod
-    def active(cls) -> bool:
-        return time.monotonic() < cls.until
-
-    @classmethod
-    def start(cls) -> None:
-        with cls.lock:
-            cls.until = time.monotonic() + STORE_ERROR_PAUSE
+#: Checks at publish, paused after a store error (one per producer process).
+_breaker = Breaker(STORE_ERROR_PAUSE)
 
 
 def admit(ctl: Throttle, task: Any, args: Any, kwargs: Any, options: Mapping[str, Any]) -> Deferral | None:
@@ -83,7 +70,7 @@ def admit(ctl: Throttle, task: Any, args: Any, kwargs: Any, options: Mapping[str
     headers = options.get("headers") or {}
     if (options.get("countdown") is not None or options.get("eta") is not None
             or not isinstance(headers, Mapping) or HEADER in headers
-            or task.app.conf.task_always_eager or _Pause.active()):
+            or task.app.conf.task_always_eager or _breaker.open):
         return None
     settings = ctl.settings
     if not settings.check_at_publish:
@@ -92,9 +79,9 @@ def admit(ctl: Throttle, task: Any, args: Any, kwargs: Any, options: Mapping[str
         spec = type(task)._throttle_spec
         call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
                          settings.default_algorithm)
-        reply = ctl.check(call, reserve=True, publish=True, max_wait=ctl.max_wait(spec))
+        reply = ctl.check(call, reserve=True, publish=True, max_wait=ctl.max_wait(spec), quick=True)
     except StoreError as exc:
-        _Pause.start()
+        _breaker.trip()
         logger.warning("throttle store unreachable at publish: tasks are sent unchecked for %.0fs "
                        "(the workers check them): %s", STORE_ERROR_PAUSE, exc)
         return None

@@ -21,8 +21,9 @@ from celery import bootsteps
 from celery.utils.imports import symbol_by_name
 from kombu.exceptions import ContentDisallowed, DecodeError
 
+from .breaker import Breaker
 from .deferral import HEADER, read_state
-from .errors import ThrottleError
+from .errors import StoreError, ThrottleError
 from .hook import defer_denied
 from .keys import state_key
 from .store import WindowReply
@@ -42,9 +43,15 @@ class ScreenStep(bootsteps.StartStopStep):
         from . import install
 
         ctl = install(c.app)
+        breaker = Breaker(STORE_ERROR_PAUSE)
         for name, task in c.app.tasks.items():
             if type(task).__dict__.get("_throttle_hooked") and name in c.strategies:
-                c.strategies[name] = _screened(ctl, task, c.strategies[name], c.connection_errors)
+                c.strategies[name] = _screened(ctl, task, c.strategies[name], c.connection_errors, breaker)
+
+
+#: After a store error (Redis down, or slower than ``QUICK_TIMEOUT``), the consumer hands
+#: every message to the pool unscreened for this long (seconds).
+STORE_ERROR_PAUSE = 5.0
 
 
 #: After this many screened messages of a task in a row fit, only one in this many is
@@ -55,14 +62,16 @@ class ScreenStep(bootsteps.StartStopStep):
 _SAMPLE = 8
 
 
-def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any) -> Callable[..., Any]:
+def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
+              breaker: Breaker) -> Callable[..., Any]:
     Request = symbol_by_name(task.Request)
     fits_in_a_row = 0
 
     def screened(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any) -> Any:
         nonlocal fits_in_a_row
         headers = message.headers or {}
-        if "task" not in headers or headers.get("eta") or "r" in read_state(headers.get(HEADER)):
+        if ("task" not in headers or headers.get("eta") or breaker.open
+                or "r" in read_state(headers.get(HEADER))):
             return handler(message, body, ack, reject, callbacks, **kw)
         streak = fits_in_a_row
         every = _SAMPLE if streak < 8 * _SAMPLE else 4 * _SAMPLE
@@ -74,9 +83,15 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any) -> 
             spec = type(task)._throttle_spec
             call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
                              ctl.settings.default_algorithm)
-            reply = ctl.check(call, reserve=True, screen=True, max_wait=ctl.max_wait(spec))
+            reply = ctl.check(call, reserve=True, screen=True, max_wait=ctl.max_wait(spec), quick=True)
+        except StoreError as exc:
+            # Redis down or slow: stop screening for a while; the pool's check decides.
+            breaker.trip()
+            logger.warning("throttle store unreachable from the consumer, not screening for %.0fs: %s",
+                           STORE_ERROR_PAUSE, exc)
+            return handler(message, body, ack, reject, callbacks, **kw)
         except ThrottleError:
-            # Bad arguments or Redis down: the pool path deals with it, visibly.
+            # Bad arguments: the pool path deals with it, visibly.
             return handler(message, body, ack, reject, callbacks, **kw)
         except (DecodeError, ContentDisallowed, ValueError, TypeError):
             # A body that does not decode: Celery's own path reports it.

@@ -90,9 +90,11 @@ class WindowReply(NamedTuple):
 class RedisStore:
     """Window state and parked messages in one Redis (or Redis Cluster)."""
 
-    def __init__(self, url: str, prefix: str, clock: Callable[[], int] | None = None) -> None:
+    def __init__(self, url: str, prefix: str, clock: Callable[[], int] | None = None,
+                 timeout: float = 5.0, connect_timeout: float = 2.0) -> None:
         self.url = url
         self.prefix = prefix
+        self.timeout, self.connect_timeout = timeout, connect_timeout
         # Test-only: a callable returning "now" in microseconds instead of Redis TIME.
         self._clock = clock
         self._lock = threading.Lock()
@@ -109,7 +111,8 @@ class RedisStore:
         return self._client
 
     def _connect(self) -> Any:
-        options = {"socket_timeout": 5, "socket_connect_timeout": 2, "health_check_interval": 30}
+        options = {"socket_timeout": self.timeout, "socket_connect_timeout": self.connect_timeout,
+                   "health_check_interval": 30}
         for scheme in ("redis+cluster://", "rediss+cluster://"):
             if self.url.startswith(scheme):
                 url = self.url.replace("+cluster", "", 1)

@@ -5,6 +5,7 @@ Each test starts the servers and workers it needs (loopback only) and is bounded
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import threading
 import time
@@ -337,3 +338,28 @@ def test_a_denied_task_that_cannot_be_parked_is_sent_back_with_its_countdown(gro
         assert "could not park tests.taskapp.slow_quota" in group.log_text()
     finally:
         store.stop()
+
+
+def test_a_store_that_never_answers_does_not_stall_the_consumer(group_factory) -> None:
+    # Given a "Redis" that accepts connections and never answers (a black hole), and one
+    # worker with 4 pool processes that runs tasks unthrottled when its store fails
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+    try:
+        url = f"redis://127.0.0.1:{hole.getsockname()[1]}/0"
+        group = group_factory(store=url, count=1, concurrency=4, env={"CT_ON_STORE_ERROR": "allow"}).start()
+        # When 2 throttled tasks are sent, then 4 unthrottled ones
+        for _ in range(2):
+            group.send("below", "held")
+        sent = time.time()
+        ids = [group.send("unthrottled", "free") for _ in range(4)]
+        # Then the consumer kept taking messages: the unthrottled tasks started at once on
+        # the free processes (the consumer waited on the store once, briefly, then stopped
+        # screening), while the pool's checks of the throttled ones waited out their timeout
+        starts = group.wait_starts("free", 4, timeout=30, settle=0.1)
+        assert sorted(e["id"] for e in starts) == sorted(ids)
+        assert max(e["t"] for e in starts) - sent < 3.0, [e["t"] - sent for e in starts]
+        assert "not screening for 5s" in group.log_text()
+    finally:
+        hole.close()
