@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 from .errors import ConfigurationError
 
-__all__ = ["MAX_TOKEN", "encode", "parking_keys", "state_key"]
+__all__ = ["MAX_TOKEN", "dead_letter_keys", "encode", "parking_keys", "state_key"]
 
 # Characters kept as they are; everything else is percent-encoded (":" "{" "}" "%" "#"
 # included), which makes the encoding injective and leaves ":" free as a separator.
@@ -53,3 +53,8 @@ def state_key(prefix: str, scope: str, key: str | None) -> str:
 def parking_keys(prefix: str) -> tuple[str, str, str]:
     """Parked ids by due time, parked messages, in-flight ids by lease expiry."""
     return (f"{prefix}:{{parked}}:due", f"{prefix}:{{parked}}:messages", f"{prefix}:{{parked}}:inflight")
+
+
+def dead_letter_keys(prefix: str) -> tuple[str, str]:
+    """Release attempts per parked id, and the ids given up on (by when), same hash tag."""
+    return f"{prefix}:{{parked}}:attempts", f"{prefix}:{{parked}}:dead"

@@ -26,8 +26,15 @@ if TYPE_CHECKING:
 __all__ = ["Releaser", "park"]
 
 logger = logging.getLogger("celery_throttle")
+#: How long (seconds) a worker holds parked messages it took, to send them back; if it
+#: dies first, they are handed out again after this.
 _LEASE_S = 60.0
+#: Messages taken per release call.
 _BATCH = 500
+#: Times a parked message is handed out at most (each time it could not be sent back,
+#: or its worker died holding it) before it is a dead letter, kept for the CLI
+#: (``celery throttle parked --dead``) instead of coming back forever.
+MAX_ATTEMPTS = 5
 
 
 def encode_message(app: Any, sig: Any) -> bytes:
@@ -75,21 +82,27 @@ class Releaser(threading.Thread):
         self._stop_event.set()
 
     def release_once(self) -> int:
-        """Release what is due within the next interval; returns how many were taken."""
+        """Release what is due within the next interval; returns how many were taken.
+
+        Each message is acked as soon as it is sent, so a release cut short never sends
+        one twice. One that cannot be decoded or sent goes back to wait, due again after a
+        backoff, until it has been tried MAX_ATTEMPTS times.
+        """
         ctl = self.ctl
-        lookahead_us = int(ctl.settings.release_interval * 1.5 * 1e6)
-        now_us, items = ctl.store.release(lookahead_us, _BATCH, int(_LEASE_S * 1e6))
-        sent = []
+        interval = ctl.settings.release_interval
+        lookahead_us = int(interval * 1.5 * 1e6)
+        now_us, items = ctl.store.release(lookahead_us, _BATCH, int(_LEASE_S * 1e6), MAX_ATTEMPTS)
+        sent = 0
         for parked_id, due_us, message in items:
             try:
                 body = decode_message(ctl.app, message)
                 ctl.app.signature(body).apply_async(countdown=max(due_us - now_us, 0) / 1e6)
-            except Exception:
-                # Left in flight: its lease runs out and it is handed out again.
-                logger.exception("could not send parked task %s back", parked_id)
+            except Exception:  # anything this message does: the others still go
+                logger.exception("could not send parked task %s back; it will be tried again", parked_id)
+                ctl.store.retry_later([parked_id], now_us + int(interval * 2 * 1e6))
                 continue
-            sent.append(parked_id)
-        ctl.store.ack(sent)
+            ctl.store.ack([parked_id])
+            sent += 1
         if sent:
-            logger.info("released %d parked task(s)", len(sent))
+            logger.info("released %d parked task(s)", sent)
         return len(items)

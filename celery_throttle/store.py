@@ -19,7 +19,7 @@ import redis
 from redis.exceptions import NoScriptError, RedisError
 
 from .errors import StoreError
-from .keys import parking_keys
+from .keys import dead_letter_keys, parking_keys
 from .rates import Rate
 
 __all__ = ["RedisStore", "Reservation", "WindowReply"]
@@ -126,6 +126,7 @@ class RedisStore:
             "park": client.register_script(_lua("park.lua")),
             "release": client.register_script(_lua("release.lua")),
             "ack": client.register_script(_lua("ack.lua")),
+            "requeue": client.register_script(_lua("requeue.lua")),
         }
         return client
 
@@ -201,9 +202,12 @@ class RedisStore:
         due, messages, _ = parking_keys(self.prefix)
         return int(self._run("park", [due, messages], [parked_id, due_us, message]))
 
-    def release(self, lookahead_us: int, limit: int, lease_us: int) -> tuple[int, list[tuple[str, int, bytes]]]:
-        """Take up to ``limit`` parked messages due within ``lookahead_us``, under a lease."""
-        reply = self._run("release", parking_keys(self.prefix), [self._now_arg(), lookahead_us, limit, lease_us])
+    def release(self, lookahead_us: int, limit: int, lease_us: int,
+                attempts: int) -> tuple[int, list[tuple[str, int, bytes]]]:
+        """Take up to ``limit`` parked messages due within ``lookahead_us``, under a lease;
+        one handed out ``attempts`` times already becomes a dead letter instead."""
+        keys = [*parking_keys(self.prefix), *dead_letter_keys(self.prefix)]
+        reply = self._run("release", keys, [self._now_arg(), lookahead_us, limit, lease_us, attempts])
         now = int(reply[0])
         items = [
             (reply[i].decode(), int(float(reply[i + 1])), reply[i + 2])
@@ -215,13 +219,62 @@ class RedisStore:
         if not parked_ids:
             return 0
         _, messages, inflight = parking_keys(self.prefix)
-        return int(self._run("ack", [inflight, messages], list(parked_ids)))
+        attempts, _ = dead_letter_keys(self.prefix)
+        return int(self._run("ack", [inflight, messages, attempts], list(parked_ids)))
 
-    def parked_count(self) -> tuple[int, int]:
-        """(waiting, in flight) parked messages."""
+    def retry_later(self, parked_ids: Sequence[str], due_us: int) -> int:
+        """Put messages taken for release back, due at ``due_us`` (a failed release)."""
         due, _, inflight = parking_keys(self.prefix)
+        attempts, _ = dead_letter_keys(self.prefix)
+        return int(self._run("requeue", [inflight, due, attempts], [due_us, "0", *parked_ids]))
+
+    def dead_letters(self, limit: int = 1000) -> list[tuple[str, int, int, bytes | None]]:
+        """Parked messages given up on: (id, when in µs, attempts, message), oldest first."""
+        _, messages, _ = parking_keys(self.prefix)
+        attempts_key, dead = dead_letter_keys(self.prefix)
         try:
-            return int(self.client.zcard(due)), int(self.client.zcard(inflight))
+            ids = self.client.zrange(dead, 0, limit - 1, withscores=True)
+            if not ids:
+                return []
+            names = [i for i, _ in ids]
+            bodies = self.client.hmget(messages, names)
+            tries = self.client.hmget(attempts_key, names)
+        except RedisError as exc:
+            raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
+        return [(i.decode(), int(when), int(n or 0), body)
+                for (i, when), body, n in zip(ids, bodies, tries)]
+
+    def requeue_dead(self, parked_ids: Sequence[str]) -> int:
+        """Hand dead letters out again, now, with their attempts forgotten."""
+        if not parked_ids:
+            return 0
+        due, _, _ = parking_keys(self.prefix)
+        attempts, dead = dead_letter_keys(self.prefix)
+        now = self.client.time()
+        return int(self._run("requeue", [dead, due, attempts],
+                             [now[0] * 1_000_000 + now[1], "1", *parked_ids]))
+
+    def drop_dead(self, parked_ids: Sequence[str]) -> int:
+        """Delete dead letters for good."""
+        if not parked_ids:
+            return 0
+        _, messages, _ = parking_keys(self.prefix)
+        attempts, dead = dead_letter_keys(self.prefix)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrem(dead, *parked_ids)
+            pipe.hdel(messages, *parked_ids)
+            pipe.hdel(attempts, *parked_ids)
+            return int(pipe.execute()[0])
+        except RedisError as exc:
+            raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
+
+    def parked_count(self) -> tuple[int, int, int]:
+        """(waiting, in flight, dead) parked messages."""
+        due, _, inflight = parking_keys(self.prefix)
+        _, dead = dead_letter_keys(self.prefix)
+        try:
+            return int(self.client.zcard(due)), int(self.client.zcard(inflight)), int(self.client.zcard(dead))
         except RedisError as exc:
             raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
 

@@ -31,7 +31,7 @@ def test_status_reset_and_parked_from_the_command_line(prefix: str) -> None:
     out = _celery(prefix, "status", "github-api", "--key", "acme")
     assert "sliding 10/m: used 3, remaining 7" in out
     assert "sliding 100/h: used 3, remaining 97" in out
-    assert "parked: 0 waiting, 0 being released" in _celery(prefix, "parked")
+    assert "parked: 0 waiting, 0 being released, 0 dead" in _celery(prefix, "parked")
     assert "reset github-api key=acme" in _celery(prefix, "reset", "github-api", "--key", "acme")
     assert "nothing counted" in _celery(prefix, "status", "github-api", "--key", "acme")
 

@@ -8,10 +8,15 @@
 -- KEYS[1]  sorted set of parked ids by due time (µs)
 -- KEYS[2]  hash: parked id -> serialized message
 -- KEYS[3]  sorted set of in-flight ids by lease expiry (µs)
+-- KEYS[4]  hash: parked id -> times it was handed out
+-- KEYS[5]  sorted set of ids given up on (dead letters), by when
 -- ARGV[1]  now (µs) or '' for the Redis clock (tests only)
 -- ARGV[2]  look-ahead (µs): release what is due before now + look-ahead
 -- ARGV[3]  at most this many messages
 -- ARGV[4]  lease (µs)
+-- ARGV[5]  attempts: a message handed out this many times already (each time it could not
+--          be sent back, or its worker died with it) is a dead letter instead; its message
+--          stays, for the CLI to list, requeue or drop
 -- Returns {now, id1, due1, message1, id2, due2, message2, ...}
 local now
 if ARGV[1] ~= '' then
@@ -20,7 +25,7 @@ else
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
-local limit, lease = tonumber(ARGV[3]), tonumber(ARGV[4])
+local limit, lease, attempts = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 
 -- Leases that ran out: their worker died between taking and publishing. Due now.
 local lost = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, limit)
@@ -36,7 +41,10 @@ for i = 1, #due, 2 do
   local id = due[i]
   redis.call('ZREM', KEYS[1], id)
   local message = redis.call('HGET', KEYS[2], id)
-  if message then
+  if message and tonumber(redis.call('HGET', KEYS[4], id) or '0') >= attempts then
+    redis.call('ZADD', KEYS[5], now, id)
+  elseif message then
+    redis.call('HINCRBY', KEYS[4], id, 1)
     redis.call('ZADD', KEYS[3], now + lease, id)
     out[#out + 1] = id
     out[#out + 1] = due[i + 1]
