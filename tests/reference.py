@@ -45,8 +45,8 @@ SLOTS = 100
 MAX_BUCKETS = 2 * SLOTS
 #: Windows after the current one a fixed rate keeps before folding the older ones, and
 #: how many of them stay (fixed.lua's MAX_AHEAD and KEEP_AHEAD).
-MAX_AHEAD = 32
-KEEP_AHEAD = 16
+MAX_AHEAD = 8
+KEEP_AHEAD = 4
 #: Rounds of the multi-rate "earliest start" search before window.lua gives up.
 MAX_ROUNDS = 64
 

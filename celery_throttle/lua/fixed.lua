@@ -17,9 +17,9 @@
 local ALGO = {}
 
 -- Windows after the current one that may hold units before the older ones are folded.
-local MAX_AHEAD = 32
+local MAX_AHEAD = 8
 -- How many of the last windows ahead stay as they are when the others are folded.
-local KEEP_AHEAD = 16
+local KEEP_AHEAD = 4
 
 local function numbers(t)
   if type(t) ~= 'table' then return false end
