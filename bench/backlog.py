@@ -55,8 +55,8 @@ SEC = "9 deep backlog"
 RATE_SETS = (("1/s",), ("10/s", "1000/h"))
 ALGORITHMS = ("sliding", "fixed")
 #: Calls measured per round at one depth (denials, early claims), and rounds (best kept).
-BATCH = 200
-ROUNDS = 3
+BATCH = 100
+ROUNDS = 5
 #: A call slower than this while a backlog is built is kept in the SLOWLOG.
 BUILD_SLOWLOG_US = 100
 SLOWEST_TARGET_US = 1000
@@ -290,80 +290,120 @@ class Depth:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def measure_depth(client: Any, store: RedisStore, cfg: Config, prefix: str, depth: int) -> Depth:
-    """Build one backlog of ``depth`` and time denials and claims at it.
+def measure_config(client: Any, store: RedisStore, cfg: Config, prefix: str,
+                   depths: Sequence[int]) -> list[Depth]:
+    """Build a backlog of each depth, then time denials and claims at every depth.
 
-    Below BATCH reservations, one key per measured call (each built just before its
-    batch) keeps the depth what it says; deeper, one key takes every call.
+    Rounds go over every depth in turn (the order reversed each round), so a noisy moment
+    of the machine does not land on one depth's calls alone; the best round is kept. Below
+    BATCH reservations, one key per measured call (built just before its batch) keeps the
+    depth what it says; deeper, one key takes every call, so it grows by the denials.
     """
-    tag = f"{cfg.algorithm}-{len(cfg.rates)}r-d{depth}"
-    per_key = depth < BATCH
+    tag = f"{cfg.algorithm}-{len(cfg.rates)}r"
     made: list[str] = []
 
-    def backlog(n: int, name: str) -> dict[str, list[Reservation]]:
-        keys = [state_key(prefix, "backlog", f"{tag}-{name}-{i}") for i in range(n)]
+    def backlog(depth: int, n: int, name: str) -> dict[str, list[Reservation]]:
+        keys = [state_key(prefix, "backlog", f"{tag}-d{depth}-{name}-{i}") for i in range(n)]
         made.extend(keys)
         return build(store, cfg, keys, depth)
 
+    deep: dict[int, dict[str, list[Reservation]] | None] = {}
+    builds: dict[int, tuple[float, int, int]] = {}
     client.config_set("slowlog-log-slower-than", BUILD_SLOWLOG_US)
-    client.slowlog_reset()
-    t0 = time.perf_counter()
-    deep = None if per_key else backlog(1, "deep")
-    build_s = time.perf_counter() - t0
-    built = [d for _, d, _ in slowlog_evalsha(client)]
-    build_slowest, build_over = max(built, default=0), sum(1 for d in built if d >= SLOWEST_TARGET_US)
-    client.config_set("slowlog-log-slower-than", 0)
-
-    def denials() -> None:
-        keys = list(backlog(BATCH, f"deny{len(made)}")) if deep is None else list(deep) * BATCH
+    for depth in depths:
+        print(f"backlog: {cfg.name}, building {depth:,} reservations ...", flush=True)
         client.slowlog_reset()
-        client.config_resetstat()
-        for k in keys:
-            cfg.call(store, k)
+        t0 = time.perf_counter()
+        deep[depth] = None if depth < BATCH else backlog(depth, 1, "deep")
+        built = [d for _, d, _ in slowlog_evalsha(client)]
+        builds[depth] = (time.perf_counter() - t0, max(built, default=0),
+                         sum(1 for d in built if d >= SLOWEST_TARGET_US))
+    client.config_set("slowlog-log-slower-than", 0)
+    first = {d: next(iter(deep[d])) if deep[d] else None for d in depths}
+    samples: dict[str, dict[int, list[Sample]]] = {m: {d: [] for d in depths} for m in ("deny", "early", "due")}
+    codes: dict[str, dict[int, Counter[int]]] = {m: {d: Counter() for d in depths} for m in samples}
 
-    denial = best([_probe_after(client, denials) for _ in range(ROUNDS)])
-    # Early claims: of a reservation still ahead (code 2: the task waits, or goes back).
-    far = ([(k, h[0]) for k, h in backlog(BATCH, "early").items()] if deep is None
-           else [(k, h[-1]) for k, h in deep.items()] * BATCH)
-    codes: Counter[int] = Counter()
+    def rounds(measure: Callable[[int, int], Sample], name: str) -> None:
+        for r in range(ROUNDS):
+            for depth in (depths if r % 2 == 0 else depths[::-1]):
+                samples[name][depth].append(measure(depth, r))
 
-    def early() -> None:
-        for i, (k, h) in enumerate(far):
-            codes[cfg.claim(store, k, h, f"early-{i}").code] += 1
+    def fresh(depth: int, name: str) -> dict[str, list[Reservation]]:
+        """BATCH keys of ``depth``, none of whose reservations comes due within 0.3 s (a
+        fixed window's comes at the next boundary: past it, a call would fit again)."""
+        for attempt in range(3):
+            held = backlog(depth, BATCH, f"{name}-{attempt}")
+            soonest = min(h[0].start_us for h in held.values())
+            wait = soonest - _now_us(client)
+            if wait > 300_000:
+                break
+            time.sleep(max(wait, 0) / 1e6 + 0.01)
+        return held
 
-    early_s = probe(client, early)
-    # Due claims: the front reservations, each claimed at its start (+0.5 ms), as a worker
-    # claims one that arrives on time. Their time is passed to the script instead of
-    # waiting for it (a rate of 1/s comes due once a second): a store whose clock says so.
-    now = _now_us(client)
-    held = backlog(BATCH * ROUNDS, "due") if deep is None else deep
-    items = sorted((h.start_us, k, h) for k, hs in held.items() for h in hs if h.start_us > now)
-    items = items[:BATCH * ROUNDS]
+    def denials(depth: int, r: int) -> Sample:
+        held = deep[depth]
+        if held is None:
+            held = fresh(depth, f"deny{r}")
+            first[depth] = first[depth] or next(iter(held))
+        keys = list(held) if len(held) > 1 else list(held) * BATCH
+
+        def run() -> None:
+            for k in keys:
+                codes["deny"][depth][cfg.call(store, k).code] += 1
+        return probe(client, run)
+
+    def early(depth: int, r: int) -> Sample:
+        # Claims of a reservation still ahead (code 2: the task waits, or goes back).
+        held = deep[depth]
+        far = ([(k, h[0]) for k, h in fresh(depth, f"early{r}").items()] if held is None
+               else [(k, h[-1]) for k, h in held.items()] * BATCH)
+
+        def run() -> None:
+            for i, (k, h) in enumerate(far):
+                codes["early"][depth][cfg.claim(store, k, h, f"early-{r}-{i}").code] += 1
+        return probe(client, run)
+
+    # On-time claims of the front reservations, each at its start + 0.5 ms, as a worker
+    # claims a task that arrives on time. That time is passed to the script instead of
+    # waited for (a rate of 1/s comes due once a second): a store whose clock says so.
     sim = [0]
     at = RedisStore(store.url, store.prefix, clock=lambda: sim[0])
-    due_codes: Counter[int] = Counter()
+    fronts: dict[int, list[tuple[int, str, Reservation]]] = {}
 
-    def due(r: int) -> Callable[[], None]:
+    def due(depth: int, r: int) -> Sample:
+        if deep[depth] is None:
+            held = backlog(depth, BATCH, f"due{r}")
+            items = sorted((h.start_us, k, h) for k, hs in held.items() for h in hs)
+        else:
+            items = fronts[depth][r * BATCH:(r + 1) * BATCH]
+
         def run() -> None:
-            for i, (start, k, h) in enumerate(items[r * BATCH:(r + 1) * BATCH]):
+            for i, (start, k, h) in enumerate(items):
                 sim[0] = start + 500
-                due_codes[cfg.claim(at, k, h, f"due-{r}-{i}").code] += 1
-        return run
+                codes["due"][depth][cfg.claim(at, k, h, f"due-{r}-{i}").code] += 1
+        return probe(client, run)
 
-    due_s = best([probe(client, due(r)) for r in range(ROUNDS)])
+    print(f"backlog: {cfg.name}, measuring at {', '.join(f'{d:,}' for d in depths)} ...", flush=True)
+    rounds(denials, "deny")
+    rounds(early, "early")
+    now = _now_us(client)  # the fronts still ahead
+    fronts.update({d: sorted((h.start_us, k, h) for k, hs in held.items() for h in hs if h.start_us > now)
+                   for d, held in deep.items() if held is not None})
+    rounds(due, "due")
     at.close()
-    memory = int(client.memory_usage(made[0], samples=0) or 0)
-    values = sum(len(v) for v in client.hgetall(made[0]).values())
+    out = []
+    for depth in depths:
+        key = first[depth]
+        memory = int(client.memory_usage(key, samples=0) or 0)
+        values = sum(len(v) for v in client.hgetall(key).values())
+        build_s, build_slowest, build_over = builds[depth]
+        out.append(Depth(depth, best(samples["deny"][depth]), best(samples["due"][depth]),
+                         best(samples["early"][depth]), memory, values, build_s, build_slowest,
+                         {"deny codes": dict(codes["deny"][depth]), "early codes": dict(codes["early"][depth]),
+                          "due codes": dict(codes["due"][depth]), "build over": build_over}))
     for i in range(0, len(made), 500):
         client.unlink(*made[i:i + 500])
-    return Depth(depth, denial, due_s, early_s, memory, values, build_s, build_slowest,
-                 {"early codes": dict(codes), "due codes": dict(due_codes), "build over": build_over})
-
-
-def _probe_after(client: Any, fn: Callable[[], None]) -> Sample:
-    """Like :func:`probe`, for an ``fn`` that resets the figures itself once set up."""
-    fn()
-    return _read(client)
+    return out
 
 
 def measure_fitting(client: Any, store: RedisStore, cfg: Config, prefix: str) -> Sample:
@@ -413,6 +453,11 @@ def _codes(codes: dict[int, int]) -> str:
     return "/".join(f"{n} {names.get(c, c)}" for c, n in sorted(codes.items()))
 
 
+def _all(runs: Sequence[Depth], what: str, code: int) -> bool:
+    """Whether every call of that kind answered ``code`` (else it timed something else)."""
+    return all(set(d.extra[f"{what} codes"]) == {code} for d in runs)
+
+
 def _ratio(x: float, base: float) -> float:
     return x / base if base else float("nan")
 
@@ -441,10 +486,7 @@ def run_backlog_store(res: Results, prefix: str, depths: Sequence[int]) -> None:
         for rates in RATE_SETS:
             for algorithm in ALGORITHMS:
                 cfg = Config(algorithm, parse_rates(list(rates)))
-                runs = []
-                for depth in depths:
-                    print(f"backlog: {cfg.name} at {depth:,} reservations ...", flush=True)
-                    runs.append(measure_depth(client, store, cfg, prefix, depth))
+                runs = measure_config(client, store, cfg, prefix, depths)
                 fitting = measure_fitting(client, store, cfg, prefix)
                 _report_config(res, cfg, runs, fitting)
         for algorithm in ALGORITHMS:
@@ -463,18 +505,18 @@ def run_backlog_store(res: Results, prefix: str, depths: Sequence[int]) -> None:
 def _report_config(res: Results, cfg: Config, runs: list[Depth], fitting: Sample) -> None:
     value, worst = _progression(runs, lambda d: d.denial.per_call)
     res.add(SEC, "µs/denial by reservations outstanding", cfg.name, value,
-            f"<= {RATIO_TARGET}x depth {runs[0].depth}", worst <= RATIO_TARGET,
-            f"script time (commandstats), best of {ROUNDS} x {BATCH}; each denial reserves one more")
+            f"<= {RATIO_TARGET}x depth {runs[0].depth}", worst <= RATIO_TARGET and _all(runs, "deny", 0),
+            f"script time (commandstats), best of {ROUNDS} x {BATCH}; each denial reserves one more; answered "
+            + ", ".join(_codes(d.extra["deny codes"]) for d in runs))
     value, worst = _progression(runs, lambda d: d.due.per_call)
-    on_time = all(set(d.extra["due codes"]) == {WindowReply.RUN} for d in runs)
     res.add(SEC, "µs/claim when due", cfg.name, value, f"<= {RATIO_TARGET}x depth {runs[0].depth}",
-            worst <= RATIO_TARGET and on_time,
+            worst <= RATIO_TARGET and _all(runs, "due", WindowReply.RUN),
             f"on-time claims of the front reservations, best of {ROUNDS} x {BATCH}; each passes its start "
             "+0.5 ms as the script's now instead of waiting for it; answered "
             + ", ".join(_codes(d.extra["due codes"]) for d in runs))
     value, worst = _progression(runs, lambda d: d.early.per_call)
     res.add(SEC, "µs/claim, early (code 2)", cfg.name, value, f"<= {RATIO_TARGET}x depth {runs[0].depth}",
-            worst <= RATIO_TARGET, f"claims of a far-off reservation, {BATCH} calls; answered "
+            worst <= RATIO_TARGET and _all(runs, "early", WindowReply.EARLY), f"claims of a far-off reservation, best of {ROUNDS} x {BATCH}; answered "
             + ", ".join(_codes(d.extra["early codes"]) for d in runs))
     slowest = max(max(d.denial.slowest, d.due.slowest, d.early.slowest) for d in runs)
     per_depth = " · ".join(f"{d.depth:,}: {max(d.denial.slowest, d.due.slowest, d.early.slowest)}"
@@ -484,12 +526,13 @@ def _report_config(res: Results, cfg: Config, runs: list[Depth], fitting: Sample
                         f"({d.build_s:.1f}s)" for d in runs[1:])
     res.add(SEC, "slowest call (µs)", cfg.name, per_depth, f"< {SLOWEST_TARGET_US} µs",
             slowest < SLOWEST_TARGET_US,
-            f"SLOWLOG of the ~{(2 * ROUNDS + 1) * BATCH:,} calls measured at each depth; of them >= 1 ms: "
+            f"SLOWLOG of the {3 * ROUNDS * BATCH:,} calls measured at each depth; of them >= 1 ms: "
             f"{over}. Building the backlog (every depth below it, pipelined): {builds}")
     worst_bytes = max(d.memory for d in runs)
     res.add(SEC, "bytes/key: MEMORY USAGE (values)", cfg.name,
             " · ".join(f"{d.depth:,}: {fmt_bytes(d.memory)} ({d.values} B)" for d in runs),
-            f"<= {fmt_bytes(BYTES_TARGET)}", worst_bytes <= BYTES_TARGET)
+            f"<= {fmt_bytes(BYTES_TARGET)}", worst_bytes <= BYTES_TARGET,
+            f"each key after the measured calls (a deep one then holds {ROUNDS * BATCH} more reservations)")
     res.add(SEC, "µs/fitting call (a key with room)", cfg.name, f"{fitting.per_call:.1f} µs", "", None,
             f"best of {ROUNDS} x {BATCH} keys whose last start left the window; "
             "against peers at a limit never reached below")

@@ -283,8 +283,11 @@ def _report(res: Results, runs: list[Run], floods: Sequence[int], supported: boo
         else:
             done = f"not in {run.watched:.0f}s: {run.turned:,}/{run.flood:,}"
         note = f"after the flood was published (in {run.publish_s:.1f}s) and its queue opened"
-        if not plain:
+        if run.variant.startswith("celery_throttle"):
             note += f"; turned away at publish: {run.at_publish:,}"
+        if run.flood_done_s != run.flood_done_s and run.turned and run.watched:
+            pace = run.turned / run.watched
+            note += f"; at {pace:,.0f}/s the whole flood takes ~{run.flood / pace:,.0f}s"
         res.add(SEC, f"flood of {n}: all of A's tasks {what}", run.variant, done, "", None, note)
         if run.errors:
             res.notes.append(f"noisy neighbour, {run.variant}, {n}: worker log errors ({len(run.errors)}): "

@@ -11,10 +11,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from tests.helpers import WorkerGroup, delete_queues, rabbitmq_or_skip, redis_or_skip
+from tests.helpers import BROKER_URL, STORE_URL, WorkerGroup, delete_queues, rabbitmq_or_skip, redis_or_skip
 
-STORE_URL = "redis://127.0.0.1:6379/12"
-BROKER_URL = "redis://127.0.0.1:6379/13"
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
 

@@ -27,6 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI") == "true"
 
 
+#: The Redis the tests use (``CT_REDIS``, default the local one): ``make test`` runs the
+#: script-level tests a second time against Redis 6.2, the oldest we support.
+REDIS = os.environ.get("CT_REDIS", "redis://127.0.0.1:6379")
+#: Window state and records of the tests; broker and results of their workers.
+STORE_URL = f"{REDIS}/12"
+BROKER_URL = f"{REDIS}/13"
+
 def redis_or_skip(url: str) -> redis.Redis:
     client = redis.Redis.from_url(url)
     try:
@@ -129,7 +136,7 @@ class WorkerGroup:
 
     def __init__(self, prefix: str, broker: str, store: str, count: int = 2, concurrency: int = 2,
                  env: dict[str, str] | None = None, queue: str | None = None,
-                 records: str = "redis://127.0.0.1:6379/12") -> None:
+                 records: str = STORE_URL) -> None:
         self.prefix = prefix
         self.broker = broker
         self.store = store
@@ -141,7 +148,7 @@ class WorkerGroup:
         self.procs: list[subprocess.Popen | None] = []
         self.logs: list[Path] = []
         self.logdir = Path(tempfile.mkdtemp(prefix="ct-workers-"))
-        self.client = Celery("client", broker=broker, backend="redis://127.0.0.1:6379/13",
+        self.client = Celery("client", broker=broker, backend=BROKER_URL,
                              set_as_current=False)
         self.client.conf.broker_connection_retry_on_startup = True
         self.records = redis.Redis.from_url(records)

@@ -21,11 +21,12 @@ from celery_throttle import throttle
 
 PREFIX = os.environ.get("CT_PREFIX", "ct-test")
 QUEUE = os.environ.get("CT_QUEUE", "ct-test")
-STORE = os.environ.get("CT_STORE", "redis://127.0.0.1:6379/12")
-RECORDS = os.environ.get("CT_RECORDS", "redis://127.0.0.1:6379/12")
+REDIS = os.environ.get("CT_REDIS", "redis://127.0.0.1:6379")
+STORE = os.environ.get("CT_STORE", f"{REDIS}/12")
+RECORDS = os.environ.get("CT_RECORDS", f"{REDIS}/12")
 
-app = Celery("taskapp", broker=os.environ.get("CT_BROKER", "redis://127.0.0.1:6379/13"),
-             backend=os.environ.get("CT_BACKEND", "redis://127.0.0.1:6379/13"))
+app = Celery("taskapp", broker=os.environ.get("CT_BROKER", f"{REDIS}/13"),
+             backend=os.environ.get("CT_BACKEND", f"{REDIS}/13"))
 app.conf.update(
     result_expires=600,
     task_default_queue=QUEUE,

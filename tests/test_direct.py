@@ -15,8 +15,9 @@ from celery import Celery, shared_task
 import celery_throttle
 from celery_throttle import ConfigurationError, throttle
 from celery_throttle.worker import ThrottleStep
+from tests.helpers import STORE_URL
 
-STORE = "redis://127.0.0.1:6379/12"
+STORE = STORE_URL
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ from hypothesis.stateful import (
 from celery_throttle.keys import state_key
 from celery_throttle.rates import Rate, parse_rate
 from celery_throttle.store import RedisStore, Reservation, WindowReply, rate_field
-from tests.helpers import redis_or_skip
+from tests.helpers import STORE_URL, redis_or_skip
 from tests.reference import (
     SLOTS,
     ModelReply,
@@ -47,7 +47,6 @@ from tests.reference import (
     max_units_per_aligned_window,
 )
 
-STORE_URL = "redis://127.0.0.1:6379/12"
 ALGORITHMS = ("sliding", "fixed")
 #: A plausible "now": late 2023 in µs, well below 2**53.
 BASE_US = 1_700_000_000_000_000

@@ -19,7 +19,7 @@ from celery import Celery, chord
 
 import celery_throttle
 from celery_throttle.signals import task_throttled
-from tests.helpers import WorkerGroup, free_port, max_in_window
+from tests.helpers import BROKER_URL, WorkerGroup, free_port, max_in_window
 
 
 def _producer(workers: WorkerGroup, store: str | None = None) -> tuple[Celery, dict[str, Any]]:
@@ -29,7 +29,7 @@ def _producer(workers: WorkerGroup, store: str | None = None) -> tuple[Celery, d
     import tests.taskapp  # noqa: F401  (registers the shared tasks)
 
     app = Celery(f"producer-{uuid.uuid4().hex[:6]}", broker=workers.broker,
-                 backend="redis://127.0.0.1:6379/13", set_as_current=False)
+                 backend=BROKER_URL, set_as_current=False)
     app.conf.update(broker_connection_retry_on_startup=True, task_default_queue=workers.queue,
                     result_expires=600, throttle_redis_url=store or workers.store,
                     throttle_key_prefix=workers.prefix, throttle_park_after=3)
