@@ -224,7 +224,7 @@ def run_long_wait(res: Results, prefix: str, tasks: int, window: int, quick: boo
         denied_before = cpu_denials = 0.0
         while time.monotonic() < deadline:
             started = group.start_count(label)
-            waiting, inflight = ctl.store.parked_count()
+            waiting, inflight, _ = ctl.store.parked_count()
             samples.append((time.time(), group.rss(), used_memory(redis_client), waiting + inflight))
             if time.time() < refill_at:
                 denied_before = group.counter("denied", label)

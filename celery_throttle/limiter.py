@@ -100,25 +100,23 @@ class Throttle:
 
     @property
     def store(self) -> RedisStore:
-        if self._store is None:
-            with self._lock:
-                if self._store is None:
-                    s = self.settings
-                    url = require_redis_url(self.app, s)
-                    self._store = RedisStore(url, s.key_prefix, clock=self._clock)
-        return self._store
+        """The Redis store, connected on first use (in the process that uses it)."""
+        return self._store or self._open("_store")
 
     @property
     def quick_store(self) -> RedisStore:
         """The store, through a connection that gives up after QUICK_TIMEOUT."""
-        if self._quick_store is None:
-            with self._lock:
-                if self._quick_store is None:
-                    s = self.settings
-                    self._quick_store = RedisStore(require_redis_url(self.app, s), s.key_prefix,
-                                                   clock=self._clock, timeout=QUICK_TIMEOUT,
-                                                   connect_timeout=QUICK_TIMEOUT)
-        return self._quick_store
+        return self._quick_store or self._open("_quick_store", timeout=QUICK_TIMEOUT,
+                                               connect_timeout=QUICK_TIMEOUT)
+
+    def _open(self, attribute: str, **timeouts: float) -> RedisStore:
+        with self._lock:
+            if getattr(self, attribute) is None:
+                s = self.settings
+                setattr(self, attribute, RedisStore(require_redis_url(self.app, s), s.key_prefix,
+                                                    clock=self._clock, **timeouts))
+            store: RedisStore = getattr(self, attribute)
+            return store
 
     def close(self) -> None:
         """Close the connections to the store (a later call opens new ones)."""

@@ -65,22 +65,19 @@ def _records_client() -> redis.Redis:
 _NOTING = "CT_PREFIX" in os.environ
 
 
+def _note(what: str, sender, request, **fields) -> None:
+    if _NOTING:
+        _records_client().rpush(f"{PREFIX}:{what}", json.dumps({"task": sender.name, "id": request.id, **fields}))
+
+
 @celery_throttle.signals.task_throttled.connect
 def _note_denial(sender, request, delay, scope, key, parked, **_):
-    if not _NOTING:
-        return
-    _records_client().rpush(f"{PREFIX}:throttled", json.dumps(
-        {"task": sender.name, "id": request.id, "delay": delay, "scope": scope, "key": key,
-         "parked": parked}))
+    _note("throttled", sender, request, delay=delay, scope=scope, key=key, parked=parked)
 
 
 @celery_throttle.signals.task_wait_exceeded.connect
 def _note_gave_up(sender, request, wait, max_wait, scope, key, **_):
-    if not _NOTING:
-        return
-    _records_client().rpush(f"{PREFIX}:gave-up", json.dumps(
-        {"task": sender.name, "id": request.id, "wait": wait, "max_wait": max_wait, "scope": scope,
-         "key": key}))
+    _note("gave-up", sender, request, wait=wait, max_wait=max_wait, scope=scope, key=key)
 
 
 def record(label: str, **extra) -> None:
