@@ -31,6 +31,10 @@ logger = logging.getLogger("celery_throttle")
 _LEASE_S = 60.0
 #: Messages taken per release call.
 _BATCH = 500
+#: Sent messages are acked this many at a time: a release cut short (its worker killed)
+#: re-releases at most these, and a refill of thousands of parked tasks due together is
+#: not slowed down by a round trip per message (which made many miss their start).
+_ACK_EVERY = 16
 #: Times a parked message is handed out at most (each time it could not be sent back,
 #: or its worker died holding it) before it is a dead letter, kept for the CLI
 #: (``celery throttle parked --dead``) instead of coming back forever.
@@ -84,15 +88,15 @@ class Releaser(threading.Thread):
     def release_once(self) -> int:
         """Release what is due within the next interval; returns how many were taken.
 
-        Each message is acked as soon as it is sent, so a release cut short never sends
-        one twice. One that cannot be decoded or sent goes back to wait, due again after a
+        Sent messages are acked every _ACK_EVERY, so a release cut short sends at most that
+        many twice. One that cannot be decoded or sent goes back to wait, due again after a
         backoff, until it has been tried MAX_ATTEMPTS times.
         """
         ctl = self.ctl
         interval = ctl.settings.release_interval
         lookahead_us = int(interval * 1.5 * 1e6)
         now_us, items = ctl.store.release(lookahead_us, _BATCH, int(_LEASE_S * 1e6), MAX_ATTEMPTS)
-        sent = 0
+        sent, unacked = 0, []
         for parked_id, due_us, message in items:
             try:
                 body = decode_message(ctl.app, message)
@@ -101,8 +105,12 @@ class Releaser(threading.Thread):
                 logger.exception("could not send parked task %s back; it will be tried again", parked_id)
                 ctl.store.retry_later([parked_id], now_us + int(interval * 2 * 1e6))
                 continue
-            ctl.store.ack([parked_id])
+            unacked.append(parked_id)
             sent += 1
+            if len(unacked) >= _ACK_EVERY:
+                ctl.store.ack(unacked)
+                unacked = []
+        ctl.store.ack(unacked)
         if sent:
             logger.info("released %d parked task(s)", sent)
         return len(items)

@@ -150,16 +150,18 @@ class SlidingRate:
         return max((b.latest + self.period for b in self.buckets.values()), default=0)
 
     def fold(self, now: int) -> None:
-        """Folds every front bucket followed by at least ``limit`` units (it can never
-        decide anything) into the next one, and more while there are too many buckets."""
+        """Folds the first bucket into the next while that one, too, is followed by at
+        least ``limit`` units (neither can decide anything), and more while there are
+        too many buckets."""
         keys = sorted(self.buckets)
-        rest = sum(self.buckets[k].units for k in keys[1:])
+        after = sum(self.buckets[k].units for k in keys[2:])
         i = 0
-        while i + 1 < len(keys) and (rest >= self.limit or len(keys) - i > MAX_BUCKETS):
+        while i + 1 < len(keys) and (after >= self.limit or len(keys) - i > MAX_BUCKETS):
             front, behind = self.buckets.pop(keys[i]), self.buckets[keys[i + 1]]
-            rest -= behind.units
             behind.units += front.units  # and keeps its own latest, the later one
             i += 1
+            if i + 1 < len(keys):
+                after -= self.buckets[keys[i + 1]].units
 
     def holds_units(self) -> bool:
         return bool(self.buckets)

@@ -852,3 +852,22 @@ def test_folding_a_deep_backlog_changes_no_decision_for_calls_of_one_cost(
 def _size(model: WindowModel) -> int:
     """How many numbers the model's rates hold."""
     return sum(len(str(r.entries()).split(",")) for r in model.rates)
+
+
+def test_a_task_late_for_its_start_after_a_refill_runs_on_the_unit_it_gives_back(
+    store: RedisStore, clock: FakeClock
+) -> None:
+    # Given a sliding 3/s quota spent at once, and 3 tasks that reserved the refill
+    rates, key = rates_of(["3/s"]), state_key(store.prefix, "refill", "t")
+    assert store.window(key, "sliding", "acquire", rates, 3, slack_us=2000).allowed
+    held = [store.window(key, "sliding", "acquire", rates, 1, reserve=True, grace_us=20_000, slack_us=2000)
+            for _ in range(3)]
+    first = held[0]
+    # When the first comes back after its reserved span (a slow release), the spent
+    # quota's units long out of the window
+    clock.now = first.latest_us + 5000
+    claim = Reservation(first.start_us, first.latest_us, 1, first.grace_us, first.epoch, 0)
+    reply = store.window(key, "sliding", "claim", rates, 1, reserve=True, claim=claim, grace_us=20_000,
+                         slack_us=2000)
+    # Then it runs now, on the unit it gave back, not one window later
+    assert reply.code == WindowReply.RUN, reply

@@ -26,9 +26,9 @@
 -- latest + period, so an entry followed by at least `limit` units can never decide
 -- anything: wherever it counts, those later units already fill the window, and
 -- earliest() always stops at a later entry. When a rate is written, such front buckets
--- are folded into the bucket after them ("the front": their units, its latest). What is
--- left behind the front holds fewer than `limit` units: about one window of buckets,
--- whatever waits. Folding only makes units look later, so it is always safe; a
+-- are folded into the last of them ("the front": their units, its latest). What is left
+-- behind the front holds fewer than `limit` units, plus one bucket: about one window of
+-- buckets, whatever waits. Folding only makes units look later, so it is always safe; a
 -- give-back of units folded away finds no bucket and gives nothing back.
 local SLOTS = 100
 -- Buckets kept at most per rate; past it the front is folded even if it could still
@@ -211,17 +211,21 @@ function ALGO.clear_at(r)
   return r.hot_latest and r.hot_latest + r.period or 0
 end
 
--- Folds the front (see the top of this file) of a decoded list.
+-- Folds the front (see the top of this file) of a decoded list: the first bucket is
+-- merged into the next one while that one, too, is followed by at least `limit` units.
+-- (Merging into a bucket that could still decide something would make the merged units
+-- count until that bucket leaves the window: after a give-back, a late task would find
+-- the units of a window long gone still in its way.)
 local function fold(r)
   local t = r.list
   local n = #t
-  local rest = 0
-  for i = 4, n, 2 do rest = rest + t[i] end  -- units behind the first bucket
+  local after = 0  -- units after the second bucket
+  for i = 6, n, 2 do after = after + t[i] end
   local first, units, buckets = 1, t[2], n / 2
-  while first + 2 < n and (rest >= r.limit or buckets > MAX_BUCKETS) do
+  while first + 2 < n and (after >= r.limit or buckets > MAX_BUCKETS) do
     first = first + 2
     units = units + t[first + 1]
-    rest = rest - t[first + 1]
+    if first + 2 < n then after = after - t[first + 3] end
     buckets = buckets - 1
   end
   if first > 1 then
