@@ -44,7 +44,7 @@ from typing import Any
 import redis
 
 from bench.bulk import Bulk
-from bench.common import OUT_DIR, Results, fmt_bytes, percentile, wait_until
+from bench.common import OUT_DIR, Results, fmt_bytes, limits_peers, percentile, wait_until
 from bench.naive import NaiveLimiter
 from celery_throttle.keys import state_key
 from celery_throttle.limiter import _grace_us, _slack_us
@@ -550,25 +550,7 @@ def _fit_variants(url: str, client: Any, prefix: str) -> list[tuple[str, str, Ca
         out.append((f"ours {algorithm}", algorithm,
                     lambda a=algorithm, k=key: store.window(k, a, "acquire", rates, 1, grace_us=grace,
                                                             slack_us=slack)))
-    try:
-        from limits import parse
-        from limits.storage import RedisStorage
-        from limits.strategies import (
-            FixedWindowRateLimiter,
-            MovingWindowRateLimiter,
-            SlidingWindowCounterRateLimiter,
-        )
-
-        storage = RedisStorage(url, key_prefix=f"{prefix}-limits")
-        item = parse("1000000/second")
-        for name, family, cls in (("limits FixedWindow", "fixed", FixedWindowRateLimiter),
-                                  ("limits SlidingWindowCounter", "sliding", SlidingWindowCounterRateLimiter),
-                                  ("limits MovingWindow", "sliding", MovingWindowRateLimiter)):
-            limiter = cls(storage)
-            ident = name.split()[-1]  # the strategies share key names: one each
-            out.append((name, "peer " + family, lambda lim=limiter, i=ident: lim.hit(item, i)))
-    except ImportError:
-        pass
+    out += [(name, "peer " + family, hit) for name, family, hit in limits_peers(url, prefix)]
     sha = client.script_load(FLOOR_LUA)
     floor_key = f"{prefix}:floor"
     out.append(("floor: TIME + HMGET + HSET", "floor", lambda: client.evalsha(sha, 1, floor_key, "f")))

@@ -20,7 +20,7 @@ from celery import Celery
 
 import celery_throttle
 from bench.bulk import Bulk, supported
-from bench.common import STORE_URL, Results, fmt_num, percentile
+from bench.common import STORE_URL, Results, fmt_num, limits_peers, percentile
 from celery_throttle.keys import state_key
 from celery_throttle.rates import Rate
 
@@ -101,26 +101,7 @@ def _variants(prefix: str) -> list[tuple[str, str, str, Callable[[], Any], int]]
         out.append((f"ours {algo}: store.window", algo, "ours",
                     lambda a=algo, k=key: ctl.store.window(k, a, "acquire", [rate], 1), 1))
 
-    try:
-        from limits import parse
-        from limits.storage import RedisStorage
-        from limits.strategies import (
-            FixedWindowRateLimiter,
-            MovingWindowRateLimiter,
-            SlidingWindowCounterRateLimiter,
-        )
-
-        storage = RedisStorage(STORE_URL, key_prefix=f"{prefix}-limits")
-        item = parse("1000000/second")
-        strategies = (("limits FixedWindow", "fixed", FixedWindowRateLimiter),
-                      ("limits MovingWindow", "sliding", MovingWindowRateLimiter),
-                      ("limits SlidingWindowCounter", "sliding", SlidingWindowCounterRateLimiter))
-        for name, family, cls in strategies:
-            limiter = cls(storage)
-            ident = name.split()[-1]  # the strategies share key names: one each
-            out.append((name, family, "peer", lambda lim=limiter, i=ident: lim.hit(item, i), 1))
-    except ImportError:
-        pass
+    out += [(name, family, "peer", hit, 1) for name, family, hit in limits_peers(STORE_URL, prefix)]
     try:
         from throttled import RedisStore, Throttled, rate_limiter
 

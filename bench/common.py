@@ -148,3 +148,28 @@ def delete_prefix(client: redis.Redis, prefix: str, limit: int = 5_000_000) -> i
     if batch:
         n += client.unlink(*batch)
     return n
+
+
+def limits_peers(url: str, prefix: str) -> list[tuple[str, str, Callable[[], Any]]]:
+    """The ``limits`` strategies as peers: (name, algorithm family, one hit that never
+    reaches its limit); none when ``limits`` is not installed."""
+    try:
+        from limits import parse
+        from limits.storage import RedisStorage
+        from limits.strategies import (
+            FixedWindowRateLimiter,
+            MovingWindowRateLimiter,
+            SlidingWindowCounterRateLimiter,
+        )
+    except ImportError:
+        return []
+    storage = RedisStorage(url, key_prefix=f"{prefix}-limits")
+    item = parse("1000000/second")
+    out: list[tuple[str, str, Callable[[], Any]]] = []
+    for name, family, cls in (("limits FixedWindow", "fixed", FixedWindowRateLimiter),
+                              ("limits MovingWindow", "sliding", MovingWindowRateLimiter),
+                              ("limits SlidingWindowCounter", "sliding", SlidingWindowCounterRateLimiter)):
+        limiter = cls(storage)
+        ident = name.split()[-1]  # the strategies share key names: one each
+        out.append((name, family, lambda lim=limiter, i=ident: lim.hit(item, i)))
+    return out
