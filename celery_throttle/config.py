@@ -38,6 +38,9 @@ class Settings:
     start_grace: float | None = None
     #: How often (seconds) each worker looks for parked tasks that are due.
     release_interval: float = 1.0
+    #: False turns every throttle off (tests, an emergency): tasks run unchecked, and the
+    #: worker says so when it starts.
+    enabled: bool = True
     #: Whether the producer checks a throttled task when it sends it, and defers one
     #: that does not fit (so floods of one key never queue in front of other keys).
     check_at_publish: bool = True
@@ -83,6 +86,8 @@ class Settings:
         if not isinstance(self.rules, Mapping):
             raise ConfigurationError("throttle_rules must be a dict of task-name glob -> options")
         check_max_wait(self.max_wait, "throttle_max_wait")
+        if not isinstance(self.enabled, bool):
+            raise ConfigurationError("throttle_enabled must be True or False")
         if not isinstance(self.check_at_publish, bool):
             raise ConfigurationError("throttle_check_at_publish must be True or False")
         for name in ("park_after", "release_interval", "store_retry_delay", "store_retry_max_delay"):

@@ -103,6 +103,8 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     from . import install
 
     ctl = install(task.app)
+    if not ctl.settings.enabled:
+        return True
     spec: ThrottleSpec = type(task)._throttle_spec
     call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
                      ctl.settings.default_algorithm)

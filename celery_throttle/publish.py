@@ -73,7 +73,7 @@ def admit(ctl: Throttle, task: Any, args: Any, kwargs: Any, options: Mapping[str
             or task.app.conf.task_always_eager or _breaker.open):
         return None
     settings = ctl.settings
-    if not settings.check_at_publish:
+    if not (settings.enabled and settings.check_at_publish):
         return None
     try:
         spec = type(task)._throttle_spec

@@ -43,6 +43,8 @@ class ScreenStep(bootsteps.StartStopStep):
         from . import install
 
         ctl = install(c.app)
+        if not ctl.settings.enabled:
+            return
         breaker = Breaker(STORE_ERROR_PAUSE)
         for name, task in c.app.tasks.items():
             if type(task).__dict__.get("_throttle_hooked") and name in c.strategies:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import bootsteps
 
 __all__ = ["ThrottleStep"]
+
+logger = logging.getLogger("celery_throttle")
 
 
 class ThrottleStep(bootsteps.StartStopStep):
@@ -22,7 +25,11 @@ class ThrottleStep(bootsteps.StartStopStep):
         # Runs before the pool forks and before the consumer builds task tracers, so
         # every child sees the hooked classes. A bad rule stops the worker here, loudly.
         self.controller = install(worker.app)
-        if self.controller.patch_tasks():
+        hooked = self.controller.patch_tasks()
+        if not self.controller.settings.enabled:
+            logger.warning("celery_throttle: throttle_enabled is False: %d throttled task(s) run "
+                           "without any limit", hooked)
+        elif hooked:
             _ = self.controller.store  # no Redis to use: a clear error now, not a silent default
 
     def start(self, worker: Any) -> None:

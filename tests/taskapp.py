@@ -42,6 +42,7 @@ app.conf.update(
     throttle_store_retry_delay=0.5,
     throttle_store_retry_max_delay=2.0,
     throttle_release_interval=0.5,
+    throttle_enabled=os.environ.get("CT_ENABLED", "1") == "1",
     throttle_rules={
         # First match wins: the specific name before the glob.
         "tests.taskapp.unowned_fixed": {"rate": ["3/s"], "algorithm": "fixed"},

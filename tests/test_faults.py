@@ -396,3 +396,15 @@ def test_a_parked_message_that_cannot_be_sent_back_becomes_a_dead_letter_and_the
     assert "dropped 1 dead letter(s)" in _run(env_prefix, "parked", "--drop", "--yes").stdout
     assert ctl.store.parked_count() == (0, 0, 0)
     ctl.close()
+
+
+def test_throttle_enabled_false_runs_every_task_unchecked_and_the_worker_says_so(group_factory) -> None:
+    # Given a worker with throttle_enabled = False
+    group = group_factory(count=1, env={"CT_ENABLED": "0"}).start()
+    # When 12 tasks of a 5/s task are sent at once
+    ids = [group.send("below", "switched-off") for _ in range(12)]
+    # Then all ran at once, once each, past the limit, and the worker said why at start
+    starts = group.wait_starts("switched-off", 12, timeout=20, settle=0.2)
+    assert sorted(e["id"] for e in _ran_once(group, "switched-off", ids)) == sorted(ids)
+    assert max_in_window([e["t"] for e in starts], 1.0) > 5
+    assert "throttle_enabled is False: " in group.log_text()
