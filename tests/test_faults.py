@@ -270,8 +270,13 @@ def cluster_url() -> Iterator[str]:
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
-        client = redis.Redis(port=ports[0])
-        wait_for(lambda: client.cluster("info")["cluster_state"] == "ok", 20, what="cluster ok")
+        # Every node must see the cluster ok, not only the first: a node still joining
+        # answers CLUSTERDOWN for its slots.
+        clients = [redis.Redis(port=p) for p in ports]
+        wait_for(lambda: all(c.cluster("info")["cluster_state"] == "ok" for c in clients), 20,
+                 what="cluster ok on every node")
+        for c in clients:
+            c.close()
         yield f"redis+cluster://127.0.0.1:{ports[0]}"
     finally:
         for server in servers:
