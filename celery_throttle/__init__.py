@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import signals
+from . import signals, worker
 from .decorator import throttle
 from .errors import ConfigurationError, KeyBuildError, StoreError, ThrottleError, WaitTooLong
 from .limiter import Decision, RateStatus, Status, Throttle
@@ -57,6 +57,9 @@ def install(app: Any, **overrides: Any) -> Throttle:
         app.steps["worker"].add(ThrottleStep)
         app.steps["consumer"].add(ScreenStep)
         app.on_after_finalize.connect(ctl.patch_tasks, weak=False)
+        if app.finalized:
+            ctl.patch_tasks()  # (the signal has fired already: tasks are hooked now)
+        worker.attach_to_running_workers(ctl)
     elif overrides:
         ctl.configure(overrides)
     if overrides:

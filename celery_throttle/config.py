@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .connection import SENTINEL_SCHEMES
 from .errors import ConfigurationError
 from .keys import check_prefix
 
@@ -20,8 +21,12 @@ _DEFAULT_REDIS = "redis://localhost:6379/0"
 class Settings:
     """Every ``throttle_*`` setting, with its default (see README, "Settings")."""
 
-    #: Where window state and parked tasks live. ``redis+cluster://`` for a Redis Cluster.
+    #: Where window state and parked tasks live: ``redis://``, ``rediss://``,
+    #: ``sentinel://`` (or ``redis+sentinel://``), ``redis+cluster://``.
     redis_url: str | None = _DEFAULT_REDIS
+    #: Passed to the redis-py client: TLS certificates, ``username``/``password``,
+    #: timeouts; for Sentinel ``master_name`` and ``sentinel_kwargs`` (connection.py).
+    redis_options: Mapping[str, Any] = field(default_factory=dict)
     #: Every Redis key the plugin writes starts with it.
     key_prefix: str = "throttle"
     #: Limits for tasks by name glob, for tasks you do not own.
@@ -69,6 +74,8 @@ class Settings:
         values.update(overrides)
         if "redis_url" not in values:
             values["redis_url"] = _default_redis_url(app)
+            if "redis_options" not in values and str(values["redis_url"]).startswith(SENTINEL_SCHEMES):
+                values["redis_options"] = _broker_sentinel_options(app)
         if "park_after" not in values:
             values["park_after"] = _default_park_after(app)
         return cls(**values).validated()
@@ -83,6 +90,10 @@ class Settings:
             raise ConfigurationError(
                 f"throttle_on_store_error {self.on_store_error!r}: use one of {STORE_ERROR_POLICIES}"
             )
+        if not isinstance(self.redis_options, Mapping):
+            raise ConfigurationError("throttle_redis_options must be a dict of redis-py client options")
+        if self.redis_url is not None and not isinstance(self.redis_url, str):
+            raise ConfigurationError(f"throttle_redis_url must be a URL string, got {self.redis_url!r}")
         if not isinstance(self.rules, Mapping):
             raise ConfigurationError("throttle_rules must be a dict of task-name glob -> options")
         check_max_wait(self.max_wait, "throttle_max_wait")
@@ -109,9 +120,17 @@ def _default_redis_url(app: Any) -> str | None:
     broker = app.conf.broker_url
     if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
         return broker.split(";")[0]
+    if isinstance(broker, str) and broker.startswith(SENTINEL_SCHEMES):
+        return broker  # every Sentinel of the list: any one of them finds the master
     if not broker:
         return _DEFAULT_REDIS  # Celery's own default broker is local too
     return None
+
+
+def _broker_sentinel_options(app: Any) -> dict[str, Any]:
+    """The Sentinel group a Sentinel broker names (kombu's transport options)."""
+    transport = app.conf.broker_transport_options or {}
+    return {k: transport[k] for k in ("master_name", "sentinel_kwargs") if k in transport}
 
 
 def require_redis_url(app: Any, settings: Settings) -> str:

@@ -1,22 +1,30 @@
-"""The task side: runs the check in ``Task.before_start`` and defers denied tasks.
+"""The task side: decides before Celery's trace starts, and defers denied tasks.
 
-``before_start`` runs inside Celery's trace, where ``Ignore`` is honoured: the body does
-not run, no state is stored, and the message is acked. (``task_prerun`` would not do:
-Celery logs and swallows exceptions raised by signal receivers.) The hook is set on the
-task's own class, which ``@app.task`` creates per task, so other tasks are untouched.
+Every execution in a worker, in any pool, goes through the task's ``__trace__`` (the
+tracer Celery builds per task, in the consumer and again in each pool child). A hooked
+task's class turns that attribute into a property that wraps each tracer it is given:
+the wrapper checks the window first, and a denied task is deferred and handed back to
+the pool as Celery's own ``Ignore`` would be (acked, nothing stored, nothing logged)
+without the trace ever running. So ``task_prerun``/``task_postrun`` see real executions
+only. An outcome the trace must report (``WaitTooLong``, a store error under ``fail``, a
+re-send the broker refused) is raised from ``before_start``, inside the trace, where
+Celery records it as the task's failure or rejection. ``before_start`` also checks by
+itself when a tracer was built some other way (a fallback, never the usual path).
 """
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
 import random
 import threading
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from celery.app.trace import task_has_custom
+from celery.app import trace as celery_trace
+from celery.app.trace import TraceInfo, build_tracer, task_has_custom
 from celery.exceptions import Ignore, Reject
+from celery.states import IGNORED
 from celery.utils import uuid
 
 from . import signals
@@ -52,7 +60,11 @@ def attach(task: Any, spec: ThrottleSpec) -> None:
     original = cls.before_start if task_has_custom(task, "before_start") else None
 
     def before_start(self: Any, task_id: str, args: Any, kwargs: Any) -> None:
-        if not guard(self, args, kwargs):
+        if _decided.task_id == task_id:
+            error, _decided.task_id, _decided.error = _decided.error, None, None
+            if error is not None:
+                raise error
+        elif not guard(self, args, kwargs):
             # Raised here, not deeper: Celery copies every frame between its trace
             # and the raise into the ExceptionInfo it builds for Ignore.
             raise Ignore()
@@ -82,10 +94,82 @@ def attach(task: Any, spec: ThrottleSpec) -> None:
         return send(self, args, kwargs, task_id, producer, link, link_error, shadow,
                     headers=headers, countdown=deferral.delay or None, **options)
 
+    built = task.__dict__.pop("__trace__", None)
     cls.before_start = before_start
     cls.apply_async = apply_async
+    cls.__trace__ = property(_tracer, _set_tracer)
     cls._throttle_hooked = True
     cls._throttle_signature = _signature(task)
+    if built is not None:
+        # Hooked after the worker built its tracer (a task defined after the worker
+        # started, then reload()): build it again, now with our before_start in it.
+        task.__trace__ = build_tracer(task.name, task, task.app.loader, _worker_hostname(),
+                                      app=task.app)
+
+
+class _Decided(threading.local):
+    """The task id the wrapper just decided to run, in this thread (or greenlet), and
+    the error the trace must raise for it, if any."""
+
+    task_id: str | None = None
+    error: BaseException | None = None
+
+
+_decided = _Decided()
+
+
+class Deferred:
+    """What the pool hands back for a task deferred before its trace: Celery reads it
+    as an ``Ignore`` (the message is acked, nothing is stored or logged). Picklable:
+    a prefork child sends it to the parent."""
+
+    internal = True
+    traceback = ""
+    exc_info = None
+
+    def __init__(self) -> None:
+        self.exception = Ignore()
+
+
+def _tracer(task: Any) -> Any:
+    return task.__dict__.get("_throttle_tracer")
+
+
+def _set_tracer(task: Any, tracer: Any) -> None:
+    task.__dict__["_throttle_tracer"] = None if tracer is None else _deciding(task, tracer)
+
+
+def _deciding(task: Any, tracer: Any) -> Any:
+    """``tracer``, preceded by the throttle's decision."""
+
+    def trace(uuid: str, args: Any, kwargs: Any, request: Any = None) -> Any:
+        context = celery_trace.Context(request or {}, args=args, called_directly=False, kwargs=kwargs)
+        task.request_stack.push(context)
+        error: BaseException | None = None
+        try:
+            run = guard(task, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - the trace reports it, as the task's own outcome
+            run, error = True, exc
+        finally:
+            task.request_stack.pop()
+        if not run:
+            return celery_trace.trace_ok_t(Deferred(), TraceInfo(IGNORED), 0.0, None)
+        if error is None and isinstance(request, dict):
+            _forget_header_of(request)
+        _decided.task_id, _decided.error = uuid, error
+        try:
+            return tracer(uuid, args, kwargs, request)
+        finally:
+            _decided.task_id = _decided.error = None
+
+    trace.__wrapped__ = tracer  # type: ignore[attr-defined]
+    return trace
+
+
+def _worker_hostname() -> str | None:
+    """The worker's node name, as Celery keeps it for its own fast tracer."""
+    localized = celery_trace._localized
+    return localized[2] if len(localized) == 3 else None
 
 
 def _signature(task: Any) -> inspect.Signature | None:
@@ -142,7 +226,6 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
         logger.info("throttled %s[%s] could not use its reserved start (now %+.1f ms from it); "
                     "reserving again", task.name, request.id, (reply.now_us - claim.start_us) / 1000)
     defer_denied(ctl, task, request, args, kwargs, call, state, ident, claim, reply)
-    _collect_now_and_then()
     return False
 
 
@@ -177,9 +260,13 @@ def _header(request: Any) -> dict[str, Any]:
 def _forget_header(request: Any) -> None:
     """A task that runs is done with its reservation: its own ``self.retry()`` (which
     copies the request's headers) is a new call, checked afresh, not a late claim."""
-    if isinstance(request.headers, dict):
-        request.headers.pop(HEADER, None)
-    request.__dict__.pop(HEADER, None)
+    _forget_header_of(request.__dict__)
+
+
+def _forget_header_of(request: dict[str, Any]) -> None:
+    request.pop(HEADER, None)
+    if isinstance(request.get("headers"), dict):
+        request["headers"].pop(HEADER, None)
 
 
 def _defer(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call: BoundCall,
@@ -209,21 +296,10 @@ def _defer(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call:
             logger.error("could not send %s[%s] back (%r): it is returned to the broker",
                          task.name, request.id, exc)
             raise Reject(exc, requeue=True) from exc
-    logger.debug("throttled %s[%s] scope=%s key=%s for %.3fs%s", task.name, request.id,
-                 call.scope, call.key, delay, " (parked)" if parked else "")
-
-
-_denials = 0
-
-
-def _collect_now_and_then() -> None:
-    # Celery's Ignore leaves a cyclic ExceptionInfo (copied frames, formatted traceback)
-    # that only a full collection frees; without this a busy pool process grows by
-    # ~100 MB over a few hundred denials.
-    global _denials
-    _denials += 1
-    if _denials % 100 == 0:
-        gc.collect()
+    back = datetime.now().astimezone() + timedelta(seconds=delay)
+    logger.debug("throttled %s[%s] scope=%s key=%s: back at %s (in %.3fs%s)", task.name, request.id,
+                 call.scope, call.key, back.strftime("%H:%M:%S.%f")[:-3] + back.strftime(" %Z"), delay,
+                 ", parked" if parked else "")
 
 
 def _on_store_error(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any,

@@ -113,8 +113,13 @@ class Throttle:
         with self._lock:
             if getattr(self, attribute) is None:
                 s = self.settings
+                options = dict(s.redis_options)
+                if timeouts:
+                    # The quick store's timeouts are the point of it, whatever the options say.
+                    options.pop("socket_timeout", None)
+                    options.pop("socket_connect_timeout", None)
                 setattr(self, attribute, RedisStore(require_redis_url(self.app, s), s.key_prefix,
-                                                    clock=self._clock, **timeouts))
+                                                    clock=self._clock, options=options, **timeouts))
             store: RedisStore = getattr(self, attribute)
             return store
 

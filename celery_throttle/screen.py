@@ -28,7 +28,7 @@ from .hook import defer_denied
 from .keys import state_key
 from .store import WindowReply
 
-__all__ = ["ScreenStep"]
+__all__ = ["ScreenStep", "screen_strategies"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -42,13 +42,18 @@ class ScreenStep(bootsteps.StartStopStep):
     def start(self, c: Any) -> None:
         from . import install
 
-        ctl = install(c.app)
-        if not ctl.settings.enabled:
-            return
-        breaker = Breaker(STORE_ERROR_PAUSE)
-        for name, task in c.app.tasks.items():
-            if type(task).__dict__.get("_throttle_hooked") and name in c.strategies:
-                c.strategies[name] = _screened(ctl, task, c.strategies[name], c.connection_errors, breaker)
+        screen_strategies(install(c.app), c)
+
+
+def screen_strategies(ctl: Any, c: Any) -> None:
+    """Wrap the strategy of each hooked task of consumer ``c`` (again after a reload,
+    which builds them anew)."""
+    if not ctl.settings.enabled:
+        return
+    breaker = c.__dict__.setdefault("_throttle_breaker", Breaker(STORE_ERROR_PAUSE))
+    for name, task in c.app.tasks.items():
+        if type(task).__dict__.get("_throttle_hooked") and name in c.strategies:
+            c.strategies[name] = _screened(ctl, task, c.strategies[name], c.connection_errors, breaker)
 
 
 #: After a store error (Redis down, or slower than ``QUICK_TIMEOUT``), the consumer hands

@@ -9,15 +9,15 @@ restarted Redis loses nothing but one round trip.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from typing import Any, NamedTuple
 
-import redis
 from redis.exceptions import NoScriptError, RedisError
 
+from .connection import connect, safe_url
 from .errors import StoreError
 from .keys import dead_letter_keys, parking_keys
 from .rates import Rate
@@ -91,9 +91,12 @@ class RedisStore:
     """Window state and parked messages in one Redis (or Redis Cluster)."""
 
     def __init__(self, url: str, prefix: str, clock: Callable[[], int] | None = None,
-                 timeout: float = 5.0, connect_timeout: float = 2.0) -> None:
+                 timeout: float = 5.0, connect_timeout: float = 2.0,
+                 options: Mapping[str, Any] | None = None) -> None:
         self.url = url
         self.prefix = prefix
+        #: ``throttle_redis_options``: passed to redis-py (see connection.py).
+        self.options = dict(options or {})
         self.timeout, self.connect_timeout = timeout, connect_timeout
         # Test-only: a callable returning "now" in microseconds instead of Redis TIME.
         self._clock = clock
@@ -111,15 +114,9 @@ class RedisStore:
         return self._client
 
     def _connect(self) -> Any:
-        options = {"socket_timeout": self.timeout, "socket_connect_timeout": self.connect_timeout,
-                   "health_check_interval": 30}
-        for scheme in ("redis+cluster://", "rediss+cluster://"):
-            if self.url.startswith(scheme):
-                url = self.url.replace("+cluster", "", 1)
-                client = redis.RedisCluster.from_url(url, **options)
-                break
-        else:
-            client = redis.Redis.from_url(self.url, **options)
+        defaults = {"socket_timeout": self.timeout, "socket_connect_timeout": self.connect_timeout,
+                    "health_check_interval": 30}
+        client = connect(self.url, self.options, **defaults)
         self._scripts = {
             "sliding": client.register_script(_lua("sliding.lua") + _lua("window.lua")),
             "fixed": client.register_script(_lua("fixed.lua") + _lua("window.lua")),
@@ -142,7 +139,7 @@ class RedisStore:
                 client.script_load(registered.script)
                 return client.evalsha(registered.sha, len(keys), *keys, *args)
         except RedisError as exc:
-            raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
     def _now_arg(self) -> str:
         return "" if self._clock is None else str(int(self._clock()))
@@ -188,14 +185,14 @@ class RedisStore:
         try:
             raw = self.client.hgetall(key)
         except RedisError as exc:
-            raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
         return {k.decode(): v for k, v in raw.items()}
 
     def delete(self, key: str) -> int:
         try:
             return int(self.client.delete(key))
         except RedisError as exc:
-            raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
     # -- parking ----------------------------------------------------------------------
     def park(self, parked_id: str, due_us: int, message: bytes) -> int:
@@ -240,7 +237,7 @@ class RedisStore:
             bodies = self.client.hmget(messages, names)
             tries = self.client.hmget(attempts_key, names)
         except RedisError as exc:
-            raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
         return [(i.decode(), int(when), int(n or 0), body)
                 for (i, when), body, n in zip(ids, bodies, tries)]
 
@@ -267,7 +264,7 @@ class RedisStore:
             pipe.hdel(attempts, *parked_ids)
             return int(pipe.execute()[0])
         except RedisError as exc:
-            raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
     def parked_count(self) -> tuple[int, int, int]:
         """(waiting, in flight, dead) parked messages."""
@@ -276,7 +273,7 @@ class RedisStore:
         try:
             return int(self.client.zcard(due)), int(self.client.zcard(inflight)), int(self.client.zcard(dead))
         except RedisError as exc:
-            raise StoreError(f"Redis at {_safe_url(self.url)} failed: {exc}") from exc
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
     def close(self) -> None:
         if self._client is not None:
@@ -301,11 +298,3 @@ def _rate_args(algorithm: str, rates: tuple[Rate, ...]) -> tuple[int | str, ...]
     for rate in rates:
         args += [rate.limit, rate.period_us, rate_field(algorithm, rate)]
     return tuple(args)
-
-
-def _safe_url(url: str) -> str:
-    # Never log a password.
-    if "@" in url:
-        scheme, _, rest = url.partition("://")
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url

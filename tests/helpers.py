@@ -148,8 +148,9 @@ class WorkerGroup:
 
     def __init__(self, prefix: str, broker: str, store: str, count: int = 2, concurrency: int = 2,
                  env: dict[str, str] | None = None, queue: str | None = None,
-                 records: str = STORE_URL) -> None:
+                 records: str = STORE_URL, pool: str = "prefork") -> None:
         self.prefix = prefix
+        self.pool = pool
         self.broker = broker
         self.store = store
         self.records_url = records
@@ -184,7 +185,7 @@ class WorkerGroup:
         log = self.logdir / f"worker{i}-{uuid.uuid4().hex[:6]}.log"
         cmd = [sys.executable, "-m", "celery", "-A", "tests.taskapp", "worker",
                "-Q", f"{self.queue},{self.queue}-alt",
-               "-c", str(self.concurrency), "-P", "prefork", "-n", f"w{i}-{self.prefix}@%h",
+               "-c", str(self.concurrency), "-P", self.pool, "-n", f"w{i}-{self.prefix}@%h",
                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=self._environ(), stdout=out,
@@ -251,7 +252,11 @@ class WorkerGroup:
         return result.id
 
     def denials(self) -> list[dict]:
-        return [json.loads(x) for x in self.records.lrange(f"{self.prefix}:throttled", 0, -1)]
+        return self.notes("throttled")
+
+    def notes(self, what: str) -> list[dict]:
+        """What the workers noted: "throttled", "gave-up", "prerun", "postrun"."""
+        return [json.loads(x) for x in self.records.lrange(f"{self.prefix}:{what}", 0, -1)]
 
     def starts(self, label: str) -> list[dict]:
         raw = self.records.lrange(f"{self.prefix}:starts", 0, -1)

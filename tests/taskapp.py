@@ -1,7 +1,7 @@
 """The Celery app the test workers run (``celery -A tests.taskapp worker``).
 
 Configured from the environment so one module serves every worker a test starts:
-CT_BROKER, CT_STORE (throttle_redis_url), CT_PREFIX (key prefix; also where starts are
+CT_BROKER, CT_STORE (throttle_redis_url), CT_STORE_OPTIONS (JSON), CT_PREFIX (key prefix; also where starts are
 recorded), CT_QUEUE, CT_PARK_AFTER, CT_ON_STORE_ERROR, CT_ACKS_LATE, CT_TASK_SLEEP,
 CT_CLOCK_SKEW (seconds this worker's clock is off, to record true start times).
 Each task body records its start (worker clock) in Redis for the test to read.
@@ -15,6 +15,7 @@ import time
 
 import redis
 from celery import Celery, shared_task
+from celery.signals import task_postrun, task_prerun, worker_process_init
 
 import celery_throttle
 from celery_throttle import throttle
@@ -36,6 +37,7 @@ app.conf.update(
     task_reject_on_worker_lost=os.environ.get("CT_ACKS_LATE") == "1",
     worker_prefetch_multiplier=int(os.environ.get("CT_PREFETCH", "4")),
     throttle_redis_url=STORE,
+    throttle_redis_options=json.loads(os.environ.get("CT_STORE_OPTIONS", "{}")),
     throttle_key_prefix=PREFIX,
     throttle_park_after=float(os.environ.get("CT_PARK_AFTER", "30")),
     throttle_on_store_error=os.environ.get("CT_ON_STORE_ERROR", "defer"),
@@ -49,6 +51,11 @@ app.conf.update(
         "tests.taskapp.unowned_*": {"rate": "4/s", "key": "{tenant}"},
     },
 )
+# A gevent or eventlet worker acks each message from the greenlet that runs it, on a
+# connection of the consumer's broker channel: kombu's Redis transport allows 10 at once,
+# so -c 20 needs more ("Couldn't ack ... MaxConnectionsError" otherwise).
+if os.environ.get("CT_BROKER_MAX_CONNECTIONS"):
+    app.conf.broker_transport_options = {"max_connections": int(os.environ["CT_BROKER_MAX_CONNECTIONS"])}
 ctl = celery_throttle.install(app)
 
 _records = None
@@ -76,6 +83,31 @@ def _note_denial(sender, request, delay, scope, key, parked, **_):
     _note("throttled", sender, request, delay=delay, scope=scope, key=key, parked=parked)
 
 
+@worker_process_init.connect
+def _connect_early(**_):
+    # Connected before the first task: the notes below run between a task's admission and
+    # its body, and a first connection there would make that start look late.
+    if _NOTING:
+        _records_client().ping()
+
+
+@task_prerun.connect
+def _note_prerun(sender, task_id, **_):
+    _note_id("prerun", sender, task_id)
+
+
+@task_postrun.connect
+def _note_postrun(sender, task_id, state, **_):
+    _note_id("postrun", sender, task_id, state=state)
+
+
+def _note_id(what: str, sender, task_id: str, **fields) -> None:
+    # Only for the task the signal test sends: a note costs a round trip between a task's
+    # admission and its body, which would blur every other test's start times.
+    if _NOTING and sender.name == "tests.taskapp.signalled":
+        _records_client().rpush(f"{PREFIX}:{what}", json.dumps({"task": sender.name, "id": task_id, **fields}))
+
+
 @celery_throttle.signals.task_wait_exceeded.connect
 def _note_gave_up(sender, request, wait, max_wait, scope, key, **_):
     _note("gave-up", sender, request, wait=wait, max_wait=max_wait, scope=scope, key=key)
@@ -101,6 +133,12 @@ def record(label: str, **extra) -> None:
 @app.task
 @throttle("5/s")
 def below(label):
+    record(label)
+
+
+@app.task
+@throttle("5/s")
+def signalled(label):
     record(label)
 
 

@@ -221,3 +221,20 @@ def test_window_state_lives_on_redis_with_ttl(workers: WorkerGroup) -> None:
     assert 0 < ttl <= 3000
     time.sleep(ttl / 1000 + 0.2)
     assert not workers.records.exists(key)
+
+
+def test_a_denial_is_not_an_execution_for_celery_signals(workers: WorkerGroup) -> None:
+    # Given tasks sent with a countdown (the consumer does not screen them: each denial
+    # is made in the pool, where Celery's trace and its signals live)
+    label = _label()
+    ids = [workers.send("signalled", label, countdown=0.2) for _ in range(15)]
+    starts = workers.wait_starts(label, 15, timeout=30)
+    _assert_each_ran_once(starts, ids)
+    denied = {d["id"] for d in workers.denials()} & set(ids)
+    assert len(denied) >= 5, "a burst of 15 at 5/s is denied in the pool"
+    # Then task_prerun and task_postrun fired exactly once per task: for its real run
+    for signal in ("prerun", "postrun"):
+        counts = Counter(n["id"] for n in workers.notes(signal) if n["id"] in set(ids))
+        assert sorted(counts) == sorted(ids), f"task_{signal} missed a run"
+        assert max(counts.values()) == 1, f"task_{signal} fired for a denial: {counts.most_common(3)}"
+    assert {n["state"] for n in workers.notes("postrun") if n["id"] in set(ids)} == {"SUCCESS"}
