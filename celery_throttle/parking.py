@@ -52,8 +52,15 @@ def encode_message(app: Any, sig: Any) -> bytes:
 
 
 def decode_message(app: Any, message: bytes) -> dict[str, Any]:
+    """The body :func:`encode_message` wrote; ValueError for anything else (a foreign
+    writer, a truncated value), so that it is never sent on as a task."""
     content_type, encoding, data = message.split(b"\n", 2)
-    return loads(data, content_type.decode(), encoding.decode(), accept=prepare_accept_content(app.conf.accept_content))
+    body = loads(data, content_type.decode(), encoding.decode(), accept=prepare_accept_content(app.conf.accept_content))
+    if not (isinstance(body, dict) and isinstance(body.get("task"), str) and body["task"]
+            and isinstance(body.get("args"), list) and isinstance(body.get("kwargs"), dict)
+            and isinstance(body.get("options"), dict)):
+        raise ValueError(f"not a parked task: {str(body)[:80]!r}")
+    return body
 
 
 def park(ctl: Throttle, sig: Any, due_us: int) -> str:

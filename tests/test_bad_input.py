@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_throttle.deferral import HEADER, read_state
+from celery_throttle.keys import parking_keys
 from celery_throttle.store import Reservation
 from tests.helpers import WorkerGroup, max_in_window
 
@@ -55,3 +56,72 @@ def test_messages_with_a_garbled_header_run_throttled_and_no_worker_falls(worker
     assert sorted(e["id"] for e in starts) == sorted(ids)
     assert max_in_window([e["t"] for e in starts], 1.0) <= 5
     assert all(proc is not None and proc.poll() is None for proc in workers.procs)
+
+
+# -- parked messages --------------------------------------------------------------------
+def _parking_app(prefix: str) -> Any:
+    from celery import Celery
+
+    import celery_throttle
+    from tests.helpers import BROKER_URL, STORE_URL
+
+    app = Celery(f"parking-{prefix}", broker=BROKER_URL, set_as_current=False)
+    app.conf.task_default_queue = f"{prefix}-q"
+    return app, celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
+
+
+#: JSON values that equal themselves (NaN does not).
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=8) | st.dictionaries(st.text(max_size=8), inner, max_size=8),
+    max_leaves=30,
+)
+
+
+@given(JSON_VALUES, JSON_VALUES)
+def test_a_parked_message_reads_back_as_it_was_written(args: Any, kwargs: Any) -> None:
+    from celery import Celery, signature
+
+    from celery_throttle.parking import decode_message, encode_message
+
+    app = Celery("roundtrip", set_as_current=False)
+    sig = signature("proj.task", args=[args], kwargs={"value": kwargs}, app=app,
+                    task_id="t-1", headers={HEADER: {"n": 1}}, queue="q", countdown=3)
+    body = decode_message(app, encode_message(app, sig))
+    assert body["task"] == "proj.task" and body["args"] == [args] and body["kwargs"] == {"value": kwargs}
+    assert body["options"]["task_id"] == "t-1" and "countdown" not in body["options"]
+
+
+def test_any_bytes_parked_never_stop_the_releaser_and_end_as_dead_letters(prefix: str) -> None:
+    from hypothesis import settings
+
+    from celery_throttle.parking import MAX_ATTEMPTS, Releaser
+
+    app, ctl = _parking_app(prefix)
+    releaser = Releaser(ctl)
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.binary(max_size=200) | st.text(max_size=80).map(lambda t: f"application/json\nutf-8\n{t}".encode()))
+    def check(blob: bytes) -> None:
+        # Given a parked entry holding any bytes at all (a foreign writer, a truncation)
+        ctl.store.drop_dead([parked_id for parked_id, *_ in ctl.store.dead_letters()])
+        ctl.store.park(f"junk-{uuid.uuid4().hex}", 0, blob)
+        # When the releaser meets it again and again
+        due = parking_keys(prefix)[0]
+        handed_out = 0
+        while ctl.store.parked_count()[2] == 0 and handed_out <= MAX_ATTEMPTS:
+            releaser.release_once()  # never raises
+            handed_out += 1
+            waiting = ctl.store.client.zrange(due, 0, -1)
+            if waiting:
+                ctl.store.client.zadd(due, dict.fromkeys(waiting, 0))  # due again now
+        # Then after MAX_ATTEMPTS tries it is a dead letter: not back forever, not lost
+        assert ctl.store.parked_count() == (0, 0, 1)
+        assert handed_out == MAX_ATTEMPTS + 1  # the last hand-out finds it spent
+
+    try:
+        check()
+    finally:
+        ctl.close()
+        app.close()
