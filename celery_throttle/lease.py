@@ -11,12 +11,19 @@ one by one again.
 
 Times: the lease ends at a Redis time; the process measures how far it is from that end
 with its monotonic clock, from the moment it sent the request (so it errs early).
+
+Threads: the table is the process's, shared by every thread (or greenlet) of a threads,
+gevent or eventlet pool, so each method holds a lock while it reads and changes it: two
+threads must never both spend the last leased unit. The lock is held for a few dict and
+integer operations only, never across I/O (with gevent or eventlet it is a green lock).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -48,46 +55,70 @@ class Leases:
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._keys: dict[Hashable, _Key] = {}
+        self._lock = threading.Lock()
+        _everyone.add(self)
 
     def _table(self) -> dict[Hashable, _Key]:
+        """The table, to use under ``self._lock``."""
         if self._pid != os.getpid():  # inherited through a fork: not this process's
             self._pid, self._keys = os.getpid(), {}
         return self._keys
 
+    def _after_fork(self) -> None:
+        # A fork may have copied the lock while another thread of the parent held it.
+        self._lock = threading.Lock()
+
     def take(self, ident: Hashable, cost: int, slack_us: int) -> bool:
         """Use ``cost`` leased units of ``ident`` for a call starting within ``slack_us``."""
-        table = self._table()
-        now = _now_us()
-        key = table.get(ident)
-        if key is None:
-            if len(table) >= MAX_KEYS:
-                table.clear()
-            table[ident] = _Key(now)
+        with self._lock:
+            table = self._table()
+            now = _now_us()
+            key = table.get(ident)
+            if key is None:
+                if len(table) >= MAX_KEYS:
+                    table.clear()
+                table[ident] = _Key(now)
+                return False
+            gap = now - key.last_call_us
+            key.interval_us = gap if not key.interval_us else 0.8 * key.interval_us + 0.2 * gap
+            key.last_call_us = now
+            if key.units >= cost and now + slack_us <= key.ends_us:
+                key.units -= cost
+                return True
+            key.units = 0
             return False
-        gap = now - key.last_call_us
-        key.interval_us = gap if not key.interval_us else 0.8 * key.interval_us + 0.2 * gap
-        key.last_call_us = now
-        if key.units >= cost and now + slack_us <= key.ends_us:
-            key.units -= cost
-            return True
-        key.units = 0
-        return False
 
     def wanted(self, ident: Hashable, cost: int, span_us: int) -> int:
         """Units to ask for in the next check of ``ident`` (0: no lease): the calls this
         process expects within ``span_us`` at its recent pace."""
-        key = self._table().get(ident)
-        if key is None or not key.interval_us:
-            return 0
-        calls = min(int(span_us / max(key.interval_us, 1.0)), MAX_UNITS)
+        with self._lock:
+            key = self._table().get(ident)
+            if key is None or not key.interval_us:
+                return 0
+            calls = min(int(span_us / max(key.interval_us, 1.0)), MAX_UNITS)
         return calls * cost if calls >= 2 else 0
 
     def grant(self, ident: Hashable, units: int, span_us: int, sent_us: int) -> None:
         """Keep ``units`` more for ``ident``, usable until ``span_us`` after the request
-        was sent (the lease runs from the script's time, which is later)."""
-        key = self._table().get(ident)
-        if key is not None:
-            key.units, key.ends_us = units, sent_us + span_us
+        was sent (the lease runs from the script's time, which is later). Units still
+        held from an earlier lease are dropped (they count in the window all the same)."""
+        with self._lock:
+            key = self._table().get(ident)
+            if key is not None:
+                key.units, key.ends_us = units, sent_us + span_us
+
+
+#: Every table of this process, for the child of a fork to give each a fresh lock.
+_everyone: weakref.WeakSet[Leases] = weakref.WeakSet()
+
+
+def _reset_locks_in_child() -> None:
+    for leases in list(_everyone):
+        leases._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_locks_in_child)
 
 
 def sent_at() -> int:
