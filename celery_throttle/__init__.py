@@ -11,12 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from . import signals, worker
+from .backoff import Backoff, backoff_from
 from .decorator import throttle
 from .errors import ConfigurationError, KeyBuildError, StoreError, ThrottleError, WaitTooLong
 from .limiter import Decision, RateStatus, Status, Throttle
 from .rates import Rate, parse_rate
 
 __all__ = [
+    "Backoff",
     "ConfigurationError",
     "Decision",
     "KeyBuildError",
@@ -28,6 +30,7 @@ __all__ = [
     "ThrottleError",
     "WaitTooLong",
     "__version__",
+    "backoff_from",
     "install",
     "parse_rate",
     "signals",

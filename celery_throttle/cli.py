@@ -44,13 +44,40 @@ def throttle() -> None:
 def status(ctx: click.Context, scope: str, key: str | None) -> None:
     """Show usage of SCOPE (and KEY) per rate, consuming nothing."""
     result = _controller(ctx).status(scope, key=key)
+    if result.paused_until is not None:
+        click.echo(f"{scope} key={key}: paused {_until(result.paused_until)}")
     if not result.rates:
         click.echo(f"{scope} key={key}: nothing counted")
         return
     for r in result.rates:
-        reset = dt.datetime.fromtimestamp(r.reset_at).isoformat(timespec="seconds")
         click.echo(f"{scope} key={key} {r.algorithm} {r.rate}: used {r.used}, "
-                   f"remaining {r.remaining}, clear at {reset}")
+                   f"remaining {r.remaining}, clear at {_when(r.reset_at)}")
+
+
+@throttle.command()
+@click.argument("scope")
+@click.option("--key", default=None, help="Pause only this key (e.g. a tenant id) of the scope.")
+@click.option("--for", "duration", default=None, metavar="DURATION",
+              help="How long: 90s, 5m, 2h, 1d or seconds (default: until resumed).")
+@click.pass_context
+def pause(ctx: click.Context, scope: str, key: str | None, duration: str | None) -> None:
+    """Start nothing of SCOPE (or of its KEY) on any worker, for a while or until resumed.
+
+    Tasks that arrive meanwhile wait (parked if the pause is long) and run after it;
+    none is failed by it. Every worker obeys within a second.
+    """
+    until = _controller(ctx).pause(scope, key=key, seconds=_duration(duration))
+    click.echo(f"paused {scope} key={key} {_until(until)}")
+
+
+@throttle.command()
+@click.argument("scope")
+@click.option("--key", default=None, help="Resume only this key of the scope.")
+@click.pass_context
+def resume(ctx: click.Context, scope: str, key: str | None) -> None:
+    """End a pause of SCOPE (or of its KEY) now: its waiting tasks go within park_after."""
+    found = _controller(ctx).resume(scope, key=key)
+    click.echo(f"resumed {scope} key={key}" if found else f"{scope} key={key} was not paused")
 
 
 @throttle.command()
@@ -102,4 +129,28 @@ def _task_name(app: Any, message: bytes | None) -> str:
 
 
 def _when(timestamp: float) -> str:
-    return dt.datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="seconds")
+    """A time as people on call read it: local, with its zone."""
+    return dt.datetime.fromtimestamp(timestamp).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def _until(timestamp: float) -> str:
+    return "until resumed" if timestamp == float("inf") else f"until {_when(timestamp)}"
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str | None) -> float | None:
+    """90s, 5m, 2h, 1d, or a number of seconds; None stays None."""
+    if text is None:
+        return None
+    value, unit = text.strip(), "s"
+    if value[-1:].lower() in _UNITS:
+        value, unit = value[:-1], value[-1].lower()
+    try:
+        seconds = float(value) * _UNITS[unit]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: use e.g. 90s, 5m, 2h, 1d", param_hint="--for") from None
+    if not seconds > 0:
+        raise click.BadParameter(f"{text!r}: must be more than 0", param_hint="--for")
+    return seconds

@@ -14,6 +14,7 @@ itself when a tracer was built some other way (a fallback, never the usual path)
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import random
@@ -28,6 +29,7 @@ from celery.states import IGNORED
 from celery.utils import uuid
 
 from . import signals
+from .backoff import Backoff
 from .deferral import HEADER, plan_return, read_state
 from .errors import StoreError, WaitTooLong
 from .keys import state_key
@@ -95,16 +97,69 @@ def attach(task: Any, spec: ThrottleSpec) -> None:
                     headers=headers, countdown=deferral.delay or None, **options)
 
     built = task.__dict__.pop("__trace__", None)
+    cls._throttle_signature = _signature(task)
     cls.before_start = before_start
     cls.apply_async = apply_async
+    cls.run = _catching_backoff(cls.__dict__.get("run", cls.run), task)
     cls.__trace__ = property(_tracer, _set_tracer)
     cls._throttle_hooked = True
-    cls._throttle_signature = _signature(task)
     if built is not None:
         # Hooked after the worker built its tracer (a task defined after the worker
         # started, then reload()): build it again, now with our before_start in it.
         task.__trace__ = build_tracer(task.name, task, task.app.loader, _worker_hostname(),
                                       app=task.app)
+
+
+def _catching_backoff(run: Any, task: Any) -> Any:
+    """``run`` (a staticmethod, or a method taking the task first) that turns a
+    :class:`Backoff` raised by the body into a pause and a re-send."""
+    if isinstance(run, staticmethod):
+        fun = run.__func__
+
+        @functools.wraps(fun)
+        def run_static(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fun(*args, **kwargs)
+            except Backoff as exc:
+                back_off(task, exc, args, kwargs)
+
+        return staticmethod(run_static)
+
+    @functools.wraps(run)
+    def run_bound(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(self, *args, **kwargs)
+        except Backoff as exc:
+            back_off(self, exc, args, kwargs)
+
+    return run_bound
+
+
+def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
+    """Pause the task's scope (and key) for every worker, and send the task back to run
+    after the pause, its retries untouched. Raises Ignore (or ``exc`` for a call that is
+    not a task execution: eager, direct)."""
+    request = task.request
+    if request.is_eager or request.called_directly:
+        raise exc
+    from . import install
+
+    ctl = install(task.app)
+    spec: ThrottleSpec = type(task)._throttle_spec
+    call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
+                     ctl.settings.default_algorithm)
+    key = None if exc.whole_scope else call.key
+    try:
+        ctl.pause(call.scope, key, exc.seconds)
+    except StoreError as error:
+        logger.warning("could not pause scope %r for %s[%s]: %s", call.scope, task.name, request.id, error)
+    logger.warning("%s[%s] backs off: scope %r%s paused for %.1fs on every worker", task.name, request.id,
+                   call.scope, "" if key is None else f" key {key!r}", exc.seconds)
+    if guard(task, args, kwargs):
+        # Not deferred by the check (throttling switched off, or the pause could not be
+        # written): sent back for the pause all the same.
+        _defer(ctl, task, request, args, kwargs, call, {}, exc.seconds, None, may_park=False)
+    raise Ignore()
 
 
 class _Decided(threading.local):
@@ -278,7 +333,7 @@ def _defer(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call:
     headers = dict(request.headers or {})
     headers[HEADER] = state
     sig = task.signature_from_request(request, args, kwargs, headers=headers)
-    parked = may_park and now_us is not None and delay > ctl.settings.park_after
+    parked = may_park and now_us is not None and delay >= ctl.settings.park_after
     signals.task_throttled.send(sender=task, request=request, delay=delay,
                                 scope=call.scope, key=call.key, parked=parked)
     if parked:

@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 from .errors import ConfigurationError
 
-__all__ = ["MAX_TOKEN", "dead_letter_keys", "encode", "parking_keys", "state_key"]
+__all__ = ["MAX_TOKEN", "control_key", "dead_letter_keys", "encode", "parking_keys", "state_key"]
 
 # Characters kept as they are; everything else is percent-encoded (":" "{" "}" "%" "#"
 # included), which makes the encoding injective and leaves ":" free as a separator.
@@ -58,3 +58,8 @@ def parking_keys(prefix: str) -> tuple[str, str, str]:
 def dead_letter_keys(prefix: str) -> tuple[str, str]:
     """Release attempts per parked id, and the ids given up on (by when), same hash tag."""
     return f"{prefix}:{{parked}}:attempts", f"{prefix}:{{parked}}:dead"
+
+
+def control_key(prefix: str) -> str:
+    """The hash of run-time controls (pauses), read by every worker."""
+    return f"{prefix}:control"

@@ -11,6 +11,7 @@ from functools import lru_cache
 from typing import Any
 
 from .config import ALGORITHMS, Settings, require_redis_url
+from .controls import FOREVER_US, Controls, pause_field
 from .errors import ConfigurationError, ThrottleError
 from .keys import encode, state_key
 from .lease import Leases, sent_at
@@ -59,6 +60,8 @@ class Status:
     scope: str
     key: str | None
     rates: tuple[RateStatus, ...]
+    #: Unix time a pause of this scope or key ends (``inf``: until resumed), or None.
+    paused_until: float | None = None
 
     @property
     def remaining(self) -> int | None:
@@ -79,6 +82,7 @@ class Throttle:
         self._lock = threading.Lock()
         self._rules: list[tuple[str, ThrottleSpec]] | None = None
         self._leases = Leases()
+        self._controls = Controls()
 
     # -- configuration ----------------------------------------------------------------
     def configure(self, overrides: Mapping[str, Any]) -> None:
@@ -221,7 +225,9 @@ class Throttle:
         op = "claim" if claim is not None else "reserve" if publish else "screen" if screen else "acquire"
         key = state_key(self.settings.key_prefix, call.scope, call.key)
         slack = self.slack_us(call.rates)
-        lease = lease and op == "acquire"
+        store = self.quick_store if quick else self.store
+        not_before = self._controls.paused_until(store, call.scope, call.key)
+        lease = lease and op == "acquire" and not not_before  # (a lease would start in a pause)
         # A lease holds units of these very rates: a call of the same key under other
         # rates (a callable rate that changed) does not use it.
         leased_as = (key, call.algorithm, call.rates)
@@ -231,12 +237,12 @@ class Throttle:
         units = self._leases.wanted(leased_as, call.cost, span) if lease else 0
         sent = sent_at()
         marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claim and claimant else None
-        store = self.quick_store if quick else self.store
         reply = store.window(
             key, call.algorithm, op, call.rates, call.cost,
             reserve=reserve, grace_us=self.grace_us(call.rates), slack_us=slack, claim=claim,
             claim_marker=marker, learn=learn, lease=units, lease_span_us=span,
-            max_wait_us=int(max_wait * 1_000_000) if max_wait else 0,
+            max_wait_us=int(max_wait * 1_000_000) if max_wait else 0, not_before_us=not_before,
+            pause_horizon_us=int(self.settings.park_after * 1_000_000),
         )
         if reply.code == WindowReply.TOO_COSTLY:
             raise ThrottleError(
@@ -278,7 +284,41 @@ class Throttle:
             used = rate.limit - reply.remaining
             reset_at = (reply.clear_at_us or reply.now_us) / 1e6
             out.append(RateStatus(rate, algorithm, used, reply.remaining, reset_at))
-        return Status(scope, key, tuple(out))
+        return Status(scope, key, tuple(out), self.paused_until(scope, key))
+
+    def pause(self, scope: str, key: str | None = None, seconds: float | None = None) -> float:
+        """Start nothing of ``scope`` (or of its ``key``) for ``seconds`` (None: until
+        :meth:`resume`), on every worker within CONTROL_REFRESH. Tasks that arrive are
+        reserved a start after the pause (parked if it is long), never failed by it; tasks
+        already waiting whose start falls in it are reserved again after it. A longer
+        pause already set stays. Returns when it ends (Unix time; ``inf``: never)."""
+        self._direct_call(scope, key, "1/s", 1, None)  # (validates scope and key)
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not 0 < seconds < 10 * 365 * 86400):
+            raise ConfigurationError(f"pause seconds must be a positive number (or None: until resumed), "
+                                     f"got {seconds!r}")
+        field = pause_field(scope, key)
+        until = self.store.pause(field, seconds)
+        self._controls.note(field, until)
+        logger.warning("paused scope %r%s %s", scope, "" if key is None else f" key {key!r}",
+                       "until resumed" if until == FOREVER_US else f"for {seconds:.1f}s")
+        return _unix(until)
+
+    def resume(self, scope: str, key: str | None = None) -> bool:
+        """End a pause of ``scope`` (or of its ``key``) now. True if there was one."""
+        self._direct_call(scope, key, "1/s", 1, None)
+        field = pause_field(scope, key)
+        self._controls.note(field, None)
+        return self.store.resume(field)
+
+    def paused_until(self, scope: str, key: str | None = None) -> float | None:
+        """When the pause covering ``scope``/``key`` ends (Unix time), or None."""
+        pauses = self.store.pauses()
+        until = max(pauses.get(pause_field(scope, None), 0),
+                    pauses.get(pause_field(scope, key), 0) if key is not None else 0)
+        if not until or until < self.store.now_us():
+            return None
+        return _unix(until)
 
     def reset(self, scope: str, key: str | None = None) -> bool:
         """Forget every window of ``scope``/``key``. True if there was anything."""
@@ -315,6 +355,10 @@ def _grace_us(rates: tuple[Rate, ...], start_grace: float | None) -> int:
     if grace is None:
         grace = min(max(min(r.period for r in rates) * 0.02, 0.01), 2.0)
     return max(int(grace * 1_000_000), 3 * _slack_us(rates))
+
+
+def _unix(until_us: int) -> float:
+    return float("inf") if until_us >= FOREVER_US else until_us / 1e6
 
 
 def _decision(reply: WindowReply) -> Decision:

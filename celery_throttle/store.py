@@ -18,8 +18,9 @@ from typing import Any, NamedTuple
 from redis.exceptions import NoScriptError, RedisError
 
 from .connection import connect, safe_url
+from .controls import FOREVER_US
 from .errors import StoreError
-from .keys import dead_letter_keys, parking_keys
+from .keys import control_key, dead_letter_keys, parking_keys
 from .rates import Rate
 
 __all__ = ["RedisStore", "Reservation", "WindowReply"]
@@ -162,6 +163,8 @@ class RedisStore:
         lease: int = 0,
         lease_span_us: int = 0,
         max_wait_us: int = 0,
+        not_before_us: int = 0,
+        pause_horizon_us: int = 0,
     ) -> WindowReply:
         """Run window.lua once: acquire, peek, or claim a reservation, over every rate.
 
@@ -171,10 +174,14 @@ class RedisStore:
         acquire that fits may take at once for calls to come within ``lease_span_us``
         (granted only while every rate stays at most half full; see window.lua).
         ``max_wait_us``: a start further away than this is not reserved (code 3).
+        ``not_before_us`` (Redis clock): paused until then; nothing starts before it. A
+        pause ending more than ``pause_horizon_us`` away reserves nothing (code 0, no
+        start, wait = the horizon: check again then).
         """
         args = [self._now_arg(), op, "1" if reserve else "0", cost, grace_us, slack_us]
         args += claim.to_header() if claim else _NO_CLAIM
-        args += ("1" if learn else "0", lease, lease_span_us, max_wait_us)
+        args += ("1" if learn else "0", lease, lease_span_us, max_wait_us, not_before_us,
+                 pause_horizon_us or _FOREVER_HORIZON)
         args += _rate_args(algorithm, tuple(rates))
         keys = [key, claim_marker] if claim is not None and claim_marker else [key]
         # Lua numbers come back as Redis integers: the reply is already ints.
@@ -187,6 +194,53 @@ class RedisStore:
         except RedisError as exc:
             raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
         return {k.decode(): v for k, v in raw.items()}
+
+    # -- controls -----------------------------------------------------------------------
+    def pause(self, field: str, seconds: float | None) -> int:
+        """Pause what ``field`` names for ``seconds`` (None: until resumed) from the Redis
+        clock's now; returns the end (µs). A longer pause already set stays."""
+        key = control_key(self.prefix)
+        now = self.now_us()
+        try:
+            until = FOREVER_US if seconds is None else now + int(seconds * 1_000_000)
+            current = self.client.hget(key, field)
+            if current is not None and int(current) > until:
+                return int(current)
+            self.client.hset(key, field, until)
+            self._prune_pauses(key, now)
+            return until
+        except RedisError as exc:
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
+
+    def now_us(self) -> int:
+        """The Redis clock (or the test clock)."""
+        if self._clock is not None:
+            return int(self._clock())
+        try:
+            secs, micros = self.client.time()
+        except RedisError as exc:
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
+        return int(secs) * 1_000_000 + int(micros)
+
+    def resume(self, field: str) -> bool:
+        try:
+            return bool(self.client.hdel(control_key(self.prefix), field))
+        except RedisError as exc:
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
+
+    def pauses(self) -> dict[str, int]:
+        """Every pause set: field to end (µs, Redis clock; some may be over)."""
+        try:
+            raw = self.client.hgetall(control_key(self.prefix))
+        except RedisError as exc:
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
+        return {k.decode(): int(v) for k, v in raw.items() if v.isdigit()}
+
+    def _prune_pauses(self, key: str, now: int) -> None:
+        """Forget pauses that are over, so the hash every worker reads stays small."""
+        over = [f for f, until in self.client.hgetall(key).items() if until.isdigit() and int(until) < now]
+        if over:
+            self.client.hdel(key, *over)
 
     def delete(self, key: str) -> int:
         try:
@@ -282,6 +336,7 @@ class RedisStore:
 
 
 _NO_CLAIM = (0, 0, 0, 0, "", 0)
+_FOREVER_HORIZON = 2**53
 
 #: The first letter of a rate's field in the state hash: "s25/1000000" holds sliding
 #: "25/s". ``Throttle.status`` reads the rates a hash holds back from these names.

@@ -352,10 +352,14 @@ class WindowModel:
         lease: int = 0,
         lease_span_us: int = 0,
         max_wait_us: int = 0,
+        not_before_us: int = 0,
+        pause_horizon_us: int = 2**53,
     ) -> ModelReply:
         for r in self.rates:
             r.load(now)
         shortest = min(r.period for r in self.rates)
+        if not_before_us <= now:
+            not_before_us = 0  # a pause that is over changes nothing
 
         def reply(code: int, wait: int, start: int, latest: int, grace: int = 0, leased: int = 0) -> ModelReply:
             return ModelReply(code, wait, self.remaining(now), self.clear_at(), start, latest, now,
@@ -383,19 +387,29 @@ class WindowModel:
                     err = sample - self.delay
                     self.delay += math.floor(err / 8)
                     self.jitter += math.floor((abs(err) - self.jitter) / 4)
-            if now < c_start:
+            paused = c_start < not_before_us  # a pause now covers its start: reserve again
+            if now < c_start and not paused:
                 return reply(2, c_start - now, c_start, c_latest)
             # On time only if the body, starting within `slack` of now, stays inside
             # the reserved span.
-            if now + slack_us <= c_latest:
+            if now + slack_us <= c_latest and not paused:
                 return reply(1, 0, c_start, c_latest)
             # Late: give the reserved units back, then try afresh.
             for r in self.rates:
                 written = r.unrecord(c_start, c_grace, c_cost) or written
 
-        x, settled = now, False
+        if not_before_us - now > pause_horizon_us and op != "peek":
+            # A long pause reserves nothing (a resume must let its tasks go): check later.
+            if written and self.folds:
+                for r in self.rates:
+                    r.fold(now)
+            if written and self.epoch is None:
+                self.epoch = now
+            return reply(0, pause_horizon_us, 0, 0)
+
+        x, settled = max(now, not_before_us), False  # nothing starts in a pause
         if op == "reserve" and self.delay is not None:  # at publish: not before it arrives
-            x = now + self.lead()
+            x = max(x, now + self.lead())
         for _ in range(MAX_ROUNDS):
             settled = True
             for r in self.rates:
@@ -425,7 +439,7 @@ class WindowModel:
             for r in self.rates:
                 r.record(now, now + span, units)
             written = True
-        elif settled and (reserve or op == "reserve") and max_wait_us > 0 and x - now > max_wait_us:
+        elif settled and (reserve or op == "reserve") and max_wait_us > 0 and x - max(now, not_before_us) > max_wait_us:
             code = 3  # further than the caller will wait: nothing reserved
         elif settled and (reserve or op == "reserve"):
             if self.jitter is not None:

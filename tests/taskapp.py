@@ -263,3 +263,19 @@ def collect(results, label):
 @throttle("2/m", key="{tenant}", max_wait=5)
 def capped(label, tenant):
     record(label, tenant=tenant)
+
+
+# -- operating: pauses and back-off ------------------------------------------------------
+@app.task
+@throttle("20/s", scope="pausable-api")
+def pausable(label):
+    record(label)
+
+
+@app.task
+@throttle("20/s", scope="vendor-api")
+def vendor_call(label, backs_off=False):
+    """Backs off (as on a 429 with Retry-After: 2) the first time it runs, if asked."""
+    if backs_off and _records_client().set(f"{PREFIX}:backed-off:{label}", time.time(), nx=True):
+        raise celery_throttle.Backoff(retry_after="2")
+    record(label)

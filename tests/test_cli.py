@@ -43,3 +43,18 @@ def test_an_unreachable_store_is_one_line_of_error_not_a_traceback(prefix: str) 
     assert out.returncode == 1
     assert out.stderr.startswith("Error: Redis at redis://127.0.0.1:"), out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_pause_and_resume_from_the_command_line(prefix: str) -> None:
+    ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
+    out = _celery(prefix, "pause", "github-api", "--key", "acme", "--for", "90s")
+    assert out.startswith("paused github-api key=acme until ")
+    assert ctl.status("github-api", key="acme").paused_until is not None
+    assert "paused until" in _celery(prefix, "status", "github-api", "--key", "acme")
+    assert ctl.status("github-api", key="other").paused_until is None  # the key only
+    assert "paused github-api key=None until resumed" in _celery(prefix, "pause", "github-api")
+    assert "resumed github-api key=None" in _celery(prefix, "resume", "github-api")
+    assert "resumed github-api key=acme" in _celery(prefix, "resume", "github-api", "--key", "acme")
+    assert "was not paused" in _celery(prefix, "resume", "github-api", "--key", "acme")
+    bad = _run(prefix, "pause", "github-api", "--for", "soon")
+    assert bad.returncode != 0 and "use e.g. 90s, 5m, 2h, 1d" in bad.stderr

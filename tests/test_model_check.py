@@ -134,6 +134,10 @@ class Harness:
     history: list[str] = field(default_factory=list)
     #: Leases the script granted (the walk must exercise them).
     leases: int = 0
+    #: The scope's pause (ctl.pause, a Backoff): nothing starts before it (0: none).
+    paused_until: int = 0
+    #: A pause ending further away than this reserves nothing (park_after in a worker).
+    pause_horizon: int = 0
 
     def __post_init__(self) -> None:
         self.model = WindowModel(self.algorithm, [(r.limit, r.period_us) for r in self.rates])
@@ -185,16 +189,19 @@ class Harness:
         max_wait_us: int = 0,
     ) -> WindowReply:
         now = self.clock.now
+        paused = self.paused_until
         got = self.store.window(self.key, self.algorithm, op, self.rates, cost, reserve=reserve,
                                 grace_us=grace_us, slack_us=slack_us, claim=claim,
-                                lease=lease, lease_span_us=lease_span_us, max_wait_us=max_wait_us)
+                                lease=lease, lease_span_us=lease_span_us, max_wait_us=max_wait_us,
+                                not_before_us=paused, pause_horizon_us=self.pause_horizon)
         want = self.model.window(now, op, cost, reserve=reserve, grace_us=grace_us, slack_us=slack_us,
                                  claim=claim, lease=lease, lease_span_us=lease_span_us,
-                                 max_wait_us=max_wait_us)
+                                 max_wait_us=max_wait_us, not_before_us=paused,
+                                 pause_horizon_us=self.pause_horizon)
         self.history.append(
             f"{op} cost={cost} reserve={reserve} grace={grace_us} slack={slack_us} "
             f"claim={claim and claim.to_header()} lease={lease}/{lease_span_us} max_wait={max_wait_us} "
-            f"at now={now} "
+            f"not_before={paused} at now={now} "
             f"-> {tuple(got)}"
         )
         # Then the script decided exactly what the model decided
@@ -202,6 +209,11 @@ class Harness:
             f"script replied {tuple(got)}, model {want.as_tuple()} "
             "(code, wait, remaining, clear_at, start, latest, now, epoch)"
         )
+        # and nothing started in a pause, nor was reserved to start in one
+        if now < paused and op != "peek":
+            assert got.code != WindowReply.RUN, self.explain("ran in a pause")
+            assert not got.start_us or got.start_us >= paused or got.code == WindowReply.EARLY, \
+                self.explain("reserved a start in a pause")
         self.leases += 1 if got.leased else 0
         self._account(op, cost, max(slack_us, lease_span_us) if got.leased else slack_us, claim, got)
         self.check_stored_state()
@@ -313,6 +325,12 @@ class Harness:
         roll = self.rng.random()
         if roll < 0.01:
             self.reset()
+        elif roll < 0.025:
+            # Pause for up to two windows (ctl.pause / a Backoff), or resume.
+            p = self.max_period
+            self.paused_until = self.clock.now + self.rng.randint(1, 2 * p) if self.rng.random() < 0.7 else 0
+            self.pause_horizon = self.rng.randint(1, p)
+            self.history.append(f"paused until {self.paused_until}")
         elif roll < 0.3:
             self.advance(self.random_step())
         elif roll < 0.42:

@@ -25,7 +25,13 @@
 -- ARGV[14] lease: units an 'acquire' that fits may take at once for calls to come (0: none)
 -- ARGV[15] lease span (µs): those calls start within it
 -- ARGV[16] max wait (µs): a start further away than this is not reserved (0: no cap)
--- ARGV[17] number of rates, then ARGV[18..]: limit, period (µs) and field name per rate
+-- ARGV[17] not before (µs, Redis clock; 0: none): the scope or key is paused until then.
+--          Nothing starts before it: a call is reserved a start after it, and a claim
+--          whose reserved start falls before it gives its units back and is reserved again
+-- ARGV[18] pause horizon (µs): a pause ending further away reserves nothing (a resume
+--          must be able to let its tasks go): the reply is a denial without a start,
+--          whose wait is this horizon (check again then)
+-- ARGV[19] number of rates, then ARGV[20..]: limit, period (µs) and field name per rate
 --
 -- A lease is granted only while every rate stays at most half full with it: the leased
 -- units are recorded as one span [now, now + lease span], so every start made with them
@@ -47,8 +53,8 @@
 -- Returns {code, wait, remaining, clear_at, start, latest, now, epoch, lead, grace, leased}
 -- (times in µs):
 --   code  1 run now | 0 denied (start > 0: a start was reserved) | 2 claim came early
---        3 denied, and the earliest start (in `wait`) is further than the max wait:
---          nothing reserved | -1 cost exceeds the limit given in `wait`
+--        3 denied, and the earliest start (in `wait`) is further than the max wait
+--          (a pause's own length not counted): nothing reserved | -1 cost exceeds the limit given in `wait`
 --   wait  µs until the call may start
 --   remaining  units still free now, over the tightest rate
 --   clear_at  when every counted unit has left its window
@@ -66,12 +72,14 @@ end
 local op, reserve, cost = ARGV[2], ARGV[3] == '1', tonumber(ARGV[4])
 local grace, slack = tonumber(ARGV[5]), tonumber(ARGV[6])
 local lease, lease_span, max_wait = tonumber(ARGV[14]), tonumber(ARGV[15]), tonumber(ARGV[16])
+local not_before, pause_horizon = tonumber(ARGV[17]), tonumber(ARGV[18])
+if not_before <= now then not_before = 0 end  -- a pause that is over changes nothing
 
 local rates, fields = {}, {'e', 'd', 'v'}
 local shortest, half_pace = nil, nil
-for i = 1, tonumber(ARGV[17]) do
-  local r = {limit = tonumber(ARGV[15 + 3 * i]), period = tonumber(ARGV[16 + 3 * i]),
-             field = ARGV[17 + 3 * i], dirty = false}
+for i = 1, tonumber(ARGV[19]) do
+  local r = {limit = tonumber(ARGV[17 + 3 * i]), period = tonumber(ARGV[18 + 3 * i]),
+             field = ARGV[19 + 3 * i], dirty = false}
   if shortest == nil or r.period < shortest then shortest = r.period end
   local pace = math.floor(r.period / r.limit / 2)
   if half_pace == nil or pace < half_pace then half_pace = pace end
@@ -169,7 +177,9 @@ if op == 'claim' then
     end
     redis.call('HSET', key, 'd', string.format('%.0f', delay), 'v', string.format('%.0f', jitter))
   end
-  if now < c_start then return reply(2, c_start - now, c_start, c_latest) end
+  -- Reserved before a pause that now covers its start: given back below, reserved again.
+  local paused = c_start < not_before
+  if now < c_start and not paused then return reply(2, c_start - now, c_start, c_latest) end
   if KEYS[2] then
     -- Remember the use until its units have surely left every window.
     local longest = 0
@@ -178,7 +188,7 @@ if op == 'claim' then
     redis.call('SET', KEYS[2], '1', 'PX', ttl)
   end
   -- On time: the body starts within `slack` of now, still inside the reserved span.
-  if now + slack <= c_latest then return reply(1, 0, c_start, c_latest) end
+  if now + slack <= c_latest and not paused then return reply(1, 0, c_start, c_latest) end
   -- Too late to use the reserved start without breaking the window for whoever was
   -- placed after it: give it back and try afresh.
   for _, r in ipairs(rates) do
@@ -187,10 +197,15 @@ if op == 'claim' then
   end
 end
 
--- The earliest start every rate admits: each earliest() only moves x forward. A task
--- sent at publish cannot start before it reaches a worker.
-local x, settled = now, false
-if op == 'reserve' and delay ~= nil then x = now + delay + math.min(2 * jitter, half_pace) end
+if not_before - now > pause_horizon and op ~= 'peek' then
+  write_back()  -- (a claim's units given back above)
+  return reply(0, pause_horizon, 0, 0)
+end
+
+-- The earliest start every rate admits: each earliest() only moves x forward. Nothing
+-- starts in a pause; a task sent at publish cannot start before it reaches a worker.
+local x, settled = math.max(now, not_before), false
+if op == 'reserve' and delay ~= nil then x = math.max(x, now + delay + math.min(2 * jitter, half_pace)) end
 for _ = 1, 64 do
   settled = true
   for _, r in ipairs(rates) do
@@ -218,7 +233,7 @@ elseif settled and x == now and op ~= 'reserve' then
     ALGO.record(r, now, now + span, units)
     r.dirty = true
   end
-elseif settled and (reserve or op == 'reserve') and max_wait > 0 and x - now > max_wait then
+elseif settled and (reserve or op == 'reserve') and max_wait > 0 and x - math.max(now, not_before) > max_wait then
   code = 3
 elseif settled and (reserve or op == 'reserve') then
   if jitter ~= nil then grace = math.max(grace, 4 * jitter + 2 * slack) end
