@@ -43,7 +43,11 @@ def throttle() -> None:
 @click.pass_context
 def status(ctx: click.Context, scope: str, key: str | None) -> None:
     """Show usage of SCOPE (and KEY) per rate, consuming nothing."""
-    result = _controller(ctx).status(scope, key=key)
+    ctl = _controller(ctx)
+    result = ctl.status(scope, key=key)
+    live = ctl.live_limit(scope, key)
+    if live:
+        click.echo(f"{scope} key={key}: live limit {', '.join(map(str, live))} (throttle unset to remove)")
     if result.paused_until is not None:
         click.echo(f"{scope} key={key}: paused {_until(result.paused_until)}")
     if not result.rates:
@@ -52,6 +56,31 @@ def status(ctx: click.Context, scope: str, key: str | None) -> None:
     for r in result.rates:
         click.echo(f"{scope} key={key} {r.algorithm} {r.rate}: used {r.used}, "
                    f"remaining {r.remaining}, clear at {_when(r.reset_at)}")
+
+
+@throttle.command(name="set")
+@click.argument("scope")
+@click.argument("rates", nargs=-1, required=True)
+@click.option("--key", default=None, help="Set it for this key only (e.g. a tenant id); default: the whole scope.")
+@click.pass_context
+def set_limit(ctx: click.Context, scope: str, rates: tuple[str, ...], key: str | None) -> None:
+    """Limit SCOPE (or its KEY) to RATES, e.g. 5/s 1000/h, instead of the code's rates.
+
+    Every worker obeys within a second, until `throttle unset`. Without --key it applies
+    to every key of the scope that has no limit of its own.
+    """
+    parsed = _controller(ctx).set_limit(scope, list(rates), key=key)
+    click.echo(f"{scope} key={key}: limit set to {', '.join(map(str, parsed))}")
+
+
+@throttle.command(name="unset")
+@click.argument("scope")
+@click.option("--key", default=None, help="The key whose own limit to remove.")
+@click.pass_context
+def unset_limit(ctx: click.Context, scope: str, key: str | None) -> None:
+    """Remove the live limit of SCOPE (or its KEY): back to the rates in the code."""
+    found = _controller(ctx).clear_limit(scope, key=key)
+    click.echo(f"{scope} key={key}: back to the code's rates" if found else f"{scope} key={key}: no live limit set")
 
 
 @throttle.command()

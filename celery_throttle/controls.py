@@ -1,71 +1,119 @@
-"""What people on call set at run time, kept in Redis and obeyed by every worker: pauses.
+"""What people on call set at run time, kept in Redis and obeyed by every worker:
+pauses and live limits.
 
-One hash per app, ``<prefix>:control``; a field per paused scope (``pause:<scope>``) or
-key (``pause:<scope>:<key>``, both encoded as in state keys), holding the end of the
-pause in µs of the Redis clock (``FOREVER_US``: until resumed). Each process reads the
-whole hash at most every ``CONTROL_REFRESH`` seconds and passes the pause of a call to
-the window script, which reserves nothing before it: so a pause set anywhere holds on
-every worker within that time, and the one that sets it (``ctl.pause``, a ``Backoff``)
-obeys it at once.
+One hash per app, ``<prefix>:control``. A field per paused scope (``pause:<scope>``) or
+key (``pause:<scope>:<key>``, both encoded as in state keys) holds the end of the pause
+in µs of the Redis clock (``FOREVER_US``: until resumed); a field per live limit
+(``limit:<scope>`` or ``limit:<scope>:<key>``) holds its rates (``"10/s,5000/h"``). Each
+process reads the whole hash at most every ``CONTROL_REFRESH`` seconds: a control set
+anywhere holds on every worker within that time, and the process that sets it obeys it
+at once.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from .errors import StoreError
+from .errors import ConfigurationError, StoreError
 from .keys import encode
+from .rates import Rate, parse_rates
 
-__all__ = ["CONTROL_REFRESH", "FOREVER_US", "Controls", "pause_field"]
+__all__ = ["CONTROL_REFRESH", "FOREVER_US", "Controls", "limit_field", "pause_field"]
 
-#: How stale (seconds) a process's copy of the pauses may be: a pause or a resume set
-#: elsewhere is obeyed by every worker within this. One small read per process per
-#: interval, whatever the task rate.
+logger = logging.getLogger("celery_throttle")
+
+#: How stale (seconds) a process's copy of the controls may be: a pause, a resume or a
+#: live limit set elsewhere is obeyed by every worker within this. One small read per
+#: process per interval, whatever the task rate.
 CONTROL_REFRESH = 0.5
 #: The end of a pause with no end: the largest integer a Lua number holds exactly.
 FOREVER_US = 2**53 - 1
 
 
+def _field(kind: str, scope: str, key: str | None) -> str:
+    return f"{kind}:{encode(scope)}" if key is None else f"{kind}:{encode(scope)}:{encode(key)}"
+
+
 def pause_field(scope: str, key: str | None) -> str:
-    return f"pause:{encode(scope)}" if key is None else f"pause:{encode(scope)}:{encode(key)}"
+    return _field("pause", scope, key)
+
+
+def limit_field(scope: str, key: str | None) -> str:
+    return _field("limit", scope, key)
 
 
 class Controls:
-    """This process's copy of the pauses, read again every CONTROL_REFRESH seconds."""
+    """This process's copy of the controls, read again every CONTROL_REFRESH seconds."""
 
     def __init__(self) -> None:
         self._pauses: dict[str, int] = {}
+        self._limits: dict[str, tuple[Rate, ...]] = {}
         self._read_at = float("-inf")
         self._lock = threading.Lock()
 
     def paused_until(self, store: Any, scope: str, key: str | None) -> int:
         """The end of the pause (µs, Redis clock) covering ``scope``/``key``, or 0."""
-        if time.monotonic() - self._read_at > CONTROL_REFRESH:
-            self._refresh(store)
+        self._maybe_refresh(store)
         pauses = self._pauses
         if not pauses:
             return 0
         until = pauses.get(pause_field(scope, None), 0)
         return max(until, pauses.get(pause_field(scope, key), 0)) if key is not None else until
 
+    def limits_for(self, store: Any, scope: str, key: str | None) -> tuple[Rate, ...] | None:
+        """The live limit of ``scope``/``key`` (the key's own first), or None."""
+        self._maybe_refresh(store)
+        limits = self._limits
+        if not limits:
+            return None
+        return (key is not None and limits.get(limit_field(scope, key))) or limits.get(limit_field(scope, None))
+
+    def _maybe_refresh(self, store: Any) -> None:
+        if time.monotonic() - self._read_at > CONTROL_REFRESH:
+            self._refresh(store)
+
     def _refresh(self, store: Any) -> None:
         with self._lock:
             if time.monotonic() - self._read_at <= CONTROL_REFRESH:
                 return  # another thread just did
             try:
-                self._pauses = store.pauses()
+                self._pauses, self._limits = parse_controls(store.controls())
             except StoreError:
                 pass  # the check that follows meets the same store and says so
             self._read_at = time.monotonic()
 
-    def note(self, field: str, until_us: int | None) -> None:
-        """A pause (or, with None, a resume) this process just wrote: obeyed at once."""
+    def note(self, field: str, value: str | None) -> None:
+        """A control (or, with None, its removal) this process just wrote: obeyed at once."""
         with self._lock:
-            pauses = dict(self._pauses)
-            if until_us is None:
-                pauses.pop(field, None)
+            raw = {**{k: str(v) for k, v in self._pauses.items()},
+                   **{k: ",".join(map(str, v)) for k, v in self._limits.items()}}
+            if value is None:
+                raw.pop(field, None)
             else:
-                pauses[field] = until_us
-            self._pauses = pauses
+                raw[field] = value
+            self._pauses, self._limits = parse_controls(raw)
+
+
+def parse_controls(raw: Mapping[str, str]) -> tuple[dict[str, int], dict[str, tuple[Rate, ...]]]:
+    """(pauses, live limits) from the control hash; a value that does not read is skipped
+    (with a log line), never fatal: the hash is written by hand too, through redis-cli."""
+    pauses: dict[str, int] = {}
+    limits: dict[str, tuple[Rate, ...]] = {}
+    for field, value in raw.items():
+        try:
+            if field.startswith("pause:"):
+                pauses[field] = int(value)
+            elif field.startswith("limit:"):
+                limits[field] = parse_rates(value.split(","))
+        except (ValueError, ConfigurationError) as exc:
+            if (field, value) not in _warned:
+                _warned.add((field, value))
+                logger.warning("celery_throttle: ignoring control %s=%r: %s", field, value, exc)
+    return pauses, limits
+
+
+_warned: set[tuple[str, str]] = set()  # (each bad control is logged once per process)

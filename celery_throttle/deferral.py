@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .spec import BoundCall
-from .store import Reservation, WindowReply
+from .store import Reservation, WindowReply, rates_tag
 
 if TYPE_CHECKING:
     from .limiter import Throttle
@@ -56,7 +56,7 @@ def plan_return(ctl: Throttle, call: BoundCall, state: dict[str, Any], ident: st
     elif reply.start_us:
         lead_us = min(lead_us, reply.wait_us)  # a start closer than the lead: sent now
         reservation = Reservation(reply.start_us, reply.latest_us, call.cost, reply.grace_us,
-                                  reply.epoch, lead_us)
+                                  reply.epoch, lead_us, rates_tag(call.rates))
     else:
         reservation = None
     state.update(k=ident, r=reservation.to_header() if reservation else None)

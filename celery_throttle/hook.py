@@ -145,9 +145,7 @@ def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
     from . import install
 
     ctl = install(task.app)
-    spec: ThrottleSpec = type(task)._throttle_spec
-    call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
-                     ctl.settings.default_algorithm)
+    call = ctl.bind(task, args, kwargs)
     key = None if exc.whole_scope else call.key
     try:
         ctl.pause(call.scope, key, exc.seconds)
@@ -245,8 +243,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     if not ctl.settings.enabled:
         return True
     spec: ThrottleSpec = type(task)._throttle_spec
-    call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
-                     ctl.settings.default_algorithm)
+    call = ctl.bind(task, args, kwargs)
     state = _header(request)
     ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
     claim = Reservation.from_header(state.get("r")) if state.get("k") == ident else None

@@ -6,18 +6,18 @@ import fnmatch
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
 from .config import ALGORITHMS, Settings, require_redis_url
-from .controls import FOREVER_US, Controls, pause_field
+from .controls import FOREVER_US, Controls, limit_field, parse_controls, pause_field
 from .errors import ConfigurationError, ThrottleError
 from .keys import encode, state_key
 from .lease import Leases, sent_at
 from .rates import Rate, parse_rates
 from .spec import BoundCall, ThrottleSpec
-from .store import ALGORITHM_TAGS, RedisStore, Reservation, WindowReply
+from .store import ALGORITHM_TAGS, RedisStore, Reservation, WindowReply, rate_field, rates_tag
 
 __all__ = ["Decision", "RateStatus", "Status", "Throttle"]
 
@@ -208,6 +208,25 @@ class Throttle:
         """How long a lease lasts: 10% of the shortest window, between 2 ms and 1 s."""
         return _lease_span_us(tuple(rates))
 
+    def bind(self, task: Any, args: Any, kwargs: Any, *, quick: bool = False) -> BoundCall:
+        """The limit of one call of a hooked task: its throttle bound to the arguments,
+        under the live limit of its scope or key if one is set."""
+        spec: ThrottleSpec = type(task)._throttle_spec
+        call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
+                         self.settings.default_algorithm)
+        return self.live(call, quick=quick)
+
+    def live(self, call: BoundCall, *, quick: bool = False) -> BoundCall:
+        """``call`` under the live limit of its key, else of its scope, if one is set.
+
+        A live rate of the same window length as a declared one keeps that one's state
+        (what was counted and reserved still counts, under the new limit); a window of
+        another length starts empty."""
+        override = self._controls.limits_for(self.quick_store if quick else self.store, call.scope, call.key)
+        if override is None or override == call.rates:
+            return call
+        return replace(call, rates=override, fields=_live_fields(call.algorithm, call.rates, override))
+
     def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
               claimant: str | None = None, learn: bool = True, screen: bool = False,
               lease: bool = False, publish: bool = False, max_wait: float | None = None,
@@ -222,6 +241,11 @@ class Throttle:
         code is then ``TOO_FAR``). ``quick``: for a caller that must not wait on Redis (the
         consumer, a producer): a connection of its own with a short timeout.
         """
+        if claim is not None and claim.rates_tag and claim.rates_tag != rates_tag(call.rates):
+            # Reserved under other rates (a live limit set or cleared since): its start
+            # is given back and the call checked afresh under the rates of now (the script
+            # does that for a claim past its latest start).
+            claim = replace(claim, latest_us=claim.start_us - 1)
         op = "claim" if claim is not None else "reserve" if publish else "screen" if screen else "acquire"
         key = state_key(self.settings.key_prefix, call.scope, call.key)
         slack = self.slack_us(call.rates)
@@ -242,7 +266,7 @@ class Throttle:
             reserve=reserve, grace_us=self.grace_us(call.rates), slack_us=slack, claim=claim,
             claim_marker=marker, learn=learn, lease=units, lease_span_us=span,
             max_wait_us=int(max_wait * 1_000_000) if max_wait else 0, not_before_us=not_before,
-            pause_horizon_us=int(self.settings.park_after * 1_000_000),
+            pause_horizon_us=int(self.settings.park_after * 1_000_000), fields=call.fields,
         )
         if reply.code == WindowReply.TOO_COSTLY:
             raise ThrottleError(
@@ -264,7 +288,7 @@ class Throttle:
 
         A denial consumes nothing. ``retry_after`` says when the same call would fit.
         """
-        call = self._direct_call(scope, key, rates, cost, algorithm)
+        call = self.live(self._direct_call(scope, key, rates, cost, algorithm))
         reply = self.check(call, reserve=False)
         return _decision(reply)
 
@@ -272,19 +296,24 @@ class Throttle:
         """Usage of every rate stored for ``scope``/``key``, consuming nothing."""
         prefix = self.settings.key_prefix
         hash_key = state_key(prefix, scope, key)
-        seen: set[tuple[str, Rate]] = set()
+        pauses, limits = parse_controls(self.store.controls())
+        live = {r.period_us: r for r in
+                (key is not None and limits.get(limit_field(scope, key))) or limits.get(limit_field(scope, None)) or ()}
+        seen: set[tuple[str, Rate, str]] = set()
         for field in self.store.read(hash_key):
             algorithm = _ALGORITHM_OF_TAG.get(field[:1])
             limit, _, period_us = field[1:].partition("/")
             if algorithm and limit.isdigit() and period_us.isdigit():
-                seen.add((algorithm, Rate(int(limit), int(period_us) / 1_000_000)))
+                # The limit in force: the live one of this window length, if set.
+                rate = live.get(int(period_us)) or Rate(int(limit), int(period_us) / 1_000_000)
+                seen.add((algorithm, rate, field))
         out = []
-        for algorithm, rate in sorted(seen):
-            reply = self.store.window(hash_key, algorithm, "peek", [rate], 1)
+        for algorithm, rate, field in sorted(seen):
+            reply = self.store.window(hash_key, algorithm, "peek", [rate], 1, fields=[field])
             used = rate.limit - reply.remaining
             reset_at = (reply.clear_at_us or reply.now_us) / 1e6
             out.append(RateStatus(rate, algorithm, used, reply.remaining, reset_at))
-        return Status(scope, key, tuple(out), self.paused_until(scope, key))
+        return Status(scope, key, tuple(out), self._paused_until(pauses, scope, key))
 
     def pause(self, scope: str, key: str | None = None, seconds: float | None = None) -> float:
         """Start nothing of ``scope`` (or of its ``key``) for ``seconds`` (None: until
@@ -299,7 +328,7 @@ class Throttle:
                                      f"got {seconds!r}")
         field = pause_field(scope, key)
         until = self.store.pause(field, seconds)
-        self._controls.note(field, until)
+        self._controls.note(field, str(until))
         logger.warning("paused scope %r%s %s", scope, "" if key is None else f" key {key!r}",
                        "until resumed" if until == FOREVER_US else f"for {seconds:.1f}s")
         return _unix(until)
@@ -309,11 +338,39 @@ class Throttle:
         self._direct_call(scope, key, "1/s", 1, None)
         field = pause_field(scope, key)
         self._controls.note(field, None)
-        return self.store.resume(field)
+        return self.store.clear_control(field)
+
+    def set_limit(self, scope: str, rates: str | Sequence[str], key: str | None = None) -> tuple[Rate, ...]:
+        """Limit ``scope`` (every key of it that has no limit of its own, or only ``key``)
+        to ``rates`` instead of what the code declares, on every worker within
+        CONTROL_REFRESH, until :meth:`clear_limit`. Starts already reserved keep their
+        time if they still fit; those that do not under the new rates (a lowered limit)
+        are reserved again when their task arrives. Returns the rates set."""
+        parsed = self._direct_call(scope, key, rates, 1, None).rates
+        field, value = limit_field(scope, key), ",".join(map(str, parsed))
+        self.store.set_control(field, value)
+        self._controls.note(field, value)
+        logger.warning("live limit of scope %r%s set to %s", scope, "" if key is None else f" key {key!r}", value)
+        return parsed
+
+    def clear_limit(self, scope: str, key: str | None = None) -> bool:
+        """Back to the rates in the code for ``scope`` (or ``key``). True if one was set."""
+        self._direct_call(scope, key, "1/s", 1, None)
+        field = limit_field(scope, key)
+        self._controls.note(field, None)
+        return self.store.clear_control(field)
+
+    def live_limit(self, scope: str, key: str | None = None) -> tuple[Rate, ...] | None:
+        """The live limit set for exactly ``scope``/``key`` (read now), or None."""
+        _, limits = parse_controls(self.store.controls())
+        return limits.get(limit_field(scope, key))
 
     def paused_until(self, scope: str, key: str | None = None) -> float | None:
         """When the pause covering ``scope``/``key`` ends (Unix time), or None."""
-        pauses = self.store.pauses()
+        pauses, _ = parse_controls(self.store.controls())
+        return self._paused_until(pauses, scope, key)
+
+    def _paused_until(self, pauses: Mapping[str, int], scope: str, key: str | None) -> float | None:
         until = max(pauses.get(pause_field(scope, None), 0),
                     pauses.get(pause_field(scope, key), 0) if key is not None else 0)
         if not until or until < self.store.now_us():
@@ -355,6 +412,14 @@ def _grace_us(rates: tuple[Rate, ...], start_grace: float | None) -> int:
     if grace is None:
         grace = min(max(min(r.period for r in rates) * 0.02, 0.01), 2.0)
     return max(int(grace * 1_000_000), 3 * _slack_us(rates))
+
+
+@lru_cache(maxsize=1024)
+def _live_fields(algorithm: str, declared: tuple[Rate, ...], live: tuple[Rate, ...]) -> tuple[str, ...]:
+    """The state field of each live rate: the declared rate's of the same window length,
+    else its own."""
+    by_period = {r.period_us: r for r in declared}
+    return tuple(rate_field(algorithm, by_period.get(r.period_us, r)) for r in live)
 
 
 def _unix(until_us: int) -> float:

@@ -77,8 +77,7 @@ def admit(ctl: Throttle, task: Any, args: Any, kwargs: Any, options: Mapping[str
         return None
     try:
         spec = type(task)._throttle_spec
-        call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
-                         settings.default_algorithm)
+        call = ctl.bind(task, args, kwargs, quick=True)
         reply = ctl.check(call, reserve=True, publish=True, max_wait=ctl.max_wait(spec), quick=True)
     except StoreError as exc:
         _breaker.trip()

@@ -88,8 +88,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
         try:
             args, kwargs = _arguments(message)
             spec = type(task)._throttle_spec
-            call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
-                             ctl.settings.default_algorithm)
+            call = ctl.bind(task, args, kwargs, quick=True)
             reply = ctl.check(call, reserve=True, screen=True, max_wait=ctl.max_wait(spec), quick=True)
         except StoreError as exc:
             # Redis down or slow: stop screening for a while; the pool's check decides.

@@ -32,6 +32,9 @@ class BoundCall:
     rates: tuple[Rate, ...]
     cost: int
     algorithm: str
+    #: The state's field name per rate, when not the rate's own: a live limit keeps the
+    #: declared rate's window of the same length (see ``Throttle.live``).
+    fields: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ restarted Redis loses nothing but one round trip.
 from __future__ import annotations
 
 import threading
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -36,6 +37,8 @@ class Reservation:
 
     ``epoch`` names the window state it was made in; a reset or lost state voids it.
     ``lead_us``: how long before ``start_us`` the task was due to arrive.
+    ``rates_tag``: which rates it was reserved under (:func:`rates_tag`; 0: unknown). A
+    claim under other rates (a live limit set since) gives it back and is checked afresh.
     """
 
     start_us: int
@@ -44,19 +47,31 @@ class Reservation:
     grace_us: int
     epoch: int
     lead_us: int = 0
+    rates_tag: int = 0
 
     def to_header(self) -> list[int]:
+        return [self.start_us, self.latest_us, self.cost, self.grace_us, self.epoch, self.lead_us,
+                self.rates_tag]
+
+    def script_args(self) -> list[int]:
+        """ARGV[7..12] of window.lua for a claim of it."""
         return [self.start_us, self.latest_us, self.cost, self.grace_us, self.epoch, self.lead_us]
 
     @classmethod
     def from_header(cls, value: Any) -> Reservation | None:
-        """The reservation a header holds, or None for anything else."""
-        if not isinstance(value, (list, tuple)) or len(value) != 6:
+        """The reservation a header holds, or None for anything else (6 fields: written
+        before rates were tagged)."""
+        if not isinstance(value, (list, tuple)) or len(value) not in (6, 7):
             return None
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**53 for v in value):
             return None
-        start, latest, cost, grace, epoch, lead = value
-        return cls(start, latest, cost, grace, epoch, lead) if cost > 0 else None
+        return cls(*value) if value[2] > 0 else None
+
+
+@lru_cache(maxsize=1024)
+def rates_tag(rates: tuple[Rate, ...]) -> int:
+    """A short name of a set of rates, carried by the reservations made under it."""
+    return zlib.crc32(",".join(map(str, rates)).encode()) or 1
 
 
 class WindowReply(NamedTuple):
@@ -165,6 +180,7 @@ class RedisStore:
         max_wait_us: int = 0,
         not_before_us: int = 0,
         pause_horizon_us: int = 0,
+        fields: Sequence[str] | None = None,
     ) -> WindowReply:
         """Run window.lua once: acquire, peek, or claim a reservation, over every rate.
 
@@ -176,13 +192,14 @@ class RedisStore:
         ``max_wait_us``: a start further away than this is not reserved (code 3).
         ``not_before_us`` (Redis clock): paused until then; nothing starts before it. A
         pause ending more than ``pause_horizon_us`` away reserves nothing (code 0, no
-        start, wait = the horizon: check again then).
+        start, wait = the horizon: check again then). ``fields``: the state's field per
+        rate, when not the rate's own name (a live limit).
         """
         args = [self._now_arg(), op, "1" if reserve else "0", cost, grace_us, slack_us]
-        args += claim.to_header() if claim else _NO_CLAIM
+        args += claim.script_args() if claim else _NO_CLAIM
         args += ("1" if learn else "0", lease, lease_span_us, max_wait_us, not_before_us,
                  pause_horizon_us or _FOREVER_HORIZON)
-        args += _rate_args(algorithm, tuple(rates))
+        args += _rate_args(algorithm, tuple(rates), tuple(fields) if fields else None)
         keys = [key, claim_marker] if claim is not None and claim_marker else [key]
         # Lua numbers come back as Redis integers: the reply is already ints.
         return WindowReply(*self._run(algorithm, keys, args))
@@ -222,19 +239,26 @@ class RedisStore:
             raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
         return int(secs) * 1_000_000 + int(micros)
 
-    def resume(self, field: str) -> bool:
+    def clear_control(self, field: str) -> bool:
+        """Remove a pause or a live limit; True if it was set."""
         try:
             return bool(self.client.hdel(control_key(self.prefix), field))
         except RedisError as exc:
             raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
-    def pauses(self) -> dict[str, int]:
-        """Every pause set: field to end (µs, Redis clock; some may be over)."""
+    def controls(self) -> dict[str, str]:
+        """Every control set (pauses, live limits): field to value."""
         try:
             raw = self.client.hgetall(control_key(self.prefix))
         except RedisError as exc:
             raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
-        return {k.decode(): int(v) for k, v in raw.items() if v.isdigit()}
+        return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+
+    def set_control(self, field: str, value: str) -> None:
+        try:
+            self.client.hset(control_key(self.prefix), field, value)
+        except RedisError as exc:
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
     def _prune_pauses(self, key: str, now: int) -> None:
         """Forget pauses that are over, so the hash every worker reads stays small."""
@@ -348,8 +372,9 @@ def rate_field(algorithm: str, rate: Rate) -> str:
 
 
 @lru_cache(maxsize=1024)
-def _rate_args(algorithm: str, rates: tuple[Rate, ...]) -> tuple[int | str, ...]:
+def _rate_args(algorithm: str, rates: tuple[Rate, ...], fields: tuple[str, ...] | None = None,
+               ) -> tuple[int | str, ...]:
     args: list[int | str] = [len(rates)]
-    for rate in rates:
-        args += [rate.limit, rate.period_us, rate_field(algorithm, rate)]
+    for i, rate in enumerate(rates):
+        args += [rate.limit, rate.period_us, fields[i] if fields else rate_field(algorithm, rate)]
     return tuple(args)

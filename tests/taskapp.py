@@ -279,3 +279,15 @@ def vendor_call(label, backs_off=False):
     if backs_off and _records_client().set(f"{PREFIX}:backed-off:{label}", time.time(), nx=True):
         raise celery_throttle.Backoff(retry_after="2")
     record(label)
+
+
+@app.task
+@throttle("10/s", scope="live-api")
+def live_fast(label):
+    record(label)
+
+
+@app.task
+@throttle("2/s", scope="live-slow-api")
+def live_slow(label):
+    record(label)

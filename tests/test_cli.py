@@ -58,3 +58,16 @@ def test_pause_and_resume_from_the_command_line(prefix: str) -> None:
     assert "was not paused" in _celery(prefix, "resume", "github-api", "--key", "acme")
     bad = _run(prefix, "pause", "github-api", "--for", "soon")
     assert bad.returncode != 0 and "use e.g. 90s, 5m, 2h, 1d" in bad.stderr
+
+
+def test_set_and_unset_a_live_limit_from_the_command_line(prefix: str) -> None:
+    ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
+    ctl.acquire("github-api", rates=["10/s"], cost=3)
+    assert "github-api key=None: limit set to 4/s" in _celery(prefix, "set", "github-api", "4/s")
+    out = _celery(prefix, "status", "github-api")
+    # What was counted under the declared 10/s still counts under the live 4/s
+    assert "live limit 4/s" in out and "sliding 4/s: used 3, remaining 1" in out
+    assert "back to the code's rates" in _celery(prefix, "unset", "github-api")
+    assert "no live limit set" in _celery(prefix, "unset", "github-api")
+    bad = _run(prefix, "set", "github-api", "fast")
+    assert bad.returncode != 0 and "bad rate 'fast'" in bad.stderr and "Traceback" not in bad.stderr

@@ -248,3 +248,28 @@ def test_a_reservation_is_used_once(ctl: celery_throttle.Throttle) -> None:
     # Then only the first runs on it; the duplicate is checked afresh (and denied here)
     assert first.allowed
     assert not second.allowed
+
+
+def test_a_live_limit_applies_to_every_key_without_its_own_and_keeps_what_was_counted(prefix: str) -> None:
+    from celery import Celery
+
+    ctl = celery_throttle.install(Celery(f"live-{prefix}", set_as_current=False),
+                                  redis_url=STORE_URL, key_prefix=prefix)
+    for _ in range(3):
+        assert ctl.acquire("api", key="acme", rates=["10/s"]).allowed
+    # A scope-wide limit of the same window length keeps the 3 counted
+    ctl.set_limit("api", ["4/s"])
+    assert [ctl.acquire("api", key="acme", rates=["10/s"]).allowed for _ in range(2)] == [True, False]
+    # a key's own limit wins over the scope's
+    ctl.set_limit("api", ["6/s"], key="acme")
+    assert ctl.acquire("api", key="acme", rates=["10/s"]).allowed
+    assert ctl.acquire("api", key="other", rates=["10/s"]).remaining == 3  # 4/s for the others
+    # a window of another length starts empty
+    ctl.set_limit("api", ["1/m"], key="acme")
+    assert ctl.acquire("api", key="acme", rates=["10/s"]).allowed
+    assert not ctl.acquire("api", key="acme", rates=["10/s"]).allowed
+    # and clearing brings back the code's rates
+    assert ctl.clear_limit("api", key="acme") and ctl.clear_limit("api")
+    assert ctl.acquire("api", key="acme", rates=["10/s"]).remaining == 10 - 3 - 1 - 1 - 1
+    with pytest.raises(ConfigurationError):
+        ctl.set_limit("api", ["fast"])

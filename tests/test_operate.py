@@ -16,16 +16,18 @@ from celery import Celery
 
 import celery_throttle
 from celery_throttle.controls import CONTROL_REFRESH
-from tests.helpers import STORE_URL, WorkerGroup, wait_for
+from tests.helpers import STORE_URL, WorkerGroup, max_in_window, wait_for
 
 
 @pytest.fixture
 def ctl(workers: WorkerGroup) -> Iterator[celery_throttle.Throttle]:
     app = Celery(f"operator-{uuid.uuid4().hex[:6]}", set_as_current=False)
     yield celery_throttle.install(app, redis_url=STORE_URL, key_prefix=workers.prefix)
+    operator = celery_throttle.install(app)
     for scope in ("pausable-api", "vendor-api"):
-        workers_ctl = celery_throttle.install(app)
-        workers_ctl.resume(scope)
+        operator.resume(scope)
+    for scope in ("live-api", "live-slow-api"):
+        operator.clear_limit(scope)
 
 
 def _label() -> str:
@@ -90,6 +92,47 @@ def test_a_task_that_backs_off_pauses_its_scope_on_every_worker(
     # and the task that backed off ran again without spending a retry
     assert [e["retries"] for e in starts if e["id"] == first] == [0]
     assert min(e["t"] for e in starts) >= backed_off_at + 2 - 0.005 - CONTROL_REFRESH
+
+
+def test_a_lowered_live_limit_holds_the_running_backlog_within_a_second(
+        workers: WorkerGroup, ctl: celery_throttle.Throttle) -> None:
+    # Given a burst of 40 tasks of a 10/s scope under way
+    label = _label()
+    ids = [workers.send("live_fast", label) for _ in range(40)]
+    wait_for(lambda: len(workers.starts(label)) >= 10, 20, what="the burst under way")
+    # When its limit is lowered to 2/s while the rest wait for starts reserved at 10/s
+    set_at = time.time()
+    ctl.set_limit("live-api", ["2/s"])
+    assert ctl.status("live-api").rates[0].rate == celery_throttle.Rate(2, 1.0)
+    starts = workers.wait_starts(label, 40, timeout=60)
+    # Then every task ran once, and from a second after the change on, at most 2 a second
+    _each_once(starts, ids)
+    after = sorted(e["t"] for e in starts if e["t"] >= set_at + 1.0)
+    assert len(after) >= 20
+    assert max_in_window(after, 1.0) <= 2
+
+
+def test_a_raised_live_limit_is_obeyed_at_once_and_unset_restores_the_code(
+        workers: WorkerGroup, ctl: celery_throttle.Throttle) -> None:
+    # Given a 2/s scope raised to 10/s
+    ctl.set_limit("live-slow-api", ["10/s"])
+    time.sleep(CONTROL_REFRESH + 0.1)
+    # When 20 of its tasks are sent
+    label = _label()
+    ids = [workers.send("live_slow", label) for _ in range(20)]
+    starts = workers.wait_starts(label, 20, timeout=30)
+    # Then they run at up to 10/s (2 s for 20, not 10 s), never more
+    _each_once(starts, ids)
+    times = sorted(e["t"] for e in starts)
+    assert max_in_window(times, 1.0) <= 10
+    assert times[-1] - times[0] < 4.0
+    # and unset brings back the code's 2/s
+    assert ctl.clear_limit("live-slow-api")
+    time.sleep(CONTROL_REFRESH + 0.1)
+    label = _label()
+    ids = [workers.send("live_slow", label) for _ in range(6)]
+    times = sorted(e["t"] for e in workers.wait_starts(label, 6, timeout=30))
+    assert max_in_window(times, 1.0) <= 2
 
 
 def test_retry_after_reads_seconds_and_http_dates_and_falls_back_on_anything_else() -> None:
