@@ -10,7 +10,7 @@ from .connection import SENTINEL_SCHEMES
 from .errors import ConfigurationError
 from .keys import check_prefix
 
-__all__ = ["ALGORITHMS", "STORE_ERROR_POLICIES", "Settings", "check_max_wait", "require_redis_url"]
+__all__ = ["ALGORITHMS", "STORE_ERROR_POLICIES", "Settings", "check_margin", "check_max_wait", "require_redis_url"]
 
 ALGORITHMS = ("sliding", "fixed")
 STORE_ERROR_POLICIES = ("defer", "allow", "fail")
@@ -52,6 +52,13 @@ class Settings:
     #: A denied task whose reserved start would be further away than this (seconds)
     #: fails with WaitTooLong instead of waiting; None: no cap. Per throttle: max_wait.
     max_wait: float | None = None
+    #: Seconds added to every sliding window (per throttle: margin=): any two starts N
+    #: apart are then at least a window plus this apart, so that the requests they make
+    #: still arrive a window apart at an API that limits them (its clock, and the time
+    #: from a task's start to its request reaching it, differ from ours).
+    margin: float = 0.0
+    #: Label metrics by key as well as scope (a tenant id per label value: unbounded).
+    metrics_keys: bool = False
     #: Backoff (seconds) for tasks deferred because Redis could not be reached.
     store_retry_delay: float = 1.0
     store_retry_max_delay: float = 30.0
@@ -97,6 +104,9 @@ class Settings:
         if not isinstance(self.rules, Mapping):
             raise ConfigurationError("throttle_rules must be a dict of task-name glob -> options")
         check_max_wait(self.max_wait, "throttle_max_wait")
+        check_margin(self.margin, "throttle_margin")
+        if not isinstance(self.metrics_keys, bool):
+            raise ConfigurationError("throttle_metrics_keys must be True or False")
         if not isinstance(self.enabled, bool):
             raise ConfigurationError("throttle_enabled must be True or False")
         if not isinstance(self.check_at_publish, bool):
@@ -111,6 +121,17 @@ def check_max_wait(value: Any, what: str) -> None:
     """A wait cap is a positive number of seconds, or None for none."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
         raise ConfigurationError(f"{what} must be a positive number of seconds or None, got {value!r}")
+
+
+#: The largest margin: more is a different rate, not a margin (write "10/2s" then).
+MAX_MARGIN = 60.0
+
+
+def check_margin(value: Any, what: str) -> None:
+    """A margin is a number of seconds, 0 to MAX_MARGIN, or None for the setting's."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 <= value <= MAX_MARGIN):
+        raise ConfigurationError(f"{what} must be a number of seconds from 0 to {MAX_MARGIN:.0f}, got {value!r}")
 
 
 def _default_redis_url(app: Any) -> str | None:

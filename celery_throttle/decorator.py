@@ -22,6 +22,7 @@ def throttle(
     cost: int | Callable[..., Any] = 1,
     algorithm: str | None = None,
     max_wait: float | None = None,
+    margin: float | None = None,
 ) -> Callable[[Any], Any]:
     """Limit a task globally, across every worker, before its body runs.
 
@@ -38,13 +39,15 @@ def throttle(
     ``algorithm``: ``"sliding"`` or ``"fixed"`` (default: ``throttle_default_algorithm``).
     ``max_wait``: seconds; a denied call whose start would be further away fails with
     :class:`~celery_throttle.errors.WaitTooLong` instead of waiting (default:
-    ``throttle_max_wait``, no cap).
+    ``throttle_max_wait``, no cap). ``margin``: seconds added to each sliding window, so
+    that requests made by the tasks still arrive a window apart at an API that limits
+    them (default: ``throttle_margin``, 0).
     Mistakes raise :class:`~celery_throttle.errors.ConfigurationError` here.
     """
     if not rates:
         raise ConfigurationError('throttle() needs at least one rate, e.g. throttle("10/s")')
     spec = ThrottleSpec.declare(rates, key=key, scope=scope, cost=cost, algorithm=algorithm,
-                                max_wait=max_wait)
+                                max_wait=max_wait, margin=margin)
 
     def decorate(obj: Any) -> Any:
         if isinstance(obj, PromiseProxy):

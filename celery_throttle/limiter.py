@@ -212,9 +212,12 @@ class Throttle:
         """The limit of one call of a hooked task: its throttle bound to the arguments,
         under the live limit of its scope or key if one is set."""
         spec: ThrottleSpec = type(task)._throttle_spec
-        call = spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
-                         self.settings.default_algorithm)
-        return self.live(call, quick=quick)
+        call = self.live(spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
+                                   self.settings.default_algorithm), quick=quick)
+        margin = spec.margin if spec.margin is not None else self.settings.margin
+        if margin and call.algorithm == "sliding":
+            call = replace(call, rates=_widened(call.rates, round(margin * 1_000_000)), fields=None)
+        return call
 
     def live(self, call: BoundCall, *, quick: bool = False) -> BoundCall:
         """``call`` under the live limit of its key, else of its scope, if one is set.
@@ -412,6 +415,12 @@ def _grace_us(rates: tuple[Rate, ...], start_grace: float | None) -> int:
     if grace is None:
         grace = min(max(min(r.period for r in rates) * 0.02, 0.01), 2.0)
     return max(int(grace * 1_000_000), 3 * _slack_us(rates))
+
+
+@lru_cache(maxsize=1024)
+def _widened(rates: tuple[Rate, ...], margin_us: int) -> tuple[Rate, ...]:
+    """Each rate's window made ``margin_us`` longer (a window of its own in the state)."""
+    return tuple(Rate(r.limit, (r.period_us + margin_us) / 1_000_000) for r in rates)
 
 
 @lru_cache(maxsize=1024)

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .config import ALGORITHMS, check_max_wait
+from .config import ALGORITHMS, check_margin, check_max_wait
 from .errors import ConfigurationError, KeyBuildError
 from .rates import Rate, parse_rates
 
 __all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec"]
 
 RateArg = str | Rate | Sequence[str | Rate] | Callable[..., Any]
-RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait")
+RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin")
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class ThrottleSpec:
     algorithm: str | None = None
     #: Seconds a denied call may wait for its start at most (None: the setting's).
     max_wait: float | None = None
+    #: Seconds added to each sliding window (None: the setting's), see ``throttle_margin``.
+    margin: float | None = None
 
     @classmethod
     def declare(
@@ -58,6 +60,7 @@ class ThrottleSpec:
         cost: int | Callable[..., Any] = 1,
         algorithm: str | None = None,
         max_wait: float | None = None,
+        margin: float | None = None,
     ) -> ThrottleSpec:
         if len(rates) == 1 and callable(rates[0]):
             parsed: tuple[Rate, ...] | Callable[..., Any] = rates[0]
@@ -84,7 +87,8 @@ class ThrottleSpec:
                         f"cost {cost} can never fit in rate {tightest}: a call would wait forever"
                     )
         check_max_wait(max_wait, "max_wait")
-        return cls(parsed, key, scope, cost, algorithm, max_wait)
+        check_margin(margin, "margin")
+        return cls(parsed, key, scope, cost, algorithm, max_wait, margin)
 
     @classmethod
     def from_rule(cls, pattern: str, options: Mapping[str, Any]) -> ThrottleSpec:
@@ -109,6 +113,7 @@ class ThrottleSpec:
                 cost=options.get("cost", 1),
                 algorithm=options.get("algorithm"),
                 max_wait=options.get("max_wait"),
+                margin=options.get("margin"),
             )
         except ConfigurationError as exc:
             raise ConfigurationError(f"throttle_rules[{pattern!r}]: {exc}") from None

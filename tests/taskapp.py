@@ -291,3 +291,9 @@ def live_fast(label):
 @throttle("2/s", scope="live-slow-api")
 def live_slow(label):
     record(label)
+
+
+@app.task
+@throttle("5/s", margin=0.2)
+def margined(label):
+    record(label)

@@ -273,3 +273,12 @@ def test_a_live_limit_applies_to_every_key_without_its_own_and_keeps_what_was_co
     assert ctl.acquire("api", key="acme", rates=["10/s"]).remaining == 10 - 3 - 1 - 1 - 1
     with pytest.raises(ConfigurationError):
         ctl.set_limit("api", ["fast"])
+
+
+def test_a_margin_is_checked_where_it_is_declared() -> None:
+    for bad in (-1, 61, "50ms", True):
+        with pytest.raises(ConfigurationError, match="margin"):
+            throttle("10/s", margin=bad)
+    app = Celery("margin-rules", set_as_current=False)
+    with pytest.raises(ConfigurationError, match="throttle_margin"):
+        celery_throttle.install(app, margin=-0.5)

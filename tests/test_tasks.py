@@ -238,3 +238,15 @@ def test_a_denial_is_not_an_execution_for_celery_signals(workers: WorkerGroup) -
         assert sorted(counts) == sorted(ids), f"task_{signal} missed a run"
         assert max(counts.values()) == 1, f"task_{signal} fired for a denial: {counts.most_common(3)}"
     assert {n["state"] for n in workers.notes("postrun") if n["id"] in set(ids)} == {"SUCCESS"}
+
+
+def test_a_margin_keeps_any_n_starts_a_window_plus_the_margin_apart(workers: WorkerGroup) -> None:
+    # Given @throttle("5/s", margin=0.2): any 6 starts at least 1.2 s apart
+    label = _label()
+    ids = [workers.send("margined", label) for _ in range(16)]
+    starts = workers.wait_starts(label, 16, timeout=30)
+    _assert_each_ran_once(starts, ids)
+    times = sorted(e["t"] for e in starts)
+    assert max_in_window(times, 1.19) <= 5  # (a little under 1.2 s: start-time jitter)
+    # and no slower than the margin asks: 16 starts = 3 full windows of 1.2 s and a bit
+    assert times[-1] - times[0] < 3 * 1.2 + 1.5
