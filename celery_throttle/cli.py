@@ -6,6 +6,7 @@ Registered under the ``celery.commands`` entry point group, as Flower does.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from typing import Any
 
 import click
@@ -38,24 +39,82 @@ def throttle() -> None:
 
 
 @throttle.command()
-@click.argument("scope")
+@click.argument("scope", required=False)
 @click.option("--key", default=None, help="The key (e.g. tenant id) within the scope.")
+@click.option("--match", default="*", show_default=True,
+              help="Without SCOPE: list only scopes (or scope:key) matching this glob.")
+@click.option("--limit", default=200, show_default=True, help="Without SCOPE: list at most this many.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
 @click.pass_context
-def status(ctx: click.Context, scope: str, key: str | None) -> None:
-    """Show usage of SCOPE (and KEY) per rate, consuming nothing."""
+def status(ctx: click.Context, scope: str | None, key: str | None, match: str, limit: int, as_json: bool) -> None:
+    """Show usage per rate, pauses and live limits, consuming nothing.
+
+    Without SCOPE: every scope and key Redis holds a window, a pause or a live limit for
+    (found by SCAN), and the parked tasks. Times are local, with their zone.
+    """
     ctl = _controller(ctx)
-    result = ctl.status(scope, key=key)
-    live = ctl.live_limit(scope, key)
-    if live:
-        click.echo(f"{scope} key={key}: live limit {', '.join(map(str, live))} (throttle unset to remove)")
-    if result.paused_until is not None:
-        click.echo(f"{scope} key={key}: paused {_until(result.paused_until)}")
-    if not result.rates:
+    if scope is None:
+        found, more = ctl.statuses(match=match, limit=limit)
+    else:
+        found, more = [ctl.status(scope, key=key)], False
+        if not found[0].rates and found[0].paused_until is None and not found[0].live_limit:
+            known = ctl.known_scopes()
+            if scope not in known and not as_json:
+                listed = ", ".join(known[:20]) + (", ..." if len(known) > 20 else "") or "none"
+                raise click.ClickException(f"no such scope {scope!r}: nothing counted, paused or limited "
+                                           f"for it, and no task of this app uses it; known scopes: {listed}")
+    parked = ctl.store.parked_count()
+    if as_json:
+        click.echo(json.dumps({"keys": [_as_dict(s) for s in found], "more": more,
+                               "parked": dict(zip(("waiting", "in_flight", "dead"), parked))}, indent=2))
+        return
+    if scope is not None and not found[0].rates and found[0].paused_until is None and not found[0].live_limit:
         click.echo(f"{scope} key={key}: nothing counted")
         return
-    for r in result.rates:
-        click.echo(f"{scope} key={key} {r.algorithm} {r.rate}: used {r.used}, "
-                   f"remaining {r.remaining}, clear at {_when(r.reset_at)}")
+    _table(found, more, parked, scope is None)
+
+
+def _as_dict(status: Any) -> dict[str, Any]:
+    return {
+        "scope": status.scope, "key": status.key,
+        "paused_until": None if status.paused_until is None else (
+            "until resumed" if status.paused_until == float("inf") else _iso(status.paused_until)),
+        "live_limit": [str(r) for r in status.live_limit] if status.live_limit else None,
+        "rates": [{"rate": str(r.rate), "algorithm": r.algorithm, "used": r.used, "remaining": r.remaining,
+                   "reset_at": _iso(r.reset_at)} for r in status.rates],
+    }
+
+
+def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    zone = dt.datetime.now().astimezone().strftime("%Z")
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for name, justify in (("scope", "left"), ("key", "left"), ("rate", "right"), ("used", "right"),
+                          ("left", "right"), (f"resets ({zone})", "right"), ("paused", "left")):
+        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for s in found:
+        paused = "" if s.paused_until is None else (
+            "until resumed" if s.paused_until == float("inf") else f"until {_clock(s.paused_until)}")
+        live = set(s.live_limit or ())
+        # A row per stored rate, marked when a live limit replaces the code's rates; a
+        # scope with only a control (a pause, a live limit) gets one row for it.
+        rows = [(f"{r.rate}{_mark(r.rate, live)}", str(r.used), str(r.remaining), _clock(r.reset_at))
+                for r in s.rates] or [(", ".join(f"{r} (live)" for r in sorted(live)) or "-", "", "", "")]
+        for i, (rate, used, left, resets) in enumerate(rows):
+            first = i == 0
+            table.add_row(s.scope if first else "", ("-" if s.key is None else s.key) if first else "",
+                          rate, used, left, resets, paused if first else "")
+    console = Console(width=None if Console().is_terminal else 80, soft_wrap=False)
+    if found:
+        console.print(table)
+    elif listing:
+        click.echo("no throttled scope has anything counted, paused or limited")
+    if more:
+        click.echo("... more not shown (narrow with --match, or raise --limit)")
+    if listing:
+        click.echo(f"parked: {parked[0]} waiting, {parked[1]} being released, {parked[2]} dead")
 
 
 @throttle.command(name="set")
@@ -160,6 +219,23 @@ def _task_name(app: Any, message: bytes | None) -> str:
 def _when(timestamp: float) -> str:
     """A time as people on call read it: local, with its zone."""
     return dt.datetime.fromtimestamp(timestamp).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def _mark(rate: Any, live: set[Any]) -> str:
+    if not live:
+        return ""
+    return " (live)" if rate in live else " (not in force)"
+
+
+def _iso(timestamp: float) -> str:
+    return dt.datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="milliseconds")
+
+
+def _clock(timestamp: float) -> str:
+    """A time in a table: the clock only when it is today."""
+    moment = dt.datetime.fromtimestamp(timestamp).astimezone()
+    today = dt.datetime.now().astimezone().date()
+    return moment.strftime("%H:%M:%S" if moment.date() == today else "%Y-%m-%d %H:%M:%S")
 
 
 def _until(timestamp: float) -> str:

@@ -19,10 +19,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import ConfigurationError, StoreError
-from .keys import encode
+from .keys import decode, encode
 from .rates import Rate, parse_rates
 
-__all__ = ["CONTROL_REFRESH", "FOREVER_US", "Controls", "limit_field", "pause_field"]
+__all__ = ["CONTROL_REFRESH", "FOREVER_US", "Controls", "control_target", "limit_field", "pause_field"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -36,6 +36,15 @@ FOREVER_US = 2**53 - 1
 
 def _field(kind: str, scope: str, key: str | None) -> str:
     return f"{kind}:{encode(scope)}" if key is None else f"{kind}:{encode(scope)}:{encode(key)}"
+
+
+def control_target(field: str) -> tuple[str, str | None] | None:
+    """(scope, key) a control field names, or None for a field we do not write."""
+    kind, _, rest = field.partition(":")
+    if kind not in ("pause", "limit") or not rest:
+        return None
+    scope, sep, key = rest.partition(":")
+    return decode(scope), (decode(key) if sep else None)
 
 
 def pause_field(scope: str, key: str | None) -> str:

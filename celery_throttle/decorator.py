@@ -9,8 +9,8 @@ from celery.app.task import Task
 from celery.local import PromiseProxy, Proxy
 
 from .errors import ConfigurationError
-from .hook import attach, declared_spec
-from .spec import RateArg, ThrottleSpec
+from .hook import attach
+from .spec import RateArg, ThrottleSpec, declared_spec
 
 __all__ = ["throttle"]
 

@@ -34,7 +34,7 @@ from .deferral import HEADER, plan_return, read_state
 from .errors import StoreError, WaitTooLong
 from .keys import state_key
 from .publish import admit, park_at_publish
-from .spec import BoundCall, ThrottleSpec
+from .spec import BoundCall, ThrottleSpec, declared_spec
 from .store import Reservation, WindowReply
 
 if TYPE_CHECKING:
@@ -43,14 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["HEADER", "attach", "declared_spec"]
 
 logger = logging.getLogger("celery_throttle")
-
-
-def declared_spec(task: Any) -> ThrottleSpec | None:
-    """The spec of a ``@throttle``, above (on the class) or below (on the function)."""
-    spec = type(task).__dict__.get("_throttle_spec")
-    if spec is None:
-        spec = getattr(task.run, "__throttle__", None)
-    return spec if isinstance(spec, ThrottleSpec) else None
 
 
 def attach(task: Any, spec: ThrottleSpec) -> None:
@@ -262,6 +254,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
         return _on_store_error(ctl, task, request, args, kwargs, call, state, exc)
     if reply.allowed:
         _forget_header(request)
+        ctl.metrics.admitted(call.scope, call.key)
         return True
     if reply.code == WindowReply.TOO_FAR:
         wait = reply.wait_us / 1e6
@@ -333,6 +326,7 @@ def _defer(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call:
     parked = may_park and now_us is not None and delay >= ctl.settings.park_after
     signals.task_throttled.send(sender=task, request=request, delay=delay,
                                 scope=call.scope, key=call.key, parked=parked)
+    ctl.metrics.denied(call.scope, call.key, delay, parked)
     if parked:
         try:
             park(ctl, sig, due_us=now_us + int(delay * 1e6))
@@ -356,6 +350,7 @@ def _defer(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call:
 
 def _on_store_error(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any,
                     call: BoundCall, state: dict[str, Any], exc: StoreError) -> bool:
+    ctl.metrics.store_error("worker")
     policy = ctl.settings.on_store_error
     if policy == "allow":
         logger.warning("throttle store unreachable, running %s[%s] unthrottled: %s",

@@ -12,11 +12,12 @@ from __future__ import annotations
 import hashlib
 import string
 from functools import lru_cache
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from .errors import ConfigurationError
 
-__all__ = ["MAX_TOKEN", "control_key", "dead_letter_keys", "encode", "parking_keys", "state_key"]
+__all__ = ["MAX_TOKEN", "control_key", "dead_letter_keys", "decode", "encode", "parking_keys",
+           "scan_pattern", "state_key", "state_of"]
 
 # Characters kept as they are; everything else is percent-encoded (":" "{" "}" "%" "#"
 # included), which makes the encoding injective and leaves ":" free as a separator.
@@ -34,6 +35,11 @@ def encode(text: str) -> str:
     if len(token) > MAX_TOKEN:
         token = "#" + hashlib.sha256(raw).hexdigest()
     return token
+
+
+def decode(token: str) -> str:
+    """The component :func:`encode` made ``token`` from; a digest (``#…``) stays as it is."""
+    return token if token.startswith("#") else unquote(token, errors="surrogatepass")
 
 
 def check_prefix(prefix: str) -> str:
@@ -58,6 +64,25 @@ def parking_keys(prefix: str) -> tuple[str, str, str]:
 def dead_letter_keys(prefix: str) -> tuple[str, str]:
     """Release attempts per parked id, and the ids given up on (by when), same hash tag."""
     return f"{prefix}:{{parked}}:attempts", f"{prefix}:{{parked}}:dead"
+
+
+def scan_pattern(prefix: str) -> str:
+    """A SCAN MATCH pattern for every state hash under ``prefix`` (and a few other keys
+    that :func:`state_of` turns away)."""
+    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
+    return f"{escaped}:{{*}}"
+
+
+def state_of(prefix: str, redis_key: str) -> tuple[str, str | None] | None:
+    """(scope, key) of a state hash's name, or None for any other key."""
+    head = f"{prefix}:{{"
+    if not (redis_key.startswith(head) and redis_key.endswith("}")):
+        return None
+    tag = redis_key[len(head):-1]
+    if not tag or any(c in tag for c in "{}"):
+        return None
+    scope, sep, key = tag.partition(":")
+    return decode(scope), (decode(key) if sep else None)
 
 
 def control_key(prefix: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -11,12 +12,13 @@ from functools import lru_cache
 from typing import Any
 
 from .config import ALGORITHMS, Settings, require_redis_url
-from .controls import FOREVER_US, Controls, limit_field, parse_controls, pause_field
+from .controls import FOREVER_US, Controls, control_target, limit_field, parse_controls, pause_field
 from .errors import ConfigurationError, ThrottleError
-from .keys import encode, state_key
+from .keys import encode, scan_pattern, state_key, state_of
 from .lease import Leases, sent_at
+from .metrics import Metrics
 from .rates import Rate, parse_rates
-from .spec import BoundCall, ThrottleSpec
+from .spec import BoundCall, ThrottleSpec, declared_spec
 from .store import ALGORITHM_TAGS, RedisStore, Reservation, WindowReply, rate_field, rates_tag
 
 __all__ = ["Decision", "RateStatus", "Status", "Throttle"]
@@ -62,6 +64,8 @@ class Status:
     rates: tuple[RateStatus, ...]
     #: Unix time a pause of this scope or key ends (``inf``: until resumed), or None.
     paused_until: float | None = None
+    #: The live limit in force (``set_limit`` of this key, else of its scope), or None.
+    live_limit: tuple[Rate, ...] | None = None
 
     @property
     def remaining(self) -> int | None:
@@ -83,6 +87,7 @@ class Throttle:
         self._rules: list[tuple[str, ThrottleSpec]] | None = None
         self._leases = Leases()
         self._controls = Controls()
+        self._metrics: Metrics | None = None
 
     # -- configuration ----------------------------------------------------------------
     def configure(self, overrides: Mapping[str, Any]) -> None:
@@ -101,6 +106,13 @@ class Throttle:
         if self._settings is None:
             self._settings = Settings.from_app(self.app, self._overrides)
         return self._settings
+
+    @property
+    def metrics(self) -> Metrics:
+        """What this process counts (Prometheus with the extra) and logs about it."""
+        if self._metrics is None:
+            self._metrics = Metrics(with_keys=self.settings.metrics_keys)
+        return self._metrics
 
     @property
     def store(self) -> RedisStore:
@@ -153,7 +165,7 @@ class Throttle:
 
     def patch_tasks(self, **_: Any) -> int:
         """Hook every throttled task of the app (decorated or matched by a rule)."""
-        from .hook import attach, declared_spec
+        from .hook import attach
 
         count = 0
         for name, task in list(self.app.tasks.items()):
@@ -297,11 +309,44 @@ class Throttle:
 
     def status(self, scope: str, key: str | None = None) -> Status:
         """Usage of every rate stored for ``scope``/``key``, consuming nothing."""
-        prefix = self.settings.key_prefix
-        hash_key = state_key(prefix, scope, key)
         pauses, limits = parse_controls(self.store.controls())
-        live = {r.period_us: r for r in
-                (key is not None and limits.get(limit_field(scope, key))) or limits.get(limit_field(scope, None)) or ()}
+        return self._status(scope, key, pauses, limits)
+
+    def statuses(self, match: str = "*", limit: int = 200) -> tuple[list[Status], bool]:
+        """The status of every scope and key that Redis holds a window, a pause or a live
+        limit for, whose scope (or ``scope:key``) matches the glob ``match``; found by
+        SCAN, never KEYS. At most ``limit`` of them; the flag is True if more were left."""
+        prefix = self.settings.key_prefix
+        pauses, limits = parse_controls(self.store.controls())
+        found: dict[tuple[str, str | None], None] = {}
+        more = False
+        named = (state_of(prefix, name) for name in self.store.scan(scan_pattern(prefix)))
+        controlled = (control_target(field) for field in (*pauses, *limits))
+        for target in itertools.chain(controlled, named):
+            if target is None or target in found or not _matches(target, match):
+                continue
+            if len(found) >= limit:
+                more = True
+                break
+            found[target] = None
+        ordered = sorted(found, key=lambda t: (t[0], t[1] is not None, t[1] or ""))
+        return [self._status(scope, key, pauses, limits) for scope, key in ordered], more
+
+    def known_scopes(self) -> list[str]:
+        """The scopes this app's throttled tasks use (declared or by rule; a scope that
+        is the task's name where none is given)."""
+        scopes = set()
+        for name, task in list(self.app.tasks.items()):
+            spec = declared_spec(task) or (None if name.startswith("celery.") else self.rule_for(name))
+            if spec is not None:
+                scopes.add(spec.scope or name)
+        return sorted(scopes)
+
+    def _status(self, scope: str, key: str | None, pauses: Mapping[str, int],
+                limits: Mapping[str, tuple[Rate, ...]]) -> Status:
+        hash_key = state_key(self.settings.key_prefix, scope, key)
+        live_rates = (key is not None and limits.get(limit_field(scope, key))) or limits.get(limit_field(scope, None))
+        live = {r.period_us: r for r in live_rates or ()}
         seen: set[tuple[str, Rate, str]] = set()
         for field in self.store.read(hash_key):
             algorithm = _ALGORITHM_OF_TAG.get(field[:1])
@@ -316,7 +361,7 @@ class Throttle:
             used = rate.limit - reply.remaining
             reset_at = (reply.clear_at_us or reply.now_us) / 1e6
             out.append(RateStatus(rate, algorithm, used, reply.remaining, reset_at))
-        return Status(scope, key, tuple(out), self._paused_until(pauses, scope, key))
+        return Status(scope, key, tuple(out), self._paused_until(pauses, scope, key), live_rates or None)
 
     def pause(self, scope: str, key: str | None = None, seconds: float | None = None) -> float:
         """Start nothing of ``scope`` (or of its ``key``) for ``seconds`` (None: until
@@ -429,6 +474,11 @@ def _live_fields(algorithm: str, declared: tuple[Rate, ...], live: tuple[Rate, .
     else its own."""
     by_period = {r.period_us: r for r in declared}
     return tuple(rate_field(algorithm, by_period.get(r.period_us, r)) for r in live)
+
+
+def _matches(target: tuple[str, str | None], pattern: str) -> bool:
+    scope, key = target
+    return fnmatch.fnmatchcase(scope, pattern) or (key is not None and fnmatch.fnmatchcase(f"{scope}:{key}", pattern))
 
 
 def _unix(until_us: int) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,8 @@ _ACK_EVERY = 16
 #: or its worker died holding it) before it is a dead letter, kept for the CLI
 #: (``celery throttle parked --dead``) instead of coming back forever.
 MAX_ATTEMPTS = 5
+#: Seconds between two reads of the parked count for the Prometheus gauge.
+_GAUGE_EVERY = 10.0
 
 
 def encode_message(app: Any, sig: Any) -> bytes:
@@ -77,6 +80,7 @@ class Releaser(threading.Thread):
         super().__init__(name="celery-throttle-releaser", daemon=True)
         self.ctl = ctl
         self._stop_event = threading.Event()
+        self._gauged_at = float("-inf")
 
     def run(self) -> None:
         interval = self.ctl.settings.release_interval
@@ -120,4 +124,8 @@ class Releaser(threading.Thread):
         ctl.store.ack(unacked)
         if sent:
             logger.info("released %d parked task(s)", sent)
+            ctl.metrics.released(sent)
+        if ctl.metrics.enabled and time.monotonic() - self._gauged_at > _GAUGE_EVERY:
+            self._gauged_at = time.monotonic()
+            ctl.metrics.parked_waiting(ctl.store.parked_count()[0])
         return len(items)

@@ -80,6 +80,7 @@ def admit(ctl: Throttle, task: Any, args: Any, kwargs: Any, options: Mapping[str
         call = ctl.bind(task, args, kwargs, quick=True)
         reply = ctl.check(call, reserve=True, publish=True, max_wait=ctl.max_wait(spec), quick=True)
     except StoreError as exc:
+        ctl.metrics.store_error("producer")
         _breaker.trip()
         logger.warning("throttle store unreachable at publish: tasks are sent unchecked for %.0fs "
                        "(the workers check them): %s", STORE_ERROR_PAUSE, exc)
@@ -91,9 +92,10 @@ def admit(ctl: Throttle, task: Any, args: Any, kwargs: Any, options: Mapping[str
     state: dict[str, Any] = {}
     ident = state_key(settings.key_prefix, call.scope, call.key)
     delay = plan_return(ctl, call, state, ident, None, reply)
-    parked = delay > settings.park_after
+    parked = delay >= settings.park_after
     if delay > 0:  # turned away: not a task that goes now with its start
         state["n"] = 1
+        ctl.metrics.denied(call.scope, call.key, delay, parked)
         signals.task_throttled.send(sender=task, request=Context(args=args, kwargs=kwargs, headers=headers),
                                     delay=delay, scope=call.scope, key=call.key, parked=parked)
     return Deferral(state, delay, parked, reply.now_us)

@@ -92,6 +92,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             reply = ctl.check(call, reserve=True, screen=True, max_wait=ctl.max_wait(spec), quick=True)
         except StoreError as exc:
             # Redis down or slow: stop screening for a while; the pool's check decides.
+            ctl.metrics.store_error("consumer")
             breaker.trip()
             logger.warning("throttle store unreachable from the consumer, not screening for %.0fs: %s",
                            STORE_ERROR_PAUSE, exc)

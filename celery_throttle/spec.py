@@ -17,7 +17,7 @@ from .config import ALGORITHMS, check_margin, check_max_wait
 from .errors import ConfigurationError, KeyBuildError
 from .rates import Rate, parse_rates
 
-__all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec"]
+__all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec", "declared_spec"]
 
 RateArg = str | Rate | Sequence[str | Rate] | Callable[..., Any]
 RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin")
@@ -234,3 +234,11 @@ def _call(fn: Callable[..., Any], task_name: str, what: str, args: Sequence[Any]
         return fn(*args, **kwargs)
     except Exception as exc:
         raise KeyBuildError(f"task {task_name}: the {what} callable raised {exc!r}") from exc
+
+
+def declared_spec(task: Any) -> ThrottleSpec | None:
+    """The spec of a ``@throttle`` on a task, above (on its class) or below (on its function)."""
+    spec = type(task).__dict__.get("_throttle_spec")
+    if spec is None:
+        spec = getattr(getattr(task, "run", None), "__throttle__", None)
+    return spec if isinstance(spec, ThrottleSpec) else None

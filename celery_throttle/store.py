@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -265,6 +265,14 @@ class RedisStore:
         over = [f for f, until in self.client.hgetall(key).items() if until.isdigit() and int(until) < now]
         if over:
             self.client.hdel(key, *over)
+
+    def scan(self, pattern: str) -> Iterator[str]:
+        """Key names matching ``pattern``, by SCAN (never KEYS: a busy Redis is not blocked)."""
+        try:
+            for name in self.client.scan_iter(match=pattern, count=500):
+                yield name.decode(errors="surrogateescape") if isinstance(name, bytes) else name
+        except RedisError as exc:
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
     def delete(self, key: str) -> int:
         try:

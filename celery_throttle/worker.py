@@ -113,7 +113,7 @@ def _on_worker_init(sender: Any, **_: Any) -> None:
 
 def _install_if_forgotten(app: Any) -> None:
     from . import install
-    from .hook import declared_spec
+    from .spec import declared_spec
 
     if "_celery_throttle" in app.__dict__:
         return

@@ -29,11 +29,53 @@ def test_status_reset_and_parked_from_the_command_line(prefix: str) -> None:
     ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
     ctl.acquire("github-api", key="acme", rates=["10/m", "100/h"], cost=3)
     out = _celery(prefix, "status", "github-api", "--key", "acme")
-    assert "sliding 10/m: used 3, remaining 7" in out
-    assert "sliding 100/h: used 3, remaining 97" in out
+    assert _row(out, "github-api", "acme", "10/m") == ["3", "7"]
+    assert _row(out, "", "", "100/h") == ["3", "97"]
     assert "parked: 0 waiting, 0 being released, 0 dead" in _celery(prefix, "parked")
     assert "reset github-api key=acme" in _celery(prefix, "reset", "github-api", "--key", "acme")
-    assert "nothing counted" in _celery(prefix, "status", "github-api", "--key", "acme")
+    # Nothing left, and no task of the app uses that scope: said, not a blank table
+    gone = _run(prefix, "status", "github-api", "--key", "acme")
+    assert gone.returncode == 1 and "nothing counted, paused or limited" in gone.stderr
+
+
+def _row(out: str, *head: str) -> list[str]:
+    """The used and left cells of the table row that starts with ``head`` (blank cells of
+    a continued row given as "")."""
+    for line in out.splitlines():
+        cells = line.split()
+        named = [h for h in head if h]
+        if cells[:len(named)] == named and (head[0] or line.startswith(" ")):
+            return cells[len(named):len(named) + 2]
+    raise AssertionError(f"no row {head} in:\n{out}")
+
+
+def test_status_lists_every_scope_with_its_pauses_and_live_limits_and_as_json(prefix: str) -> None:
+    import json
+
+    ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
+    ctl.acquire("github-api", key="acme", rates=["10/m"], cost=3)
+    ctl.acquire("github-api", key="globex", rates=["10/m"], cost=1)
+    ctl.acquire("exports", rates=["5/m"], cost=2)
+    ctl.pause("vendor", key="acme")
+    out = _celery(prefix, "status")
+    assert _row(out, "github-api", "acme", "10/m") == ["3", "7"]
+    assert _row(out, "github-api", "globex", "10/m") == ["1", "9"]
+    assert _row(out, "exports", "-", "5/m") == ["2", "3"]
+    assert "until resumed" in next(line for line in out.splitlines() if line.startswith("vendor"))
+    assert "parked: 0 waiting" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+    only = _celery(prefix, "status", "--match", "github*")
+    assert "exports" not in only and "globex" in only
+    data = json.loads(_celery(prefix, "status", "--json", "--match", "exports"))
+    assert [(k["scope"], k["key"]) for k in data["keys"]] == [("exports", None)]
+    assert data["keys"][0]["rates"][0]["used"] == 2 and data["parked"]["dead"] == 0
+    assert data["keys"][0]["rates"][0]["reset_at"][-6] in "+-"  # a zone with every time
+
+
+def test_a_misspelt_scope_is_an_error_that_lists_the_known_ones(prefix: str) -> None:
+    out = _run(prefix, "status", "githb-api")
+    assert out.returncode != 0
+    assert "no such scope 'githb-api'" in out.stderr and "shared-api" in out.stderr
 
 
 def test_an_unreachable_store_is_one_line_of_error_not_a_traceback(prefix: str) -> None:
@@ -50,7 +92,7 @@ def test_pause_and_resume_from_the_command_line(prefix: str) -> None:
     out = _celery(prefix, "pause", "github-api", "--key", "acme", "--for", "90s")
     assert out.startswith("paused github-api key=acme until ")
     assert ctl.status("github-api", key="acme").paused_until is not None
-    assert "paused until" in _celery(prefix, "status", "github-api", "--key", "acme")
+    assert "until " in _celery(prefix, "status", "github-api", "--key", "acme")
     assert ctl.status("github-api", key="other").paused_until is None  # the key only
     assert "paused github-api key=None until resumed" in _celery(prefix, "pause", "github-api")
     assert "resumed github-api key=None" in _celery(prefix, "resume", "github-api")
@@ -62,11 +104,11 @@ def test_pause_and_resume_from_the_command_line(prefix: str) -> None:
 
 def test_set_and_unset_a_live_limit_from_the_command_line(prefix: str) -> None:
     ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
-    ctl.acquire("github-api", rates=["10/s"], cost=3)
-    assert "github-api key=None: limit set to 4/s" in _celery(prefix, "set", "github-api", "4/s")
+    ctl.acquire("github-api", rates=["10/m"], cost=3)
+    assert "github-api key=None: limit set to 4/m" in _celery(prefix, "set", "github-api", "4/m")
     out = _celery(prefix, "status", "github-api")
-    # What was counted under the declared 10/s still counts under the live 4/s
-    assert "live limit 4/s" in out and "sliding 4/s: used 3, remaining 1" in out
+    # What was counted under the declared 10/m still counts under the live 4/m
+    assert _row(out, "github-api", "-", "4/m", "(live)") == ["3", "1"]
     assert "back to the code's rates" in _celery(prefix, "unset", "github-api")
     assert "no live limit set" in _celery(prefix, "unset", "github-api")
     bad = _run(prefix, "set", "github-api", "fast")

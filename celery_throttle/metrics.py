@@ -1,0 +1,122 @@
+"""What the throttle did, for people on call: Prometheus metrics and a log summary.
+
+Metrics come with the ``prometheus`` extra (``pip install celery-throttle[prometheus]``):
+counters and a gauge in prometheus-client's default registry, so the worker's existing
+exporter (``prometheus_client.start_http_server``, or multiprocess mode with prefork)
+serves them. Labelled by scope; by key too only with ``throttle_metrics_keys = True``
+(a tenant id per label value can grow without bound). Without the extra, nothing is
+counted and nothing is imported.
+
+Each process also logs, at INFO, a summary of its denials per scope and key at most
+once a ``SUMMARY_INTERVAL`` (when there were any), and a DEBUG line per denial.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+__all__ = ["SUMMARY_INTERVAL", "Metrics"]
+
+logger = logging.getLogger("celery_throttle")
+
+#: Seconds between two INFO summaries of one process's denials.
+SUMMARY_INTERVAL = 60.0
+
+try:  # the prometheus extra
+    import prometheus_client
+except ImportError:  # pragma: no cover - exercised where the extra is not installed
+    prometheus_client = None
+
+_instruments: dict[str, Any] = {}
+_instruments_lock = threading.Lock()
+
+
+def _instrument(kind: str, name: str, documentation: str, labels: tuple[str, ...]) -> Any:
+    """One instrument per name and label set in this process (the default registry
+    refuses a second one of the same name)."""
+    ident = f"{name}:{','.join(labels)}"
+    with _instruments_lock:
+        if ident not in _instruments:
+            cls = getattr(prometheus_client, kind)
+            try:
+                _instruments[ident] = cls(name, documentation, labels) if labels else cls(name, documentation)
+            except ValueError:  # registered by another app of this process with other labels
+                _instruments[ident] = None
+        return _instruments[ident]
+
+
+class Metrics:
+    """Counts what the throttle does in this process (a no-op without the extra)."""
+
+    def __init__(self, with_keys: bool = False) -> None:
+        self.with_keys = with_keys
+        self.enabled = prometheus_client is not None
+        labels = ("scope", "key") if with_keys else ("scope",)
+        if self.enabled:
+            self._admitted = _instrument("Counter", "celery_throttle_admitted",
+                                         "Task starts the throttle admitted", labels)
+            self._denied = _instrument("Counter", "celery_throttle_denied",
+                                       "Task starts the throttle deferred", labels)
+            self._deferred = _instrument("Counter", "celery_throttle_deferred_seconds",
+                                         "Seconds denied tasks were deferred for", labels)
+            self._parked = _instrument("Counter", "celery_throttle_parked",
+                                       "Denied tasks parked in Redis for a long wait", labels)
+            self._released = _instrument("Counter", "celery_throttle_released",
+                                         "Parked tasks sent back to the broker", ())
+            self._store_errors = _instrument("Counter", "celery_throttle_store_errors",
+                                             "Checks that could not reach Redis", ("where",))
+            self._waiting = _instrument("Gauge", "celery_throttle_parked_waiting",
+                                        "Tasks parked in Redis, waiting for their start", ())
+        self._lock = threading.Lock()
+        self._denials: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0, 0.0, 0])
+        self._summary_at = time.monotonic()
+
+    def _labels(self, scope: str, key: str | None) -> tuple[str, ...]:
+        return (scope, key or "") if self.with_keys else (scope,)
+
+    def admitted(self, scope: str, key: str | None) -> None:
+        if self.enabled and self._admitted is not None:
+            self._admitted.labels(*self._labels(scope, key)).inc()
+
+    def denied(self, scope: str, key: str | None, delay: float, parked: bool) -> None:
+        if self.enabled and self._denied is not None:
+            labels = self._labels(scope, key)
+            self._denied.labels(*labels).inc()
+            self._deferred.labels(*labels).inc(max(delay, 0.0))
+            if parked:
+                self._parked.labels(*labels).inc()
+        with self._lock:
+            entry = self._denials[(scope, key)]
+            entry[0] += 1
+            entry[1] += max(delay, 0.0)
+            entry[2] += 1 if parked else 0
+        self.summarize()
+
+    def released(self, count: int) -> None:
+        if self.enabled and self._released is not None and count:
+            self._released.inc(count)
+
+    def store_error(self, where: str) -> None:
+        if self.enabled and self._store_errors is not None:
+            self._store_errors.labels(where).inc()
+
+    def parked_waiting(self, count: int) -> None:
+        if self.enabled and self._waiting is not None:
+            self._waiting.set(count)
+
+    def summarize(self, force: bool = False) -> None:
+        """Log the denials since the last summary, once SUMMARY_INTERVAL has passed."""
+        now = time.monotonic()
+        if not force and now - self._summary_at < SUMMARY_INTERVAL:
+            return
+        with self._lock:
+            denials, self._denials = self._denials, defaultdict(lambda: [0, 0.0, 0])
+            span, self._summary_at = now - self._summary_at, now
+        for (scope, key), (count, seconds, parked) in sorted(denials.items(), key=lambda i: -i[1][0]):
+            logger.info("throttled in the last %.0fs: scope=%s key=%s: %d task(s) deferred, %.1fs on "
+                        "average%s", span, scope, key, count, seconds / count,
+                        f", {parked} parked" if parked else "")

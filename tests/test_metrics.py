@@ -1,0 +1,62 @@
+"""Metrics (the prometheus extra) and the log summary, from a real in-process worker."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+import celery_throttle
+from celery_throttle import throttle
+from tests.helpers import BROKER_URL, STORE_URL, delete_queues, wait_for
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+
+@pytest.fixture
+def app(prefix: str) -> Iterator[Celery]:
+    app = Celery(f"metrics-{prefix}", broker=BROKER_URL, backend=BROKER_URL, set_as_current=False)
+    app.conf.update(task_default_queue=prefix, result_expires=60, broker_connection_retry_on_startup=True,
+                    worker_hijack_root_logger=False)
+    celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix, park_after=1.0)
+    yield app
+    app.close()
+    delete_queues(BROKER_URL, [prefix])
+
+
+def _sample(name: str, **labels: str) -> float:
+    return prometheus_client.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_counters_by_scope_and_a_summary_of_denials_in_the_log(
+        app: Celery, caplog: pytest.LogCaptureFixture) -> None:
+    scope = f"metrics-api-{uuid.uuid4().hex[:6]}"
+    ran: list[float] = []
+
+    @app.task(shared=False)
+    @throttle("3/s", scope=scope)
+    def call() -> None:
+        ran.append(time.time())
+
+    ctl = celery_throttle.install(app)
+    # When 8 calls are sent at once to a worker (one more with a long wait: parked)
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=20):
+        for _ in range(9):
+            call.delay()
+        wait_for(lambda: len(ran) >= 9, 30, 0.05, f"9 runs (have {len(ran)})")
+        with caplog.at_level(logging.INFO, logger="celery_throttle"):
+            ctl.metrics.summarize(force=True)
+    # Then every start and every deferral is counted under the scope
+    assert _sample("celery_throttle_admitted_total", scope=scope) == 9
+    denied = _sample("celery_throttle_denied_total", scope=scope)
+    assert denied >= 6  # at publish, in the consumer or in the pool: 6 of 9 had to wait
+    assert _sample("celery_throttle_deferred_seconds_total", scope=scope) >= 6 * 0.3
+    assert _sample("celery_throttle_parked_total", scope=scope) >= 1  # waits of 1 s or more
+    assert _sample("celery_throttle_released_total") >= 1
+    summary = [r.getMessage() for r in caplog.records if "throttled in the last" in r.getMessage()]
+    assert any(f"scope={scope} key=None" in line for line in summary), summary

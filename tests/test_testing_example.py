@@ -1,0 +1,62 @@
+"""The README's example of testing throttled tasks (Celery's own pytest fixtures, with an
+in-process worker): kept here so that the suite runs it."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+import celery_throttle
+from celery_throttle import throttle
+from tests.helpers import BROKER_URL, STORE_URL
+
+pytest_plugins = ("celery.contrib.pytest",)  # what pytest-celery enables for you
+
+
+@pytest.fixture(scope="session")
+def celery_config() -> dict:
+    return {"broker_url": BROKER_URL, "result_backend": BROKER_URL,
+            "throttle_redis_url": STORE_URL, "throttle_key_prefix": "example-tests"}
+
+
+@pytest.fixture(autouse=True)
+def _clean_keys() -> None:
+    yield
+    store = redis.Redis.from_url(STORE_URL)
+    for key in store.scan_iter(match="example-tests*"):
+        store.delete(key)
+
+
+def test_a_burst_is_held_to_its_limit(celery_app, celery_worker) -> None:
+    ctl = celery_throttle.install(celery_app)
+    delays: list[float] = []
+
+    def on_throttled(sender, delay, **_) -> None:
+        delays.append(delay)
+
+    celery_throttle.signals.task_throttled.connect(on_throttled)
+
+    @celery_app.task
+    @throttle("2/s", scope="example-api")
+    def fetch(n):
+        return n
+
+    celery_worker.reload()  # the worker started before the task existed
+    try:
+        results = [fetch.delay(i) for i in range(4)]
+        assert [r.get(timeout=10) for r in results] == [0, 1, 2, 3]
+        assert len(delays) >= 2  # two of the four had to wait
+        assert ctl.status("example-api").rates[0].used >= 2
+    finally:
+        celery_throttle.signals.task_throttled.disconnect(on_throttled)
+
+
+def test_eager_calls_are_never_throttled(celery_app) -> None:
+    celery_throttle.install(celery_app)
+
+    @celery_app.task
+    @throttle("1/h", scope="example-eager")
+    def add(a, b):
+        return a + b
+
+    assert [add.apply(args=(i, 1)).get() for i in range(3)] == [1, 2, 3]
