@@ -6,13 +6,17 @@ Registered under the ``celery.commands`` entry point group, as Flower does.
 from __future__ import annotations
 
 import datetime as dt
+import fnmatch
 import json
 from typing import Any
 
 import click
 from kombu.exceptions import ContentDisallowed, DecodeError
 
+from .deferral import HEADER, read_state
 from .errors import ThrottleError
+from .keys import state_of
+from .parking import decode_message
 
 __all__ = ["throttle"]
 
@@ -179,35 +183,77 @@ def reset(ctx: click.Context, scope: str, key: str | None) -> None:
 
 
 @throttle.command()
+@click.option("--tasks", is_flag=True, help="List each waiting task (id, task, scope, key, due) instead of a summary.")
+@click.option("--match", default="*", show_default=True, help="Only parked tasks whose scope (or scope:key) matches.")
+@click.option("--purge", is_flag=True, help="Delete the waiting parked tasks (those --match selects); asks first.")
 @click.option("--dead", is_flag=True, help="List the dead letters: parked tasks that could not be sent back.")
 @click.option("--requeue", is_flag=True, help="Hand every dead letter out again, now.")
 @click.option("--drop", is_flag=True, help="Delete every dead letter (asks first).")
-@click.option("--yes", is_flag=True, help="Do not ask before --drop.")
+@click.option("--yes", is_flag=True, help="Do not ask before --purge or --drop.")
 @click.pass_context
-def parked(ctx: click.Context, dead: bool, requeue: bool, drop: bool, yes: bool) -> None:
-    """Count tasks parked in Redis for a long wait, and deal with dead letters."""
+def parked(ctx: click.Context, tasks: bool, match: str, purge: bool, dead: bool, requeue: bool, drop: bool,
+           yes: bool) -> None:
+    """Tasks parked in Redis for a long wait, by scope and key with their due times; dead letters.
+
+    Without options: a summary per scope and key (waiting, next and last due). A purged
+    task is gone for good: it never runs.
+    """
     ctl = _controller(ctx)
     store = ctl.store
     if dead or requeue or drop:
-        letters = store.dead_letters()
-        for parked_id, when_us, attempts, message in letters:
-            click.echo(f"{parked_id}  {_task_name(ctl.app, message)}  dead since "
-                       f"{_when(when_us / 1e6)} after {attempts} attempts")
-        ids = [parked_id for parked_id, _, _, _ in letters]
-        if requeue:
-            click.echo(f"requeued {store.requeue_dead(ids)} dead letter(s)")
-        elif drop and ids and (yes or click.confirm(f"delete {len(ids)} dead letter(s) for good?")):
-            click.echo(f"dropped {store.drop_dead(ids)} dead letter(s)")
-        if not letters:
-            click.echo("no dead letters")
+        _dead_letters(ctl, requeue, drop, yes)
         return
-    waiting, in_flight, dead_count = store.parked_count()
-    click.echo(f"parked: {waiting} waiting, {in_flight} being released, {dead_count} dead")
+    waiting = [(pid, due / 1e6, _parked_task(ctl, message)) for pid, due, message in store.waiting()]
+    waiting = [w for w in waiting if fnmatch.fnmatchcase(w[2][1], match)
+               or (w[2][2] is not None and fnmatch.fnmatchcase(f"{w[2][1]}:{w[2][2]}", match))]
+    if purge:
+        if waiting and (yes or click.confirm(f"delete {len(waiting)} parked task(s) for good (they never run)?")):
+            click.echo(f"purged {store.purge([pid for pid, _, _ in waiting])} parked task(s)")
+        elif not waiting:
+            click.echo("no parked task to purge")
+        return
+    if tasks:
+        for pid, due, (name, scope, key) in waiting:
+            click.echo(f"{pid.split(':')[0]}  {name}  scope={scope} key={key}  due {_when(due)}")
+    else:
+        groups: dict[tuple[str, str | None], list[float]] = {}
+        for _, due, (_, scope, key) in waiting:
+            groups.setdefault((scope, key), []).append(due)
+        for (scope, key), dues in sorted(groups.items(), key=lambda g: (g[0][0], g[0][1] or "")):
+            click.echo(f"{scope} key={key}: {len(dues)} waiting, next due {_when(min(dues))}, "
+                       f"last {_when(max(dues))}")
+    count, in_flight, dead_count = store.parked_count()
+    click.echo(f"parked: {count} waiting, {in_flight} being released, {dead_count} dead")
+
+
+def _dead_letters(ctl: Any, requeue: bool, drop: bool, yes: bool) -> None:
+    store = ctl.store
+    letters = store.dead_letters()
+    for parked_id, when_us, attempts, message in letters:
+        click.echo(f"{parked_id}  {_task_name(ctl.app, message)}  dead since "
+                   f"{_when(when_us / 1e6)} after {attempts} attempts")
+    ids = [parked_id for parked_id, _, _, _ in letters]
+    if requeue:
+        click.echo(f"requeued {store.requeue_dead(ids)} dead letter(s)")
+    elif drop and ids and (yes or click.confirm(f"delete {len(ids)} dead letter(s) for good?")):
+        click.echo(f"dropped {store.drop_dead(ids)} dead letter(s)")
+    if not letters:
+        click.echo("no dead letters")
+
+
+def _parked_task(ctl: Any, message: bytes | None) -> tuple[str, str, str | None]:
+    """(task name, scope, key) of a parked message; its scope from the reservation it
+    carries, else "?"."""
+    try:
+        body = decode_message(ctl.app, message or b"")
+    except (ValueError, TypeError, AttributeError, DecodeError, ContentDisallowed):
+        return "<cannot be decoded>", "?", None
+    state = read_state((body["options"].get("headers") or {}).get(HEADER))
+    named = state_of(ctl.settings.key_prefix, state["k"]) if "k" in state else None
+    return body["task"], *(named or ("?", None))
 
 
 def _task_name(app: Any, message: bytes | None) -> str:
-    from .parking import decode_message
-
     if message is None:
         return "<message gone>"
     try:

@@ -140,6 +140,7 @@ class RedisStore:
             "release": client.register_script(_lua("release.lua")),
             "ack": client.register_script(_lua("ack.lua")),
             "requeue": client.register_script(_lua("requeue.lua")),
+            "purge": client.register_script(_lua("purge.lua")),
         }
         return client
 
@@ -326,6 +327,27 @@ class RedisStore:
             raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
         return [(i.decode(), int(when), int(n or 0), body)
                 for (i, when), body, n in zip(ids, bodies, tries)]
+
+    def waiting(self, limit: int = 10_000) -> list[tuple[str, int, bytes | None]]:
+        """Parked messages waiting for their time: (id, due in µs, message), soonest first."""
+        due, messages, _ = parking_keys(self.prefix)
+        try:
+            ids = self.client.zrange(due, 0, limit - 1, withscores=True)
+            out: list[tuple[str, int, bytes | None]] = []
+            for start in range(0, len(ids), 500):
+                chunk = ids[start:start + 500]
+                bodies = self.client.hmget(messages, [i for i, _ in chunk])
+                out += [(i.decode(), int(when), body) for (i, when), body in zip(chunk, bodies)]
+        except RedisError as exc:
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
+        return out
+
+    def purge(self, parked_ids: Sequence[str]) -> int:
+        """Delete parked messages still waiting (one a releaser took meanwhile goes on)."""
+        due, messages, _ = parking_keys(self.prefix)
+        attempts, _ = dead_letter_keys(self.prefix)
+        return sum(int(self._run("purge", [due, messages, attempts], list(parked_ids[i:i + 500])))
+                   for i in range(0, len(parked_ids), 500))
 
     def requeue_dead(self, parked_ids: Sequence[str]) -> int:
         """Hand dead letters out again, now, with their attempts forgotten."""

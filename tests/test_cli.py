@@ -113,3 +113,25 @@ def test_set_and_unset_a_live_limit_from_the_command_line(prefix: str) -> None:
     assert "no live limit set" in _celery(prefix, "unset", "github-api")
     bad = _run(prefix, "set", "github-api", "fast")
     assert bad.returncode != 0 and "bad rate 'fast'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_parked_tasks_by_scope_and_key_with_due_times_and_a_purge(prefix: str) -> None:
+    from celery_throttle.deferral import HEADER
+    from celery_throttle.keys import state_key
+    from celery_throttle.parking import park
+
+    ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
+    now_us = ctl.store.now_us()
+    for i, (scope, key) in enumerate([("exports", "acme"), ("exports", "acme"), ("github-api", None)]):
+        sig = app.signature("tests.taskapp.below", args=(f"p{i}",), task_id=f"task-{i}",
+                            headers={HEADER: {"k": state_key(prefix, scope, key), "n": 1}})
+        park(ctl, sig, due_us=now_us + (i + 1) * 3_600_000_000)
+    out = _celery(prefix, "parked")
+    assert "exports key=acme: 2 waiting, next due " in out and "github-api key=None: 1 waiting" in out
+    assert "parked: 3 waiting, 0 being released, 0 dead" in out
+    listed = _celery(prefix, "parked", "--tasks", "--match", "github*")
+    assert "task-2  tests.taskapp.below  scope=github-api key=None  due " in listed and "task-0" not in listed
+    assert "purged 2 parked task(s)" in _celery(prefix, "parked", "--purge", "--match", "exports:acme", "--yes")
+    assert ctl.store.parked_count() == (1, 0, 0)
+    declined = _run(prefix, "parked", "--purge")  # asks first; no answer: nothing deleted
+    assert declined.returncode != 0 and ctl.store.parked_count() == (1, 0, 0)
