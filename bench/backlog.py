@@ -49,7 +49,7 @@ from bench.naive import NaiveLimiter
 from celery_throttle.keys import state_key
 from celery_throttle.limiter import _grace_us, _slack_us
 from celery_throttle.rates import Rate, parse_rates
-from celery_throttle.store import RedisStore, Reservation, WindowReply
+from celery_throttle.store import Code, RedisStore, Reservation, WindowReply
 
 SEC = "9 deep backlog"
 RATE_SETS = (("1/s",), ("10/s", "1000/h"))
@@ -261,7 +261,7 @@ def build(store: RedisStore, cfg: Config, keys: Sequence[str], depth: int) -> di
                 for _ in range(n):
                     cfg.call(store, k)
         for k, reply in bulk.replies:
-            if reply.code == WindowReply.DENIED and reply.start_us:
+            if reply.code == Code.DENIED and reply.start_us:
                 held[k].append(Reservation(reply.start_us, reply.latest_us, 1, reply.grace_us, reply.epoch))
         wanted = {k: depth - len(held[k]) for k in keys}
     short = [k for k in keys if len(held[k]) != depth]
@@ -423,7 +423,7 @@ def measure_fitting(client: Any, store: RedisStore, cfg: Config, prefix: str) ->
     sample = best([probe(client, fits(r)) for r in range(ROUNDS)])
     for k in keys:
         client.unlink(k)
-    if codes[WindowReply.RUN] != len(keys):
+    if codes[Code.RUN] != len(keys):
         raise RuntimeError(f"{cfg.name}: fitting calls answered {dict(codes)}")
     return sample
 
@@ -449,7 +449,7 @@ def measure_naive(client: Any, prefix: str, algorithm: str, limit: int, window_s
 
 
 def _codes(codes: dict[int, int]) -> str:
-    names = {WindowReply.RUN: "run", WindowReply.DENIED: "denied", WindowReply.EARLY: "early"}
+    names = {Code.RUN: "run", Code.DENIED: "denied", Code.EARLY: "early"}
     return "/".join(f"{n} {names.get(c, c)}" for c, n in sorted(codes.items()))
 
 
@@ -510,13 +510,13 @@ def _report_config(res: Results, cfg: Config, runs: list[Depth], fitting: Sample
             + ", ".join(_codes(d.extra["deny codes"]) for d in runs))
     value, worst = _progression(runs, lambda d: d.due.per_call)
     res.add(SEC, "µs/claim when due", cfg.name, value, f"<= {RATIO_TARGET}x depth {runs[0].depth}",
-            worst <= RATIO_TARGET and _all(runs, "due", WindowReply.RUN),
+            worst <= RATIO_TARGET and _all(runs, "due", Code.RUN),
             f"on-time claims of the front reservations, best of {ROUNDS} x {BATCH}; each passes its start "
             "+0.5 ms as the script's now instead of waiting for it; answered "
             + ", ".join(_codes(d.extra["due codes"]) for d in runs))
     value, worst = _progression(runs, lambda d: d.early.per_call)
     res.add(SEC, "µs/claim, early (code 2)", cfg.name, value, f"<= {RATIO_TARGET}x depth {runs[0].depth}",
-            worst <= RATIO_TARGET and _all(runs, "early", WindowReply.EARLY), f"claims of a far-off reservation, best of {ROUNDS} x {BATCH}; answered "
+            worst <= RATIO_TARGET and _all(runs, "early", Code.EARLY), f"claims of a far-off reservation, best of {ROUNDS} x {BATCH}; answered "
             + ", ".join(_codes(d.extra["early codes"]) for d in runs))
     slowest = max(max(d.denial.slowest, d.due.slowest, d.early.slowest) for d in runs)
     per_depth = " · ".join(f"{d.depth:,}: {max(d.denial.slowest, d.due.slowest, d.early.slowest)}"

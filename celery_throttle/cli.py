@@ -13,6 +13,7 @@ from typing import Any
 import click
 from kombu.exceptions import ContentDisallowed, DecodeError
 
+from .controller import controller
 from .deferral import HEADER, read_state
 from .errors import ThrottleError
 from .keys import state_of
@@ -22,9 +23,7 @@ __all__ = ["throttle"]
 
 
 def _controller(ctx: click.Context) -> Any:
-    from . import install
-
-    return install(ctx.obj.app)
+    return controller(ctx.obj.app)
 
 
 class _Group(click.Group):

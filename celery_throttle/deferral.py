@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .spec import BoundCall
-from .store import Reservation, WindowReply, rates_tag
+from .store import Code, Reservation, WindowReply, rates_tag
 
 if TYPE_CHECKING:
     from .limiter import Throttle
@@ -50,7 +50,7 @@ def plan_return(ctl: Throttle, call: BoundCall, state: dict[str, Any], ident: st
     many seconds the task should be sent back."""
     state.pop("e", None)
     lead_us = ctl.lead_us(call.rates, reply.lead_us)
-    if reply.code == WindowReply.EARLY:
+    if reply.code == Code.EARLY:
         reservation = claim
         lead_us = 0  # it already came back early once: aim at the start itself
     elif reply.start_us:

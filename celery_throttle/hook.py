@@ -30,12 +30,14 @@ from celery.utils import uuid
 
 from . import signals
 from .backoff import Backoff
+from .controller import controller
 from .deferral import HEADER, plan_return, read_state
 from .errors import StoreError, WaitTooLong
 from .keys import state_key
+from .parking import park
 from .publish import admit, park_at_publish
 from .spec import BoundCall, ThrottleSpec, declared_spec
-from .store import Reservation, WindowReply
+from .store import Code, Reservation, WindowReply
 
 if TYPE_CHECKING:
     from .limiter import Throttle
@@ -72,9 +74,7 @@ def attach(task: Any, spec: ThrottleSpec) -> None:
                     **options: Any) -> Any:
         # Admission at publish (see publish.py): a task that does not fit now leaves with
         # the start it reserved, as a countdown, or waits parked in Redis.
-        from . import install
-
-        ctl = install(self.app)
+        ctl = controller(self.app)
         deferral = admit(ctl, self, args, kwargs, options)
         if deferral is None:
             return send(self, args, kwargs, task_id, producer, link, link_error, shadow, **options)
@@ -134,9 +134,7 @@ def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
     request = task.request
     if request.is_eager or request.called_directly:
         raise exc
-    from . import install
-
-    ctl = install(task.app)
+    ctl = controller(task.app)
     call = ctl.bind(task, args, kwargs)
     key = None if exc.whole_scope else call.key
     try:
@@ -229,9 +227,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     request = task.request
     if request.is_eager or request.called_directly:
         return True  # direct and eager calls are not task executions: never throttled
-    from . import install
-
-    ctl = install(task.app)
+    ctl = controller(task.app)
     if not ctl.settings.enabled:
         return True
     spec: ThrottleSpec = type(task)._throttle_spec
@@ -242,7 +238,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     max_wait = ctl.max_wait(spec)
     try:
         reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id, lease=True, max_wait=max_wait)
-        if reply.code == WindowReply.EARLY and claim and reply.wait_us <= _wait_here_us(ctl, call, claim):
+        if reply.code == Code.EARLY and claim and reply.wait_us <= _wait_here_us(ctl, call, claim):
             # Sent back a little early on purpose (dispatch takes a while): wait here
             # for the reserved start rather than a round trip through the broker.
             # (An Event, not time.sleep: libfaketime, with which the clock-skew test
@@ -256,7 +252,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
         _forget_header(request)
         ctl.metrics.admitted(call.scope, call.key)
         return True
-    if reply.code == WindowReply.TOO_FAR:
+    if reply.code == Code.TOO_FAR:
         wait = reply.wait_us / 1e6
         signals.task_wait_exceeded.send(sender=task, request=request, wait=wait, max_wait=max_wait,
                                         scope=call.scope, key=call.key)
@@ -265,7 +261,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
             f"{'' if call.key is None else f' key {call.key!r}'}: more than its max_wait of "
             f"{_seconds(max_wait or 0)}"
         )
-    if claim is not None and reply.code == WindowReply.DENIED:
+    if claim is not None and reply.code == Code.DENIED:
         # Its reserved start could not be used (it came too late, or the window state it
         # was made in is gone): it queues again behind every start reserved since.
         logger.info("throttled %s[%s] could not use its reserved start (now %+.1f ms from it); "
@@ -317,8 +313,6 @@ def _forget_header_of(request: dict[str, Any]) -> None:
 def _defer(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call: BoundCall,
            state: dict[str, Any], delay: float, now_us: int | None, *, may_park: bool = True) -> None:
     """Send the task again, same id/args/kwargs/routing and retry count (or park it)."""
-    from .parking import park
-
     state["n"] = int(state.get("n") or 0) + 1  # deferrals so far, for observability
     headers = dict(request.headers or {})
     headers[HEADER] = state
@@ -327,7 +321,7 @@ def _defer(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call:
     signals.task_throttled.send(sender=task, request=request, delay=delay,
                                 scope=call.scope, key=call.key, parked=parked)
     ctl.metrics.denied(call.scope, call.key, delay, parked)
-    if parked:
+    if parked and now_us is not None:
         try:
             park(ctl, sig, due_us=now_us + int(delay * 1e6))
         except StoreError as exc:

@@ -19,7 +19,7 @@ from .lease import Leases, sent_at
 from .metrics import Metrics
 from .rates import Rate, parse_rates
 from .spec import BoundCall, ThrottleSpec, declared_spec
-from .store import ALGORITHM_TAGS, RedisStore, Reservation, WindowReply, rate_field, rates_tag
+from .store import ALGORITHM_TAGS, Code, RedisStore, Reservation, WindowReply, rate_field, rates_tag
 
 __all__ = ["Decision", "RateStatus", "Status", "Throttle"]
 
@@ -163,25 +163,8 @@ class Throttle:
                 return spec
         return None
 
-    def patch_tasks(self, **_: Any) -> int:
-        """Hook every throttled task of the app (decorated or matched by a rule)."""
-        from .hook import attach
-
-        count = 0
-        for name, task in list(self.app.tasks.items()):
-            if name.startswith("celery."):
-                continue
-            spec, where = declared_spec(task), f"task {name}"
-            if spec is None:
-                spec, pattern = self.rule_for(name), self._rule_pattern(name)
-                where = f"throttle_rules[{pattern!r}] for task {name}"
-            if spec is not None:
-                spec.check_signature(task.run, where)
-                attach(task, spec)
-                count += 1
-        return count
-
-    def _rule_pattern(self, task_name: str) -> str | None:
+    def rule_pattern(self, task_name: str) -> str | None:
+        """The glob of the first rule matching ``task_name``, or None."""
         return next((p for p in self.settings.rules if fnmatch.fnmatchcase(task_name, p)), None)
 
     # -- the limiter ------------------------------------------------------------------
@@ -271,7 +254,7 @@ class Throttle:
         # rates (a callable rate that changed) does not use it.
         leased_as = (key, call.algorithm, call.rates)
         if lease and self._leases.take(leased_as, call.cost, slack):
-            return WindowReply(WindowReply.RUN, 0, -1, 0, 0, 0, 0, 0, -1, 0)
+            return WindowReply(Code.RUN, 0, -1, 0, 0, 0, 0, 0, -1, 0)
         span = self.lease_span_us(call.rates) if lease else 0
         units = self._leases.wanted(leased_as, call.cost, span) if lease else 0
         sent = sent_at()
@@ -283,7 +266,7 @@ class Throttle:
             max_wait_us=int(max_wait * 1_000_000) if max_wait else 0, not_before_us=not_before,
             pause_horizon_us=int(self.settings.park_after * 1_000_000), fields=call.fields,
         )
-        if reply.code == WindowReply.TOO_COSTLY:
+        if reply.code == Code.TOO_COSTLY:
             raise ThrottleError(
                 f"cost {call.cost} of scope {call.scope!r} exceeds the limit {reply.wait_us} of one of its rates"
             )

@@ -29,7 +29,7 @@ SUMMARY_INTERVAL = 60.0
 try:  # the prometheus extra
     import prometheus_client
 except ImportError:  # pragma: no cover - exercised where the extra is not installed
-    prometheus_client = None
+    prometheus_client = None  # type: ignore[assignment]
 
 _instruments: dict[str, Any] = {}
 _instruments_lock = threading.Lock()

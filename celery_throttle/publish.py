@@ -29,7 +29,7 @@ from .deferral import HEADER, plan_return
 from .errors import StoreError, ThrottleError
 from .keys import state_key
 from .parking import park
-from .store import WindowReply
+from .store import Code
 
 if TYPE_CHECKING:
     from .limiter import Throttle
@@ -87,7 +87,7 @@ def admit(ctl: Throttle, task: Any, args: Any, kwargs: Any, options: Mapping[str
         return None
     except ThrottleError:
         return None  # bad arguments: the worker's check reports it, visibly
-    if reply.code != WindowReply.DENIED or not reply.start_us:
+    if reply.code != Code.DENIED or not reply.start_us:
         return None  # no start reserved (none found, or too far): the worker decides
     state: dict[str, Any] = {}
     ident = state_key(settings.key_prefix, call.scope, call.key)

@@ -22,11 +22,12 @@ from celery.utils.imports import symbol_by_name
 from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .breaker import Breaker
+from .controller import controller
 from .deferral import HEADER, read_state
 from .errors import StoreError, ThrottleError
 from .hook import defer_denied
 from .keys import state_key
-from .store import WindowReply
+from .store import Code
 
 __all__ = ["ScreenStep", "screen_strategies"]
 
@@ -40,9 +41,7 @@ class ScreenStep(bootsteps.StartStopStep):
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
     def start(self, c: Any) -> None:
-        from . import install
-
-        screen_strategies(install(c.app), c)
+        screen_strategies(controller(c.app), c)
 
 
 def screen_strategies(ctl: Any, c: Any) -> None:
@@ -103,7 +102,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
         except (DecodeError, ContentDisallowed, ValueError, TypeError):
             # A body that does not decode: Celery's own path reports it.
             return handler(message, body, ack, reject, callbacks, **kw)
-        if reply.code != WindowReply.DENIED or not reply.start_us:
+        if reply.code != Code.DENIED or not reply.start_us:
             fits_in_a_row = streak + 1
             return handler(message, body, ack, reject, callbacks, **kw)
         fits_in_a_row = 0

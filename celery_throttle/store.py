@@ -12,6 +12,7 @@ import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 from functools import lru_cache
 from importlib import resources
 from typing import Any, NamedTuple
@@ -24,7 +25,7 @@ from .errors import StoreError
 from .keys import control_key, dead_letter_keys, parking_keys
 from .rates import Rate
 
-__all__ = ["RedisStore", "Reservation", "WindowReply"]
+__all__ = ["Code", "RedisStore", "Reservation", "WindowReply"]
 
 
 def _lua(name: str) -> str:
@@ -74,6 +75,21 @@ def rates_tag(rates: tuple[Rate, ...]) -> int:
     return zlib.crc32(",".join(map(str, rates)).encode()) or 1
 
 
+class Code(IntEnum):
+    """What window.lua decided (its reply's first field)."""
+
+    #: The call's cost is above the limit of one of its rates (given in ``wait``).
+    TOO_COSTLY = -1
+    #: Not now: ``start`` > 0 if a start was reserved, ``wait`` until it.
+    DENIED = 0
+    #: Start now.
+    RUN = 1
+    #: A claim that came before its reserved start (``wait`` until it).
+    EARLY = 2
+    #: The earliest start is further than the caller's max wait: nothing reserved.
+    TOO_FAR = 3
+
+
 class WindowReply(NamedTuple):
     """What window.lua answered (times in microseconds of the Redis clock).
 
@@ -96,11 +112,9 @@ class WindowReply(NamedTuple):
     #: Units granted as a lease, this call's own included (0 if none).
     leased: int = 0
 
-    RUN, DENIED, EARLY, TOO_FAR, TOO_COSTLY = 1, 0, 2, 3, -1
-
     @property
     def allowed(self) -> bool:
-        return self.code == self.RUN
+        return self.code == Code.RUN
 
 
 class RedisStore:

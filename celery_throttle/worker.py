@@ -1,7 +1,7 @@
-"""The worker side of the wiring: hooks throttled tasks and runs the parked-task releaser.
+"""The Celery wiring: :func:`install`, the worker step that hooks throttled tasks and
+runs the parked-task releaser, and the hooking of tasks itself.
 
-Usually :func:`celery_throttle.install` adds :class:`ThrottleStep` to the worker before
-it is built. Two other orders are covered too, so that a throttled task never runs
+Usually :func:`install` adds :class:`ThrottleStep` to the worker before it is built. Two other orders are covered too, so that a throttled task never runs
 unthrottled without a word:
 
 - ``install()`` never called: when a worker of an app with throttled tasks (or
@@ -22,7 +22,14 @@ from typing import Any
 from celery import bootsteps
 from celery.signals import worker_init, worker_shutdown
 
-__all__ = ["ThrottleStep", "attach_to_running_workers"]
+from .controller import controller
+from .hook import attach
+from .limiter import Throttle
+from .parking import Releaser
+from .screen import ScreenStep, screen_strategies
+from .spec import declared_spec
+
+__all__ = ["ThrottleStep", "attach_to_running_workers", "install", "patch_tasks"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -36,14 +43,12 @@ class ThrottleStep(bootsteps.StartStopStep):
     label = "celery_throttle"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
-        from . import install
-
         super().__init__(worker, **kwargs)
         self.releaser: Any = None
         # Runs before the pool forks and before the consumer builds task tracers, so
         # every child sees the hooked classes. A bad rule stops the worker here, loudly.
         self.controller = install(worker.app)
-        hooked = self.controller.patch_tasks()
+        hooked = patch_tasks(self.controller)
         if not self.controller.settings.enabled:
             logger.warning("celery_throttle: throttle_enabled is False: %d throttled task(s) run "
                            "without any limit", hooked)
@@ -62,12 +67,10 @@ class ThrottleStep(bootsteps.StartStopStep):
             self.releaser.join(timeout=5)
             self.releaser = None
 
-    shutdown = stop
+    shutdown = terminate = stop  # (a cold shutdown terminates steps instead of stopping them)
 
 
 def _start_releaser(ctl: Any) -> Any:
-    from .parking import Releaser
-
     releaser = Releaser(ctl)
     releaser.start()
     return releaser
@@ -82,9 +85,7 @@ def _hook_at_reload(worker: Any, ctl: Any) -> None:
 
     def updated() -> None:
         update_strategies()
-        ctl.patch_tasks()
-        from .screen import screen_strategies
-
+        patch_tasks(ctl)
         screen_strategies(ctl, consumer)
 
     consumer.update_strategies = updated
@@ -98,11 +99,25 @@ def attach_to_running_workers(ctl: Any) -> None:
             continue  # not built yet: the step just added to app.steps will be in it
         if any(isinstance(step, ThrottleStep) for step in getattr(worker, "steps", ())):
             continue
-        hooked = ctl.patch_tasks()
+        hooked = patch_tasks(ctl)
         logger.warning("celery_throttle: installed on a worker that was already built; hooked %d "
                        "throttled task(s) and started the releaser", hooked)
-        worker._throttle_releaser = _start_releaser(ctl)
+        _stop_with(worker, _start_releaser(ctl))
         _hook_at_reload(worker, ctl)
+
+
+def _stop_with(worker: Any, releaser: Any) -> None:
+    """Stop ``releaser`` when ``worker`` stops, warm or cold (a cold stop sends no
+    worker_shutdown, but always closes the blueprint)."""
+    closing = worker.blueprint.on_close
+
+    def on_close() -> None:
+        releaser.stop()
+        releaser.join(timeout=5)
+        if closing is not None:
+            closing()
+
+    worker.blueprint.on_close = on_close
 
 
 @worker_init.connect(weak=False)
@@ -112,10 +127,7 @@ def _on_worker_init(sender: Any, **_: Any) -> None:
 
 
 def _install_if_forgotten(app: Any) -> None:
-    from . import install
-    from .spec import declared_spec
-
-    if "_celery_throttle" in app.__dict__:
+    if app.__dict__.get(_WIRED):
         return
     throttled = sorted(name for name, task in app.tasks.items() if declared_spec(task) is not None)
     if not throttled and not app.conf.get("throttle_rules"):
@@ -129,9 +141,50 @@ def _install_if_forgotten(app: Any) -> None:
 
 @worker_shutdown.connect(weak=False)
 def _on_worker_shutdown(sender: Any, **_: Any) -> None:
-    releaser = getattr(sender, "_throttle_releaser", None)
-    if releaser is not None:
-        releaser.stop()
-        releaser.join(timeout=5)
-        sender._throttle_releaser = None
     _workers.discard(sender)
+
+
+_WIRED = "_celery_throttle_wired"
+
+
+def install(app: Any, **overrides: Any) -> Throttle:
+    """Wire celery_throttle into ``app`` and return its :class:`Throttle` controller.
+
+    Idempotent and safe at import time of the app module: settings (``throttle_*`` in
+    ``app.conf``, ``overrides`` without the prefix win) are read on first use. Adds a
+    worker bootstep that hooks every throttled task (``@throttle`` or
+    ``throttle_rules``) before the pool starts, and releases parked long waits.
+    """
+    ctl = controller(app)
+    if overrides:
+        ctl.configure(overrides)  # bad overrides fail here, at the call site
+    if not app.__dict__.get(_WIRED):
+        setattr(app, _WIRED, True)
+        app.steps["worker"].add(ThrottleStep)
+        app.steps["consumer"].add(ScreenStep)
+        app.on_after_finalize.connect(_patch_on_finalize, weak=False)
+        if app.finalized:
+            patch_tasks(ctl)  # (the signal has fired already: tasks are hooked now)
+        attach_to_running_workers(ctl)
+    return ctl
+
+
+def _patch_on_finalize(sender: Any, **_: Any) -> None:
+    patch_tasks(controller(sender))
+
+
+def patch_tasks(ctl: Throttle) -> int:
+    """Hook every throttled task of the app (decorated or matched by a rule)."""
+    count = 0
+    for name, task in list(ctl.app.tasks.items()):
+        if name.startswith("celery."):
+            continue
+        spec, where = declared_spec(task), f"task {name}"
+        if spec is None:
+            spec = ctl.rule_for(name)
+            where = f"throttle_rules[{ctl.rule_pattern(name)!r}] for task {name}"
+        if spec is not None:
+            spec.check_signature(task.run, where)
+            attach(task, spec)
+            count += 1
+    return count

@@ -10,6 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from hypothesis import settings
+
+# No per-example deadline: these machines are shared, and a slow example is not a wrong one.
+settings.register_profile("celery_throttle", deadline=None)
+settings.load_profile("celery_throttle")
 
 from tests.helpers import BROKER_URL, STORE_URL, WorkerGroup, delete_queues, rabbitmq_or_skip, redis_or_skip
 

@@ -7,15 +7,17 @@ import importlib
 import pytest
 
 from celery_throttle import ConfigurationError, throttle
-from celery_throttle.hook import declared_spec
+from celery_throttle.controller import controller
+from celery_throttle.spec import declared_spec
+from celery_throttle.worker import patch_tasks
 
 
 @pytest.mark.parametrize("module", ["examples.external_api", "examples.tenant_quotas",
                                     "examples.rules", "examples.demo_app"])
 def test_example_tasks_are_throttled(module: str) -> None:
     mod = importlib.import_module(module)
-    ctl = mod.app._celery_throttle
-    ctl.patch_tasks()
+    ctl = controller(mod.app)
+    patch_tasks(ctl)
     # (@app.task tasks are shared with every app: keep this module's own)
     own = [t for t in mod.app.tasks.values() if type(t).__module__ == module]
     assert own
@@ -27,7 +29,7 @@ def test_example_tasks_are_throttled(module: str) -> None:
 def test_rules_example_matches_by_name() -> None:
     from examples import rules
 
-    ctl = rules.app._celery_throttle
+    ctl = controller(rules.app)
     assert ctl.rule_for("billing.tasks.charge").scope == "stripe"
     crm = ctl.rule_for("crm.tasks.sync_contacts")
     assert crm.algorithm == "fixed" and [str(r) for r in crm.rates] == ["100/m", "5000/d"]

@@ -36,7 +36,7 @@ from hypothesis.stateful import (
 
 from celery_throttle.keys import state_key
 from celery_throttle.rates import Rate, parse_rate
-from celery_throttle.store import RedisStore, Reservation, WindowReply, rate_field
+from celery_throttle.store import Code, RedisStore, Reservation, WindowReply, rate_field
 from tests.helpers import STORE_URL, redis_or_skip
 from tests.reference import (
     SLOTS,
@@ -211,8 +211,8 @@ class Harness:
         )
         # and nothing started in a pause, nor was reserved to start in one
         if now < paused and op != "peek":
-            assert got.code != WindowReply.RUN, self.explain("ran in a pause")
-            assert not got.start_us or got.start_us >= paused or got.code == WindowReply.EARLY, \
+            assert got.code != Code.RUN, self.explain("ran in a pause")
+            assert not got.start_us or got.start_us >= paused or got.code == Code.EARLY, \
                 self.explain("reserved a start in a pause")
         self.leases += 1 if got.leased else 0
         self._account(op, cost, max(slack_us, lease_span_us) if got.leased else slack_us, claim, got)
@@ -228,12 +228,12 @@ class Harness:
     def _account(self, op: str, cost: int, slack_us: int, claim: Reservation | None,
                  got: WindowReply) -> None:
         now = self.clock.now
-        if claim is not None and got.code != WindowReply.EARLY:
+        if claim is not None and got.code != Code.EARLY:
             # Claimed on time (runs), or late (given back, maybe replaced below).
             self.pending.remove(claim)
-        if op == "peek" or (op == "screen" and got.code == WindowReply.RUN):
+        if op == "peek" or (op == "screen" and got.code == Code.RUN):
             return  # nothing recorded: the pool's acquire comes next
-        if got.code == WindowReply.RUN:
+        if got.code == Code.RUN:
             self.eras[-1].append((now, got.leased or cost))
             # The body may start up to `slack` later: the script promises that for an
             # on-time claim (now + slack <= latest) and for an immediate admission
@@ -242,7 +242,7 @@ class Harness:
             for _ in range(got.leased or 1):
                 units = 1 if got.leased else cost
                 self.jittered_eras[-1].append((now + self.rng.randint(0, slack_us), units))
-        elif got.code == WindowReply.DENIED:
+        elif got.code == Code.DENIED:
             self.last_wait = got.wait_us
             if got.start_us:
                 self.pending.append(Reservation(got.start_us, got.latest_us, cost, got.grace_us, got.epoch,
@@ -557,7 +557,7 @@ def test_cost_above_a_limit_is_refused_with_minus_one_and_changes_nothing(
     claim = Reservation(clock.now, clock.now + 10, 4, 10, epoch) if op == "claim" else None
     reply = store.window(key, algorithm, op, rates, 4, reserve=True, claim=claim)
     # Then it is refused with code -1, the refusing limit in `wait`, and nothing written
-    assert tuple(reply) == (WindowReply.TOO_COSTLY, 3, 0, 0, 0, 0, clock.now, 0, -1, 0, 0)
+    assert tuple(reply) == (Code.TOO_COSTLY, 3, 0, 0, 0, 0, clock.now, 0, -1, 0, 0)
     assert not reply.allowed
     assert redis_client.hgetall(key) == before
 
@@ -568,7 +568,7 @@ def test_a_cost_equal_to_the_limit_fits_an_empty_window(store: RedisStore, algor
     key = state_key(store.prefix, "exact", algorithm)
     reply = store.window(key, algorithm, "acquire", rates, 3)
     assert reply.allowed and reply.remaining == 0
-    assert store.window(key, algorithm, "peek", rates, 1).code == WindowReply.DENIED
+    assert store.window(key, algorithm, "peek", rates, 1).code == Code.DENIED
 
 
 GARBLED = {
@@ -627,7 +627,7 @@ def test_a_reservation_made_before_a_reset_is_checked_afresh(
     key = state_key(store.prefix, "epoch", algorithm)
     assert store.window(key, algorithm, "acquire", rates, 1).allowed
     denied = store.window(key, algorithm, "acquire", rates, 1, reserve=True, grace_us=20_000)
-    assert denied.code == WindowReply.DENIED and denied.start_us > clock.now and denied.epoch
+    assert denied.code == Code.DENIED and denied.start_us > clock.now and denied.epoch
     reservation = Reservation(denied.start_us, denied.latest_us, 1, 20_000, denied.epoch)
     # When the state is reset (or expires, or Redis loses it), and at the reserved start
     # another call takes the only unit of the new state
@@ -638,7 +638,7 @@ def test_a_reservation_made_before_a_reset_is_checked_afresh(
     # Then the old reservation, claimed on time, is not honoured: it is an ordinary
     # acquire in the new state (denied: the unit is taken) and gives nothing back
     claimed = store.window(key, algorithm, "claim", rates, 1, claim=reservation)
-    assert (claimed.code, claimed.start_us) == (WindowReply.DENIED, 0)
+    assert (claimed.code, claimed.start_us) == (Code.DENIED, 0)
     assert store.window(key, algorithm, "peek", rates, 1).remaining == 0
 
 
@@ -676,7 +676,7 @@ def test_state_gets_a_ttl_covering_every_counted_unit_then_expires(
             for _ in range(2):
                 assert store.window(key, algorithm, "acquire", rates, 1, slack_us=2000).allowed
             reply = store.window(key, algorithm, "acquire", rates, 1, reserve=True, grace_us=20_000)
-            assert reply.code == WindowReply.DENIED and reply.start_us > reply.now_us
+            assert reply.code == Code.DENIED and reply.start_us > reply.now_us
             # Then the hash lives at least until the last counted unit leaves its window,
             # plus the script's 1 s margin, and at most one more window (the headroom a
             # TTL is grown by)
@@ -846,7 +846,7 @@ def test_folding_a_deep_backlog_changes_no_decision_for_calls_of_one_cost(
         want = exact.window(now, op, cost, reserve=True, grace_us=grace, slack_us=slack, claim=claim)
         # Then every reply is the same, field for field
         assert got == want, (op, now, claim)
-        if got.code == WindowReply.DENIED and got.start_us:
+        if got.code == Code.DENIED and got.start_us:
             pending.append(Reservation(got.start_us, got.latest_us, cost, got.grace_us, got.epoch, 0))
         return got
 
@@ -888,4 +888,4 @@ def test_a_task_late_for_its_start_after_a_refill_runs_on_the_unit_it_gives_back
     reply = store.window(key, "sliding", "claim", rates, 1, reserve=True, claim=claim, grace_us=20_000,
                          slack_us=2000)
     # Then it runs now, on the unit it gave back, not one window later
-    assert reply.code == WindowReply.RUN, reply
+    assert reply.code == Code.RUN, reply
