@@ -47,9 +47,10 @@ from bench.bulk import Bulk
 from bench.common import OUT_DIR, Results, fmt_bytes, limits_peers, percentile, wait_until
 from bench.naive import NaiveLimiter
 from celery_throttle.keys import state_key
-from celery_throttle.limiter import _grace_us, _slack_us
 from celery_throttle.rates import Rate, parse_rates
 from celery_throttle.store import Code, RedisStore, Reservation, WindowReply
+from celery_throttle.timing import grace_us as _grace_us
+from celery_throttle.timing import slack_us as _slack_us
 
 SEC = "9 deep backlog"
 RATE_SETS = (("1/s",), ("10/s", "1000/h"))

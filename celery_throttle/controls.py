@@ -21,15 +21,12 @@ from typing import Any
 from .errors import ConfigurationError, StoreError
 from .keys import decode, encode
 from .rates import Rate, parse_rates
+from .timing import CONTROL_REFRESH
 
 __all__ = ["CONTROL_REFRESH", "FOREVER_US", "Controls", "control_target", "limit_field", "pause_field"]
 
 logger = logging.getLogger("celery_throttle")
 
-#: How stale (seconds) a process's copy of the controls may be: a pause, a resume or a
-#: live limit set elsewhere is obeyed by every worker within this. One small read per
-#: process per interval, whatever the task rate.
-CONTROL_REFRESH = 0.5
 #: The end of a pause with no end: the largest integer a Lua number holds exactly.
 FOREVER_US = 2**53 - 1
 

@@ -38,6 +38,7 @@ from .parking import park
 from .publish import admit, park_at_publish
 from .spec import BoundCall, ThrottleSpec, declared_spec
 from .store import Code, Reservation, WindowReply
+from .timing import wait_here_us
 
 if TYPE_CHECKING:
     from .limiter import Throttle
@@ -290,7 +291,7 @@ def _seconds(value: float) -> str:
 
 def _wait_here_us(ctl: Throttle, call: BoundCall, claim: Reservation) -> int:
     """How early an arrival may be and still wait in the worker instead of going back."""
-    return min(max(2 * claim.lead_us, 4 * ctl.slack_us(call.rates)), 1_000_000)
+    return wait_here_us(claim.lead_us, ctl.slack_us(call.rates))
 
 
 def _header(request: Any) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
+from . import timing
 from .config import ALGORITHMS, Settings, require_redis_url
 from .controls import FOREVER_US, Controls, control_target, limit_field, parse_controls, pause_field
 from .errors import ConfigurationError, ThrottleError
@@ -27,10 +28,6 @@ _ALGORITHM_OF_TAG = {tag: algorithm for algorithm, tag in ALGORITHM_TAGS.items()
 
 logger = logging.getLogger("celery_throttle")
 
-#: How long (seconds) the consumer's screen and the check at publish wait on Redis at
-#: most: both are optional (the pool's check decides every start), and a consumer that
-#: waits on a slow Redis stops taking every other message too.
-QUICK_TIMEOUT = 0.25
 
 
 @dataclass(frozen=True)
@@ -122,8 +119,8 @@ class Throttle:
     @property
     def quick_store(self) -> RedisStore:
         """The store, through a connection that gives up after QUICK_TIMEOUT."""
-        return self._quick_store or self._open("_quick_store", timeout=QUICK_TIMEOUT,
-                                               connect_timeout=QUICK_TIMEOUT)
+        return self._quick_store or self._open("_quick_store", timeout=timing.QUICK_TIMEOUT,
+                                               connect_timeout=timing.QUICK_TIMEOUT)
 
     def _open(self, attribute: str, **timeouts: float) -> RedisStore:
         with self._lock:
@@ -169,39 +166,23 @@ class Throttle:
 
     # -- the limiter ------------------------------------------------------------------
     def grace_us(self, rates: Sequence[Rate]) -> int:
-        """How long after its reserved start a deferred task may still use it (µs).
-
-        It absorbs the broker's and the pool's dispatch delays; each window of a
-        saturated sliding limit is stretched by it, so it stays a small fraction. At
-        least 3 slacks: a claim must leave one slack before the span ends, and a late
-        arrival (a stall of a few tens of ms) costs the task a whole window.
-        """
-        return _grace_us(tuple(rates), self.settings.start_grace)
+        """How long after its reserved start a deferred task may still use it (µs); see
+        :func:`.timing.grace_us`."""
+        return timing.grace_us(tuple(rates), self.settings.start_grace)
 
     def lead_us(self, rates: Sequence[Rate], learnt: int = -1) -> int:
-        """How early a reserved task is sent back; it waits out the rest in the worker.
-
-        The key's learnt dispatch delay and margin once there are some (see window.lua);
-        before that, the grace plus as much again (at most half the busiest rate's
-        spacing: every early task holds a pool process while it waits).
-        """
-        if learnt >= 0:
-            return learnt
-        grace = self.grace_us(rates)
-        half_pace = min(r.period_us // r.limit // 2 for r in rates)
-        return min(grace + min(grace, half_pace), 500_000)
+        """How early a reserved task is sent back (µs); see :func:`.timing.lead_us`."""
+        return timing.lead_us(rates, self.grace_us(rates), learnt)
 
     @staticmethod
     def slack_us(rates: Sequence[Rate]) -> int:
-        """How long after a check the body may start and still count as starting then:
-        1% of the shortest window, between 2 and 20 ms (a busy machine can deschedule a
-        process between the check and the first line of the body)."""
-        return _slack_us(tuple(rates))
+        """See :func:`.timing.slack_us`."""
+        return timing.slack_us(rates)
 
     @staticmethod
     def lease_span_us(rates: Sequence[Rate]) -> int:
-        """How long a lease lasts: 10% of the shortest window, between 2 ms and 1 s."""
-        return _lease_span_us(tuple(rates))
+        """See :func:`.timing.lease_span_us`."""
+        return timing.lease_span_us(rates)
 
     def bind(self, task: Any, args: Any, kwargs: Any, *, quick: bool = False) -> BoundCall:
         """The limit of one call of a hooked task: its throttle bound to the arguments,
@@ -424,25 +405,6 @@ class Throttle:
         if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
             raise ConfigurationError(f"cost must be a positive integer, got {cost!r}")
         return BoundCall(scope, key, parsed, cost, algorithm)
-
-
-# The timings of a set of rates, worked out once per set: every check needs them.
-@lru_cache(maxsize=1024)
-def _slack_us(rates: tuple[Rate, ...]) -> int:
-    return int(min(max(min(r.period_us for r in rates) // 100, 2000), 20_000))
-
-
-@lru_cache(maxsize=1024)
-def _lease_span_us(rates: tuple[Rate, ...]) -> int:
-    return int(min(max(min(r.period_us for r in rates) // 10, 2000), 1_000_000))
-
-
-@lru_cache(maxsize=1024)
-def _grace_us(rates: tuple[Rate, ...], start_grace: float | None) -> int:
-    grace = start_grace
-    if grace is None:
-        grace = min(max(min(r.period for r in rates) * 0.02, 0.01), 2.0)
-    return max(int(grace * 1_000_000), 3 * _slack_us(rates))
 
 
 @lru_cache(maxsize=1024)

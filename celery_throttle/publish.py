@@ -30,6 +30,7 @@ from .errors import StoreError, ThrottleError
 from .keys import state_key
 from .parking import park
 from .store import Code
+from .timing import STORE_ERROR_PAUSE
 
 if TYPE_CHECKING:
     from .limiter import Throttle
@@ -38,9 +39,6 @@ __all__ = ["Deferral", "admit", "park_at_publish"]
 
 logger = logging.getLogger("celery_throttle")
 
-#: After a store error, publishing sends tasks without a check for this long (seconds):
-#: the workers check them anyway, and a producer must not wait on a dead Redis per task.
-STORE_ERROR_PAUSE = 5.0
 
 #: Options of ``apply_async`` that belong to this one send, not to the message: they are
 #: not parked with it.

@@ -28,6 +28,7 @@ from .errors import StoreError, ThrottleError
 from .hook import defer_denied
 from .keys import state_key
 from .store import Code
+from .timing import STORE_ERROR_PAUSE
 
 __all__ = ["ScreenStep", "screen_strategies"]
 
@@ -55,9 +56,6 @@ def screen_strategies(ctl: Any, c: Any) -> None:
             c.strategies[name] = _screened(ctl, task, c.strategies[name], c.connection_errors, breaker)
 
 
-#: After a store error (Redis down, or slower than ``QUICK_TIMEOUT``), the consumer hands
-#: every message to the pool unscreened for this long (seconds).
-STORE_ERROR_PAUSE = 5.0
 
 
 #: After this many screened messages of a task in a row fit, only one in this many is

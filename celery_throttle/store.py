@@ -210,11 +210,12 @@ class RedisStore:
         start, wait = the horizon: check again then). ``fields``: the state's field per
         rate, when not the rate's own name (a live limit).
         """
-        args = [self._now_arg(), op, "1" if reserve else "0", cost, grace_us, slack_us]
-        args += claim.script_args() if claim else _NO_CLAIM
-        args += ("1" if learn else "0", lease, lease_span_us, max_wait_us, not_before_us,
-                 pause_horizon_us or _FOREVER_HORIZON)
-        args += _rate_args(algorithm, tuple(rates), tuple(fields) if fields else None)
+        args = window_argv(
+            now=self._now_arg(), op=op, reserve=reserve, cost=cost, grace_us=grace_us, slack_us=slack_us,
+            claim=claim, learn=learn, lease=lease, lease_span_us=lease_span_us, max_wait_us=max_wait_us,
+            not_before_us=not_before_us, pause_horizon_us=pause_horizon_us, algorithm=algorithm,
+            rates=rates, fields=fields,
+        )
         keys = [key, claim_marker] if claim is not None and claim_marker else [key]
         # Lua numbers come back as Redis integers: the reply is already ints.
         return WindowReply(*self._run(algorithm, keys, args))
@@ -401,6 +402,20 @@ class RedisStore:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def window_argv(*, now: str, op: str, reserve: bool, cost: int, grace_us: int, slack_us: int,
+                claim: Reservation | None, learn: bool, lease: int, lease_span_us: int, max_wait_us: int,
+                not_before_us: int, pause_horizon_us: int, algorithm: str, rates: Sequence[Rate],
+                fields: Sequence[str] | None) -> list[int | str]:
+    """ARGV of window.lua, in the order its header documents (``tests/test_script_format.py``
+    holds the two together)."""
+    args: list[int | str] = [now, op, "1" if reserve else "0", cost, grace_us, slack_us]
+    args += claim.script_args() if claim else _NO_CLAIM
+    args += ["1" if learn else "0", lease, lease_span_us, max_wait_us, not_before_us,
+             pause_horizon_us or _FOREVER_HORIZON]
+    args += _rate_args(algorithm, tuple(rates), tuple(fields) if fields else None)
+    return args
 
 
 _NO_CLAIM = (0, 0, 0, 0, "", 0)

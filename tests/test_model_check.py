@@ -759,7 +759,8 @@ DEEP_STATE_BYTES = 4096
 
 def _timings(rates: Sequence[Rate]) -> tuple[int, int]:
     """(grace, slack) as the limiter gives them for these rates."""
-    from celery_throttle.limiter import _grace_us, _slack_us
+    from celery_throttle.timing import grace_us as _grace_us
+    from celery_throttle.timing import slack_us as _slack_us
 
     return _grace_us(tuple(rates), None), _slack_us(tuple(rates))
 

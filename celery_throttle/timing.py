@@ -1,0 +1,94 @@
+"""The timing policy: every duration the throttle chooses, named, with the reason for it.
+
+Durations of a check are worked out from the call's rates (the shortest window, the
+busiest rate's spacing) and passed to window.lua as explicit values; the rest are
+how long the optional paths wait on Redis and how often things are read again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+from .rates import Rate
+
+__all__ = [
+    "CONTROL_REFRESH", "QUICK_TIMEOUT", "STORE_ERROR_PAUSE", "grace_us", "lead_us", "lease_span_us",
+    "slack_us", "wait_here_us",
+]
+
+#: How long (seconds) the consumer's screen and the check at publish wait on Redis at
+#: most: both are optional (the pool's check decides every start), and a consumer that
+#: waits on a slow Redis stops taking every other message too.
+QUICK_TIMEOUT = 0.25
+#: After a store error in one of those optional checks, it is skipped for this long
+#: (seconds): messages go to the pool unscreened, tasks are sent unchecked.
+STORE_ERROR_PAUSE = 5.0
+#: How stale (seconds) a process's copy of the controls (pauses, live limits) may be: a
+#: control set elsewhere is obeyed by every worker within this. One small read per
+#: process per interval, whatever the task rate.
+CONTROL_REFRESH = 0.5
+
+#: The slack: 1/100 of the shortest window, between these (µs). A busy machine can
+#: deschedule a process between the check and the first line of the body.
+SLACK_PARTS, SLACK_MIN_US, SLACK_MAX_US = 100, 2_000, 20_000
+#: A lease: 1/10 of the shortest window, between these (µs).
+LEASE_PARTS, LEASE_MIN_US, LEASE_MAX_US = 10, 2_000, 1_000_000
+#: The grace of a reserved start: 2% of the shortest window, between these (seconds),
+#: and never under GRACE_SLACKS slacks.
+GRACE_SHARE, GRACE_MIN, GRACE_MAX, GRACE_SLACKS = 0.02, 0.01, 2.0, 3
+#: The longest a reserved task is sent back early before anything is learnt (µs).
+LEAD_MAX_US = 500_000
+#: The longest an early arrival waits for its start in the worker (µs) rather than
+#: going back through the broker; it holds a pool process meanwhile.
+WAIT_HERE_MAX_US = 1_000_000
+
+
+@lru_cache(maxsize=1024)
+def _shortest_us(rates: tuple[Rate, ...]) -> int:
+    return min(r.period_us for r in rates)
+
+
+def slack_us(rates: Sequence[Rate]) -> int:
+    """How long after a check the body may start and still count as starting then (µs)."""
+    return min(max(_shortest_us(tuple(rates)) // SLACK_PARTS, SLACK_MIN_US), SLACK_MAX_US)
+
+
+def lease_span_us(rates: Sequence[Rate]) -> int:
+    """How long the units of a lease may be used (µs)."""
+    return min(max(_shortest_us(tuple(rates)) // LEASE_PARTS, LEASE_MIN_US), LEASE_MAX_US)
+
+
+@lru_cache(maxsize=1024)
+def grace_us(rates: tuple[Rate, ...], start_grace: float | None = None) -> int:
+    """How long after its reserved start a deferred task may still use it (µs).
+
+    It absorbs the broker's and the pool's dispatch delays; each window of a saturated
+    sliding limit is stretched by it, so it stays a small fraction. At least 3 slacks: a
+    claim must leave one slack before the span ends, and a late arrival (a stall of a
+    few tens of ms) costs the task a whole window. ``start_grace`` (seconds, the
+    setting) replaces the share of the window.
+    """
+    grace = start_grace
+    if grace is None:
+        grace = min(max(_shortest_us(rates) / 1e6 * GRACE_SHARE, GRACE_MIN), GRACE_MAX)
+    return max(int(grace * 1_000_000), GRACE_SLACKS * slack_us(rates))
+
+
+def lead_us(rates: Sequence[Rate], grace: int, learnt: int = -1) -> int:
+    """How early a reserved task is sent back; it waits out the rest in the worker (µs).
+
+    The key's learnt dispatch delay and margin once there are some (see window.lua);
+    before that, the grace plus as much again, at most half the busiest rate's spacing
+    (every early task holds a pool process while it waits) and LEAD_MAX_US.
+    """
+    if learnt >= 0:
+        return learnt
+    half_pace = min(r.period_us // r.limit // 2 for r in rates)
+    return min(grace + min(grace, half_pace), LEAD_MAX_US)
+
+
+def wait_here_us(lead: int, slack: int) -> int:
+    """How early an arrival may be and still wait for its start in the worker (µs):
+    twice the lead it was sent back with, or 4 slacks, at most WAIT_HERE_MAX_US."""
+    return min(max(2 * lead, 4 * slack), WAIT_HERE_MAX_US)
