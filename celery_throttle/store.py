@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import lru_cache
@@ -158,12 +159,20 @@ class RedisStore:
         }
         return client
 
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Any Redis error inside becomes a StoreError naming the (masked) URL."""
+        try:
+            yield
+        except RedisError as exc:
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
+
     def _run(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         client = self.client
         # EVALSHA straight from the client: redis-py's Script.__call__ costs a few µs
         # more per call. A restarted or flushed Redis answers NOSCRIPT: load, run again.
         registered = self._scripts[script]
-        try:
+        try:  # (inline, not self._errors(): this is every check's path)
             try:
                 return client.evalsha(registered.sha, len(keys), *keys, *args)
             except NoScriptError:
@@ -222,10 +231,8 @@ class RedisStore:
 
     def read(self, key: str) -> dict[str, bytes]:
         """The raw state hash: field name to value (a rate's value is MessagePack)."""
-        try:
+        with self._errors():
             raw = self.client.hgetall(key)
-        except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
         return {k.decode(): v for k, v in raw.items()}
 
     # -- controls -----------------------------------------------------------------------
@@ -234,7 +241,7 @@ class RedisStore:
         clock's now; returns the end (µs). A longer pause already set stays."""
         key = control_key(self.prefix)
         now = self.now_us()
-        try:
+        with self._errors():
             until = FOREVER_US if seconds is None else now + int(seconds * 1_000_000)
             current = self.client.hget(key, field)
             if current is not None and int(current) > until:
@@ -242,39 +249,29 @@ class RedisStore:
             self.client.hset(key, field, until)
             self._prune_pauses(key, now)
             return until
-        except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
     def now_us(self) -> int:
         """The Redis clock (or the test clock)."""
         if self._clock is not None:
             return int(self._clock())
-        try:
+        with self._errors():
             secs, micros = self.client.time()
-        except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
         return int(secs) * 1_000_000 + int(micros)
 
     def clear_control(self, field: str) -> bool:
         """Remove a pause or a live limit; True if it was set."""
-        try:
+        with self._errors():
             return bool(self.client.hdel(control_key(self.prefix), field))
-        except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
     def controls(self) -> dict[str, str]:
         """Every control set (pauses, live limits): field to value."""
-        try:
+        with self._errors():
             raw = self.client.hgetall(control_key(self.prefix))
-        except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
         return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
 
     def set_control(self, field: str, value: str) -> None:
-        try:
+        with self._errors():
             self.client.hset(control_key(self.prefix), field, value)
-        except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
     def _prune_pauses(self, key: str, now: int) -> None:
         """Forget pauses that are over, so the hash every worker reads stays small."""
@@ -284,17 +281,13 @@ class RedisStore:
 
     def scan(self, pattern: str) -> Iterator[str]:
         """Key names matching ``pattern``, by SCAN (never KEYS: a busy Redis is not blocked)."""
-        try:
+        with self._errors():
             for name in self.client.scan_iter(match=pattern, count=500):
                 yield name.decode(errors="surrogateescape") if isinstance(name, bytes) else name
-        except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
     def delete(self, key: str) -> int:
-        try:
+        with self._errors():
             return int(self.client.delete(key))
-        except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
     # -- parking ----------------------------------------------------------------------
     def park(self, parked_id: str, due_us: int, message: bytes) -> int:
@@ -331,30 +324,26 @@ class RedisStore:
         """Parked messages given up on: (id, when in µs, attempts, message), oldest first."""
         _, messages, _ = parking_keys(self.prefix)
         attempts_key, dead = dead_letter_keys(self.prefix)
-        try:
+        with self._errors():
             ids = self.client.zrange(dead, 0, limit - 1, withscores=True)
             if not ids:
                 return []
             names = [i for i, _ in ids]
             bodies = self.client.hmget(messages, names)
             tries = self.client.hmget(attempts_key, names)
-        except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
         return [(i.decode(), int(when), int(n or 0), body)
                 for (i, when), body, n in zip(ids, bodies, tries)]
 
     def waiting(self, limit: int = 10_000) -> list[tuple[str, int, bytes | None]]:
         """Parked messages waiting for their time: (id, due in µs, message), soonest first."""
         due, messages, _ = parking_keys(self.prefix)
-        try:
+        with self._errors():
             ids = self.client.zrange(due, 0, limit - 1, withscores=True)
             out: list[tuple[str, int, bytes | None]] = []
             for start in range(0, len(ids), 500):
                 chunk = ids[start:start + 500]
                 bodies = self.client.hmget(messages, [i for i, _ in chunk])
                 out += [(i.decode(), int(when), body) for (i, when), body in zip(chunk, bodies)]
-        except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
         return out
 
     def purge(self, parked_ids: Sequence[str]) -> int:
@@ -380,23 +369,19 @@ class RedisStore:
             return 0
         _, messages, _ = parking_keys(self.prefix)
         attempts, dead = dead_letter_keys(self.prefix)
-        try:
+        with self._errors():
             pipe = self.client.pipeline(transaction=False)
             pipe.zrem(dead, *parked_ids)
             pipe.hdel(messages, *parked_ids)
             pipe.hdel(attempts, *parked_ids)
             return int(pipe.execute()[0])
-        except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
     def parked_count(self) -> tuple[int, int, int]:
         """(waiting, in flight, dead) parked messages."""
         due, _, inflight = parking_keys(self.prefix)
         _, dead = dead_letter_keys(self.prefix)
-        try:
+        with self._errors():
             return int(self.client.zcard(due)), int(self.client.zcard(inflight)), int(self.client.zcard(dead))
-        except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
 
     def close(self) -> None:
         if self._client is not None:
