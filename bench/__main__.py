@@ -3,7 +3,7 @@
 Sections: ``burst`` (1 violation, 2 makespan, 3 re-sends, 4 naive baselines, and the
 chart), ``cost`` (5 check cost), ``overhead`` (6), ``memory`` (7), ``long`` (8 long waits),
 ``backlog`` (9 deep backlog cost, on a redis-server of its own), ``neighbour`` (10 noisy
-neighbour).
+neighbour), ``api429`` (11 429s from a real rate-limited API: Flask-Limiter under gunicorn).
 Starts its own workers against the local Redis (dbs 10 and 11, which it owns), prints a
 table, writes bench/out/ (results.md, results.json, chart.png, worker logs). A full run
 also writes bench/results.md and bench/chart.png, to commit.
@@ -22,12 +22,13 @@ from typing import Any
 
 from bench.common import BENCH_DIR, OUT_DIR, Results, broker_client, delete_prefix, new_prefix, store_client
 
-SECTIONS = ("burst", "cost", "overhead", "memory", "long", "backlog", "neighbour")
+SECTIONS = ("burst", "cost", "overhead", "memory", "long", "backlog", "neighbour", "api429")
 ALIASES = {"1": "burst", "2": "burst", "3": "burst", "4": "burst", "violation": "burst",
            "makespan": "burst", "resends": "burst", "naive": "burst", "chart": "burst",
            "5": "cost", "checks": "cost", "6": "overhead", "7": "memory", "8": "long",
            "long-waits": "long", "9": "backlog", "deep-backlog": "backlog", "10": "neighbour",
-           "neighbor": "neighbour", "noisy-neighbour": "neighbour"}
+           "neighbor": "neighbour", "noisy-neighbour": "neighbour", "11": "api429", "api": "api429",
+           "429": "api429", "429s": "api429"}
 
 
 @dataclass(frozen=True)
@@ -53,28 +54,35 @@ class Scale:
     backlog_tasks: int
     #: Tenant A's flood sizes in the noisy-neighbour run.
     floods: tuple[int, ...]
+    #: API 429s: tasks per batch, the margins tried, the servers (bench.api429.SERVERS
+    #: keys) that also get cold runs.
+    api_tasks: int
+    api_margins: tuple[float, ...]
+    api_cold: tuple[str, ...]
 
 
 FULL = Scale("25/s", 250, 700, 5, 0.5, 6, (10, 1000, 100000), 100000, 20000, 150,
              backlog_depths=(1, 1000, 10000, 100000), fit_calls=15000, fit_rounds=3,
-             backlog_tasks=3000, floods=(1000, 10000, 100000))
+             backlog_tasks=3000, floods=(1000, 10000, 100000), api_tasks=150,
+             api_margins=(0.02, 0.05, 0.1), api_cold=("moving", "fixed", "jitter"))
 QUICK = Scale("20/s", 100, 400, 2, 0.25, 2, (10, 1000, 10000), 10000, 2000, 20,
               backlog_depths=(1, 1000, 10000), fit_calls=5000, fit_rounds=2,
-              backlog_tasks=1000, floods=(1000, 10000))
+              backlog_tasks=1000, floods=(1000, 10000), api_tasks=50, api_margins=(0.05,),
+              api_cold=("moving",))
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small scale, 1-2 minutes")
     p.add_argument("--only", action="append", default=[], metavar="NAME",
-                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-10")
+                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-11")
     args = p.parse_args(argv)
     chosen = []
     for item in args.only:
         for name in item.split(","):
             name = ALIASES.get(name.strip().lower(), name.strip().lower())
             if name not in SECTIONS:
-                p.error(f"unknown section {name!r}: use one of {', '.join(SECTIONS)} or 1-10")
+                p.error(f"unknown section {name!r}: use one of {', '.join(SECTIONS)} or 1-11")
             chosen.append(name)
     args.sections = [s for s in SECTIONS if s in chosen] if chosen else list(SECTIONS)
     return args
@@ -160,6 +168,14 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"noisy neighbour: floods of {', '.join(f'{n:,}' for n in scale.floods)} ...", flush=True)
             _guard(res, "10 noisy neighbour", run_neighbour, res, prefix, scale.floods)
+        if "api429" in args.sections:
+            from bench.api429 import SEC as API_SEC
+            from bench.api429 import run_api429
+
+            print(f"API 429s: batches of {scale.api_tasks} tasks against Flask-Limiter at 10 per 1 second "
+                  "under gunicorn ...", flush=True)
+            _guard(res, API_SEC, run_api429, res, prefix, scale.api_tasks, scale.api_margins, scale.api_cold,
+                   args.quick)
     except KeyboardInterrupt:
         res.notes.append("interrupted")
     finally:

@@ -60,10 +60,12 @@ class Row:
 
 @dataclass
 class Results:
-    """Everything a run measured: table rows, free-form notes, and series for the chart."""
+    """Everything a run measured: table rows, free-form notes, series for the chart, and
+    tables of a section's own (Markdown, printed and written after the main table)."""
 
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    tables: list[str] = field(default_factory=list)
     series: dict[str, Any] = field(default_factory=dict)
 
     def add(self, section: str, metric: str, variant: str, value: str, target: str = "",

@@ -35,6 +35,8 @@ def print_table(res: Results, title: str) -> None:
         last = r.section
     console = Console(width=max(Console().width, 170))
     console.print(table)
+    for block in res.tables:
+        console.print("\n" + block + "\n", highlight=False, markup=False, soft_wrap=True)
     for note in res.notes:
         console.print(f"- {note}", highlight=False, markup=False)
 
@@ -58,6 +60,8 @@ def to_markdown(res: Results, meta: dict[str, Any]) -> str:
         status = {MET: "met", MISSED: "**missed**"}.get(r.status, "")
         lines.append("| " + " | ".join(_cell(x) for x in (r.section, r.metric, r.variant, r.value,
                                                            r.target, status, r.note)) + " |")
+    for block in res.tables:
+        lines += ["", block]
     if res.notes:
         lines += ["", "Notes:", ""]
         lines += [f"- {n}" for n in res.notes]
@@ -75,7 +79,7 @@ def write(res: Results, meta: dict[str, Any], paths: list[Path]) -> None:
 
 
 def write_json(res: Results, meta: dict[str, Any], path: Path) -> None:
-    data = {"meta": meta, "rows": [asdict(r) for r in res.rows], "notes": res.notes,
+    data = {"meta": meta, "rows": [asdict(r) for r in res.rows], "notes": res.notes, "tables": res.tables,
             "series": {k: v for k, v in res.series.items() if k != "long_wait"}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")

@@ -20,11 +20,13 @@ TASKS = "bench.workerapp"
 
 
 class WorkerGroup:
-    """``count`` workers with ``concurrency`` prefork processes each, all on one prefix."""
+    """``count`` workers with ``concurrency`` prefork processes each, all on one prefix,
+    running the Celery app module ``app`` (``bench.workerapp`` unless said otherwise)."""
 
     def __init__(self, prefix: str, name: str, count: int = 2, concurrency: int = 2,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, app: str = TASKS) -> None:
         self.prefix = prefix
+        self.app = app
         self.name = name
         self.count = count
         self.concurrency = concurrency
@@ -48,7 +50,7 @@ class WorkerGroup:
         env.update(self.env)
         for i in range(self.count):
             log = self.logdir / f"{self.name}-w{i}-{uuid.uuid4().hex[:6]}.log"
-            cmd = [sys.executable, "-m", "celery", "-A", TASKS, "worker", "-Q", self.queue,
+            cmd = [sys.executable, "-m", "celery", "-A", self.app, "worker", "-Q", self.queue,
                    "-c", str(self.concurrency), "-P", "prefork", "-n", f"{self.name}{i}-{self.prefix}@%h",
                    "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
             with open(log, "wb") as out:
@@ -96,7 +98,7 @@ class WorkerGroup:
         ids = []
         with self.client.producer_or_acquire() as producer:
             for _ in range(count):
-                result = self.client.send_task(f"{TASKS}.{task}", args=(label,), queue=queue,
+                result = self.client.send_task(f"{self.app}.{task}", args=(label,), queue=queue,
                                                producer=producer)
                 ids.append(result.id)
         return ids
