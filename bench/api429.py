@@ -63,6 +63,7 @@ from bench.common import (
     Results,
     broker_client,
     delete_prefix,
+    import_configured,
     max_in_window,
     percentile,
     store_client,
@@ -243,22 +244,8 @@ class ApiServer:
 
 def producer(prefix: str) -> Any:
     """``bench.apiworker``, imported in this process configured like the workers."""
-    env = {"CB_PREFIX": prefix, "CB_STORE": STORE_URL, "CB_BROKER": BROKER_URL,
-           "CB_QUEUE": f"{prefix}-api-idle"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        import bench.apiworker as wa
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    if wa.PREFIX != prefix or wa.STORE != STORE_URL:
-        raise RuntimeError("bench.apiworker was imported earlier in this process with other settings")
-    _ = wa.app.tasks  # finalized: every throttled task hooked, as in a worker
-    return wa
+    return import_configured("bench.apiworker", {
+        "CB_PREFIX": prefix, "CB_STORE": STORE_URL, "CB_BROKER": BROKER_URL, "CB_QUEUE": f"{prefix}-api-idle"})
 
 
 def _read(prefix: str, label: str) -> dict[str, Any]:

@@ -175,3 +175,26 @@ def limits_peers(url: str, prefix: str) -> list[tuple[str, str, Callable[[], Any
         ident = name.split()[-1]  # the strategies share key names: one each
         out.append((name, family, lambda lim=limiter, i=ident: lim.hit(item, i)))
     return out
+
+
+def import_configured(module: str, env: dict[str, str]) -> Any:
+    """Import a worker app ``module`` in this process (a producer), with ``env`` set as
+    its workers get it, then put the environment back. Finalizes the app, so every
+    throttled task is hooked as in a worker."""
+    import importlib
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        mod = importlib.import_module(module)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if any(getattr(mod, name, value) != value for name, value in
+           (("PREFIX", env.get("CB_PREFIX")), ("STORE", env.get("CB_STORE")))):
+        raise RuntimeError(f"{module} was imported earlier in this process with other settings")
+    _ = mod.app.tasks
+    return mod

@@ -29,7 +29,6 @@ had run (no throttle); and how long publishing the flood took.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +41,7 @@ from bench.common import (
     Results,
     broker_client,
     delete_prefix,
+    import_configured,
     percentile,
     store_client,
 )
@@ -109,21 +109,11 @@ def publish_check_supported() -> bool:
 
 def producer(prefix: str) -> Any:
     """``bench.workerapp``, imported in this process configured like the workers."""
-    env = {"CB_PREFIX": prefix, "CB_STORE": STORE_URL, "CB_BROKER": BROKER_URL, "CB_NEIGHBOUR_RATE": QUOTA,
-           "CB_QUEUE": f"{prefix}-neighbour-idle"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        import bench.workerapp as wa
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    if wa.PREFIX != prefix or wa.STORE != STORE_URL or wa.NEIGHBOUR_RATE != QUOTA:
+    wa = import_configured("bench.workerapp", {
+        "CB_PREFIX": prefix, "CB_STORE": STORE_URL, "CB_BROKER": BROKER_URL, "CB_NEIGHBOUR_RATE": QUOTA,
+        "CB_QUEUE": f"{prefix}-neighbour-idle"})
+    if wa.NEIGHBOUR_RATE != QUOTA:
         raise RuntimeError("bench.workerapp was imported earlier in this process with other settings")
-    _ = wa.app.tasks  # finalized: every throttled task hooked, as in a worker
     return wa
 
 
