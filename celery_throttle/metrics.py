@@ -1,6 +1,6 @@
 """What the throttle did, for people on call: Prometheus metrics and a log summary.
 
-Metrics come with the ``prometheus`` extra (``pip install celery-throttle[prometheus]``):
+Metrics come with the ``prometheus`` extra (``pip install ".[prometheus]"``):
 counters and a gauge in prometheus-client's default registry, so the worker's existing
 exporter (``prometheus_client.start_http_server``, or multiprocess mode with prefork)
 serves them. Labelled by scope; by key too only with ``throttle_metrics_keys = True``

@@ -1,4 +1,4 @@
-"""The README's example of testing throttled tasks (Celery's own pytest fixtures, with an
+"""The example of testing throttled tasks in docs/operations.md (Celery's own pytest fixtures, with an
 in-process worker): kept here so that the suite runs it."""
 
 from __future__ import annotations

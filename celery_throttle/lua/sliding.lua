@@ -4,7 +4,7 @@
 -- entry starting at x is admitted only when every entry with latest > x - period, plus
 -- its own cost, stays within the limit. That single check keeps the invariant for every
 -- interval, whatever order entries were placed in, so reservations in the future obey it
--- too (see README, "How the windows work").
+-- too (see docs/design.md, "Windows").
 --
 -- To keep memory flat however large the limit, entries are merged into SLOTS buckets per
 -- period, keyed by floor(latest / slot). A bucket keeps its total units and the greatest
