@@ -18,6 +18,10 @@ import celery_throttle
 from celery_throttle.controls import CONTROL_REFRESH
 from tests.helpers import STORE_URL, WorkerGroup, max_in_window, wait_for
 
+#: Starts are read in the task bodies, which a loaded 2-core machine may reach more than
+#: the check's slack after the check: windows are measured 20 ms short of the limit's.
+WINDOW = 0.98
+
 
 @pytest.fixture
 def ctl(workers: WorkerGroup) -> Iterator[celery_throttle.Throttle]:
@@ -109,7 +113,7 @@ def test_a_lowered_live_limit_holds_the_running_backlog_within_a_second(
     _each_once(starts, ids)
     after = sorted(e["t"] for e in starts if e["t"] >= set_at + 1.0)
     assert len(after) >= 20
-    assert max_in_window(after, 1.0) <= 2
+    assert max_in_window(after, WINDOW) <= 2
 
 
 def test_a_raised_live_limit_is_obeyed_at_once_and_unset_restores_the_code(
@@ -124,7 +128,7 @@ def test_a_raised_live_limit_is_obeyed_at_once_and_unset_restores_the_code(
     # Then they run at up to 10/s (2 s for 20, not 10 s), never more
     _each_once(starts, ids)
     times = sorted(e["t"] for e in starts)
-    assert max_in_window(times, 1.0) <= 10
+    assert max_in_window(times, WINDOW) <= 10
     assert times[-1] - times[0] < 4.0
     # and unset brings back the code's 2/s
     assert ctl.clear_limit("live-slow-api")
@@ -132,7 +136,7 @@ def test_a_raised_live_limit_is_obeyed_at_once_and_unset_restores_the_code(
     label = _label()
     ids = [workers.send("live_slow", label) for _ in range(6)]
     times = sorted(e["t"] for e in workers.wait_starts(label, 6, timeout=30))
-    assert max_in_window(times, 1.0) <= 2
+    assert max_in_window(times, WINDOW) <= 2
 
 
 def test_retry_after_reads_seconds_and_http_dates_and_falls_back_on_anything_else() -> None:
