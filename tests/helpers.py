@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 from pathlib import Path
@@ -81,6 +82,18 @@ def delete_queues(broker_url: str, queues: Sequence[str]) -> None:
         client = redis.Redis.from_url(broker_url)
         drop_bindings(client, queues)
         client.close()
+
+
+def new_label() -> str:
+    """A label of a test's own, recorded with each start of its tasks."""
+    return uuid.uuid4().hex[:10]
+
+
+def assert_each_ran_once(starts: list[dict], ids: list[str]) -> None:
+    """Every task sent started, none twice, and nothing else did."""
+    counts = Counter(e["id"] for e in starts)
+    assert sorted(counts) == sorted(ids), "a task was lost or an unknown one ran"
+    assert max(counts.values()) == 1, f"ran twice: {[i for i, n in counts.items() if n > 1]}"
 
 
 def free_port() -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +15,7 @@ from celery import Celery
 
 import celery_throttle
 from celery_throttle.controls import CONTROL_REFRESH
-from tests.helpers import STORE_URL, WorkerGroup, max_in_window, wait_for
+from tests.helpers import STORE_URL, WorkerGroup, assert_each_ran_once, max_in_window, new_label, wait_for
 
 #: Starts are read in the task bodies, which a loaded 2-core machine may reach more than
 #: the check's slack after the check: windows are measured 20 ms short of the limit's.
@@ -34,15 +33,6 @@ def ctl(workers: WorkerGroup) -> Iterator[celery_throttle.Throttle]:
         operator.clear_limit(scope)
 
 
-def _label() -> str:
-    return uuid.uuid4().hex[:10]
-
-
-def _each_once(starts: list[dict], ids: list[str]) -> None:
-    counts = Counter(e["id"] for e in starts)
-    assert sorted(counts) == sorted(ids) and max(counts.values()) == 1
-
-
 def test_a_pause_holds_every_worker_and_every_task_runs_once_after(
         workers: WorkerGroup, ctl: celery_throttle.Throttle) -> None:
     # Given a scope paused for 3 s (and the workers' copies of the pauses refreshed)
@@ -50,11 +40,11 @@ def test_a_pause_holds_every_worker_and_every_task_runs_once_after(
     assert ctl.status("pausable-api").paused_until == pytest.approx(until)
     time.sleep(CONTROL_REFRESH + 0.1)
     # When 12 of its tasks are sent during the pause
-    label = _label()
+    label = new_label()
     ids = [workers.send("pausable", label) for _ in range(12)]
     starts = workers.wait_starts(label, 12, timeout=30)
     # Then none started before the pause ended, and each ran once after it
-    _each_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     assert min(e["t"] for e in starts) >= until - 0.005
     assert all(e["retries"] == 0 for e in starts)
 
@@ -64,7 +54,7 @@ def test_resume_lets_paused_tasks_go_at_once(workers: WorkerGroup, ctl: celery_t
     ctl.pause("pausable-api")
     assert ctl.status("pausable-api").paused_until == float("inf")
     time.sleep(CONTROL_REFRESH + 0.1)
-    label = _label()
+    label = new_label()
     ids = [workers.send("pausable", label) for _ in range(5)]
     time.sleep(2)
     assert workers.starts(label) == [], "started during the pause"
@@ -74,14 +64,14 @@ def test_resume_lets_paused_tasks_go_at_once(workers: WorkerGroup, ctl: celery_t
     # Then they run, once each, soon after (they come back within the long pause's
     # re-check: a waiting task is sent back at the latest when its release is due)
     starts = workers.wait_starts(label, 5, timeout=90)
-    _each_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     assert min(e["t"] for e in starts) >= resumed_at
 
 
 def test_a_task_that_backs_off_pauses_its_scope_on_every_worker(
         workers: WorkerGroup, ctl: celery_throttle.Throttle) -> None:
     # Given one task that meets a 429 with Retry-After: 2 on its first run
-    label = _label()
+    label = new_label()
     first = workers.send("vendor_call", label, True)
     wait_for(lambda: workers.records.get(f"{workers.prefix}:backed-off:{label}"), 15, what="the back-off")
     backed_off_at = float(workers.records.get(f"{workers.prefix}:backed-off:{label}"))
@@ -90,7 +80,7 @@ def test_a_task_that_backs_off_pauses_its_scope_on_every_worker(
     starts = workers.wait_starts(label, 9, timeout=30)
     # Then nothing of the scope started, on any worker, for the 2 s of the pause (a
     # worker sees a pause set elsewhere within CONTROL_REFRESH), and each ran once after
-    _each_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     early = [e["t"] - backed_off_at for e in starts if e["t"] < backed_off_at + 2 - CONTROL_REFRESH]
     assert early == [], f"started {early} s into the back-off"
     # and the task that backed off ran again without spending a retry
@@ -101,7 +91,7 @@ def test_a_task_that_backs_off_pauses_its_scope_on_every_worker(
 def test_a_lowered_live_limit_holds_the_running_backlog_within_a_second(
         workers: WorkerGroup, ctl: celery_throttle.Throttle) -> None:
     # Given a burst of 40 tasks of a 10/s scope under way
-    label = _label()
+    label = new_label()
     ids = [workers.send("live_fast", label) for _ in range(40)]
     wait_for(lambda: len(workers.starts(label)) >= 10, 20, what="the burst under way")
     # When its limit is lowered to 2/s while the rest wait for starts reserved at 10/s
@@ -110,7 +100,7 @@ def test_a_lowered_live_limit_holds_the_running_backlog_within_a_second(
     assert ctl.status("live-api").rates[0].rate == celery_throttle.Rate(2, 1.0)
     starts = workers.wait_starts(label, 40, timeout=60)
     # Then every task ran once, and from a second after the change on, at most 2 a second
-    _each_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     after = sorted(e["t"] for e in starts if e["t"] >= set_at + 1.0)
     assert len(after) >= 20
     assert max_in_window(after, WINDOW) <= 2
@@ -122,18 +112,18 @@ def test_a_raised_live_limit_is_obeyed_at_once_and_unset_restores_the_code(
     ctl.set_limit("live-slow-api", ["10/s"])
     time.sleep(CONTROL_REFRESH + 0.1)
     # When 20 of its tasks are sent
-    label = _label()
+    label = new_label()
     ids = [workers.send("live_slow", label) for _ in range(20)]
     starts = workers.wait_starts(label, 20, timeout=30)
     # Then they run at up to 10/s (2 s for 20, not 10 s), never more
-    _each_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     times = sorted(e["t"] for e in starts)
     assert max_in_window(times, WINDOW) <= 10
     assert times[-1] - times[0] < 4.0
     # and unset brings back the code's 2/s
     assert ctl.clear_limit("live-slow-api")
     time.sleep(CONTROL_REFRESH + 0.1)
-    label = _label()
+    label = new_label()
     ids = [workers.send("live_slow", label) for _ in range(6)]
     times = sorted(e["t"] for e in workers.wait_starts(label, 6, timeout=30))
     assert max_in_window(times, WINDOW) <= 2

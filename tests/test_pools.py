@@ -14,7 +14,6 @@ import importlib.util
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -22,20 +21,19 @@ import redis
 
 from celery_throttle.lease import Leases, sent_at
 from tests.conftest import _clean
-from tests.helpers import BROKER_URL, STORE_URL, WorkerGroup, delete_queues, max_in_window, wait_for
+from tests.helpers import (
+    BROKER_URL,
+    STORE_URL,
+    WorkerGroup,
+    assert_each_ran_once,
+    delete_queues,
+    max_in_window,
+    new_label,
+    wait_for,
+)
 
 #: Pool and concurrency of each worker.
 POOLS = {"threads": 4, "solo": 1, "gevent": 20, "eventlet": 20}
-
-
-def _label() -> str:
-    return uuid.uuid4().hex[:10]
-
-
-def _assert_each_ran_once(starts: list[dict], ids: list[str]) -> None:
-    counts = Counter(e["id"] for e in starts)
-    assert sorted(counts) == sorted(ids), "a task was lost or an unknown one ran"
-    assert max(counts.values()) == 1, f"ran twice: {[i for i, n in counts.items() if n > 1]}"
 
 
 def _skip_unless_installed(pool: str) -> None:
@@ -74,9 +72,9 @@ def _warm_up(group: WorkerGroup) -> None:
     body, and on this machine that took up to 45 ms: more than the slack (10 ms for a 1 s
     window) that a start is counted with, so a cold worker's start times can show a
     window overfilled by one that the check itself did not overfill."""
-    label = _label()
+    label = new_label()
     ids = [group.send("unthrottled", label) for _ in range(2 * group.count * group.concurrency)]
-    _assert_each_ran_once(group.wait_starts(label, len(ids), timeout=30, settle=0.2), ids)
+    assert_each_ran_once(group.wait_starts(label, len(ids), timeout=30, settle=0.2), ids)
 
 
 def _assert_no_errors_logged(group: WorkerGroup) -> None:
@@ -87,14 +85,14 @@ def _assert_no_errors_logged(group: WorkerGroup) -> None:
 
 def test_a_burst_is_held_to_the_limit_and_each_task_runs_once(pool_workers: WorkerGroup) -> None:
     # Given a 5/s sliding limit, 2 workers of this pool
-    label = _label()
+    label = new_label()
     # When 8 tasks are sent at once (screened in the consumer) and 8 more with a small
     # countdown (not screened: every check and denial of these is made in the pool)
     ids = [pool_workers.send("below", label) for _ in range(8)]
     later = [pool_workers.send("below", label, countdown=0.1) for _ in range(8)]
     starts = pool_workers.wait_starts(label, 16, timeout=30)
     # Then each ran exactly once, never more than 5 started in any 1 s
-    _assert_each_ran_once(starts, ids + later)
+    assert_each_ran_once(starts, ids + later)
     assert max_in_window(sorted(e["t"] for e in starts), 1.0) <= 5
     # And the pool itself turned tasks away (the window was full when they arrived)
     denied = {d["id"] for d in pool_workers.denials()}
@@ -105,7 +103,7 @@ def test_a_burst_is_held_to_the_limit_and_each_task_runs_once(pool_workers: Work
 def test_long_waits_are_parked_from_the_pool_and_released(pool_workers: WorkerGroup) -> None:
     # Given a 3/4s quota and park_after=2s; the tasks carry a countdown, so the pool (not
     # the consumer) decides, defers and parks them
-    label = _label()
+    label = new_label()
     tenant = f"park-{label}"
     ids = [pool_workers.send("slow_quota", label, tenant, countdown=0.1) for _ in range(6)]
     # When the quota is spent, the 3 that must wait about 4 s are parked
@@ -113,7 +111,7 @@ def test_long_waits_are_parked_from_the_pool_and_released(pool_workers: WorkerGr
     wait_for(lambda: pool_workers.records.zcard(parked_due) >= 3, 10, what="parked tasks")
     starts = pool_workers.wait_starts(label, 6, timeout=20, settle=0.5)
     # Then each ran once, the limit held, and nothing stays parked
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     assert max_in_window([e["t"] for e in starts], 4.0) <= 3
     parked = {d["id"] for d in pool_workers.denials() if d["parked"]}
     assert len(parked & set(ids)) >= 3
@@ -125,12 +123,12 @@ def test_long_waits_are_parked_from_the_pool_and_released(pool_workers: WorkerGr
 def test_leases_shared_by_a_pools_threads_never_overfill_the_window(pool_workers: WorkerGroup) -> None:
     # Given a sliding 300/s limit: a busy key whose checks take leases, which every
     # thread (or greenlet) of a worker process takes its starts from
-    label = _label()
+    label = new_label()
     # When 450 tasks are sent at once
     ids = [pool_workers.send("busy", label) for _ in range(450)]
     starts = pool_workers.wait_starts(label, 450, timeout=40, settle=0.5)
     # Then each ran once and no 1 s ever held more than 300 starts
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     assert max_in_window(sorted(e["t"] for e in starts), 1.0) <= 300
     _assert_no_errors_logged(pool_workers)
 

@@ -7,34 +7,30 @@ Every test bursts tasks well over their limit and reads back when each body star
 from __future__ import annotations
 
 import time
-import uuid
 from collections import Counter
 
 import redis
 from celery.result import AsyncResult
 
-from tests.helpers import WorkerGroup, max_in_aligned_windows, max_in_window, wait_for
-
-
-def _label() -> str:
-    return uuid.uuid4().hex[:10]
-
-
-def _assert_each_ran_once(starts: list[dict], ids: list[str]) -> None:
-    counts = Counter(e["id"] for e in starts)
-    assert sorted(counts) == sorted(ids), "a task was lost or an unknown one ran"
-    assert max(counts.values()) == 1, f"ran twice: {[i for i, n in counts.items() if n > 1]}"
+from tests.helpers import (
+    WorkerGroup,
+    assert_each_ran_once,
+    max_in_aligned_windows,
+    max_in_window,
+    new_label,
+    wait_for,
+)
 
 
 def test_sliding_limit_holds_across_every_worker_process(workers: WorkerGroup) -> None:
     # Given a 5/s sliding limit (decorator below @app.task) and 4 pool processes
-    label = _label()
+    label = new_label()
     # When 30 tasks are sent at once
     ids = [workers.send("below", label) for _ in range(30)]
     starts = workers.wait_starts(label, 30, timeout=30)
     # Then each ran exactly once and never more than 5 started in any 1 s
     # (how close to the ideal pace it ran is measured in bench/, not asserted here)
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     times = sorted(e["t"] for e in starts)
     assert max_in_window(times, 1.0) <= 5
     assert len({e["pid"] for e in starts}) >= 2, "the burst should be spread over processes"
@@ -48,30 +44,30 @@ def test_busy_key_far_below_its_limit_is_admitted_from_leases_and_still_held(
     workers: WorkerGroup, store_client: redis.Redis
 ) -> None:
     # Given a sliding 300/s limit and 4 pool processes
-    label = _label()
+    label = new_label()
     # When 120 tasks are sent at once (at most 40% of the limit)
     before = _script_calls(store_client)
     ids = [workers.send("busy", label) for _ in range(120)]
     starts = workers.wait_starts(label, 120, timeout=30, settle=0.2)
     # Then each ran once, and the pool took most starts from leases: fewer script calls
     # than tasks (without leases every start is one, plus the consumer's screening)
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     assert _script_calls(store_client) - before < 120
     # And when 700 more follow at once, far past the limit, no 1 s ever holds more than
     # 300 starts (leases stop at half the limit; every start is then checked alone)
     more = f"{label}-more"
     ids = [workers.send("busy", more) for _ in range(700)]
     burst = workers.wait_starts(more, 700, timeout=60)
-    _assert_each_ran_once(burst, ids)
+    assert_each_ran_once(burst, ids)
     assert max_in_window(sorted(e["t"] for e in starts + burst), 1.0) <= 300
 
 
 def test_fixed_window_per_tenant_above_the_task_decorator(workers: WorkerGroup) -> None:
     # Given a fixed 4/s per tenant limit, declared above @app.task
-    label = _label()
+    label = new_label()
     ids = [workers.send("above", label, tenant) for tenant in ("acme", "globex") for _ in range(12)]
     starts = workers.wait_starts(label, 24, timeout=30)
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     # Then each tenant gets its own 4 per aligned second; tenants do not share
     for tenant in ("acme", "globex"):
         times = [e["t"] for e in starts if e["tenant"] == tenant]
@@ -82,11 +78,11 @@ def test_fixed_window_per_tenant_above_the_task_decorator(workers: WorkerGroup) 
 
 def test_shared_scope_two_rates_and_cost(workers: WorkerGroup) -> None:
     # Given two tasks sharing scope "shared-api" at 6/s and 9/3s, one costing len(ids)
-    label = _label()
+    label = new_label()
     ids = [workers.send("sync_issues", label, list(range(n))) for n in (1, 2, 3, 1, 2, 1)]
     ids += [workers.send("other_user_of_api", label) for _ in range(6)]
     starts = workers.wait_starts(label, 12, timeout=40)
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     times = [e["t"] for e in starts]
     weights = [e.get("ids", 1) for e in starts]
     # Then the units of both tasks together respect both rates
@@ -95,12 +91,12 @@ def test_shared_scope_two_rates_and_cost(workers: WorkerGroup) -> None:
 
 
 def test_callable_rate_gives_each_plan_its_limit(workers: WorkerGroup) -> None:
-    label = _label()
+    label = new_label()
     free, pro = f"free-{label}", f"pro-{label}"
     ids = [workers.send("planned", label, free, "free") for _ in range(6)]
     ids += [workers.send("planned", label, pro, "pro") for _ in range(12)]
     starts = workers.wait_starts(label, 18, timeout=30)
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     assert max_in_window([e["t"] for e in starts if e["tenant"] == free], 1.0) <= 2
     pro_times = [e["t"] for e in starts if e["tenant"] == pro]
     assert max_in_window(pro_times, 1.0) <= 6
@@ -109,11 +105,11 @@ def test_callable_rate_gives_each_plan_its_limit(workers: WorkerGroup) -> None:
 
 def test_denied_task_does_not_spend_retry_budget(workers: WorkerGroup) -> None:
     # Given a task with max_retries=0 limited to 3/s
-    label = _label()
+    label = new_label()
     ids = [workers.send("no_retries", label) for _ in range(9)]
     starts = workers.wait_starts(label, 9, timeout=30)
     # Then every one ran, succeeded, and saw request.retries == 0
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     assert all(e["retries"] == 0 for e in starts)
     for task_id in ids:
         assert AsyncResult(task_id, app=workers.client).get(timeout=10) is None
@@ -123,7 +119,7 @@ def test_denied_task_does_not_spend_retry_budget(workers: WorkerGroup) -> None:
 
 
 def test_own_retries_still_count_and_work(workers: WorkerGroup) -> None:
-    label = _label()
+    label = new_label()
     ids = [workers.send("retries_itself", label, 1) for _ in range(6)]
     starts = workers.wait_starts(label, 12, timeout=30)
     # Each task ran twice (first try, then its own retry), with retries 0 then 1
@@ -138,11 +134,11 @@ def test_own_retries_still_count_and_work(workers: WorkerGroup) -> None:
 
 def test_denied_task_keeps_its_id_args_and_queue(workers: WorkerGroup) -> None:
     # Given tasks sent to a second queue, well over a 5/s limit
-    label = _label()
+    label = new_label()
     alt = f"{workers.queue}-alt"
     ids = [workers.send("below", label, queue=alt) for _ in range(12)]
     starts = workers.wait_starts(label, 12, timeout=30)
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     # Then the deferred ones came back on the queue they were sent to
     assert {e["queue"] for e in starts} == {alt}
     throttled = {d["id"] for d in workers.denials()}
@@ -150,7 +146,7 @@ def test_denied_task_keeps_its_id_args_and_queue(workers: WorkerGroup) -> None:
 
 
 def test_signal_reports_each_denial_with_scope_key_and_delay(workers: WorkerGroup) -> None:
-    label = _label()
+    label = new_label()
     tenant = f"sig-{label}"
     ids = [workers.send("above", label, tenant) for _ in range(8)]
     workers.wait_starts(label, 8, timeout=30)
@@ -161,11 +157,11 @@ def test_signal_reports_each_denial_with_scope_key_and_delay(workers: WorkerGrou
 
 
 def test_rules_throttle_tasks_we_do_not_own(workers: WorkerGroup) -> None:
-    label = _label()
+    label = new_label()
     ids = [workers.send("unowned_export", label, t) for t in ("a", "b") for _ in range(10)]
     ids += [workers.send("unowned_fixed", label) for _ in range(9)]
     starts = workers.wait_starts(label, 29, timeout=30)
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     for tenant in ("a", "b"):
         assert max_in_window([e["t"] for e in starts if e.get("tenant") == tenant], 1.0) <= 4
     fixed = [e["t"] for e in starts if "tenant" not in e]
@@ -173,10 +169,10 @@ def test_rules_throttle_tasks_we_do_not_own(workers: WorkerGroup) -> None:
 
 
 def test_unthrottled_tasks_are_untouched(workers: WorkerGroup) -> None:
-    label = _label()
+    label = new_label()
     ids = [workers.send("unthrottled", label) for _ in range(20)]
     starts = workers.wait_starts(label, 20, timeout=20, settle=0.3)
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     times = sorted(e["t"] for e in starts)
     assert times[-1] - times[0] < 3
     assert not [d for d in workers.denials() if d["id"] in ids]
@@ -184,7 +180,7 @@ def test_unthrottled_tasks_are_untouched(workers: WorkerGroup) -> None:
 
 def test_long_waits_are_parked_in_redis_and_released(workers: WorkerGroup) -> None:
     # Given a 3/4s quota and park_after=3s for these workers
-    label = _label()
+    label = new_label()
     tenant = f"park-{label}"
     ids = [workers.send("slow_quota", label, tenant) for _ in range(9)]
     # When the quota is spent, the waits of 4 s and 8 s are parked, not held as ETAs
@@ -192,7 +188,7 @@ def test_long_waits_are_parked_in_redis_and_released(workers: WorkerGroup) -> No
              what="parked tasks")
     starts = workers.wait_starts(label, 9, timeout=30)
     # Then all ran once, the limit held, and nothing stays parked
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     assert max_in_window([e["t"] for e in starts], 4.0) <= 3
     assert any(d["parked"] for d in workers.denials() if d["id"] in ids)
     assert workers.records.zcard(f"{workers.prefix}:{{parked}}:due") == 0
@@ -200,7 +196,7 @@ def test_long_waits_are_parked_in_redis_and_released(workers: WorkerGroup) -> No
 
 
 def test_bad_key_argument_fails_visibly_and_is_not_dropped(workers: WorkerGroup) -> None:
-    label = _label()
+    label = new_label()
     good = workers.send("keyed", label, "t1")
     bad = workers.send("keyed", label, None)
     assert AsyncResult(good, app=workers.client).get(timeout=15) is None
@@ -212,7 +208,7 @@ def test_bad_key_argument_fails_visibly_and_is_not_dropped(workers: WorkerGroup)
 
 
 def test_window_state_lives_on_redis_with_ttl(workers: WorkerGroup) -> None:
-    label = _label()
+    label = new_label()
     workers.send("above", label, f"ttl-{label}")
     workers.wait_starts(label, 1, timeout=15, settle=0.1)
     key = f"{workers.prefix}:{{tests.taskapp.above:ttl-{label}}}"
@@ -226,10 +222,10 @@ def test_window_state_lives_on_redis_with_ttl(workers: WorkerGroup) -> None:
 def test_a_denial_is_not_an_execution_for_celery_signals(workers: WorkerGroup) -> None:
     # Given tasks sent with a countdown (the consumer does not screen them: each denial
     # is made in the pool, where Celery's trace and its signals live)
-    label = _label()
+    label = new_label()
     ids = [workers.send("signalled", label, countdown=0.2) for _ in range(15)]
     starts = workers.wait_starts(label, 15, timeout=30)
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     denied = {d["id"] for d in workers.denials()} & set(ids)
     assert len(denied) >= 5, "a burst of 15 at 5/s is denied in the pool"
     # Then task_prerun and task_postrun fired exactly once per task: for its real run
@@ -242,10 +238,10 @@ def test_a_denial_is_not_an_execution_for_celery_signals(workers: WorkerGroup) -
 
 def test_a_margin_keeps_any_n_starts_a_window_plus_the_margin_apart(workers: WorkerGroup) -> None:
     # Given @throttle("5/s", margin=0.2): any 6 starts at least 1.2 s apart
-    label = _label()
+    label = new_label()
     ids = [workers.send("margined", label) for _ in range(16)]
     starts = workers.wait_starts(label, 16, timeout=30)
-    _assert_each_ran_once(starts, ids)
+    assert_each_ran_once(starts, ids)
     times = sorted(e["t"] for e in starts)
     assert max_in_window(times, 1.19) <= 5  # (a little under 1.2 s: start-time jitter)
     # and no slower than the margin asks: 16 starts = 3 full windows of 1.2 s and a bit
