@@ -48,7 +48,7 @@ from bench.common import OUT_DIR, Results, fmt_bytes, limits_peers, percentile, 
 from bench.naive import NaiveLimiter
 from celery_throttle.keys import state_key
 from celery_throttle.rates import Rate, parse_rates
-from celery_throttle.store import Code, RedisStore, Reservation, WindowReply
+from celery_throttle.store import Code, RedisStore, Reservation, WindowCall, WindowReply
 from celery_throttle.timing import grace_us as _grace_us
 from celery_throttle.timing import slack_us as _slack_us
 
@@ -221,13 +221,15 @@ class Config:
     def slack(self) -> int:
         return _slack_us(self.rates)
 
-    def call(self, store: RedisStore, key: str, op: str = "acquire", **kw: Any) -> WindowReply:
-        return store.window(key, self.algorithm, op, self.rates, 1, reserve=True, grace_us=self.grace,
-                            slack_us=self.slack, **kw)
+    def request(self) -> WindowCall:
+        return WindowCall(self.algorithm, tuple(self.rates), 1, grace_us=self.grace, slack_us=self.slack)
+
+    def call(self, store: RedisStore, key: str) -> WindowReply:
+        return store.acquire(key, self.request(), reserve=True)
 
     def claim(self, store: RedisStore, key: str, held: Reservation, task_id: str) -> WindowReply:
-        return self.call(store, key, "claim", claim=held,
-                         claim_marker=f"{key}:claimed:{task_id}:{held.start_us}")
+        return store.claim(key, self.request(), held, marker=f"{key}:claimed:{task_id}:{held.start_us}",
+                           reserve=True)
 
 
 class _Collect(Bulk):
@@ -549,8 +551,8 @@ def _fit_variants(url: str, client: Any, prefix: str) -> list[tuple[str, str, Ca
     for algorithm in ALGORITHMS:
         key = state_key(prefix, "fit-peers", algorithm)
         out.append((f"ours {algorithm}", algorithm,
-                    lambda a=algorithm, k=key: store.window(k, a, "acquire", rates, 1, grace_us=grace,
-                                                            slack_us=slack)))
+                    lambda a=algorithm, k=key: store.acquire(k, WindowCall(a, rates, 1, grace_us=grace,
+                                                                           slack_us=slack))))
     out += [(name, "peer " + family, hit) for name, family, hit in limits_peers(url, prefix)]
     sha = client.script_load(FLOOR_LUA)
     floor_key = f"{prefix}:floor"

@@ -1,7 +1,7 @@
 """Pipelining celery_throttle's window script, for bulk fills and the 10-key cost run.
 
 celery_throttle has no public batch API. :class:`Bulk` borrows the store's own argument
-building: inside ``with Bulk(store):`` each ``store.window(...)`` (so each
+building: inside ``with Bulk(store):`` each ``store.acquire(...)`` (so each
 ``ctl.acquire(...)``) queues its script call in a pipeline instead of sending it, and gets
 a placeholder "allowed" reply. This leans on two internals, ``RedisStore._run`` and
 ``RedisStore._scripts``; :func:`supported` says whether they are still there.

@@ -23,6 +23,7 @@ from bench.bulk import Bulk, supported
 from bench.common import STORE_URL, Results, fmt_num, limits_peers, percentile
 from celery_throttle.keys import state_key
 from celery_throttle.rates import Rate
+from celery_throttle.store import WindowCall
 
 RATE = "1000000/s"
 INCR_LUA = "return redis.call('INCR', KEYS[1])"
@@ -98,8 +99,8 @@ def _variants(prefix: str) -> list[tuple[str, str, str, Callable[[], Any], int]]
         out.append((f"ours {algo}: ctl.acquire", algo, "ours",
                     lambda a=algo: ctl.acquire("cost", key=f"acq-{a}", rates=RATE, algorithm=a), 1))
         key = state_key(prefix, "cost", f"win-{algo}")
-        out.append((f"ours {algo}: store.window", algo, "ours",
-                    lambda a=algo, k=key: ctl.store.window(k, a, "acquire", [rate], 1), 1))
+        out.append((f"ours {algo}: store.acquire", algo, "ours",
+                    lambda a=algo, k=key: ctl.store.acquire(k, WindowCall(a, (rate,), 1)), 1))
 
     out += [(name, family, "peer", hit, 1) for name, family, hit in limits_peers(STORE_URL, prefix)]
     try:
@@ -131,9 +132,9 @@ def _variants(prefix: str) -> list[tuple[str, str, str, Callable[[], Any], int]]
             def ours10(a: str = algo, ks: list[str] = keys) -> None:
                 with Bulk(ctl.store, batch=10):
                     for k in ks:
-                        ctl.store.window(k, a, "acquire", [rate], 1)
+                        ctl.store.acquire(k, WindowCall(a, (rate,), 1))
 
-            out.append((f"ours {algo}: store.window, 10 keys pipelined", algo, "ours10", ours10, 10))
+            out.append((f"ours {algo}: store.acquire, 10 keys pipelined", algo, "ours10", ours10, 10))
     return out
 
 

@@ -1,20 +1,33 @@
-"""How a denied task comes back: the reservation it carries and when it is sent again.
+"""How a denied task comes back: the reservation it carries, when it is sent again, and
+how (re-sent with a countdown, or parked in Redis), under the store-error policy.
 
-Shared by every place that turns a task away: the pool hook, the consumer screen, and
-the producer at publish.
+Shared by every place that turns a task away: the pool hook and the consumer screen
+send it back (:class:`TurnedAway`); the producer at publish only plans its return.
 """
 
 from __future__ import annotations
 
+import logging
+import random
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from celery.exceptions import Reject
+
+from . import signals
+from .errors import StoreError
+from .keys import state_key
+from .parking import park
 from .spec import BoundCall
 from .store import Code, Reservation, WindowReply, rates_tag
 
 if TYPE_CHECKING:
     from .limiter import Throttle
 
-__all__ = ["HEADER", "plan_return", "read_state"]
+__all__ = ["HEADER", "TurnedAway", "plan_return", "read_state"]
+
+logger = logging.getLogger("celery_throttle")
 
 #: Message header carrying a deferred task's reservation and counters:
 #: ``k`` the state key it was reserved under, ``r`` the reservation
@@ -44,11 +57,12 @@ def read_state(value: Any) -> dict[str, Any]:
     return state
 
 
-def plan_return(ctl: Throttle, call: BoundCall, state: dict[str, Any], ident: str,
-                claim: Reservation | None, reply: WindowReply) -> float:
+def plan_return(ctl: Throttle, call: BoundCall, state: dict[str, Any], claim: Reservation | None,
+                reply: WindowReply) -> float:
     """Put the start a denial reserved in ``state`` (the task's header); returns in how
     many seconds the task should be sent back."""
     state.pop("e", None)
+    ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
     lead_us = ctl.lead_us(call.rates, reply.lead_us)
     if reply.code == Code.EARLY:
         reservation = claim
@@ -64,3 +78,80 @@ def plan_return(ctl: Throttle, call: BoundCall, state: dict[str, Any], ident: st
     # broker's and the pool's dispatch delay (learnt per key, see window.lua); the
     # claim waits out the difference.
     return max(reply.wait_us - (lead_us if reservation else 0), 0) / 1e6
+
+
+@dataclass
+class TurnedAway:
+    """A task a worker turned away, with what sending it back takes."""
+
+    ctl: Throttle
+    task: Any
+    #: Its request (Celery's ``Context``): id, headers, routing, retries.
+    request: Any
+    args: Any
+    kwargs: Any
+    call: BoundCall
+    #: Its ``celery_throttle`` header as read (:func:`read_state`); sent back updated.
+    state: dict[str, Any]
+
+    def defer(self, reply: WindowReply, claim: Reservation | None = None) -> None:
+        """Send it back (or park it) to come for the start ``reply`` reserved."""
+        delay = plan_return(self.ctl, self.call, self.state, claim, reply)
+        self.send_back(delay, reply.now_us)
+
+    def send_back(self, delay: float, now_us: int | None, *, may_park: bool = True) -> None:
+        """Send the task again in ``delay`` seconds, same id, arguments, routing and retry
+        count; park it in Redis instead when the wait is long (``now_us``: the Redis
+        clock's now, which parking needs). A broker that refuses the re-send gets the
+        message back (``Reject`` with requeue): it is not acked as done."""
+        ctl, task, request, call = self.ctl, self.task, self.request, self.call
+        self.state["n"] = int(self.state.get("n") or 0) + 1  # deferrals so far, for observability
+        headers = dict(request.headers or {})
+        headers[HEADER] = self.state
+        sig = task.signature_from_request(request, self.args, self.kwargs, headers=headers)
+        parked = may_park and now_us is not None and delay >= ctl.settings.park_after
+        signals.task_throttled.send(sender=task, request=request, delay=delay,
+                                    scope=call.scope, key=call.key, parked=parked)
+        ctl.metrics.denied(call.scope, call.key, delay, parked)
+        if parked and now_us is not None:
+            try:
+                park(ctl, sig, due_us=now_us + int(delay * 1e6))
+            except StoreError as exc:
+                # Sent back with its countdown instead: it waits in a worker, but it is not lost.
+                logger.warning("could not park %s[%s], sending it back for %.1fs instead: %s",
+                               task.name, request.id, delay, exc)
+                parked = False
+        if not parked:
+            try:
+                sig.apply_async(countdown=max(delay, 0.0))
+            except Exception as exc:  # any broker error: the message must not be acked as done
+                logger.error("could not send %s[%s] back (%r): it is returned to the broker",
+                             task.name, request.id, exc)
+                raise Reject(exc, requeue=True) from exc
+        back = datetime.now().astimezone() + timedelta(seconds=delay)
+        logger.debug("throttled %s[%s] scope=%s key=%s: back at %s (in %.3fs%s)", task.name, request.id,
+                     call.scope, call.key, back.strftime("%H:%M:%S.%f")[:-3] + back.strftime(" %Z"), delay,
+                     ", parked" if parked else "")
+
+    def on_store_error(self, exc: StoreError) -> bool:
+        """The check could not reach Redis: ``throttle_on_store_error`` decides. True: run
+        the body now (``allow``); raises ``exc`` (``fail``); else the task is sent back
+        after a growing, jittered delay (``defer``) and False is returned."""
+        ctl, task, request = self.ctl, self.task, self.request
+        ctl.metrics.store_error("worker")
+        policy = ctl.settings.on_store_error
+        if policy == "allow":
+            logger.warning("throttle store unreachable, running %s[%s] unthrottled: %s",
+                           task.name, request.id, exc)
+            return True
+        if policy == "fail":
+            raise exc
+        errors = int(self.state.get("e") or 0)
+        self.state["e"] = errors + 1
+        s = ctl.settings
+        delay = min(s.store_retry_delay * 2 ** errors, s.store_retry_max_delay)
+        delay *= random.uniform(0.5, 1.0)  # so deferred tasks do not return all at once
+        logger.warning("throttle store unreachable, deferring %s[%s] for %.1fs: %s",
+                       task.name, request.id, delay, exc)
+        self.send_back(delay, None, may_park=False)
+        return False

@@ -1,4 +1,5 @@
-"""The task side: decides before Celery's trace starts, and defers denied tasks.
+"""The task side: decides before Celery's trace starts; a denied task is turned away
+(:mod:`.deferral` sends it back).
 
 Every execution in a worker, in any pool, goes through the task's ``__trace__`` (the
 tracer Celery builds per task, in the consumer and again in each pool child). A hooked
@@ -17,27 +18,24 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import random
 import threading
-from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from celery.app import trace as celery_trace
 from celery.app.trace import TraceInfo, build_tracer, task_has_custom
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore
 from celery.states import IGNORED
 from celery.utils import uuid
 
 from . import signals
 from .backoff import Backoff
 from .controller import controller
-from .deferral import HEADER, plan_return, read_state
+from .deferral import HEADER, TurnedAway, read_state
 from .errors import StoreError, WaitTooLong
 from .keys import state_key
-from .parking import park
 from .publish import admit, park_at_publish
 from .spec import BoundCall, ThrottleSpec, declared_spec
-from .store import Code, Reservation, WindowReply
+from .store import Code, Reservation
 from .timing import wait_here_us
 
 if TYPE_CHECKING:
@@ -147,7 +145,7 @@ def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
     if guard(task, args, kwargs):
         # Not deferred by the check (throttling switched off, or the pause could not be
         # written): sent back for the pause all the same.
-        _defer(ctl, task, request, args, kwargs, call, {}, exc.seconds, None, may_park=False)
+        TurnedAway(ctl, task, request, args, kwargs, call, {}).send_back(exc.seconds, None, may_park=False)
     raise Ignore()
 
 
@@ -248,7 +246,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
             reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id, learn=False,
                               max_wait=max_wait)
     except StoreError as exc:
-        return _on_store_error(ctl, task, request, args, kwargs, call, state, exc)
+        return TurnedAway(ctl, task, request, args, kwargs, call, state).on_store_error(exc)
     if reply.allowed:
         _forget_header(request)
         ctl.metrics.admitted(call.scope, call.key)
@@ -267,16 +265,8 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
         # was made in is gone): it queues again behind every start reserved since.
         logger.info("throttled %s[%s] could not use its reserved start (now %+.1f ms from it); "
                     "reserving again", task.name, request.id, (reply.now_us - claim.start_us) / 1000)
-    defer_denied(ctl, task, request, args, kwargs, call, state, ident, claim, reply)
+    TurnedAway(ctl, task, request, args, kwargs, call, state).defer(reply, claim)
     return False
-
-
-def defer_denied(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call: BoundCall,
-                 state: dict[str, Any], ident: str, claim: Reservation | None,
-                 reply: WindowReply) -> None:
-    """Re-send (or park) a denied task to come back for the start its reply reserved."""
-    delay = plan_return(ctl, call, state, ident, claim, reply)
-    _defer(ctl, task, request, args, kwargs, call, state, delay, reply.now_us)
 
 
 def _seconds(value: float) -> str:
@@ -309,56 +299,3 @@ def _forget_header_of(request: dict[str, Any]) -> None:
     request.pop(HEADER, None)
     if isinstance(request.get("headers"), dict):
         request["headers"].pop(HEADER, None)
-
-
-def _defer(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, call: BoundCall,
-           state: dict[str, Any], delay: float, now_us: int | None, *, may_park: bool = True) -> None:
-    """Send the task again, same id/args/kwargs/routing and retry count (or park it)."""
-    state["n"] = int(state.get("n") or 0) + 1  # deferrals so far, for observability
-    headers = dict(request.headers or {})
-    headers[HEADER] = state
-    sig = task.signature_from_request(request, args, kwargs, headers=headers)
-    parked = may_park and now_us is not None and delay >= ctl.settings.park_after
-    signals.task_throttled.send(sender=task, request=request, delay=delay,
-                                scope=call.scope, key=call.key, parked=parked)
-    ctl.metrics.denied(call.scope, call.key, delay, parked)
-    if parked and now_us is not None:
-        try:
-            park(ctl, sig, due_us=now_us + int(delay * 1e6))
-        except StoreError as exc:
-            # Sent back with its countdown instead: it waits in a worker, but it is not lost.
-            logger.warning("could not park %s[%s], sending it back for %.1fs instead: %s",
-                           task.name, request.id, delay, exc)
-            parked = False
-    if not parked:
-        try:
-            sig.apply_async(countdown=max(delay, 0.0))
-        except Exception as exc:  # any broker error: the message must not be acked as done
-            logger.error("could not send %s[%s] back (%r): it is returned to the broker",
-                         task.name, request.id, exc)
-            raise Reject(exc, requeue=True) from exc
-    back = datetime.now().astimezone() + timedelta(seconds=delay)
-    logger.debug("throttled %s[%s] scope=%s key=%s: back at %s (in %.3fs%s)", task.name, request.id,
-                 call.scope, call.key, back.strftime("%H:%M:%S.%f")[:-3] + back.strftime(" %Z"), delay,
-                 ", parked" if parked else "")
-
-
-def _on_store_error(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any,
-                    call: BoundCall, state: dict[str, Any], exc: StoreError) -> bool:
-    ctl.metrics.store_error("worker")
-    policy = ctl.settings.on_store_error
-    if policy == "allow":
-        logger.warning("throttle store unreachable, running %s[%s] unthrottled: %s",
-                       task.name, request.id, exc)
-        return True
-    if policy == "fail":
-        raise exc
-    errors = int(state.get("e") or 0)
-    state["e"] = errors + 1
-    s = ctl.settings
-    delay = min(s.store_retry_delay * 2 ** errors, s.store_retry_max_delay)
-    delay *= random.uniform(0.5, 1.0)  # so deferred tasks do not return all at once
-    logger.warning("throttle store unreachable, deferring %s[%s] for %.1fs: %s",
-                   task.name, request.id, delay, exc)
-    _defer(ctl, task, request, args, kwargs, call, state, delay, None, may_park=False)
-    return False

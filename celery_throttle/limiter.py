@@ -20,7 +20,16 @@ from .lease import Leases, sent_at
 from .metrics import Metrics
 from .rates import Rate, parse_rates
 from .spec import BoundCall, ThrottleSpec, declared_spec
-from .store import ALGORITHM_TAGS, Code, RedisStore, Reservation, WindowReply, rate_field, rates_tag
+from .store import (
+    ALGORITHM_TAGS,
+    Code,
+    RedisStore,
+    Reservation,
+    WindowCall,
+    WindowReply,
+    rate_field,
+    rates_tag,
+)
 
 __all__ = ["Decision", "RateStatus", "Status", "Throttle"]
 
@@ -119,20 +128,22 @@ class Throttle:
     @property
     def quick_store(self) -> RedisStore:
         """The store, through a connection that gives up after QUICK_TIMEOUT."""
-        return self._quick_store or self._open("_quick_store", timeout=timing.QUICK_TIMEOUT,
-                                               connect_timeout=timing.QUICK_TIMEOUT)
+        return self._quick_store or self._open("_quick_store", timing.QUICK_TIMEOUT)
 
-    def _open(self, attribute: str, **timeouts: float) -> RedisStore:
+    def _open(self, attribute: str, quick_timeout: float | None = None) -> RedisStore:
         with self._lock:
             if getattr(self, attribute) is None:
                 s = self.settings
                 options = dict(s.redis_options)
-                if timeouts:
+                timeout, connect_timeout = timing.STORE_TIMEOUT, timing.STORE_CONNECT_TIMEOUT
+                if quick_timeout is not None:
                     # The quick store's timeouts are the point of it, whatever the options say.
                     options.pop("socket_timeout", None)
                     options.pop("socket_connect_timeout", None)
+                    timeout = connect_timeout = quick_timeout
                 setattr(self, attribute, RedisStore(require_redis_url(self.app, s), s.key_prefix,
-                                                    clock=self._clock, options=options, **timeouts))
+                                                    clock=self._clock, timeout=timeout,
+                                                    connect_timeout=connect_timeout, options=options))
             store: RedisStore = getattr(self, attribute)
             return store
 
@@ -207,53 +218,68 @@ class Throttle:
         return replace(call, rates=override, fields=_live_fields(call.algorithm, call.rates, override))
 
     def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
-              claimant: str | None = None, learn: bool = True, screen: bool = False,
-              lease: bool = False, publish: bool = False, max_wait: float | None = None,
-              quick: bool = False) -> WindowReply:
-        """Check one bound call; reserve a future start when denied and asked to.
+              claimant: str | None = None, learn: bool = True, lease: bool = False,
+              max_wait: float | None = None) -> WindowReply:
+        """The worker's check of one bound call: admit it now, or deny it and (if
+        ``reserve``) reserve a future start.
 
         ``claim``: a reservation this call made earlier; ``claimant`` (the task id) makes
-        using it single-use. ``screen``: record nothing if the call fits now. ``publish``:
-        reserve a start even if it fits now, for a task about to be sent (the worker
-        claims it). ``lease``: a fresh call may be admitted from, or take, a lease (see
-        :mod:`.lease`). ``max_wait`` (seconds): reserve no start further away (the reply's
-        code is then ``TOO_FAR``). ``quick``: for a caller that must not wait on Redis (the
-        consumer, a producer): a connection of its own with a short timeout.
+        using it single-use; ``learn=False`` for a second claim of one arrival. ``lease``:
+        a fresh call may be admitted from, or take, a lease (see :mod:`.lease`).
+        ``max_wait`` (seconds): reserve no start further away (the reply's code is then
+        ``TOO_FAR``).
         """
-        if claim is not None and claim.rates_tag and claim.rates_tag != rates_tag(call.rates):
-            # Reserved under other rates (a live limit set or cleared since): its start
-            # is given back and the call checked afresh under the rates of now (the script
-            # does that for a claim past its latest start).
-            claim = replace(claim, latest_us=claim.start_us - 1)
-        op = "claim" if claim is not None else "reserve" if publish else "screen" if screen else "acquire"
-        key = state_key(self.settings.key_prefix, call.scope, call.key)
-        slack = self.slack_us(call.rates)
-        store = self.quick_store if quick else self.store
-        not_before = self._controls.paused_until(store, call.scope, call.key)
-        lease = lease and op == "acquire" and not not_before  # (a lease would start in a pause)
+        key, request = self._window_call(call, self.store, max_wait)
+        if claim is not None:
+            if claim.rates_tag and claim.rates_tag != rates_tag(call.rates):
+                # Reserved under other rates (a live limit set or cleared since): its start
+                # is given back and the call checked afresh under the rates of now (the
+                # script does that for a claim past its latest start).
+                claim = replace(claim, latest_us=claim.start_us - 1)
+            marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claimant else None
+            return self.store.claim(key, request, claim, marker=marker, learn=learn, reserve=reserve)
+        if not lease or request.not_before_us:  # (a lease would start in a pause)
+            return self.store.acquire(key, request, reserve=reserve)
         # A lease holds units of these very rates: a call of the same key under other
         # rates (a callable rate that changed) does not use it.
         leased_as = (key, call.algorithm, call.rates)
-        if lease and self._leases.take(leased_as, call.cost, slack):
+        if self._leases.take(leased_as, call.cost, request.slack_us):
             return WindowReply(Code.RUN, 0, -1, 0, 0, 0, 0, 0, -1, 0)
-        span = self.lease_span_us(call.rates) if lease else 0
-        units = self._leases.wanted(leased_as, call.cost, span) if lease else 0
+        span = self.lease_span_us(call.rates)
+        units = self._leases.wanted(leased_as, call.cost, span)
         sent = sent_at()
-        marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claim and claimant else None
-        reply = store.window(
-            key, call.algorithm, op, call.rates, call.cost,
-            reserve=reserve, grace_us=self.grace_us(call.rates), slack_us=slack, claim=claim,
-            claim_marker=marker, learn=learn, lease=units, lease_span_us=span,
-            max_wait_us=int(max_wait * 1_000_000) if max_wait else 0, not_before_us=not_before,
-            pause_horizon_us=int(self.settings.park_after * 1_000_000), fields=call.fields,
-        )
-        if reply.code == Code.TOO_COSTLY:
-            raise ThrottleError(
-                f"cost {call.cost} of scope {call.scope!r} exceeds the limit {reply.wait_us} of one of its rates"
-            )
+        reply = self.store.acquire(key, request, reserve=reserve, lease=units, lease_span_us=span)
         if reply.leased:
-            self._leases.grant(leased_as, reply.leased - call.cost, max(span, slack), sent)
+            self._leases.grant(leased_as, reply.leased - call.cost, max(span, request.slack_us), sent)
         return reply
+
+    def screen(self, call: BoundCall, *, max_wait: float | None = None) -> WindowReply:
+        """The consumer's check of a message before it goes to the pool: as :meth:`check`
+        with ``reserve``, but a call that fits now is not recorded (the pool's check
+        does that). On a connection of its own with a short timeout."""
+        key, request = self._window_call(call, self.quick_store, max_wait)
+        return self.quick_store.screen(key, request, reserve=True)
+
+    def reserve_at_publish(self, call: BoundCall, *, max_wait: float | None = None) -> WindowReply:
+        """The producer's check of a task about to be sent: a start is reserved even if
+        the call fits now (the worker claims it). Quick, like :meth:`screen`."""
+        key, request = self._window_call(call, self.quick_store, max_wait)
+        return self.quick_store.reserve(key, request)
+
+    def _window_call(self, call: BoundCall, store: RedisStore, max_wait: float | None) -> tuple[str, WindowCall]:
+        """The state key of ``call`` and what the script is told about it."""
+        tightest = _tightest_limit(call.rates)
+        if call.cost > tightest:
+            raise ThrottleError(
+                f"cost {call.cost} of scope {call.scope!r} exceeds the limit {tightest} of one of its rates"
+            )
+        request = WindowCall(
+            call.algorithm, call.rates, call.cost, call.fields, grace_us=self.grace_us(call.rates),
+            slack_us=self.slack_us(call.rates), max_wait_us=int(max_wait * 1_000_000) if max_wait else 0,
+            not_before_us=self._controls.paused_until(store, call.scope, call.key),
+            pause_horizon_us=int(self.settings.park_after * 1_000_000),
+        )
+        return state_key(self.settings.key_prefix, call.scope, call.key), request
 
     def acquire(
         self,
@@ -321,7 +347,7 @@ class Throttle:
                 seen.add((algorithm, rate, field))
         out = []
         for algorithm, rate, field in sorted(seen):
-            reply = self.store.window(hash_key, algorithm, "peek", [rate], 1, fields=[field])
+            reply = self.store.peek(hash_key, WindowCall(algorithm, (rate,), fields=(field,)))
             used = rate.limit - reply.remaining
             reset_at = (reply.clear_at_us or reply.now_us) / 1e6
             out.append(RateStatus(rate, algorithm, used, reply.remaining, reset_at))
@@ -405,6 +431,11 @@ class Throttle:
         if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
             raise ConfigurationError(f"cost must be a positive integer, got {cost!r}")
         return BoundCall(scope, key, parsed, cost, algorithm)
+
+
+@lru_cache(maxsize=1024)
+def _tightest_limit(rates: tuple[Rate, ...]) -> int:
+    return min(r.limit for r in rates)
 
 
 @lru_cache(maxsize=1024)

@@ -27,7 +27,6 @@ from . import signals
 from .breaker import Breaker
 from .deferral import HEADER, plan_return
 from .errors import StoreError, ThrottleError
-from .keys import state_key
 from .parking import park
 from .store import Code
 from .timing import STORE_ERROR_PAUSE
@@ -76,7 +75,7 @@ def admit(ctl: Throttle, task: Any, args: Any, kwargs: Any, options: Mapping[str
     try:
         spec = type(task)._throttle_spec
         call = ctl.bind(task, args, kwargs, quick=True)
-        reply = ctl.check(call, reserve=True, publish=True, max_wait=ctl.max_wait(spec), quick=True)
+        reply = ctl.reserve_at_publish(call, max_wait=ctl.max_wait(spec))
     except StoreError as exc:
         ctl.metrics.store_error("producer")
         _breaker.trip()
@@ -88,8 +87,7 @@ def admit(ctl: Throttle, task: Any, args: Any, kwargs: Any, options: Mapping[str
     if reply.code != Code.DENIED or not reply.start_us:
         return None  # no start reserved (none found, or too far): the worker decides
     state: dict[str, Any] = {}
-    ident = state_key(settings.key_prefix, call.scope, call.key)
-    delay = plan_return(ctl, call, state, ident, None, reply)
+    delay = plan_return(ctl, call, state, None, reply)
     parked = delay >= settings.park_after
     if delay > 0:  # turned away: not a task that goes now with its start
         state["n"] = 1

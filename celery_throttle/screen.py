@@ -23,10 +23,8 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .breaker import Breaker
 from .controller import controller
-from .deferral import HEADER, read_state
+from .deferral import HEADER, TurnedAway, read_state
 from .errors import StoreError, ThrottleError
-from .hook import defer_denied
-from .keys import state_key
 from .store import Code
 from .timing import STORE_ERROR_PAUSE
 
@@ -86,7 +84,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             args, kwargs = _arguments(message)
             spec = type(task)._throttle_spec
             call = ctl.bind(task, args, kwargs, quick=True)
-            reply = ctl.check(call, reserve=True, screen=True, max_wait=ctl.max_wait(spec), quick=True)
+            reply = ctl.screen(call, max_wait=ctl.max_wait(spec))
         except StoreError as exc:
             # Redis down or slow: stop screening for a while; the pool's check decides.
             ctl.metrics.store_error("consumer")
@@ -104,10 +102,9 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             fits_in_a_row = streak + 1
             return handler(message, body, ack, reject, callbacks, **kw)
         fits_in_a_row = 0
-        ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
         try:
             context = Request(message, app=task.app, task=task)._context
-            defer_denied(ctl, task, context, args, kwargs, call, {}, ident, None, reply)
+            TurnedAway(ctl, task, context, args, kwargs, call, {}).defer(reply)
         except Exception:
             logger.exception("could not defer %s[%s] from the consumer; handing it to the pool",
                              task.name, headers.get("id"))

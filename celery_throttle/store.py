@@ -25,8 +25,9 @@ from .controls import FOREVER_US
 from .errors import StoreError
 from .keys import control_key, dead_letter_keys, parking_keys
 from .rates import Rate
+from .timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 
-__all__ = ["Code", "RedisStore", "Reservation", "WindowReply"]
+__all__ = ["Code", "RedisStore", "Reservation", "WindowCall", "WindowReply", "window_script"]
 
 
 def _lua(name: str) -> str:
@@ -77,9 +78,9 @@ def rates_tag(rates: tuple[Rate, ...]) -> int:
 
 
 class Code(IntEnum):
-    """What window.lua decided (its reply's first field)."""
+    """What window.lua decided (its reply's first field; the script knows each by name)."""
 
-    #: The call's cost is above the limit of one of its rates (given in ``wait``).
+    #: The call's cost is above the limit of one of its rates (nothing else is set).
     TOO_COSTLY = -1
     #: Not now: ``start`` > 0 if a start was reserved, ``wait`` until it.
     DENIED = 0
@@ -89,6 +90,28 @@ class Code(IntEnum):
     EARLY = 2
     #: The earliest start is further than the caller's max wait: nothing reserved.
     TOO_FAR = 3
+
+
+@dataclass(frozen=True)
+class WindowCall:
+    """What window.lua is told about one call, whatever the operation (times in µs)."""
+
+    algorithm: str
+    rates: tuple[Rate, ...]
+    cost: int = 1
+    #: The state's field per rate, when not the rate's own name (a live limit).
+    fields: tuple[str, ...] | None = None
+    #: How long after its reserved start a call may still use it.
+    grace_us: int = 0
+    #: How long after the check the body may start and still count as starting then.
+    slack_us: int = 0
+    #: A start further away than this is not reserved (``Code.TOO_FAR``; 0: no cap).
+    max_wait_us: int = 0
+    #: Paused until then (Redis clock; 0: not paused): nothing starts before it.
+    not_before_us: int = 0
+    #: A pause ending further away than this reserves nothing: the reply is a denial
+    #: without a start whose wait is this horizon (0: no pause is that long).
+    pause_horizon_us: int = 0
 
 
 class WindowReply(NamedTuple):
@@ -122,13 +145,15 @@ class RedisStore:
     """Window state and parked messages in one Redis (or Redis Cluster)."""
 
     def __init__(self, url: str, prefix: str, clock: Callable[[], int] | None = None,
-                 timeout: float = 5.0, connect_timeout: float = 2.0,
-                 options: Mapping[str, Any] | None = None) -> None:
+                 timeout: float = STORE_TIMEOUT, connect_timeout: float = STORE_CONNECT_TIMEOUT,
+                 options: Mapping[str, Any] | None = None, policy: ScriptPolicy = SCRIPT_POLICY) -> None:
         self.url = url
         self.prefix = prefix
         #: ``throttle_redis_options``: passed to redis-py (see connection.py).
         self.options = dict(options or {})
         self.timeout, self.connect_timeout = timeout, connect_timeout
+        #: The timing policy window.lua is loaded with (tests load it with others).
+        self.policy = policy
         # Test-only: a callable returning "now" in microseconds instead of Redis TIME.
         self._clock = clock
         self._lock = threading.Lock()
@@ -149,8 +174,8 @@ class RedisStore:
                     "health_check_interval": 30}
         client = connect(self.url, self.options, **defaults)
         self._scripts = {
-            "sliding": client.register_script(_lua("sliding.lua") + _lua("window.lua")),
-            "fixed": client.register_script(_lua("fixed.lua") + _lua("window.lua")),
+            "sliding": client.register_script(window_script("sliding", self.policy)),
+            "fixed": client.register_script(window_script("fixed", self.policy)),
             "park": client.register_script(_lua("park.lua")),
             "release": client.register_script(_lua("release.lua")),
             "ack": client.register_script(_lua("ack.lua")),
@@ -185,49 +210,46 @@ class RedisStore:
         return "" if self._clock is None else str(int(self._clock()))
 
     # -- windows ----------------------------------------------------------------------
-    def window(
-        self,
-        key: str,
-        algorithm: str,
-        op: str,
-        rates: Sequence[Rate],
-        cost: int,
-        *,
-        reserve: bool = False,
-        grace_us: int = 0,
-        slack_us: int = 0,
-        claim: Reservation | None = None,
-        claim_marker: str | None = None,
-        learn: bool = True,
-        lease: int = 0,
-        lease_span_us: int = 0,
-        max_wait_us: int = 0,
-        not_before_us: int = 0,
-        pause_horizon_us: int = 0,
-        fields: Sequence[str] | None = None,
-    ) -> WindowReply:
-        """Run window.lua once: acquire, peek, or claim a reservation, over every rate.
+    # One method per operation of window.lua (its header says what each does).
+    def acquire(self, key: str, call: WindowCall, *, reserve: bool = False, lease: int = 0,
+                lease_span_us: int = 0) -> WindowReply:
+        """Admit the call now if every rate has room (recorded), else deny it, reserving a
+        future start if ``reserve``. ``lease``: units it may take at once for calls to
+        come within ``lease_span_us``, granted only while every rate stays at most half
+        full (see window.lua)."""
+        return self._window(key, "acquire", call, reserve=reserve, lease=lease, lease_span_us=lease_span_us)
 
-        ``claim_marker`` (a key in the same hash tag) makes the claim single-use;
-        ``learn=False`` for a second claim of the same arrival (after waiting out an
-        early one), so the delay estimate sees each arrival once. ``lease``: units an
-        acquire that fits may take at once for calls to come within ``lease_span_us``
-        (granted only while every rate stays at most half full; see window.lua).
-        ``max_wait_us``: a start further away than this is not reserved (code 3).
-        ``not_before_us`` (Redis clock): paused until then; nothing starts before it. A
-        pause ending more than ``pause_horizon_us`` away reserves nothing (code 0, no
-        start, wait = the horizon: check again then). ``fields``: the state's field per
-        rate, when not the rate's own name (a live limit).
-        """
-        args = window_argv(
-            now=self._now_arg(), op=op, reserve=reserve, cost=cost, grace_us=grace_us, slack_us=slack_us,
-            claim=claim, learn=learn, lease=lease, lease_span_us=lease_span_us, max_wait_us=max_wait_us,
-            not_before_us=not_before_us, pause_horizon_us=pause_horizon_us, algorithm=algorithm,
-            rates=rates, fields=fields,
-        )
-        keys = [key, claim_marker] if claim is not None and claim_marker else [key]
+    def screen(self, key: str, call: WindowCall, *, reserve: bool = False) -> WindowReply:
+        """Like :meth:`acquire`, but a call that fits now is not recorded (the worker's
+        pool acquires it when it runs)."""
+        return self._window(key, "screen", call, reserve=reserve)
+
+    def reserve(self, key: str, call: WindowCall) -> WindowReply:
+        """At publish: reserve a start even for a call that fits now, no sooner than the
+        key's learnt dispatch delay from now; the worker claims it when the task arrives."""
+        return self._window(key, "reserve", call)
+
+    def claim(self, key: str, call: WindowCall, reservation: Reservation, *, marker: str | None = None,
+              learn: bool = True, reserve: bool = False) -> WindowReply:
+        """Use a start reserved earlier: run if on time, wait if early (``Code.EARLY``),
+        give it back and check afresh (as :meth:`acquire`) if late. ``marker`` (a key in the same hash tag)
+        makes it single-use; ``learn=False`` for a second claim of the same arrival (after
+        waiting out an early one), so the delay estimate sees each arrival once."""
+        return self._window(key, "claim", call, reserve=reserve, claim=reservation, marker=marker,
+                            learn=learn)
+
+    def peek(self, key: str, call: WindowCall) -> WindowReply:
+        """Whether the call would fit now, and usage, recording nothing."""
+        return self._window(key, "peek", call)
+
+    def _window(self, key: str, op: str, call: WindowCall, *, reserve: bool = False,
+                claim: Reservation | None = None, marker: str | None = None, learn: bool = True,
+                lease: int = 0, lease_span_us: int = 0) -> WindowReply:
+        args = window_argv(self._now_arg(), op, call, reserve=reserve, claim=claim, learn=learn, lease=lease,
+                           lease_span_us=lease_span_us)
+        keys = [key, marker] if claim is not None and marker else [key]
         # Lua numbers come back as Redis integers: the reply is already ints.
-        return WindowReply(*self._run(algorithm, keys, args))
+        return WindowReply(*self._run(call.algorithm, keys, args))
 
     def read(self, key: str) -> dict[str, bytes]:
         """The raw state hash: field name to value (a rate's value is MessagePack)."""
@@ -389,17 +411,24 @@ class RedisStore:
             self._client = None
 
 
-def window_argv(*, now: str, op: str, reserve: bool, cost: int, grace_us: int, slack_us: int,
-                claim: Reservation | None, learn: bool, lease: int, lease_span_us: int, max_wait_us: int,
-                not_before_us: int, pause_horizon_us: int, algorithm: str, rates: Sequence[Rate],
-                fields: Sequence[str] | None) -> list[int | str]:
+def window_script(algorithm: str, policy: ScriptPolicy = SCRIPT_POLICY) -> str:
+    """window.lua with its algorithm and the constants it reads: the timing policy and the
+    reply codes (on the first line, so the script's own line numbers shift by one)."""
+    constants = {**policy.values(), **{code.name: int(code) for code in Code}}
+    preamble = f"local {', '.join(constants)} = {', '.join(map(str, constants.values()))}\n"
+    return preamble + _lua(f"{algorithm}.lua") + _lua("window.lua")
+
+
+def window_argv(now: str, op: str, call: WindowCall, *, reserve: bool = False,
+                claim: Reservation | None = None, learn: bool = True, lease: int = 0,
+                lease_span_us: int = 0) -> list[int | str]:
     """ARGV of window.lua, in the order its header documents (``tests/test_script_format.py``
     holds the two together)."""
-    args: list[int | str] = [now, op, "1" if reserve else "0", cost, grace_us, slack_us]
+    args: list[int | str] = [now, op, "1" if reserve else "0", call.cost, call.grace_us, call.slack_us]
     args += claim.script_args() if claim else _NO_CLAIM
-    args += ["1" if learn else "0", lease, lease_span_us, max_wait_us, not_before_us,
-             pause_horizon_us or _FOREVER_HORIZON]
-    args += _rate_args(algorithm, tuple(rates), tuple(fields) if fields else None)
+    args += ["1" if learn else "0", lease, lease_span_us, call.max_wait_us, call.not_before_us,
+             call.pause_horizon_us or _FOREVER_HORIZON]
+    args += _rate_args(call.algorithm, call.rates, call.fields)
     return args
 
 

@@ -8,15 +8,20 @@ how long the optional paths wait on Redis and how often things are read again.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from .rates import Rate
 
 __all__ = [
-    "CONTROL_REFRESH", "QUICK_TIMEOUT", "STORE_ERROR_PAUSE", "grace_us", "lead_us", "lease_span_us",
-    "slack_us", "wait_here_us",
+    "CONTROL_REFRESH", "QUICK_TIMEOUT", "SCRIPT_POLICY", "STORE_CONNECT_TIMEOUT", "STORE_ERROR_PAUSE",
+    "STORE_TIMEOUT", "ScriptPolicy", "grace_us", "lead_us", "lease_span_us", "slack_us", "wait_here_us",
 ]
 
+#: How long (seconds) the pool's check waits on Redis for a reply, and for a connection
+#: (``throttle_redis_options`` may say otherwise): a Redis that does not answer within
+#: them is a store error, and ``throttle_on_store_error`` decides.
+STORE_TIMEOUT, STORE_CONNECT_TIMEOUT = 5.0, 2.0
 #: How long (seconds) the consumer's screen and the check at publish wait on Redis at
 #: most: both are optional (the pool's check decides every start), and a consumer that
 #: waits on a slow Redis stops taking every other message too.
@@ -42,6 +47,47 @@ LEAD_MAX_US = 500_000
 #: The longest an early arrival waits for its start in the worker (µs) rather than
 #: going back through the broker; it holds a pool process meanwhile.
 WAIT_HERE_MAX_US = 1_000_000
+
+
+
+@dataclass(frozen=True)
+class ScriptPolicy:
+    """The timing policy inside window.lua, given to it when the scripts are loaded (each
+    field becomes a Lua constant of the same name in capitals; ``tests/reference.py``
+    reads the same values). Tests load the scripts with other values."""
+
+    #: Passes over a call's rates in search of a start every rate admits. Each pass only
+    #: moves the start later, and two or three rates settle in two or three passes; a
+    #: call whose rates still disagree after this many is denied without a start, and
+    #: checks again when it comes back.
+    settle_rounds: int = 64
+    #: How long (ms) a window's state, and the marker of a used reservation, outlive the
+    #: last unit they count: a call at that very edge, or one whose Redis clock reads a
+    #: little behind, still finds them.
+    state_ttl_pad_ms: int = 1000
+    #: The learnt dispatch delay (one sample of it) and a reservation's grace are at most
+    #: 1/this of the shortest window: a stalled worker cannot teach the key to send tasks
+    #: back, or hold starts open, for a large part of a window.
+    learnt_cap_parts: int = 10
+    #: The gains of the delay estimator, as 1/this: TCP's smoothed round trip and its
+    #: mean deviation (RFC 6298's 1/8 and 1/4).
+    delay_gain_parts: int = 8
+    jitter_gain_parts: int = 4
+    #: A denied task is sent back the learnt delay plus this many deviations early (so most
+    #: arrive before their start), at most half the busiest rate's spacing.
+    lead_jitters: int = 2
+    #: A reservation's grace covers this many deviations plus this many slacks once a
+    #: delay is learnt: busy workers widen it, idle ones keep it tight.
+    grace_jitters: int = 4
+    grace_slacks: int = 2
+
+    def values(self) -> dict[str, int]:
+        """Each constant by its name in the scripts."""
+        return {f.name.upper(): getattr(self, f.name) for f in fields(self)}
+
+
+#: The policy the scripts are loaded with.
+SCRIPT_POLICY = ScriptPolicy()
 
 
 @lru_cache(maxsize=1024)

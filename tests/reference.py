@@ -1,9 +1,11 @@
 """A pure-Python reference model of the window scripts, and a plain truth checker.
 
 ``WindowModel`` does exactly what ``celery_throttle/lua/window.lua`` does with
-``sliding.lua`` or ``fixed.lua`` prepended: same state, same arithmetic (the Lua numbers
-are doubles; every time here stays below 2**53, where Python ints and Lua doubles agree,
-and divisions are written as float divisions like the Lua's), same reply. Tests run the
+``sliding.lua`` or ``fixed.lua`` prepended, under the same timing policy
+(``celery_throttle.timing.ScriptPolicy``, which the store loads the scripts with): same
+state, same arithmetic (the Lua numbers are doubles; every time here stays below 2**53,
+where Python ints and Lua doubles agree, and divisions are written as float divisions
+like the Lua's), same reply. Tests run the
 real scripts against it operation by operation. Besides the windows' own fields, the
 hash holds its epoch (field ``e``, the time it was first written); a reservation names
 the epoch it was made in, and a claim from another epoch is an ordinary acquire.
@@ -26,9 +28,10 @@ from typing import Protocol
 
 import msgpack
 
+from celery_throttle.timing import SCRIPT_POLICY, ScriptPolicy
+
 __all__ = [
     "EPOCH_FIELD",
-    "MAX_ROUNDS",
     "SLOTS",
     "Claim",
     "FixedRate",
@@ -47,8 +50,6 @@ MAX_BUCKETS = 2 * SLOTS
 #: how many of them stay (fixed.lua's MAX_AHEAD and KEEP_AHEAD).
 MAX_AHEAD = 8
 KEEP_AHEAD = 4
-#: Rounds of the multi-rate "earliest start" search before window.lua gives up.
-MAX_ROUNDS = 64
 
 
 class Claim(Protocol):
@@ -316,13 +317,16 @@ EPOCH_FIELD = "e"
 class WindowModel:
     """The state of one hash (one scope and key) for one algorithm and set of rates."""
 
-    def __init__(self, algorithm: str, rates: Sequence[tuple[int, int]], *, fold: bool = True) -> None:
+    def __init__(self, algorithm: str, rates: Sequence[tuple[int, int]], *, fold: bool = True,
+                 policy: ScriptPolicy = SCRIPT_POLICY) -> None:
         """``rates``: (limit, period in µs) pairs, in the order they are sent to Redis.
         ``fold=False``: never fold a deep backlog (not what the scripts do: the exact
-        state that folding summarises, to compare decisions with)."""
+        state that folding summarises, to compare decisions with). ``policy``: the
+        timing policy the scripts were loaded with."""
         cls = _ALGORITHMS[algorithm]
         self.algorithm = algorithm
         self.folds = fold
+        self.policy = policy
         self.rates: list[SlidingRate | FixedRate] = [cls(limit, period) for limit, period in rates]
         #: The hash's field "e": the time it was first written; None while it does not
         #: exist. A claim made in another epoch is neither honoured nor given back.
@@ -355,6 +359,7 @@ class WindowModel:
         not_before_us: int = 0,
         pause_horizon_us: int = 2**53,
     ) -> ModelReply:
+        p = self.policy
         for r in self.rates:
             r.load(now)
         shortest = min(r.period for r in self.rates)
@@ -367,7 +372,7 @@ class WindowModel:
 
         for r in self.rates:
             if cost > r.limit:
-                return ModelReply(-1, r.limit, 0, 0, 0, 0, now, 0, -1, 0, 0)
+                return ModelReply(-1, 0, 0, 0, 0, 0, now, 0, -1, 0, 0)
 
         # A reservation made in another epoch (or none: RedisStore sends '' without a
         # claim) is not honoured and gives nothing back: the call is an acquire.
@@ -380,13 +385,13 @@ class WindowModel:
             assert claim is not None
             c_start, c_latest, c_cost, c_grace = claim.start_us, claim.latest_us, claim.cost, claim.grace_us
             if learn:  # how long the trip back took, beyond the lead it was given
-                sample = max(0, min(now - (c_start - claim.lead_us), math.floor(shortest / 10)))
+                sample = max(0, min(now - (c_start - claim.lead_us), math.floor(shortest / p.learnt_cap_parts)))
                 if self.delay is None or self.jitter is None:
                     self.delay, self.jitter = sample, math.floor(sample / 2)
                 else:
                     err = sample - self.delay
-                    self.delay += math.floor(err / 8)
-                    self.jitter += math.floor((abs(err) - self.jitter) / 4)
+                    self.delay += math.floor(err / p.delay_gain_parts)
+                    self.jitter += math.floor((abs(err) - self.jitter) / p.jitter_gain_parts)
             paused = c_start < not_before_us  # a pause now covers its start: reserve again
             if now < c_start and not paused:
                 return reply(2, c_start - now, c_start, c_latest)
@@ -410,7 +415,7 @@ class WindowModel:
         x, settled = max(now, not_before_us), False  # nothing starts in a pause
         if op == "reserve" and self.delay is not None:  # at publish: not before it arrives
             x = max(x, now + self.lead())
-        for _ in range(MAX_ROUNDS):
+        for _ in range(p.settle_rounds):
             settled = True
             for r in self.rates:
                 e = r.earliest(x, cost, slack_us)
@@ -443,8 +448,8 @@ class WindowModel:
             code = 3  # further than the caller will wait: nothing reserved
         elif settled and (reserve or op == "reserve"):
             if self.jitter is not None:
-                grace_us = max(grace_us, 4 * self.jitter + 2 * slack_us)
-            grace_us = min(grace_us, math.floor(shortest / 10))
+                grace_us = max(grace_us, p.grace_jitters * self.jitter + p.grace_slacks * slack_us)
+            grace_us = min(grace_us, math.floor(shortest / p.learnt_cap_parts))
             start = x
             latest = min(r.record(x, x + grace_us, cost) for r in self.rates)
             written = True
@@ -460,7 +465,7 @@ class WindowModel:
         if self.delay is None or self.jitter is None:
             return -1
         half_pace = min(math.floor(r.period / r.limit / 2) for r in self.rates)
-        return self.delay + min(2 * self.jitter, half_pace)
+        return self.delay + min(self.policy.lead_jitters * self.jitter, half_pace)
 
     def remaining(self, now: int) -> int:
         free = min((r.limit - r.usage(now) for r in self.rates), default=0)

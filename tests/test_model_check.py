@@ -36,7 +36,8 @@ from hypothesis.stateful import (
 
 from celery_throttle.keys import state_key
 from celery_throttle.rates import Rate, parse_rate
-from celery_throttle.store import Code, RedisStore, Reservation, WindowReply, rate_field
+from celery_throttle.store import Code, RedisStore, Reservation, WindowCall, WindowReply, rate_field
+from celery_throttle.timing import SCRIPT_POLICY, ScriptPolicy
 from tests.helpers import STORE_URL, redis_or_skip
 from tests.reference import (
     SLOTS,
@@ -103,8 +104,21 @@ def store(redis_client: redis.Redis, key_prefix: str, clock: FakeClock) -> Itera
     s.close()
 
 
-def rates_of(names: Sequence[str]) -> list[Rate]:
-    return [parse_rate(n) for n in names]
+def rates_of(names: Sequence[str]) -> tuple[Rate, ...]:
+    return tuple(parse_rate(n) for n in names)
+
+
+def by_op(store: RedisStore, key: str, op: str, call: WindowCall, *, reserve: bool = False,
+          claim: Reservation | None = None, lease: int = 0, lease_span_us: int = 0) -> WindowReply:
+    """The store's method for ``op`` (the walks pick operations at random)."""
+    if op == "claim":
+        assert claim is not None
+        return store.claim(key, call, claim, reserve=reserve)
+    if op == "acquire":
+        return store.acquire(key, call, reserve=reserve, lease=lease, lease_span_us=lease_span_us)
+    if op == "screen":
+        return store.screen(key, call, reserve=reserve)
+    return store.reserve(key, call) if op == "reserve" else store.peek(key, call)
 
 
 # -- the harness: one hash, the script and the model side by side --------------------------
@@ -118,7 +132,7 @@ class Harness:
     clock: FakeClock
     key: str
     algorithm: str
-    rates: list[Rate]
+    rates: tuple[Rate, ...]
     rng: random.Random
     model: WindowModel = field(init=False)
     #: (time, units) of every call that started, at the time it was told to start; one
@@ -140,7 +154,8 @@ class Harness:
     pause_horizon: int = 0
 
     def __post_init__(self) -> None:
-        self.model = WindowModel(self.algorithm, [(r.limit, r.period_us) for r in self.rates])
+        self.model = WindowModel(self.algorithm, [(r.limit, r.period_us) for r in self.rates],
+                                 policy=self.store.policy)
 
     @property
     def min_limit(self) -> int:
@@ -190,10 +205,10 @@ class Harness:
     ) -> WindowReply:
         now = self.clock.now
         paused = self.paused_until
-        got = self.store.window(self.key, self.algorithm, op, self.rates, cost, reserve=reserve,
-                                grace_us=grace_us, slack_us=slack_us, claim=claim,
-                                lease=lease, lease_span_us=lease_span_us, max_wait_us=max_wait_us,
-                                not_before_us=paused, pause_horizon_us=self.pause_horizon)
+        call = WindowCall(self.algorithm, self.rates, cost, grace_us=grace_us, slack_us=slack_us,
+                          max_wait_us=max_wait_us, not_before_us=paused, pause_horizon_us=self.pause_horizon)
+        got = by_op(self.store, self.key, op, call, reserve=reserve, claim=claim, lease=lease,
+                    lease_span_us=lease_span_us)
         want = self.model.window(now, op, cost, reserve=reserve, grace_us=grace_us, slack_us=slack_us,
                                  claim=claim, lease=lease, lease_span_us=lease_span_us,
                                  max_wait_us=max_wait_us, not_before_us=paused,
@@ -425,6 +440,32 @@ def test_leases_match_the_model_and_never_overfill_a_window(
         assert h.leases == 0
 
 
+#: A timing policy unlike the default in every field: the scripts must use what they
+#: are loaded with (a search that may give up after two rounds, other gains and caps).
+ODD_POLICY = ScriptPolicy(settle_rounds=2, state_ttl_pad_ms=700, learnt_cap_parts=4, delay_gain_parts=2,
+                          jitter_gain_parts=3, lead_jitters=1, grace_jitters=6, grace_slacks=3)
+
+
+@pytest.mark.parametrize("rate_set", sorted(RATE_SETS))
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_script_matches_model_under_another_timing_policy(
+    redis_client: redis.Redis, key_prefix: str, clock: FakeClock, algorithm: str, rate_set: str
+) -> None:
+    # Given the scripts and the model both loaded with another timing policy
+    store = RedisStore(STORE_URL, key_prefix, clock=clock, policy=ODD_POLICY)
+    try:
+        h = new_harness(store, clock, algorithm, RATE_SETS[rate_set],
+                        seed=zlib.crc32(f"policy/{algorithm}/{rate_set}".encode()))
+        # When a random walk runs on both
+        for _ in range(STEPS):
+            h.random_operation()
+        # Then they agreed at every step, and no window held too much
+        h.check_invariant()
+        assert h.admissions, "the walk admitted nothing: it tested nothing"
+    finally:
+        store.close()
+
+
 # -- the same, explored by hypothesis -----------------------------------------------------
 
 
@@ -549,15 +590,15 @@ def test_cost_above_a_limit_is_refused_with_minus_one_and_changes_nothing(
     # Given a hash holding one admission, under "10/m" and "3/s"
     rates = rates_of(["10/m", "3/s"])
     key = state_key(store.prefix, "costly", "t")
-    assert store.window(key, algorithm, "acquire", rates, 1).allowed
+    assert store.acquire(key, WindowCall(algorithm, rates, 1)).allowed
     before = redis_client.hgetall(key)
     clock.now += 1000
     # When a call costs 4, more than the 3 of "3/s"
     epoch = int(store.read(key)["e"])
     claim = Reservation(clock.now, clock.now + 10, 4, 10, epoch) if op == "claim" else None
-    reply = store.window(key, algorithm, op, rates, 4, reserve=True, claim=claim)
-    # Then it is refused with code -1, the refusing limit in `wait`, and nothing written
-    assert tuple(reply) == (Code.TOO_COSTLY, 3, 0, 0, 0, 0, clock.now, 0, -1, 0, 0)
+    reply = by_op(store, key, op, WindowCall(algorithm, rates, 4), reserve=True, claim=claim)
+    # Then it is refused with its code, and nothing written
+    assert tuple(reply) == (Code.TOO_COSTLY, 0, 0, 0, 0, 0, clock.now, 0, -1, 0, 0)
     assert not reply.allowed
     assert redis_client.hgetall(key) == before
 
@@ -566,9 +607,9 @@ def test_cost_above_a_limit_is_refused_with_minus_one_and_changes_nothing(
 def test_a_cost_equal_to_the_limit_fits_an_empty_window(store: RedisStore, algorithm: str) -> None:
     rates = rates_of(["3/s"])
     key = state_key(store.prefix, "exact", algorithm)
-    reply = store.window(key, algorithm, "acquire", rates, 3)
+    reply = store.acquire(key, WindowCall(algorithm, rates, 3))
     assert reply.allowed and reply.remaining == 0
-    assert store.window(key, algorithm, "peek", rates, 1).code == Code.DENIED
+    assert store.peek(key, WindowCall(algorithm, rates, 1)).code == Code.DENIED
 
 
 GARBLED = {
@@ -592,12 +633,12 @@ def test_a_window_state_that_does_not_decode_counts_for_nothing_and_is_replaced(
     field = rate_field(algorithm, rates[0])
     redis_client.hset(key, field, value)
     # When a call checks that rate
-    reply = store.window(key, algorithm, "acquire", rates, 1)
+    reply = store.acquire(key, WindowCall(algorithm, rates, 1))
     # Then the field counted nothing, and holds a state the scripts wrote
     assert reply.allowed and reply.remaining == 2
     decode = WindowModel(algorithm, [(3, 1_000_000)]).rates[0].decode
     assert decode(redis_client.hget(key, field))[1::2] == [1]
-    assert store.window(key, algorithm, "peek", rates, 1).remaining == 2
+    assert store.peek(key, WindowCall(algorithm, rates, 1)).remaining == 2
 
 
 def test_a_sliding_state_written_as_one_flat_list_still_counts(
@@ -609,9 +650,9 @@ def test_a_sliding_state_written_as_one_flat_list_still_counts(
     field = rate_field("sliding", rates[0])
     redis_client.hset(key, field, msgpack.packb([clock.now - 500_000, 1, clock.now - 1000, 1]))
     # When a call comes, and again once the older bucket has left the window
-    first = store.window(key, "sliding", "acquire", rates, 1)
+    first = store.acquire(key, WindowCall("sliding", rates, 1))
     clock.now += 600_000
-    second = store.window(key, "sliding", "peek", rates, 1)
+    second = store.peek(key, WindowCall("sliding", rates, 1))
     # Then both buckets counted, then only the newer one (and the one just admitted)
     assert first.allowed and first.remaining == 0
     assert second.remaining == 1
@@ -625,21 +666,21 @@ def test_a_reservation_made_before_a_reset_is_checked_afresh(
     # Given a full "1/s" window and a reservation for the next free start
     rates = rates_of(["1/s"])
     key = state_key(store.prefix, "epoch", algorithm)
-    assert store.window(key, algorithm, "acquire", rates, 1).allowed
-    denied = store.window(key, algorithm, "acquire", rates, 1, reserve=True, grace_us=20_000)
+    assert store.acquire(key, WindowCall(algorithm, rates, 1)).allowed
+    denied = store.acquire(key, WindowCall(algorithm, rates, 1, grace_us=20_000), reserve=True)
     assert denied.code == Code.DENIED and denied.start_us > clock.now and denied.epoch
     reservation = Reservation(denied.start_us, denied.latest_us, 1, 20_000, denied.epoch)
     # When the state is reset (or expires, or Redis loses it), and at the reserved start
     # another call takes the only unit of the new state
     store.delete(key)
     clock.now = reservation.start_us
-    fresh = store.window(key, algorithm, "acquire", rates, 1)
+    fresh = store.acquire(key, WindowCall(algorithm, rates, 1))
     assert fresh.allowed and fresh.epoch == clock.now != reservation.epoch
     # Then the old reservation, claimed on time, is not honoured: it is an ordinary
     # acquire in the new state (denied: the unit is taken) and gives nothing back
-    claimed = store.window(key, algorithm, "claim", rates, 1, claim=reservation)
+    claimed = store.claim(key, WindowCall(algorithm, rates, 1), reservation)
     assert (claimed.code, claimed.start_us) == (Code.DENIED, 0)
-    assert store.window(key, algorithm, "peek", rates, 1).remaining == 0
+    assert store.peek(key, WindowCall(algorithm, rates, 1)).remaining == 0
 
 
 def test_fixed_admission_at_the_end_of_a_window_counts_where_it_may_start(
@@ -650,23 +691,26 @@ def test_fixed_admission_at_the_end_of_a_window_counts_where_it_may_start(
     key = state_key(store.prefix, "fixed-slack", "t")
     clock.now = (BASE_US // period + 5) * period - 1
     # When a call of cost 2 is admitted there, and another of cost 2 asks 1 µs later
-    first = store.window(key, "fixed", "acquire", rates, 2, slack_us=slack)
+    first = store.acquire(key, WindowCall("fixed", rates, 2, slack_us=slack))
     first_may_start_at = clock.now + slack  # in the next window
     clock.now += 1
-    second = store.window(key, "fixed", "acquire", rates, 2, slack_us=slack)
+    second = store.acquire(key, WindowCall("fixed", rates, 2, slack_us=slack))
     # Then the next window does not see more than its limit start
     started = [(first_may_start_at, 2)] if first.allowed else []
     started += [(clock.now, 2)] if second.allowed else []
     assert max_units_per_aligned_window(started, period) <= 2, (first, second)
 
 
+@pytest.mark.parametrize("pad_ms", [SCRIPT_POLICY.state_ttl_pad_ms, 300])
 def test_state_gets_a_ttl_covering_every_counted_unit_then_expires(
-    redis_client: redis.Redis, key_prefix: str
+    redis_client: redis.Redis, key_prefix: str, pad_ms: int
 ) -> None:
     # Given a clock frozen at the real time (TTLs are real milliseconds; frozen, no
-    # window boundary can pass between the calls) and short windows
-    store = RedisStore(STORE_URL, key_prefix, clock=FakeClock(time.time_ns() // 1000))
-    rates = [Rate(2, 0.2)]  # 2 per 200 ms
+    # window boundary can pass between the calls), short windows, and the scripts loaded
+    # with the policy's TTL pad or another
+    store = RedisStore(STORE_URL, key_prefix, clock=FakeClock(time.time_ns() // 1000),
+                       policy=ScriptPolicy(state_ttl_pad_ms=pad_ms))
+    rates = (Rate(2, 0.2),)  # 2 per 200 ms
     keys = {}
     try:
         for algorithm in ALGORITHMS:
@@ -674,14 +718,14 @@ def test_state_gets_a_ttl_covering_every_counted_unit_then_expires(
             keys[algorithm] = key
             # When it admits two calls, then reserves a third in a later window
             for _ in range(2):
-                assert store.window(key, algorithm, "acquire", rates, 1, slack_us=2000).allowed
-            reply = store.window(key, algorithm, "acquire", rates, 1, reserve=True, grace_us=20_000)
+                assert store.acquire(key, WindowCall(algorithm, rates, 1, slack_us=2000)).allowed
+            reply = store.acquire(key, WindowCall(algorithm, rates, 1, grace_us=20_000), reserve=True)
             assert reply.code == Code.DENIED and reply.start_us > reply.now_us
             # Then the hash lives at least until the last counted unit leaves its window,
-            # plus the script's 1 s margin, and at most one more window (the headroom a
+            # plus the pad it was loaded with, and at most one more window (the headroom a
             # TTL is grown by)
             pttl = redis_client.pttl(key)
-            needed_ms = math.ceil((reply.clear_at_us - reply.now_us) / 1000) + 1000
+            needed_ms = math.ceil((reply.clear_at_us - reply.now_us) / 1000) + pad_ms
             headroom_ms = 200
             assert needed_ms - 100 <= pttl <= needed_ms + headroom_ms, (algorithm, pttl, needed_ms)
         deadline = time.monotonic() + 3.0
@@ -733,7 +777,7 @@ def test_sliding_day_limit_memory_stays_flat_after_5000_admissions(
     for i in range(5000):
         # When each admission comes some 26 s after the last
         clock.now += step
-        assert store.window(key, "sliding", "acquire", rates, 1, slack_us=2000).allowed
+        assert store.acquire(key, WindowCall("sliding", rates, 1, slack_us=2000)).allowed
         if i % 250 == 249:
             worst = max(worst, redis_client.memory_usage(key, samples=0))
     # Then the hash keeps one field for the rate, holding one bucket per SLOTS-th of the
@@ -878,15 +922,14 @@ def test_a_task_late_for_its_start_after_a_refill_runs_on_the_unit_it_gives_back
 ) -> None:
     # Given a sliding 3/s quota spent at once, and 3 tasks that reserved the refill
     rates, key = rates_of(["3/s"]), state_key(store.prefix, "refill", "t")
-    assert store.window(key, "sliding", "acquire", rates, 3, slack_us=2000).allowed
-    held = [store.window(key, "sliding", "acquire", rates, 1, reserve=True, grace_us=20_000, slack_us=2000)
+    assert store.acquire(key, WindowCall("sliding", rates, 3, slack_us=2000)).allowed
+    held = [store.acquire(key, WindowCall("sliding", rates, 1, grace_us=20_000, slack_us=2000), reserve=True)
             for _ in range(3)]
     first = held[0]
     # When the first comes back after its reserved span (a slow release), the spent
     # quota's units long out of the window
     clock.now = first.latest_us + 5000
     claim = Reservation(first.start_us, first.latest_us, 1, first.grace_us, first.epoch, 0)
-    reply = store.window(key, "sliding", "claim", rates, 1, reserve=True, claim=claim, grace_us=20_000,
-                         slack_us=2000)
+    reply = store.claim(key, WindowCall("sliding", rates, 1, grace_us=20_000, slack_us=2000), claim, reserve=True)
     # Then it runs now, on the unit it gave back, not one window later
     assert reply.code == Code.RUN, reply

@@ -1,5 +1,7 @@
 -- Checks and records one call against every rate of one (scope, key), atomically.
--- Prepended at load time by the algorithm (sliding.lua or fixed.lua), which defines ALGO.
+-- Prepended at load time by the algorithm (sliding.lua or fixed.lua), which defines ALGO,
+-- and before it by the timing policy's constants (SETTLE_ROUNDS, STATE_TTL_PAD_MS, ...:
+-- celery_throttle/timing.py, ScriptPolicy, says what each is and why).
 --
 -- KEYS[1]  hash holding the state of every rate of this (scope, key): one field per rate
 --          (named by the caller), plus 'e', 'd' and 'v' below
@@ -16,7 +18,8 @@
 -- ARGV[3]  '1' to reserve a future start when denied, '0' not to
 -- ARGV[4]  cost: units this call uses
 -- ARGV[5]  grace (µs): the least a reserved start may come late and still count as on
---          time (it grows with the dispatch jitter learnt below, up to 10% of a window)
+--          time (it grows with the dispatch jitter learnt below, up to 1/LEARNT_CAP_PARTS
+--          of the shortest window)
 -- ARGV[6]  slack (µs): how long after the check the body may start (a call admitted now
 --          counts as starting within it; a claim must leave it before its latest start)
 -- ARGV[7..12] for 'claim': the reservation's start, latest start, cost, grace, epoch,
@@ -44,17 +47,21 @@
 --
 -- Fields 'd' and 'v' learn how long a reserved task takes to come back, the way TCP
 -- learns a round trip: d is the smoothed delay from "due to arrive" to its claim, v its
--- mean deviation. Denied tasks are sent back d early plus a margin of 2 v (at most half
--- the spacing of the busiest rate, since each early task waits in a pool process),
--- so most arrive before their start and wait for it in the worker. A reservation's
--- grace covers 4 v: busy workers widen it (a little throughput for far fewer voided
--- reservations), idle ones keep it tight.
+-- mean deviation. Denied tasks are sent back d early plus a margin of LEAD_JITTERS v (at
+-- most half the spacing of the busiest rate, since each early task waits in a pool
+-- process), so most arrive before their start and wait for it in the worker. A
+-- reservation's grace covers GRACE_JITTERS v: busy workers widen it (a little throughput
+-- for far fewer voided reservations), idle ones keep it tight.
 --
 -- Returns {code, wait, remaining, clear_at, start, latest, now, epoch, lead, grace, leased}
 -- (times in µs):
---   code  1 run now | 0 denied (start > 0: a start was reserved) | 2 claim came early
---        3 denied, and the earliest start (in `wait`) is further than the max wait
---          (a pause's own length not counted): nothing reserved | -1 cost exceeds the limit given in `wait`
+--   code  (constants set before the script from celery_throttle.store.Code)
+--          RUN run now
+--          DENIED not now (start > 0: a start was reserved)
+--          EARLY a claim that came before its reserved start
+--          TOO_FAR denied, and the earliest start (in `wait`) is further than the max
+--            wait (a pause's own length not counted): nothing reserved
+--          TOO_COSTLY the cost exceeds the limit of one of the rates (nothing else set)
 --   wait  µs until the call may start
 --   remaining  units still free now, over the tightest rate
 --   clear_at  when every counted unit has left its window
@@ -132,7 +139,7 @@ local function write_back()
   -- grow it by a further shortest window, so a busy key is not re-expired on every call.
   local clear = clear_at()
   if clear > now then
-    local ttl = math.ceil((clear - now) / 1000) + 1000
+    local ttl = math.ceil((clear - now) / 1000) + STATE_TTL_PAD_MS
     if redis.call('PTTL', key) < ttl then
       redis.call('PEXPIRE', key, ttl + math.ceil(shortest / 1000))
     end
@@ -141,7 +148,7 @@ end
 
 local function reply(code, wait, start, latest, given_grace, leased)
   return {code, wait, remaining(now), clear_at(), start, latest, now, tonumber(epoch or '0'),
-          delay and (delay + math.min(2 * jitter, half_pace)) or -1, given_grace or 0, leased or 0}
+          delay and (delay + math.min(LEAD_JITTERS * jitter, half_pace)) or -1, given_grace or 0, leased or 0}
 end
 
 -- Whether `units` started anywhere in [now, now + span] fit, leaving every rate at most
@@ -157,7 +164,7 @@ local function lease_fits(units, span)
 end
 
 for _, r in ipairs(rates) do
-  if cost > r.limit then return {-1, r.limit, 0, 0, 0, 0, now, 0, -1, 0, 0} end
+  if cost > r.limit then return {TOO_COSTLY, 0, 0, 0, 0, 0, now, 0, -1, 0, 0} end
 end
 
 if op == 'claim' and (epoch ~= ARGV[11] or (KEYS[2] and redis.call('EXISTS', KEYS[2]) == 1)) then
@@ -167,28 +174,28 @@ if op == 'claim' then
   local c_start, c_latest = tonumber(ARGV[7]), tonumber(ARGV[8])
   local c_cost, c_grace, c_lead = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[12])
   if ARGV[13] == '1' then
-    local sample = math.max(0, math.min(now - (c_start - c_lead), math.floor(shortest / 10)))
+    local sample = math.max(0, math.min(now - (c_start - c_lead), math.floor(shortest / LEARNT_CAP_PARTS)))
     if delay == nil then
       delay, jitter = sample, math.floor(sample / 2)
     else
       local err = sample - delay
-      delay = delay + math.floor(err / 8)
-      jitter = jitter + math.floor((math.abs(err) - jitter) / 4)
+      delay = delay + math.floor(err / DELAY_GAIN_PARTS)
+      jitter = jitter + math.floor((math.abs(err) - jitter) / JITTER_GAIN_PARTS)
     end
     redis.call('HSET', key, 'd', string.format('%.0f', delay), 'v', string.format('%.0f', jitter))
   end
   -- Reserved before a pause that now covers its start: given back below, reserved again.
   local paused = c_start < not_before
-  if now < c_start and not paused then return reply(2, c_start - now, c_start, c_latest) end
+  if now < c_start and not paused then return reply(EARLY, c_start - now, c_start, c_latest) end
   if KEYS[2] then
     -- Remember the use until its units have surely left every window.
     local longest = 0
     for _, r in ipairs(rates) do longest = math.max(longest, r.period) end
-    local ttl = math.ceil((math.max(c_latest - now, 0) + longest) / 1000) + 1000
+    local ttl = math.ceil((math.max(c_latest - now, 0) + longest) / 1000) + STATE_TTL_PAD_MS
     redis.call('SET', KEYS[2], '1', 'PX', ttl)
   end
   -- On time: the body starts within `slack` of now, still inside the reserved span.
-  if now + slack <= c_latest and not paused then return reply(1, 0, c_start, c_latest) end
+  if now + slack <= c_latest and not paused then return reply(RUN, 0, c_start, c_latest) end
   -- Too late to use the reserved start without breaking the window for whoever was
   -- placed after it: give it back and try afresh.
   for _, r in ipairs(rates) do
@@ -199,14 +206,14 @@ end
 
 if not_before - now > pause_horizon and op ~= 'peek' then
   write_back()  -- (a claim's units given back above)
-  return reply(0, pause_horizon, 0, 0)
+  return reply(DENIED, pause_horizon, 0, 0)
 end
 
 -- The earliest start every rate admits: each earliest() only moves x forward. Nothing
 -- starts in a pause; a task sent at publish cannot start before it reaches a worker.
 local x, settled = math.max(now, not_before), false
-if op == 'reserve' and delay ~= nil then x = math.max(x, now + delay + math.min(2 * jitter, half_pace)) end
-for _ = 1, 64 do
+if op == 'reserve' and delay ~= nil then x = math.max(x, now + delay + math.min(LEAD_JITTERS * jitter, half_pace)) end
+for _ = 1, SETTLE_ROUNDS do
   settled = true
   for _, r in ipairs(rates) do
     local e = ALGO.earliest(r, x, cost, slack)
@@ -216,14 +223,14 @@ for _ = 1, 64 do
 end
 
 if op == 'peek' then
-  return reply(x == now and 1 or 0, x - now, 0, 0)
+  return reply(x == now and RUN or DENIED, x - now, 0, 0)
 end
 
-local code, start, latest, leased = 0, 0, 0, 0
+local code, start, latest, leased = DENIED, 0, 0, 0
 if settled and x == now and op == 'screen' then
-  code = 1
+  code = RUN
 elseif settled and x == now and op ~= 'reserve' then
-  code = 1
+  code = RUN
   local units, span = cost, slack
   if op == 'acquire' and lease > cost then
     span = math.max(lease_span, slack)
@@ -234,10 +241,10 @@ elseif settled and x == now and op ~= 'reserve' then
     r.dirty = true
   end
 elseif settled and (reserve or op == 'reserve') and max_wait > 0 and x - math.max(now, not_before) > max_wait then
-  code = 3
+  code = TOO_FAR
 elseif settled and (reserve or op == 'reserve') then
-  if jitter ~= nil then grace = math.max(grace, 4 * jitter + 2 * slack) end
-  grace = math.min(grace, math.floor(shortest / 10))
+  if jitter ~= nil then grace = math.max(grace, GRACE_JITTERS * jitter + GRACE_SLACKS * slack) end
+  grace = math.min(grace, math.floor(shortest / LEARNT_CAP_PARTS))
   start, latest = x, nil
   for _, r in ipairs(rates) do
     local until_ = ALGO.record(r, x, x + grace, cost)
