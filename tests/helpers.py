@@ -49,6 +49,23 @@ def redis_or_skip(url: str) -> redis.Redis:
     return client
 
 
+def close_app(app: Any) -> None:
+    """Close a Celery app of the test process, with its result backend's connections.
+
+    Left to the garbage collector, a client's socket may be collected before the client
+    (they sit in one reference cycle with the app), in whatever test runs then: that
+    test fails on the socket's ResourceWarning.
+    """
+    backend = app.backend
+    consumer = getattr(backend, "result_consumer", None)
+    if consumer is not None and hasattr(consumer, "stop"):
+        consumer.stop()  # the pub/sub connection AsyncResult.get() listens on
+    client = getattr(backend, "client", None)
+    if isinstance(client, redis.Redis):
+        client.close()
+    app.close()
+
+
 def rabbitmq_or_skip(url: str) -> str:
     from kombu import Connection
 
@@ -233,8 +250,9 @@ class WorkerGroup:
                 proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.kill(i)
-        self.client.close()
         self.delete_results()
+        close_app(self.client)
+        self.records.close()
         if self.broker.startswith("redis"):  # pidbox bindings left by a worker killed
             client = redis.Redis.from_url(self.broker)
             drop_bindings(client, lambda queue: f"-{self.prefix}@" in queue)
