@@ -2,8 +2,11 @@
 
 One client per store, created lazily in the process that uses it (redis-py's pool
 resets itself after a fork, so a prefork child gets its own connections). Scripts are
-registered once; redis-py sends EVALSHA and reloads a script on NOSCRIPT by itself, so a
-restarted Redis loses nothing but one round trip.
+registered once (the window scripts with the timing policy and reply codes put before
+them: :func:`window_script`); a restarted or flushed Redis answers NOSCRIPT and the
+script is loaded again, so it loses nothing but one round trip. One method per operation
+of window.lua (:meth:`RedisStore.acquire`, ``screen``, ``reserve``, ``claim``, ``peek``),
+each taking what the script is told about the call as a :class:`WindowCall`.
 """
 
 from __future__ import annotations
