@@ -275,9 +275,8 @@ def run_long_wait(res: Results, prefix: str, tasks: int, window: int, quick: boo
                 "", None, f"send took {send_s:.1f}s")
     res.notes.append(
         "Long waits: parked messages live in Redis, so the workers' RSS growth is not held "
-        "messages. It comes from handling the denials: each denied task ends in Celery's Ignore, "
-        "whose billiard ExceptionInfo (Python 3.11+: a copy of every traceback frame's code "
-        "positions) is ~150 KB of cyclic garbage, kept until a full GC; RSS keeps that high-water mark.")
+        "messages: it is what handling the denials leaves behind (garbage kept until a collection; "
+        "RSS keeps the high-water mark).")
     if errors:
         res.notes.append(f"Long-wait worker log errors ({len(errors)}): " + " | ".join(errors[:5]))
     res.series["long_wait"] = {"samples": samples, "refill_at": refill_at, "rss0": rss0, "mem0": mem0}
