@@ -266,7 +266,8 @@ class Throttle:
         key, request = self._window_call(call, self.quick_store, max_wait)
         return self.quick_store.reserve(key, request)
 
-    def _window_call(self, call: BoundCall, store: RedisStore, max_wait: float | None) -> tuple[str, WindowCall]:
+    def _window_call(self, call: BoundCall, store: RedisStore,
+                     max_wait: float | None) -> tuple[str, WindowCall]:
         """The state key of ``call`` and what the script is told about it."""
         tightest = _tightest_limit(call.rates)
         if call.cost > tightest:

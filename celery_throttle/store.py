@@ -235,9 +235,10 @@ class RedisStore:
     def claim(self, key: str, call: WindowCall, reservation: Reservation, *, marker: str | None = None,
               learn: bool = True, reserve: bool = False) -> WindowReply:
         """Use a start reserved earlier: run if on time, wait if early (``Code.EARLY``),
-        give it back and check afresh (as :meth:`acquire`) if late. ``marker`` (a key in the same hash tag)
-        makes it single-use; ``learn=False`` for a second claim of the same arrival (after
-        waiting out an early one), so the delay estimate sees each arrival once."""
+        give it back and check afresh (as :meth:`acquire`) if late. ``marker`` (a key in
+        the same hash tag) makes it single-use; ``learn=False`` for a second claim of the
+        same arrival (after waiting out an early one), so the delay estimate sees each
+        arrival once."""
         return self._window(key, "claim", call, reserve=reserve, claim=reservation, marker=marker,
                             learn=learn)
 
