@@ -5,7 +5,7 @@ resets itself after a fork, so a prefork child gets its own connections). Script
 registered once (the window scripts with the timing policy and reply codes put before
 them: :func:`window_script`); a restarted or flushed Redis answers NOSCRIPT and the
 script is loaded again, so it loses nothing but one round trip. One method per operation
-of window.lua (:meth:`RedisStore.acquire`, ``screen``, ``reserve``, ``claim``, ``peek``),
+of window.lua (:meth:`RedisStore.acquire`, ``screen``, ``reserve``, ``admit``, ``claim``, ``peek``),
 each taking what the script is told about the call as a :class:`WindowCall`.
 """
 
@@ -231,6 +231,12 @@ class RedisStore:
         """At publish: reserve a start even for a call that fits now, no sooner than the
         key's learnt dispatch delay from now; the worker claims it when the task arrives."""
         return self._window(key, "reserve", call)
+
+    def admit(self, key: str, call: WindowCall) -> WindowReply:
+        """At publish: a call that fits now, every rate staying at most half full, is
+        not recorded (``Code.RUN``; ``leased`` is the room left before a rate is half
+        full); any other is a :meth:`reserve`."""
+        return self._window(key, "admit", call)
 
     def claim(self, key: str, call: WindowCall, reservation: Reservation, *, marker: str | None = None,
               learn: bool = True, reserve: bool = False) -> WindowReply:

@@ -69,6 +69,11 @@ class ScriptPolicy:
     #: 1/this of the shortest window: a stalled worker cannot teach the key to send tasks
     #: back, or hold starts open, for a large part of a window.
     learnt_cap_parts: int = 10
+    #: A claim that comes back later than this (ms) after it was due is not learnt at
+    #: all: no worker was running, or the releaser had stopped, while it waited. Such a
+    #: trip is not the dispatch delay, and learning it would make the key reserve starts
+    #: at publish that far ahead for long after the workers are back.
+    learn_outlier_ms: int = 1000
     #: The gains of the delay estimator, as 1/this: TCP's smoothed round trip and its
     #: mean deviation (RFC 6298's 1/8 and 1/4).
     delay_gain_parts: int = 8

@@ -384,8 +384,9 @@ class WindowModel:
         if op == "claim":
             assert claim is not None
             c_start, c_latest, c_cost, c_grace = claim.start_us, claim.latest_us, claim.cost, claim.grace_us
-            if learn:  # how long the trip back took, beyond the lead it was given
-                sample = max(0, min(now - (c_start - claim.lead_us), math.floor(shortest / p.learnt_cap_parts)))
+            trip = now - (c_start - claim.lead_us)
+            if learn and trip <= p.learn_outlier_ms * 1000:  # the trip back, beyond the lead it was given
+                sample = max(0, min(trip, math.floor(shortest / p.learnt_cap_parts)))
                 if self.delay is None or self.jitter is None:
                     self.delay, self.jitter = sample, math.floor(sample / 2)
                 else:
@@ -411,6 +412,13 @@ class WindowModel:
             if written and self.epoch is None:
                 self.epoch = now
             return reply(0, pause_horizon_us, 0, 0)
+
+        if op == "admit":  # at publish: fits, every rate at most half full: not recorded
+            half = [math.floor(r.limit / 2) - max(r.usage(now), r.usage(now + slack_us)) for r in self.rates]
+            if not not_before_us and all(h >= cost and r.earliest(now, cost, slack_us) == now
+                                         for h, r in zip(half, self.rates)):
+                return reply(1, 0, 0, 0, 0, min(half))
+            op = "reserve"
 
         x, settled = max(now, not_before_us), False  # nothing starts in a pause
         if op == "reserve" and self.delay is not None:  # at publish: not before it arrives

@@ -118,6 +118,8 @@ def by_op(store: RedisStore, key: str, op: str, call: WindowCall, *, reserve: bo
         return store.acquire(key, call, reserve=reserve, lease=lease, lease_span_us=lease_span_us)
     if op == "screen":
         return store.screen(key, call, reserve=reserve)
+    if op == "admit":
+        return store.admit(key, call)
     return store.reserve(key, call) if op == "reserve" else store.peek(key, call)
 
 
@@ -229,8 +231,9 @@ class Harness:
             assert got.code != Code.RUN, self.explain("ran in a pause")
             assert not got.start_us or got.start_us >= paused or got.code == Code.EARLY, \
                 self.explain("reserved a start in a pause")
-        self.leases += 1 if got.leased else 0
-        self._account(op, cost, max(slack_us, lease_span_us) if got.leased else slack_us, claim, got)
+        leased = got.leased if op == "acquire" else 0  # (an admit's is its room, not a lease)
+        self.leases += 1 if leased else 0
+        self._account(op, cost, max(slack_us, lease_span_us) if leased else slack_us, claim, got)
         self.check_stored_state()
         # The script's TTLs are real milliseconds computed from the test clock: keep the
         # hash from expiring in real time while a slow machine runs the walk (TTLs have
@@ -246,7 +249,7 @@ class Harness:
         if claim is not None and got.code != Code.EARLY:
             # Claimed on time (runs), or late (given back, maybe replaced below).
             self.pending.remove(claim)
-        if op == "peek" or (op == "screen" and got.code == Code.RUN):
+        if op == "peek" or (op in ("screen", "admit") and got.code == Code.RUN):
             return  # nothing recorded: the pool's acquire comes next
         if got.code == Code.RUN:
             self.eras[-1].append((now, got.leased or cost))
@@ -360,8 +363,10 @@ class Harness:
         elif roll < 0.73:
             self.run("screen", self.random_cost(), reserve=True, grace_us=self.random_grace(),
                      slack_us=self.random_slack())
-        elif roll < 0.76:
+        elif roll < 0.745:
             self.run("reserve", self.random_cost(), grace_us=self.random_grace(), slack_us=self.random_slack())
+        elif roll < 0.76:
+            self.run("admit", self.random_cost(), grace_us=self.random_grace(), slack_us=self.random_slack())
         elif roll < 0.8:
             self.run("peek", self.random_cost())
         elif self.pending:

@@ -10,11 +10,14 @@
 --          message) is checked afresh instead of running on, or giving back, units that
 --          were already used.
 -- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
--- ARGV[2]  op: 'acquire' | 'peek' | 'claim' | 'screen' | 'reserve' ('screen': like
---          'acquire', but a call that fits now is not recorded: the worker's pool will
---          acquire it; 'reserve', at publish: a start is reserved even for a call that
---          fits, no sooner than the key's learnt dispatch delay from now, and the
---          worker claims it when the task arrives)
+-- ARGV[2]  op: 'acquire' | 'peek' | 'claim' | 'screen' | 'reserve' | 'admit' ('screen':
+--          like 'acquire', but a call that fits now is not recorded: the worker's pool
+--          will acquire it; 'reserve', at publish: a start is reserved even for a call
+--          that fits, no sooner than the key's learnt dispatch delay from now, and the
+--          worker claims it when the task arrives; 'admit', at publish: a call that fits
+--          now leaving every rate at most half full is not recorded (RUN, and `leased`
+--          says how many units calls of this key may take before a rate is half full),
+--          any other is a 'reserve')
 -- ARGV[3]  '1' to reserve a future start when denied, '0' not to
 -- ARGV[4]  cost: units this call uses
 -- ARGV[5]  grace (µs): the least a reserved start may come late and still count as on
@@ -67,7 +70,8 @@
 --   clear_at  when every counted unit has left its window
 --   lead  d plus the margin above (-1 while nothing is learnt): send reserved tasks that early
 --   grace  the grace given to the start reserved by this call (0 if none)
---   leased  units granted as a lease, this call's own included (0 if none)
+--   leased  units granted as a lease, this call's own included (0 if none); for an
+--          'admit' that fits: the units the key may take before a rate is half full
 local key = KEYS[1]
 local now
 if ARGV[1] ~= '' then
@@ -173,8 +177,11 @@ end
 if op == 'claim' then
   local c_start, c_latest = tonumber(ARGV[7]), tonumber(ARGV[8])
   local c_cost, c_grace, c_lead = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[12])
-  if ARGV[13] == '1' then
-    local sample = math.max(0, math.min(now - (c_start - c_lead), math.floor(shortest / LEARNT_CAP_PARTS)))
+  -- (A trip back longer than LEARN_OUTLIER_MS is not a dispatch delay: no worker ran,
+  -- or the releaser stopped, while the task waited. It is not learnt.)
+  local trip = now - (c_start - c_lead)
+  if ARGV[13] == '1' and trip <= LEARN_OUTLIER_MS * 1000 then
+    local sample = math.max(0, math.min(trip, math.floor(shortest / LEARNT_CAP_PARTS)))
     if delay == nil then
       delay, jitter = sample, math.floor(sample / 2)
     else
@@ -207,6 +214,20 @@ end
 if not_before - now > pause_horizon and op ~= 'peek' then
   write_back()  -- (a claim's units given back above)
   return reply(DENIED, pause_horizon, 0, 0)
+end
+
+if op == 'admit' then
+  if not_before == 0 and lease_fits(cost, slack) then
+    -- (lease_fits: at most half of each rate used with this call, so the room is >= cost)
+    local room = nil
+    for _, r in ipairs(rates) do
+      local used = math.max(ALGO.usage(r, now), ALGO.usage(r, now + slack))
+      local free = math.floor(r.limit / 2) - used
+      if room == nil or free < room then room = free end
+    end
+    return reply(RUN, 0, 0, 0, 0, room)
+  end
+  op = 'reserve'
 end
 
 -- The earliest start every rate admits: each earliest() only moves x forward. Nothing
