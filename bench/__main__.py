@@ -3,10 +3,12 @@
 Sections: ``burst`` (1 violation, 2 makespan, 3 re-sends, 4 naive baselines, and the
 chart), ``cost`` (5 check cost), ``overhead`` (6), ``memory`` (7), ``long`` (8 long waits),
 ``backlog`` (9 deep backlog cost, on a redis-server of its own), ``neighbour`` (10 noisy
-neighbour), ``api429`` (11 429s from a real rate-limited API: Flask-Limiter under gunicorn).
-Starts its own workers against the local Redis (dbs 10 and 11, which it owns), prints a
-table, writes bench/out/ (results.md, results.json, chart.png, worker logs). A full run
-also writes bench/results.md and bench/chart.png, to commit.
+neighbour), ``api429`` (11 429s from a real rate-limited API: Flask-Limiter under gunicorn),
+``rpt`` (12 Redis per task, from usual producers, each run on a redis-server of its own).
+Starts its own workers against the local Redis (dbs 10 and 11, which it owns; not touched
+when only ``rpt`` runs), prints a table, writes bench/out/ (results.md, results.json,
+chart.png, worker logs). A full run also writes bench/results.md and bench/chart.png, to
+commit.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ from typing import Any
 
 from bench.common import BENCH_DIR, OUT_DIR, Results, broker_client, delete_prefix, new_prefix, store_client
 
-SECTIONS = ("burst", "cost", "overhead", "memory", "long", "backlog", "neighbour", "api429")
+SECTIONS = ("burst", "cost", "overhead", "memory", "long", "backlog", "neighbour", "api429", "rpt")
+#: Sections that use only servers of their own: a run of these alone leaves the local
+#: Redis's databases 10 and 11 alone.
+OWN_SERVERS = frozenset({"rpt"})
 ALIASES = {"1": "burst", "2": "burst", "3": "burst", "4": "burst", "violation": "burst",
            "makespan": "burst", "resends": "burst", "naive": "burst", "chart": "burst",
            "5": "cost", "checks": "cost", "6": "overhead", "7": "memory", "8": "long",
            "long-waits": "long", "9": "backlog", "deep-backlog": "backlog", "10": "neighbour",
            "neighbor": "neighbour", "noisy-neighbour": "neighbour", "11": "api429", "api": "api429",
-           "429": "api429", "429s": "api429"}
+           "429": "api429", "429s": "api429", "12": "rpt", "redis-per-task": "rpt", "per-task": "rpt"}
 
 
 @dataclass(frozen=True)
@@ -75,14 +80,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small scale, 1-2 minutes")
     p.add_argument("--only", action="append", default=[], metavar="NAME",
-                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-11")
+                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-12")
     args = p.parse_args(argv)
     chosen = []
     for item in args.only:
         for name in item.split(","):
             name = ALIASES.get(name.strip().lower(), name.strip().lower())
             if name not in SECTIONS:
-                p.error(f"unknown section {name!r}: use one of {', '.join(SECTIONS)} or 1-11")
+                p.error(f"unknown section {name!r}: use one of {', '.join(SECTIONS)} or 1-12")
             chosen.append(name)
     args.sections = [s for s in SECTIONS if s in chosen] if chosen else list(SECTIONS)
     return args
@@ -117,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     prefix = new_prefix()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(OUT_DIR / "logs", ignore_errors=True)
-    _clean()
+    shared = not set(args.sections) <= OWN_SERVERS
+    if shared:
+        _clean()
     res = Results()
     started = time.time()
     groups: list[Any] = []
@@ -176,13 +183,19 @@ def main(argv: list[str] | None = None) -> int:
                   "under gunicorn ...", flush=True)
             _guard(res, API_SEC, run_api429, res, prefix, scale.api_tasks, scale.api_margins, scale.api_cold,
                    args.quick)
+        if "rpt" in args.sections:
+            from bench.redis_per_task import run_redis_per_task
+
+            print("Redis per task: usual producers, a redis-server of its own per run ...", flush=True)
+            _guard(res, "12 Redis per task", run_redis_per_task, res, args.quick)
     except KeyboardInterrupt:
         res.notes.append("interrupted")
     finally:
         from bench.workers import stop_all
 
         stop_all(groups)
-        _clean(prefix)
+        if shared:
+            _clean(prefix)
     elapsed = time.time() - started
     _finish(res, command, elapsed, full_run)
     return 0

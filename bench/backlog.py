@@ -85,8 +85,9 @@ def _free_port() -> int:
 class DedicatedRedis:
     """A throwaway ``redis-server`` on a free loopback port: no persistence, ours alone."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, binary: str = "redis-server") -> None:
         self.name = name
+        self.binary = binary
         self.port = 0
         self.url = ""
         self.proc: subprocess.Popen | None = None
@@ -100,7 +101,7 @@ class DedicatedRedis:
         for _ in range(3):  # the port may be taken between finding and binding it
             self.port = _free_port()
             log = logdir / f"redis-{self.name}-{self.port}.log"
-            cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                    "--appendonly", "no", "--dir", self._dir.name, "--daemonize", "no"]
             with open(log, "wb") as out:
                 self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
@@ -138,9 +139,9 @@ class DedicatedRedis:
 
 
 @contextmanager
-def dedicated_redis(name: str) -> Iterator[DedicatedRedis]:
+def dedicated_redis(name: str, binary: str = "redis-server") -> Iterator[DedicatedRedis]:
     """A started :class:`DedicatedRedis`, stopped on the way out (failures included)."""
-    server = DedicatedRedis(name)
+    server = DedicatedRedis(name, binary)
     try:
         server.start()
         yield server
