@@ -331,6 +331,8 @@ class Neighbour:
     b_sent: int = 0
     a_started: int = 0
     a_parked_at_publish: int = 0
+    #: Script calls while A's and B's producers ran (no worker yet): the checks at publish.
+    publish_calls: int = 0
     a_parked: int = 0
     a_done_s: float = float("nan")
     stats: Stats = field(default_factory=Stats)
@@ -364,6 +366,7 @@ def run_neighbour_prefilled(binary: str, check: str, flood: int) -> Neighbour:
         b = produce(env, "neighbour", B_TASKS, ("B",), ids=True)
         sent = b["ids"]
         res.b_sent = len(sent)
+        res.publish_calls = (snapshot(client) - before).script_calls
         print(f"  A: {flood:,} sent in {res.publish_s:.1f}s ({res.a_parked_at_publish:,} parked at publish, "
               f"queue {client.llen(queue):,}); B: {len(sent)} sent; starting the worker ...", flush=True)
         group = worker(prefix, f"rpt-nb-{check}-{flood}", env)
@@ -537,14 +540,15 @@ def _report(res: Results, runs: list[Run], neighbours: list[Neighbour], learn: L
             res.notes.append(f"Redis per task, {run.variant.name}, {run.tasks:,}: worker log errors "
                              f"({len(run.errors)}): " + " | ".join(run.errors[:3]))
     if neighbours:
-        lines += ["", "| Noisy neighbour, prefilled | A's flood | A sent in | Parked at publish | B's start after "
+        lines += ["", "| Noisy neighbour, prefilled | A's flood | A sent in | Script calls while publishing | Parked at publish "
+                  "| B's start after "
                   "the worker is ready: p50 / max | B ran once | A started | A all parked after ready | "
                   "Script calls / µs per A task | CPU µs per A task |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
     for nb in neighbours:
         name = f"ours, check at publish {nb.check}"
         if nb.error:
-            lines.append(f"| {name} | {nb.flood:,} | failed: {nb.error} | | | | | | | |")
+            lines.append(f"| {name} | {nb.flood:,} | failed: {nb.error} | | | | | | | | |")
             res.add(SEC, f"prefilled neighbour, flood of {nb.flood:,}", name, "failed", "", False, nb.error)
             continue
         lat = nb.b_latency
@@ -558,7 +562,8 @@ def _report(res: Results, runs: list[Run], neighbours: list[Neighbour], learn: L
             p50 = float("nan")
             value = f"{len(lat)}/{B_TASKS} started"
         per = nb.flood + B_TASKS
-        lines.append(f"| {name} | {nb.flood:,} | {nb.publish_s:.1f}s | {nb.a_parked_at_publish:,} | {value} | "
+        lines.append(f"| {name} | {nb.flood:,} | {nb.publish_s:.1f}s | {nb.publish_calls:,} | {nb.a_parked_at_publish:,} | "
+                     f"{value} | "
                      f"{once}/{B_TASKS}, {dups} dup | {nb.a_started} | {_fmt(nb.a_done_s, 1)}s | "
                      f"{nb.stats.script_calls / per:.2f} / {nb.stats.script_us / per:.1f} | "
                      f"{nb.stats.cpu_s / per * 1e6:.1f} |")
