@@ -87,12 +87,15 @@ class Variant:
 
 
 PLAIN = Variant("plain Celery", "plain")
+ABOVE = ", @throttle above @app.task"
 UNDER = (PLAIN,
          Variant("ours, check at publish on", "ours_under", "1"),
          Variant("ours, check at publish off", "ours_under", "0"),
+         Variant("ours, check at publish on" + ABOVE, "ours_under_above", "1"),
          Variant("limits MovingWindow by hand", "peer_under", peer=True))
 FLOOD = (Variant("ours, check at publish on", "ours_flood", "1", flood=True),
          Variant("ours, check at publish off", "ours_flood", "0", flood=True),
+         Variant("ours, check at publish on" + ABOVE, "ours_flood_above", "1", flood=True),
          Variant("limits MovingWindow by hand", "peer_flood", flood=True, peer=True))
 
 
@@ -101,16 +104,20 @@ class Plan:
     sizes: tuple[int, ...]
     #: Which (set, variant name) run at the largest size; the others stop below it.
     big: tuple[tuple[str, str], ...]
-    #: Neighbour floods per variant ("on", "off").
-    neighbour: tuple[tuple[str, int], ...]
-    learn: bool = True
+    #: Neighbour floods: (check at publish "1"/"0", flood, task).
+    neighbour: tuple[tuple[str, int, str], ...]
+    #: The learning rows, per task.
+    learn: tuple[str, ...] = ("learn", "learn_above")
 
 
 FULL = Plan((1000, 10_000, 100_000),
             big=(("under", "plain Celery"), ("under", "ours, check at publish on"),
-                 ("under", "ours, check at publish off"), ("flood", "ours, check at publish on")),
-            neighbour=(("on", 10_000), ("off", 10_000), ("on", 100_000)))
-QUICK = Plan((1000,), big=(), neighbour=(("on", 1000), ("off", 1000)))
+                 ("under", "ours, check at publish off"), ("under", "ours, check at publish on" + ABOVE),
+                 ("flood", "ours, check at publish on"), ("flood", "ours, check at publish on" + ABOVE)),
+            neighbour=(("1", 10_000, "neighbour"), ("0", 10_000, "neighbour"), ("1", 100_000, "neighbour"),
+                       ("1", 10_000, "neighbour_above"), ("1", 100_000, "neighbour_above")))
+QUICK = Plan((1000,), big=(), neighbour=(("1", 1000, "neighbour"), ("0", 1000, "neighbour"),
+                                         ("1", 1000, "neighbour_above")))
 
 
 def redis_binary() -> str:
@@ -325,6 +332,7 @@ def _accepted(url: str, task: str) -> int | None:
 class Neighbour:
     check: str
     flood: int
+    task: str = "neighbour"
     publish_s: float = float("nan")
     b_latency: list[float] = field(default_factory=list)
     b_runs: Counter[str] = field(default_factory=Counter)
@@ -348,28 +356,28 @@ def _starts(client: redis.Redis, prefix: str, tenant: str) -> list[tuple[float, 
     return out
 
 
-def run_neighbour_prefilled(binary: str, check: str, flood: int) -> Neighbour:
-    res = Neighbour(check, flood)
+def run_neighbour_prefilled(binary: str, check: str, flood: int, task: str = "neighbour") -> Neighbour:
+    res = Neighbour(check, flood, task)
     prefix = new_prefix()
     queue = f"{prefix}-q"
-    server = DedicatedRedis(f"rpt-nb-{check}-{flood}", binary)
+    server = DedicatedRedis(f"rpt-nb-{task}-{check}-{flood}", binary)
     group = None
     try:
         server.start()
         client = server.client
         env = _env(server, prefix, queue, check)
-        _spend(server, prefix, "neighbour", ("A",), peer=False)
+        _spend(server, prefix, task, ("A",), peer=False)
         before = snapshot(client)
-        a = produce(env, "neighbour", flood, ("A",))
+        a = produce(env, task, flood, ("A",))
         res.publish_s = a["last"] - a["first"]
         res.a_parked_at_publish = _end_state(client, queue, prefix)[2]
-        b = produce(env, "neighbour", B_TASKS, ("B",), ids=True)
+        b = produce(env, task, B_TASKS, ("B",), ids=True)
         sent = b["ids"]
         res.b_sent = len(sent)
         res.publish_calls = (snapshot(client) - before).script_calls
         print(f"  A: {flood:,} sent in {res.publish_s:.1f}s ({res.a_parked_at_publish:,} parked at publish, "
               f"queue {client.llen(queue):,}); B: {len(sent)} sent; starting the worker ...", flush=True)
-        group = worker(prefix, f"rpt-nb-{check}-{flood}", env)
+        group = worker(prefix, f"rpt-nb-{task}-{check}-{flood}", env)
         group.start()
         ready = wait_until(lambda: client.lrange(f"{prefix}:ready", 0, -1), 30, 0.05)
         if not ready:
@@ -408,6 +416,7 @@ def run_neighbour_prefilled(binary: str, check: str, flood: int) -> Neighbour:
 # -- learning: a key whose tasks waited for the first worker -----------------------------
 @dataclass
 class Learn:
+    task: str = "learn"
     early_sent: int = 0
     early_ran: int = 0
     early_after_ready: list[float] = field(default_factory=list)
@@ -416,21 +425,21 @@ class Learn:
     error: str = ""
 
 
-def run_learn(binary: str) -> Learn:
-    res = Learn()
+def run_learn(binary: str, task: str = "learn") -> Learn:
+    res = Learn(task)
     prefix = new_prefix()
     queue = f"{prefix}-q"
-    server = DedicatedRedis("rpt-learn", binary)
+    server = DedicatedRedis(f"rpt-{task}", binary)
     group = None
     try:
         server.start()
         client = server.client
         env = _env(server, prefix, queue, None)
-        early = produce(env, "learn", LEARN_EARLY, ("K",))
+        early = produce(env, task, LEARN_EARLY, ("K",))
         res.early_sent = early["sent"]
         print(f"  {LEARN_EARLY} tasks of key K sent; the worker starts {LEARN_AHEAD:.0f}s after ...", flush=True)
         time.sleep(max(early["first"] + LEARN_AHEAD - time.time(), 0))
-        group = worker(prefix, "rpt-learn", env)
+        group = worker(prefix, f"rpt-{task}", env)
         group.start()
         ready = wait_until(lambda: client.lrange(f"{prefix}:ready", 0, -1), 30, 0.05)
         ready_at = min(float(x) for x in ready) if ready else float("nan")
@@ -441,7 +450,7 @@ def run_learn(binary: str) -> Learn:
         time.sleep(1.0)
         for key in ("K", "fresh-key"):
             have = client.llen(f"{prefix}:starts:{key}")
-            report = produce(env, "learn", LEARN_BURST, (key,), ids=True, bursts=LEARN_BURSTS, gap=LEARN_GAP)
+            report = produce(env, task, LEARN_BURST, (key,), ids=True, bursts=LEARN_BURSTS, gap=LEARN_GAP)
             sent = report["ids"]
             want = have + len(sent)
             wait_until(lambda key=key, want=want: client.llen(f"{prefix}:starts:{key}") >= want, 120, 0.1)
@@ -481,16 +490,21 @@ def run_redis_per_task(res: Results, quick: bool = False) -> None:
                 runs.append(run)
                 print(f"  {_line(run)}", flush=True)
     neighbours = []
-    for check, flood in plan.neighbour:
-        print(f"Redis per task: prefilled noisy neighbour, check at publish {check}, flood of {flood:,} ...",
+    for check, flood, task in plan.neighbour:
+        print(f"Redis per task: prefilled noisy neighbour, {_nb_name(check, task)}, flood of {flood:,} ...",
               flush=True)
-        neighbours.append(run_neighbour_prefilled(binary, check, flood))
-    learn = None
-    if plan.learn:
-        print("Redis per task: a key's tasks sent 60 s before the first worker, then fresh ones ...", flush=True)
-        learn = run_learn(binary)
+        neighbours.append(run_neighbour_prefilled(binary, check, flood, task))
+    learns = []
+    for task in plan.learn:
+        print(f"Redis per task: {task}: a key's tasks sent 60 s before the first worker, then fresh ones ...",
+              flush=True)
+        learns.append(run_learn(binary, task))
     elapsed = time.time() - started
-    _report(res, runs, neighbours, learn, plan, version, elapsed)
+    _report(res, runs, neighbours, learns, plan, version, elapsed)
+
+
+def _nb_name(check: str, task: str) -> str:
+    return f"ours, check at publish {'on' if check == '1' else 'off'}" + (ABOVE if task.endswith("_above") else "")
 
 
 def _line(run: Run) -> str:
@@ -506,7 +520,7 @@ def _fmt(x: float, digits: int = 2) -> str:
     return "n/a" if math.isnan(x) else f"{x:,.{digits}f}"
 
 
-def _report(res: Results, runs: list[Run], neighbours: list[Neighbour], learn: Learn | None, plan: Plan,
+def _report(res: Results, runs: list[Run], neighbours: list[Neighbour], learns: list[Learn], plan: Plan,
             version: str, elapsed: float) -> None:
     plain = {r.tasks: r for r in runs if r.variant is PLAIN and not r.error and r.done}
     lines = [f"#### Redis per task (section 12): {elapsed:.0f} s, a redis-server {version} of its own per run "
@@ -546,7 +560,7 @@ def _report(res: Results, runs: list[Run], neighbours: list[Neighbour], learn: L
                   "Script calls / µs per A task | CPU µs per A task |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
     for nb in neighbours:
-        name = f"ours, check at publish {nb.check}"
+        name = _nb_name(nb.check, nb.task)
         if nb.error:
             lines.append(f"| {name} | {nb.flood:,} | failed: {nb.error} | | | | | | | | |")
             res.add(SEC, f"prefilled neighbour, flood of {nb.flood:,}", name, "failed", "", False, nb.error)
@@ -576,29 +590,32 @@ def _report(res: Results, runs: list[Run], neighbours: list[Neighbour], learn: L
         if nb.errors:
             res.notes.append(f"Redis per task, neighbour {name} {nb.flood:,}: worker log errors "
                              f"({len(nb.errors)}): " + " | ".join(nb.errors[:3]))
-    if learn is not None:
+    if learns:
         lines += ["", "| Learning | Tasks | Start latency from .delay(): p50 / max |", "|---|---|---|"]
+    for learn in learns:
+        order = "@throttle above @app.task: " if learn.task.endswith("_above") else ""
+        variant = "ours, check at publish on" + (ABOVE if order else "")
         if learn.error:
-            lines.append(f"| failed | | {learn.error} |")
-            res.add(SEC, "learning", "ours", "failed", "", False, learn.error)
+            lines.append(f"| {order}failed | | {learn.error} |")
+            res.add(SEC, "learning", variant, "failed", "", False, learn.error)
         else:
             early = learn.early_after_ready
-            lines.append(f"| key K: sent {LEARN_AHEAD:.0f}s before the first worker (from its ready) | "
+            lines.append(f"| {order}key K: sent {LEARN_AHEAD:.0f}s before the first worker (from its ready) | "
                          f"{learn.early_ran}/{learn.early_sent} ran | "
                          f"{_fmt(percentile(early, 0.5))}s / {_fmt(early[-1] if early else float('nan'))}s |")
             for key, label in (("K", "key K afterwards"), ("fresh-key", "a key never seen before")):
                 lat = learn.fresh.get(key, [])
                 sent = LEARN_BURST * LEARN_BURSTS
-                lines.append(f"| {label}: {LEARN_BURSTS} bursts of {LEARN_BURST}, {LEARN_GAP:g}s apart | "
+                lines.append(f"| {order}{label}: {LEARN_BURSTS} bursts of {LEARN_BURST}, {LEARN_GAP:g}s apart | "
                              f"{len(lat)}/{sent} ran | {_fmt(percentile(lat, 0.5) * 1000, 0)} ms / "
                              f"{_fmt((lat[-1] if lat else float('nan')) * 1000, 0)} ms |")
-                res.add(SEC, f"learning: start latency, {label}", "ours, check at publish on",
+                res.add(SEC, f"learning: start latency, {label}", variant,
                         f"p50 {_fmt(percentile(lat, 0.5) * 1000, 0)} ms, max "
                         f"{_fmt((lat[-1] if lat else float('nan')) * 1000, 0)} ms ({len(lat)}/{sent})", "", None,
                         f"{LEARN_EARLY} tasks of key K sent {LEARN_AHEAD:.0f}s before the first worker started"
                         if key == "K" else "")
             if learn.dups:
-                res.notes.append(f"Learning: {learn.dups} fresh task(s) ran more than once")
+                res.notes.append(f"Learning, {variant}: {learn.dups} fresh task(s) ran more than once")
     skipped = [f"{w}/{v}" for w in ("under", "flood") for v in
                (x.name for x in (UNDER if w == "under" else FLOOD)) if (w, v) not in plan.big]
     if len(plan.sizes) > 1 and skipped:

@@ -9,6 +9,9 @@ which is the throttle store too, as for most users), CB_PREFIX (throttle key pre
 the prefix of the few records kept), CB_QUEUE (the default queue), CB_CHECK_AT_PUBLISH
 (``0`` turns ``throttle_check_at_publish`` off; unset: the default).
 
+Each throttled task is there twice: ``@app.task`` over ``@throttle`` (the usual order), and
+``@throttle`` over ``@app.task`` (``*_above``), which the decorator also documents.
+
 The per-task rows' tasks do nothing. The noisy-neighbour and learning tasks note their
 start as ``"<time> <task id>"`` in the list ``<prefix>:starts:<tenant>``; a worker notes
 when it is ready in ``<prefix>:ready`` (a list: one entry per worker).
@@ -133,4 +136,29 @@ def neighbour(self, tenant):
 @app.task(bind=True)
 @throttle(LEARN, key="{tenant}")
 def learn(self, tenant):
+    record(tenant, self.request.id)
+
+
+# -- the same, with @throttle above @app.task (the other order the decorator documents) --
+@throttle(UNDER, key="{tenant}")
+@app.task
+def ours_under_above(tenant):
+    pass
+
+
+@throttle(QUOTA, key="{tenant}")
+@app.task
+def ours_flood_above(tenant):
+    pass
+
+
+@throttle(QUOTA, key="{tenant}")
+@app.task(bind=True)
+def neighbour_above(self, tenant):
+    record(tenant, self.request.id)
+
+
+@throttle(LEARN, key="{tenant}")
+@app.task(bind=True)
+def learn_above(self, tenant):
     record(tenant, self.request.id)
