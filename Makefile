@@ -1,9 +1,21 @@
 # Two commands do all set-up: `make demo` runs the demo, `make test` runs the tests.
-PYTHON ?= python3
+# Both install into the active virtualenv, or (none active) into .venv, made here: a
+# Debian python refuses installs into the system (PEP 668), and the system is not ours.
+ifdef VIRTUAL_ENV
+PYTHON ?= $(VIRTUAL_ENV)/bin/python
+else
+PYTHON ?= .venv/bin/python
+endif
+BASE_PYTHON ?= python3
 
 .PHONY: install demo lint test test-passes bench
 
-install:
+.venv/bin/python:
+	$(BASE_PYTHON) -m venv .venv || { echo "could not make a virtualenv with $(BASE_PYTHON) -m venv" \
+	  "(on Debian or Ubuntu: apt-get install python3-venv), or activate one first" >&2; exit 1; }
+
+install: $(filter .venv/bin/python,$(PYTHON))
+	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q -e '.[test,demo]'
 
 demo: install

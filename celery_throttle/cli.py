@@ -8,16 +8,18 @@ from __future__ import annotations
 import datetime as dt
 import fnmatch
 import json
+import logging
 from typing import Any
 
 import click
 from kombu.exceptions import ContentDisallowed, DecodeError
 
+from .connection import safe_url
 from .controller import controller
 from .deferral import HEADER, read_state
 from .errors import ThrottleError
 from .keys import state_of
-from .parking import decode_message
+from .parking import decode_message, parked_task_id
 
 __all__ = ["throttle"]
 
@@ -30,6 +32,8 @@ class _Group(click.Group):
     """Says what went wrong in one line (Redis unreachable, a bad setting), no traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        # Each command prints what it did: the library's own log lines would say it twice.
+        logging.getLogger("celery_throttle").setLevel(logging.ERROR)
         try:
             return super().invoke(ctx)
         except ThrottleError as exc:
@@ -58,6 +62,8 @@ def status(ctx: click.Context, scope: str | None, key: str | None, match: str, l
     ctl = _controller(ctx)
     if scope is None:
         found, more = ctl.statuses(match=match, limit=limit)
+    elif key is None and (found_keys := ctl.statuses(match=match, limit=limit, scope=scope))[0]:
+        found, more = found_keys  # the scope's own row and every key of it
     else:
         found, more = [ctl.status(scope, key=key)], False
         if not found[0].rates and found[0].paused_until is None and not found[0].live_limit:
@@ -72,9 +78,14 @@ def status(ctx: click.Context, scope: str | None, key: str | None, match: str, l
                                "parked": dict(zip(("waiting", "in_flight", "dead"), parked))}, indent=2))
         return
     if scope is not None and not found[0].rates and found[0].paused_until is None and not found[0].live_limit:
-        click.echo(f"{scope} key={key}: nothing counted")
+        click.echo(f"{_target(scope, key)}: nothing counted")
         return
     _table(found, more, parked, scope is None)
+
+
+def _target(scope: str, key: str | None) -> str:
+    """A scope and key as the CLI names them (quoted: user data, printed as it is)."""
+    return f"scope {scope!r}" + ("" if key is None else f" key {key!r}")
 
 
 def _as_dict(status: Any) -> dict[str, Any]:
@@ -91,6 +102,7 @@ def _as_dict(status: Any) -> dict[str, Any]:
 def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: bool) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     zone = dt.datetime.now().astimezone().strftime("%Z")
     table = Table(box=None, pad_edge=False, header_style="bold")
@@ -107,7 +119,8 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
                 for r in s.rates] or [(", ".join(f"{r} (live)" for r in sorted(live)) or "-", "", "", "")]
         for i, (rate, used, left, resets) in enumerate(rows):
             first = i == 0
-            table.add_row(s.scope if first else "", ("-" if s.key is None else s.key) if first else "",
+            # Scopes and keys are user data: Text, never read as rich markup ("[red]acme").
+            table.add_row(Text(s.scope) if first else "", Text("-" if s.key is None else s.key) if first else "",
                           rate, used, left, resets, paused if first else "")
     console = Console(width=None if Console().is_terminal else 80, soft_wrap=False)
     if found:
@@ -132,7 +145,7 @@ def set_limit(ctx: click.Context, scope: str, rates: tuple[str, ...], key: str |
     to every key of the scope that has no limit of its own.
     """
     parsed = _controller(ctx).set_limit(scope, list(rates), key=key)
-    click.echo(f"{scope} key={key}: limit set to {', '.join(map(str, parsed))}")
+    click.echo(f"{_target(scope, key)}: limit set to {', '.join(map(str, parsed))}")
 
 
 @throttle.command(name="unset")
@@ -142,7 +155,7 @@ def set_limit(ctx: click.Context, scope: str, rates: tuple[str, ...], key: str |
 def unset_limit(ctx: click.Context, scope: str, key: str | None) -> None:
     """Remove the live limit of SCOPE (or its KEY): back to the rates in the code."""
     found = _controller(ctx).clear_limit(scope, key=key)
-    click.echo(f"{scope} key={key}: back to the code's rates" if found else f"{scope} key={key}: no live limit set")
+    click.echo(f"{_target(scope, key)}: " + ("back to the code's rates" if found else "no live limit set"))
 
 
 @throttle.command()
@@ -158,7 +171,7 @@ def pause(ctx: click.Context, scope: str, key: str | None, duration: str | None)
     none is failed by it. Every worker obeys within a second.
     """
     until = _controller(ctx).pause(scope, key=key, seconds=_duration(duration))
-    click.echo(f"paused {scope} key={key} {_until(until)}")
+    click.echo(f"paused {_target(scope, key)} {_until(until)}")
 
 
 @throttle.command()
@@ -166,9 +179,26 @@ def pause(ctx: click.Context, scope: str, key: str | None, duration: str | None)
 @click.option("--key", default=None, help="Resume only this key of the scope.")
 @click.pass_context
 def resume(ctx: click.Context, scope: str, key: str | None) -> None:
-    """End a pause of SCOPE (or of its KEY) now: its waiting tasks go within park_after."""
+    """End a pause of SCOPE (or of its KEY) now: every task it held is sent at once."""
     found = _controller(ctx).resume(scope, key=key)
-    click.echo(f"resumed {scope} key={key}" if found else f"{scope} key={key} was not paused")
+    click.echo(f"resumed {_target(scope, key)}" if found else f"{_target(scope, key)} was not paused")
+
+
+@throttle.command()
+@click.pass_context
+def doctor(ctx: click.Context) -> None:
+    """Check the store: can it evict or lose parked tasks and counts? Exit 1 if so."""
+    ctl = _controller(ctx)
+    report = ctl.store.report()
+    click.echo(f"store {safe_url(ctl.store.url)} (run id {(report.run_id or '?')[:8]})")
+    for risk in report.risks:
+        click.echo(f"RISK: {risk}")
+    for what in report.unchecked:
+        click.echo(f"not checked: {what}")
+    if not report.risks and not report.unchecked:
+        click.echo("ok: no eviction, and it keeps its data on disk")
+    if report.risks:
+        ctx.exit(1)
 
 
 @throttle.command()
@@ -178,7 +208,7 @@ def resume(ctx: click.Context, scope: str, key: str | None) -> None:
 def reset(ctx: click.Context, scope: str, key: str | None) -> None:
     """Forget every window of SCOPE (and KEY)."""
     found = _controller(ctx).reset(scope, key=key)
-    click.echo(f"reset {scope} key={key}" if found else f"{scope} key={key}: nothing to reset")
+    click.echo(f"reset {_target(scope, key)}" if found else f"{_target(scope, key)}: nothing to reset")
 
 
 @throttle.command()
@@ -213,13 +243,13 @@ def parked(ctx: click.Context, tasks: bool, match: str, purge: bool, dead: bool,
         return
     if tasks:
         for pid, due, (name, scope, key) in waiting:
-            click.echo(f"{pid.split(':')[0]}  {name}  scope={scope} key={key}  due {_when(due)}")
+            click.echo(f"{parked_task_id(pid)}  {name}  {_target(scope, key)}  due {_when(due)}")
     else:
         groups: dict[tuple[str, str | None], list[float]] = {}
         for _, due, (_, scope, key) in waiting:
             groups.setdefault((scope, key), []).append(due)
         for (scope, key), dues in sorted(groups.items(), key=lambda g: (g[0][0], g[0][1] or "")):
-            click.echo(f"{scope} key={key}: {len(dues)} waiting, next due {_when(min(dues))}, "
+            click.echo(f"{_target(scope, key)}: {len(dues)} waiting, next due {_when(min(dues))}, "
                        f"last {_when(max(dues))}")
     count, in_flight, dead_count = store.parked_count()
     click.echo(f"parked: {count} waiting, {in_flight} being released, {dead_count} dead")

@@ -78,6 +78,12 @@ class Controls:
             return None
         return (key is not None and limits.get(limit_field(scope, key))) or limits.get(limit_field(scope, None))
 
+    def refresh(self, store: Any) -> None:
+        """Read the controls now, whatever the age of this copy."""
+        with self._lock:
+            self._read_at = float("-inf")
+        self._refresh(store)
+
     def _maybe_refresh(self, store: Any) -> None:
         if time.monotonic() - self._read_at > CONTROL_REFRESH:
             self._refresh(store)

@@ -17,7 +17,7 @@ from celery.exceptions import Reject
 
 from . import signals
 from .errors import StoreError
-from .keys import state_key
+from .keys import state_key, state_tag
 from .parking import park
 from .spec import BoundCall
 from .store import Code, Reservation, WindowReply, rates_tag
@@ -31,7 +31,8 @@ logger = logging.getLogger("celery_throttle")
 
 #: Message header carrying a deferred task's reservation and counters:
 #: ``k`` the state key it was reserved under, ``r`` the reservation
-#: (:meth:`Reservation.to_header`), ``n`` deferrals so far, ``e`` store errors in a row.
+#: (:meth:`Reservation.to_header`), ``n`` deferrals so far, ``e`` store errors in a row,
+#: ``p`` 1 if a pause held it (it was parked, for a resume to send it at once).
 HEADER = "celery_throttle"
 
 
@@ -50,7 +51,7 @@ def read_state(value: Any) -> dict[str, Any]:
     reservation = Reservation.from_header(value.get("r"))
     if reservation is not None:
         state["r"] = reservation.to_header()
-    for counter in ("n", "e"):
+    for counter in ("n", "e", "p"):
         number = value.get(counter)
         if isinstance(number, int) and not isinstance(number, bool) and 0 <= number < 2**31:
             state[counter] = number
@@ -58,10 +59,14 @@ def read_state(value: Any) -> dict[str, Any]:
 
 
 def plan_return(ctl: Throttle, call: BoundCall, state: dict[str, Any], claim: Reservation | None,
-                reply: WindowReply) -> float:
-    """Put the start a denial reserved in ``state`` (the task's header); returns in how
-    many seconds the task should be sent back."""
+                reply: WindowReply, held: bool = False) -> float:
+    """Put the start a denial reserved in ``state`` (the task's header), and whether a
+    pause ``held`` it; returns in how many seconds the task should be sent back."""
     state.pop("e", None)
+    if held:
+        state["p"] = 1
+    else:
+        state.pop("p", None)
     ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
     lead_us = ctl.lead_us(call.rates, reply.lead_us)
     if reply.code == Code.EARLY:
@@ -96,26 +101,29 @@ class TurnedAway:
 
     def defer(self, reply: WindowReply, claim: Reservation | None = None) -> None:
         """Send it back (or park it) to come for the start ``reply`` reserved."""
-        delay = plan_return(self.ctl, self.call, self.state, claim, reply)
-        self.send_back(delay, reply.now_us)
+        held = self.ctl.holds(self.call, reply.now_us)
+        delay = plan_return(self.ctl, self.call, self.state, claim, reply, held)
+        self.send_back(delay, reply.now_us, held=held)
 
-    def send_back(self, delay: float, now_us: int | None, *, may_park: bool = True) -> None:
+    def send_back(self, delay: float, now_us: int | None, *, may_park: bool = True, held: bool = False) -> None:
         """Send the task again in ``delay`` seconds, same id, arguments, routing and retry
-        count; park it in Redis instead when the wait is long (``now_us``: the Redis
-        clock's now, which parking needs). A broker that refuses the re-send gets the
-        message back (``Reject`` with requeue): it is not acked as done."""
+        count; park it in Redis instead when the wait is long, or a pause ``held`` it
+        (``now_us``: the Redis clock's now, which parking needs). A broker that refuses
+        the re-send gets the message back (``Reject`` with requeue): it is not acked as
+        done."""
         ctl, task, request, call = self.ctl, self.task, self.request, self.call
         self.state["n"] = int(self.state.get("n") or 0) + 1  # deferrals so far, for observability
         headers = dict(request.headers or {})
         headers[HEADER] = self.state
         sig = task.signature_from_request(request, self.args, self.kwargs, headers=headers)
-        parked = may_park and now_us is not None and delay >= ctl.settings.park_after
+        parked = may_park and now_us is not None and (delay >= ctl.settings.park_after or held)
         signals.task_throttled.send(sender=task, request=request, delay=delay,
                                     scope=call.scope, key=call.key, parked=parked)
         ctl.metrics.denied(call.scope, call.key, delay, parked)
         if parked and now_us is not None:
             try:
-                park(ctl, sig, due_us=now_us + int(delay * 1e6))
+                park(ctl, sig, due_us=now_us + int(delay * 1e6),
+                     tag=state_tag(call.scope, call.key) if held else None)
             except StoreError as exc:
                 # Sent back with its countdown instead: it waits in a worker, but it is not lost.
                 logger.warning("could not park %s[%s], sending it back for %.1fs instead: %s",

@@ -25,7 +25,6 @@ from celery.app import trace as celery_trace
 from celery.app.trace import TraceInfo, build_tracer, task_has_custom
 from celery.exceptions import Ignore
 from celery.states import IGNORED
-from celery.utils import uuid
 
 from . import signals
 from .backoff import Backoff
@@ -33,7 +32,6 @@ from .controller import controller
 from .deferral import HEADER, TurnedAway, read_state
 from .errors import StoreError, WaitTooLong
 from .keys import state_key
-from .publish import admit, park_at_publish
 from .spec import BoundCall, ThrottleSpec, declared_spec
 from .store import Code, Reservation
 from .timing import wait_here_us
@@ -66,31 +64,9 @@ def attach(task: Any, spec: ThrottleSpec) -> None:
         if original is not None:
             original(self, task_id, args, kwargs)
 
-    send = cls.apply_async
-
-    def apply_async(self: Any, args: Any = None, kwargs: Any = None, task_id: str | None = None,
-                    producer: Any = None, link: Any = None, link_error: Any = None, shadow: Any = None,
-                    **options: Any) -> Any:
-        # Admission at publish (see publish.py): a task that does not fit now leaves with
-        # the start it reserved, as a countdown, or waits parked in Redis.
-        ctl = controller(self.app)
-        deferral = admit(ctl, self, args, kwargs, options)
-        if deferral is None:
-            return send(self, args, kwargs, task_id, producer, link, link_error, shadow, **options)
-        task_id = task_id or uuid()
-        headers = {**(options.pop("headers", None) or {}), HEADER: deferral.state}
-        if deferral.park:
-            message = dict(options, task_id=task_id, link=link, link_error=link_error, shadow=shadow,
-                           headers=headers)
-            if park_at_publish(ctl, self, deferral, args, kwargs, message):
-                return (options.get("result_cls") or self.AsyncResult)(task_id)
-        return send(self, args, kwargs, task_id, producer, link, link_error, shadow,
-                    headers=headers, countdown=deferral.delay or None, **options)
-
     built = task.__dict__.pop("__trace__", None)
     cls._throttle_signature = _signature(task)
     cls.before_start = before_start
-    cls.apply_async = apply_async
     cls.run = _catching_backoff(cls.__dict__.get("run", cls.run), task)
     cls.__trace__ = property(_tracer, _set_tracer)
     cls._throttle_hooked = True
@@ -235,8 +211,14 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
     claim = Reservation.from_header(state.get("r")) if state.get("k") == ident else None
     max_wait = ctl.max_wait(spec)
+    resumed = False
+    if state.get("p"):
+        # A pause held it: is the pause over (resumed: nothing waits for its end)?
+        ctl.refresh_controls()
+        resumed = claim is not None and not ctl.pause_end_us(call)
     try:
-        reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id, lease=True, max_wait=max_wait)
+        reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id, lease=True, max_wait=max_wait,
+                          resumed=resumed)
         if reply.code == Code.EARLY and claim and reply.wait_us <= _wait_here_us(ctl, call, claim):
             # Sent back a little early on purpose (dispatch takes a while): wait here
             # for the reserved start rather than a round trip through the broker.

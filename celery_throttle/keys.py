@@ -16,8 +16,8 @@ from urllib.parse import quote, unquote
 
 from .errors import ConfigurationError
 
-__all__ = ["MAX_TOKEN", "control_key", "dead_letter_keys", "decode", "encode", "parking_keys",
-           "scan_pattern", "state_key", "state_of"]
+__all__ = ["MAX_TOKEN", "PARKED_TAG_END", "control_key", "dead_letter_keys", "decode", "encode",
+           "parked_patterns", "parking_keys", "scan_pattern", "state_key", "state_of", "state_tag", "wake_key"]
 
 # Characters kept as they are; everything else is percent-encoded (":" "{" "}" "%" "#"
 # included), which makes the encoding injective and leaves ":" free as a separator.
@@ -52,13 +52,34 @@ def check_prefix(prefix: str) -> str:
 
 def state_key(prefix: str, scope: str, key: str | None) -> str:
     """The hash holding every rate's window state for one scope and key."""
-    tag = encode(scope) if key is None else f"{encode(scope)}:{encode(key)}"
-    return f"{prefix}:{{{tag}}}"
+    return f"{prefix}:{{{state_tag(scope, key)}}}"
+
+
+def state_tag(scope: str, key: str | None) -> str:
+    """The token naming one scope and key (inside the braces of its state hash)."""
+    return encode(scope) if key is None else f"{encode(scope)}:{encode(key)}"
+
+
+#: Between a parked message's state tag and the rest of its id (never in a tag).
+PARKED_TAG_END = "|"
+
+
+def parked_patterns(scope: str, key: str | None) -> tuple[str, ...]:
+    """ZSCAN MATCH patterns for the ids of tasks parked under ``scope`` and ``key`` (with
+    no key: under the scope and every key of it). Encoded tokens hold no glob character."""
+    if key is not None:
+        return (f"{state_tag(scope, key)}{PARKED_TAG_END}*",)
+    return (f"{encode(scope)}{PARKED_TAG_END}*", f"{encode(scope)}:*{PARKED_TAG_END}*")
 
 
 def parking_keys(prefix: str) -> tuple[str, str, str]:
     """Parked ids by due time, parked messages, in-flight ids by lease expiry."""
     return (f"{prefix}:{{parked}}:due", f"{prefix}:{{parked}}:messages", f"{prefix}:{{parked}}:inflight")
+
+
+def wake_key(prefix: str) -> str:
+    """A list the releasers wait on (BLPOP) between rounds: a push wakes one at once."""
+    return f"{prefix}:{{parked}}:wake"
 
 
 def dead_letter_keys(prefix: str) -> tuple[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import itertools
 import logging
 import threading
@@ -15,7 +16,8 @@ from . import timing
 from .config import ALGORITHMS, Settings, require_redis_url
 from .controls import FOREVER_US, Controls, control_target, limit_field, parse_controls, pause_field
 from .errors import ConfigurationError, ThrottleError
-from .keys import encode, scan_pattern, state_key, state_of
+from .hints import Hints
+from .keys import encode, parked_patterns, scan_pattern, state_key, state_of
 from .lease import Leases, sent_at
 from .metrics import Metrics
 from .rates import Rate, parse_rates
@@ -94,6 +96,10 @@ class Throttle:
         self._leases = Leases()
         self._controls = Controls()
         self._metrics: Metrics | None = None
+        #: What this process may send unchecked at publish (see :mod:`.publish`).
+        self.hints = Hints()
+        #: The store's run id as last seen (a change: the store restarted), or None.
+        self.store_run_id: str | None = None
 
     # -- configuration ----------------------------------------------------------------
     def configure(self, overrides: Mapping[str, Any]) -> None:
@@ -198,9 +204,15 @@ class Throttle:
     def bind(self, task: Any, args: Any, kwargs: Any, *, quick: bool = False) -> BoundCall:
         """The limit of one call of a hooked task: its throttle bound to the arguments,
         under the live limit of its scope or key if one is set."""
-        spec: ThrottleSpec = type(task)._throttle_spec
-        call = self.live(spec.bind(task.name, type(task)._throttle_signature, args or (), kwargs or {},
-                                   self.settings.default_algorithm), quick=quick)
+        return self.bind_spec(task.name, type(task)._throttle_spec, type(task)._throttle_signature,
+                              args, kwargs, quick=quick)
+
+    def bind_spec(self, name: str, spec: ThrottleSpec, signature: inspect.Signature | None, args: Any,
+                  kwargs: Any, *, quick: bool = False) -> BoundCall:
+        """As :meth:`bind`, for task ``name`` throttled by ``spec``, whose arguments bind
+        to ``signature`` (None: unknown, a key is built from keyword arguments only)."""
+        call = self.live(spec.bind(name, signature, args or (), kwargs or {}, self.settings.default_algorithm),
+                         quick=quick)
         margin = spec.margin if spec.margin is not None else self.settings.margin
         if margin and call.algorithm == "sliding":
             call = replace(call, rates=_widened(call.rates, round(margin * 1_000_000)), fields=None)
@@ -219,7 +231,7 @@ class Throttle:
 
     def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
               claimant: str | None = None, learn: bool = True, lease: bool = False,
-              max_wait: float | None = None) -> WindowReply:
+              max_wait: float | None = None, resumed: bool = False) -> WindowReply:
         """The worker's check of one bound call: admit it now, or deny it and (if
         ``reserve``) reserve a future start.
 
@@ -227,7 +239,7 @@ class Throttle:
         using it single-use; ``learn=False`` for a second claim of one arrival. ``lease``:
         a fresh call may be admitted from, or take, a lease (see :mod:`.lease`).
         ``max_wait`` (seconds): reserve no start further away (the reply's code is then
-        ``TOO_FAR``).
+        ``TOO_FAR``). ``resumed``: ``claim`` was reserved behind a pause lifted since.
         """
         key, request = self._window_call(call, self.store, max_wait)
         if claim is not None:
@@ -237,7 +249,8 @@ class Throttle:
                 # script does that for a claim past its latest start).
                 claim = replace(claim, latest_us=claim.start_us - 1)
             marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claimant else None
-            return self.store.claim(key, request, claim, marker=marker, learn=learn, reserve=reserve)
+            return self.store.claim(key, request, claim, marker=marker, learn=learn, reserve=reserve,
+                                    resumed=resumed)
         if not lease or request.not_before_us:  # (a lease would start in a pause)
             return self.store.acquire(key, request, reserve=reserve)
         # A lease holds units of these very rates: a call of the same key under other
@@ -259,6 +272,13 @@ class Throttle:
         does that). On a connection of its own with a short timeout."""
         key, request = self._window_call(call, self.quick_store, max_wait)
         return self.quick_store.screen(key, request, reserve=True)
+
+    def admit_at_publish(self, call: BoundCall, *, max_wait: float | None = None) -> WindowReply:
+        """The producer's check of a task about to be sent: ``RUN`` (nothing recorded) if
+        the key has room, with the room left in ``leased`` (see :mod:`.publish`), else as
+        :meth:`reserve_at_publish`. Quick, like :meth:`screen`."""
+        key, request = self._window_call(call, self.quick_store, max_wait)
+        return self.quick_store.admit(key, request)
 
     def reserve_at_publish(self, call: BoundCall, *, max_wait: float | None = None) -> WindowReply:
         """The producer's check of a task about to be sent: a start is reserved even if
@@ -303,10 +323,11 @@ class Throttle:
         pauses, limits = parse_controls(self.store.controls())
         return self._status(scope, key, pauses, limits)
 
-    def statuses(self, match: str = "*", limit: int = 200) -> tuple[list[Status], bool]:
+    def statuses(self, match: str = "*", limit: int = 200, scope: str | None = None) -> tuple[list[Status], bool]:
         """The status of every scope and key that Redis holds a window, a pause or a live
-        limit for, whose scope (or ``scope:key``) matches the glob ``match``; found by
-        SCAN, never KEYS. At most ``limit`` of them; the flag is True if more were left."""
+        limit for, whose scope (or ``scope:key``) matches the glob ``match`` (and, if
+        given, whose scope is ``scope``); found by SCAN, never KEYS. At most ``limit`` of
+        them; the flag is True if more were left."""
         prefix = self.settings.key_prefix
         pauses, limits = parse_controls(self.store.controls())
         found: dict[tuple[str, str | None], None] = {}
@@ -314,7 +335,8 @@ class Throttle:
         named = (state_of(prefix, name) for name in self.store.scan(scan_pattern(prefix)))
         controlled = (control_target(field) for field in (*pauses, *limits))
         for target in itertools.chain(controlled, named):
-            if target is None or target in found or not _matches(target, match):
+            if (target is None or target in found or not _matches(target, match)
+                    or (scope is not None and target[0] != scope)):
                 continue
             if len(found) >= limit:
                 more = True
@@ -373,11 +395,37 @@ class Throttle:
         return _unix(until)
 
     def resume(self, scope: str, key: str | None = None) -> bool:
-        """End a pause of ``scope`` (or of its ``key``) now. True if there was one."""
+        """End a pause of ``scope`` (or of its ``key``) now. True if there was one.
+
+        Every task the pause held is parked (see :meth:`holds`): those of this scope (or
+        key) are made due now and a worker's releaser is woken to send them at once (the
+        workers send them, with their own app's routing, not this process). The worker
+        that gets one checks it afresh: the pause is over."""
         self._direct_call(scope, key, "1/s", 1, None)
         field = pause_field(scope, key)
         self._controls.note(field, None)
-        return self.store.clear_control(field)
+        found = self.store.clear_control(field)
+        due = self.store.hasten(parked_patterns(scope, key), self.store.now_us())
+        if due:
+            self.store.wake_releasers()
+            logger.warning("resumed scope %r%s: %d parked task(s) it held are due now", scope,
+                           "" if key is None else f" key {key!r}", due)
+        return found
+
+    def holds(self, call: BoundCall, now_us: int) -> bool:
+        """Whether a pause holds ``call`` at ``now_us`` (this process's copy of the
+        controls). A task it holds is parked, however short the wait, so that a resume
+        can send it at once."""
+        return self.pause_end_us(call) > now_us
+
+    def pause_end_us(self, call: BoundCall) -> int:
+        """When the pause covering ``call`` ends (µs, Redis clock; this process's copy of
+        the controls), or 0."""
+        return self._controls.paused_until(self.store, call.scope, call.key)
+
+    def refresh_controls(self) -> None:
+        """Read pauses and live limits now (a task held by a pause arrives: is it over?)."""
+        self._controls.refresh(self.store)
 
     def set_limit(self, scope: str, rates: str | Sequence[str], key: str | None = None) -> tuple[Rate, ...]:
         """Limit ``scope`` (every key of it that has no limit of its own, or only ``key``)

@@ -69,6 +69,8 @@ class Metrics:
                                          "Parked tasks sent back to the broker", ())
             self._store_errors = _instrument("Counter", "celery_throttle_store_errors",
                                              "Checks that could not reach Redis", ("where",))
+            self._lost = _instrument("Counter", "celery_throttle_parked_lost",
+                                     "Parked tasks found due with their message gone from the store", ())
             self._waiting = _instrument("Gauge", "celery_throttle_parked_waiting",
                                         "Tasks parked in Redis, waiting for their start", ())
         self._lock = threading.Lock()
@@ -95,6 +97,10 @@ class Metrics:
             entry[1] += max(delay, 0.0)
             entry[2] += 1 if parked else 0
         self.summarize()
+
+    def lost(self, count: int = 1) -> None:
+        if self.enabled and self._lost is not None:
+            self._lost.inc(count)
 
     def released(self, count: int) -> None:
         if self.enabled and self._released is not None and count:

@@ -20,18 +20,19 @@ from typing import TYPE_CHECKING, Any
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .errors import StoreError
+from .keys import PARKED_TAG_END
 
 if TYPE_CHECKING:
     from .limiter import Throttle
 
-__all__ = ["Releaser", "park"]
+__all__ = ["Releaser", "park", "parked_task_id"]
 
 logger = logging.getLogger("celery_throttle")
 #: How long (seconds) a worker holds parked messages it took, to send them back; if it
 #: dies first, they are handed out again after this.
 _LEASE_S = 60.0
 #: Messages taken per release call.
-_BATCH = 500
+BATCH = 500
 #: Sent messages are acked this many at a time: a release cut short (its worker killed)
 #: re-releases at most these, and a refill of thousands of parked tasks due together is
 #: not slowed down by a round trip per message (which made many miss their start).
@@ -40,6 +41,11 @@ _ACK_EVERY = 16
 #: or its worker died holding it) before it is a dead letter, kept for the CLI
 #: (``celery throttle parked --dead``) instead of coming back forever.
 MAX_ATTEMPTS = 5
+#: The longest (seconds) one wait for a wake-up blocks: a stopping worker waits this at most
+#: for its releaser (and it stays under the store's socket timeout).
+WAKE_SLICE = 1.0
+#: Seconds between two looks at the store's run id (a restart is logged within this).
+STORE_WATCH_EVERY = 10.0
 #: Seconds between two reads of the parked count for the Prometheus gauge.
 _GAUGE_EVERY = 10.0
 
@@ -66,11 +72,20 @@ def decode_message(app: Any, message: bytes) -> dict[str, Any]:
     return body
 
 
-def park(ctl: Throttle, sig: Any, due_us: int) -> str:
-    """Store a deferred task's message in Redis until ``due_us`` (Redis clock)."""
+def park(ctl: Throttle, sig: Any, due_us: int, tag: str | None = None) -> str:
+    """Store a deferred task's message in Redis until ``due_us`` (Redis clock). ``tag``:
+    the state tag of its scope and key (:func:`.keys.state_tag`), so that a resume finds
+    it; its id starts with it."""
     parked_id = f"{sig.options.get('task_id')}:{uuid.uuid4().hex[:12]}"
+    if tag is not None:
+        parked_id = f"{tag}{PARKED_TAG_END}{parked_id}"
     ctl.store.park(parked_id, due_us, encode_message(ctl.app, sig))
     return parked_id
+
+
+def parked_task_id(parked_id: str) -> str:
+    """The task id in a parked id (``[tag|]task id:suffix``)."""
+    return parked_id.rpartition(PARKED_TAG_END)[2].rpartition(":")[0]
 
 
 class Releaser(threading.Thread):
@@ -81,20 +96,45 @@ class Releaser(threading.Thread):
         self.ctl = ctl
         self._stop_event = threading.Event()
         self._gauged_at = float("-inf")
+        self._watched_at = time.monotonic()
 
     def run(self) -> None:
         interval = self.ctl.settings.release_interval
-        while not self._stop_event.wait(interval * random.uniform(0.8, 1.0)):
+        while not self._wait(interval * random.uniform(0.8, 1.0)):
             try:
-                while self.release_once() >= _BATCH and not self._stop_event.is_set():
+                while self.release_once() >= BATCH and not self._stop_event.is_set():
                     pass
             except StoreError as exc:
                 logger.warning("could not release parked tasks: %s", exc)
             except Exception:  # never let the thread die: parked tasks would wait forever
                 logger.exception("releasing parked tasks failed")
 
+    def _wait(self, seconds: float) -> bool:
+        """Wait for the next round: ``seconds``, or less when a resume wakes this releaser
+        (BLPOP, in slices of WAKE_SLICE so a stop is seen). True once stopped."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0 and not self._stop_event.is_set():
+            try:
+                if self.ctl.store.wait_for_wake(min(left, WAKE_SLICE)):
+                    break
+            except StoreError:
+                self._stop_event.wait(left)  # the round that follows says what is wrong
+        return self._stop_event.is_set()
+
     def stop(self) -> None:
         self._stop_event.set()
+
+    def _watch_store(self) -> None:
+        """Say so when the store restarted (its run id changed) while this worker ran:
+        whatever it did not keep on disk (parked tasks, counts) may be lost."""
+        ctl = self.ctl
+        report = ctl.store.report()
+        before, ctl.store_run_id = ctl.store_run_id, report.run_id
+        if before is not None and report.run_id is not None and report.run_id != before:
+            ctl.metrics.store_error("restart")
+            logger.error("celery_throttle: the throttle store restarted (run id %s -> %s): parked tasks and "
+                         "counts it did not keep on disk are lost%s", before[:8], report.run_id[:8],
+                         "".join(f"; {risk}" for risk in report.risks))
 
     def release_once(self) -> int:
         """Release what is due within the next interval; returns how many were taken.
@@ -106,9 +146,15 @@ class Releaser(threading.Thread):
         ctl = self.ctl
         interval = ctl.settings.release_interval
         lookahead_us = int(interval * 1.5 * 1e6)
-        now_us, items = ctl.store.release(lookahead_us, _BATCH, int(_LEASE_S * 1e6), MAX_ATTEMPTS)
+        now_us, items = ctl.store.release(lookahead_us, BATCH, int(_LEASE_S * 1e6), MAX_ATTEMPTS)
         sent, unacked = 0, []
         for parked_id, due_us, message in items:
+            if message is None:
+                logger.error("parked task %s was due but its message is gone from the store (evicted, or "
+                             "deleted by hand): it cannot run; kept as a dead letter (throttle parked --dead)",
+                             parked_task_id(parked_id))
+                ctl.metrics.lost()
+                continue
             try:
                 body = decode_message(ctl.app, message)
                 ctl.app.signature(body).apply_async(countdown=max(due_us - now_us, 0) / 1e6)
@@ -125,6 +171,9 @@ class Releaser(threading.Thread):
         if sent:
             logger.info("released %d parked task(s)", sent)
             ctl.metrics.released(sent)
+        if time.monotonic() - self._watched_at > STORE_WATCH_EVERY:
+            self._watched_at = time.monotonic()
+            self._watch_store()
         if ctl.metrics.enabled and time.monotonic() - self._gauged_at > _GAUGE_EVERY:
             self._gauged_at = time.monotonic()
             ctl.metrics.parked_waiting(ctl.store.parked_count()[0])

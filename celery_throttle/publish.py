@@ -3,46 +3,63 @@
 Without it, a flood of one key's tasks against a spent quota sits in the queue, and the
 workers must take every one of those messages and turn it away before they reach what is
 behind it: another tenant's tasks wait for the whole flood, however cheap each turning
-away is. So when a hooked task is sent (not eagerly, with no ETA or countdown of its own,
-not already carrying a reservation), the producer reserves its start with one script
-call: now (or as soon as a task of its key usually takes to reach a worker) when it fits,
-later when it does not. The reservation goes with the message, which is sent at once, or
-with a countdown to that start, or parked in Redis when the wait is long; the worker
-claims the start when the task arrives. The queue then only ever holds tasks that may run
-soon. When the call cannot be bound, or Redis cannot be reached, the task is sent as it
-is and the worker decides, as without this step; after a store error, publishing skips
-the check for a few seconds rather than wait on Redis for every task.
+away is.
+
+Every message the app publishes goes through ``app.send_task`` (``.delay()``,
+``.apply_async()``, canvas, ``send_task`` by name), which :func:`wrap_send_task` wraps
+when ``install(app)`` is called: nothing depends on the app being finalized, as a
+script, a web view or beat never finalizes it. A task is admitted there when the app
+knows a throttle for its name (a ``@throttle`` on its task, or a rule), it is not sent
+eagerly, with an ETA or countdown of its own, or already carrying a reservation.
+
+Most sends cost no Redis call at all. The check answers, for a key with room (every rate
+at most half full), how many units the key may still take before a rate is half full;
+this process then sends that many (at most) unchecked for a while (:class:`Hints`),
+since the workers' own check counts every start anyway. A key near or over its limit is
+checked send by send, and a task that does not fit reserves its start with that one
+call: it leaves with a countdown to it, or is parked in Redis when the wait is long, and
+the worker claims the start when the task arrives. The queue then only holds tasks that
+may run soon. When the call cannot be bound, or Redis cannot be reached, the task is sent
+as it is and the worker decides; after a store error, publishing skips the check for a
+few seconds rather than wait on Redis for every task.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from celery.app.task import Context
+from celery.local import maybe_evaluate
+from celery.utils import uuid
 from kombu.exceptions import EncodeError
 
 from . import signals
 from .breaker import Breaker
 from .deferral import HEADER, plan_return
 from .errors import StoreError, ThrottleError
+from .hints import Hints
+from .keys import state_key, state_tag
 from .parking import park
+from .spec import BoundCall, ThrottleSpec, declared_spec
 from .store import Code
-from .timing import STORE_ERROR_PAUSE
+from .timing import PUBLISH_HINT_MAX, STORE_ERROR_PAUSE, shortest_us
 
 if TYPE_CHECKING:
     from .limiter import Throttle
 
-__all__ = ["Deferral", "admit", "park_at_publish"]
+__all__ = ["Deferral", "Known", "admit", "throttle_of", "wrap_send_task"]
 
 logger = logging.getLogger("celery_throttle")
 
 
-#: Options of ``apply_async`` that belong to this one send, not to the message: they are
+#: Options of ``send_task`` that belong to this one send, not to the message: they are
 #: not parked with it.
 _SEND_ONLY = frozenset({"producer", "connection", "publisher", "result_cls", "add_to_parent", "router",
-                        "task_type", "retry", "retry_policy", "declare", "exchange_type"})
+                        "task_type", "retry", "retry_policy", "declare", "exchange_type", "countdown", "eta"})
 
 
 class Deferral(NamedTuple):
@@ -56,26 +73,119 @@ class Deferral(NamedTuple):
     park: bool
     #: The script's "now" (Redis clock, µs): parked tasks are due at now + delay.
     now_us: int
+    #: The call it was checked as.
+    call: BoundCall
+    #: Its task, if this process has it (else its name): the signals' sender.
+    task: Any
+    #: Whether a pause holds it (then it is parked, for a resume to find).
+    held: bool = False
 
 
 #: Checks at publish, paused after a store error (one per producer process).
 _breaker = Breaker(STORE_ERROR_PAUSE)
 
 
-def admit(ctl: Throttle, task: Any, args: Any, kwargs: Any, options: Mapping[str, Any]) -> Deferral | None:
-    """Screen one send of ``task``; None: send it as it is."""
+def wrap_send_task(ctl: Throttle) -> None:
+    """Admit every task ``ctl.app`` sends (once per app)."""
+    app = ctl.app
+    send = app.send_task
+    if getattr(send, "_throttle_admits", False):
+        return
+
+    def send_task(name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        deferral = admit(ctl, name, args, kwargs, options)
+        if deferral is None:
+            return send(name, args, kwargs, **options)
+        options.pop("countdown", None)
+        options.pop("eta", None)
+        task_id = options.pop("task_id", None) or uuid()
+        headers = options["headers"] = {**(options.get("headers") or {}), HEADER: deferral.state}
+        if deferral.delay > 0:  # turned away: not a task that goes now with its start
+            call = deferral.call
+            ctl.metrics.denied(call.scope, call.key, deferral.delay, deferral.park)
+            request = Context(id=task_id, task=name, args=args, kwargs=kwargs, headers=headers)
+            signals.task_throttled.send(sender=deferral.task, request=request, delay=deferral.delay,
+                                        scope=call.scope, key=call.key, parked=deferral.park)
+        if deferral.park and _park(ctl, name, deferral, args, kwargs, dict(options, task_id=task_id)):
+            result = (options.get("result_cls") or app.AsyncResult)(task_id)
+            parent = app.current_worker_task
+            if parent is not None and options.get("add_to_parent", True):
+                parent.add_trail(result)  # (as send_task does)
+            return result
+        return send(name, args, kwargs, task_id=task_id, countdown=deferral.delay or None, **options)
+
+    send_task._throttle_admits = True  # type: ignore[attr-defined]
+    send_task.__wrapped__ = send  # type: ignore[attr-defined]
+    app.send_task = send_task
+
+
+class Known(NamedTuple):
+    """The throttle this app knows for a task name."""
+
+    spec: ThrottleSpec
+    #: What its arguments bind to (None: this process does not have the task).
+    signature: inspect.Signature | None
+    #: The task, or None.
+    task: Any
+
+
+def throttle_of(ctl: Throttle, name: str, task: Any) -> Known | None:
+    """The throttle this app knows for task ``name`` (``task``: its task, if the caller
+    has it); None if it has none."""
+    if task is None:
+        task = _registered(ctl.app, name)
+    spec = declared_spec(task) if task is not None else None
+    if spec is None:
+        spec = ctl.rule_for(name) if not name.startswith("celery.") else None
+    if spec is None:
+        return None
+    return Known(spec, _signature(type(task)) if task is not None else None, task)  # type: ignore[arg-type]
+
+
+def _registered(app: Any, name: str) -> Any:
+    """The app's task of that name, without finalizing the app. A task module imported by
+    a producer that never finalizes holds its ``@app.task`` tasks as pending promises:
+    they are made now, as the first use of any of them would."""
+    task = app._tasks.get(name)
+    if task is None and app._pending:
+        for promise in list(app._pending):
+            maybe_evaluate(promise)
+        task = app._tasks.get(name)
+    return task
+
+
+@lru_cache(maxsize=4096)
+def _signature(task_class: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(task_class.run)
+    except (TypeError, ValueError):
+        return None
+
+
+def admit(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Mapping[str, Any]) -> Deferral | None:
+    """Screen one send of task ``name``; None: send it as it is."""
     headers = options.get("headers") or {}
     if (options.get("countdown") is not None or options.get("eta") is not None
-            or not isinstance(headers, Mapping) or HEADER in headers
-            or task.app.conf.task_always_eager or _breaker.open):
+            or not isinstance(headers, Mapping) or HEADER in headers or _breaker.open):
         return None
     settings = ctl.settings
     if not (settings.enabled and settings.check_at_publish):
         return None
     try:
-        spec = type(task)._throttle_spec
-        call = ctl.bind(task, args, kwargs, quick=True)
-        reply = ctl.reserve_at_publish(call, max_wait=ctl.max_wait(spec))
+        known = throttle_of(ctl, name, options.get("task_type"))
+        if known is None:
+            return None
+        spec = known.spec
+        call = ctl.bind_spec(name, spec, known.signature, args, kwargs, quick=True)
+        ident = state_key(settings.key_prefix, call.scope, call.key)
+        hint = ctl.hints.take(ident, call.cost)
+        if hint == Hints.SEND:
+            return None
+        max_wait = ctl.max_wait(spec)
+        if hint == Hints.RESERVE:
+            reply = ctl.reserve_at_publish(call, max_wait=max_wait)
+        else:
+            reply = ctl.admit_at_publish(call, max_wait=max_wait)
     except StoreError as exc:
         ctl.metrics.store_error("producer")
         _breaker.trip()
@@ -84,32 +194,37 @@ def admit(ctl: Throttle, task: Any, args: Any, kwargs: Any, options: Mapping[str
         return None
     except ThrottleError:
         return None  # bad arguments: the worker's check reports it, visibly
-    if reply.code != Code.DENIED or not reply.start_us:
+    if reply.code == Code.RUN:  # room: this one and `leased - cost` more go unchecked
+        ctl.hints.open(ident, reply.leased - call.cost, min(shortest_us(call.rates) / 1e6, PUBLISH_HINT_MAX))
+        return None
+    held = ctl.holds(call, reply.now_us)
+    if reply.code != Code.DENIED or not (reply.start_us or held):
         return None  # no start reserved (none found, or too far): the worker decides
+    # (A long pause reserves no start: the task is parked until the pause's horizon, or
+    # until a resume sends it.)
     state: dict[str, Any] = {}
-    delay = plan_return(ctl, call, state, None, reply)
-    parked = delay >= settings.park_after
-    if delay > 0:  # turned away: not a task that goes now with its start
-        state["n"] = 1
-        ctl.metrics.denied(call.scope, call.key, delay, parked)
-        signals.task_throttled.send(sender=task, request=Context(args=args, kwargs=kwargs, headers=headers),
-                                    delay=delay, scope=call.scope, key=call.key, parked=parked)
-    return Deferral(state, delay, parked, reply.now_us)
+    delay = plan_return(ctl, call, state, None, reply, held)
+    if delay > 0:
+        state["n"] = 1  # deferrals so far
+    return Deferral(state, delay, delay >= settings.park_after or held, reply.now_us, call,
+                    known.task if known.task is not None else name, held)
 
 
-def park_at_publish(ctl: Throttle, task: Any, deferral: Deferral, args: Any, kwargs: Any,
-                    options: Mapping[str, Any]) -> bool:
+def _park(ctl: Throttle, name: str, deferral: Deferral, args: Any, kwargs: Any,
+          options: Mapping[str, Any]) -> bool:
     """Park a task whose wait is long instead of sending it; False if that failed (it is
     then sent with its countdown, like any short wait)."""
+    app = ctl.app
     kept = {k: v for k, v in options.items() if k not in _SEND_ONLY and v is not None}
-    parent = task.app.current_worker_task
+    parent = app.current_worker_task
     if parent is not None:  # what send_task would have set for a task sent from a task
         kept.setdefault("parent_id", parent.request.id)
         kept.setdefault("root_id", parent.request.root_id or parent.request.id)
     try:
-        park(ctl, task.signature(args, kwargs, **kept), due_us=deferral.now_us + int(deferral.delay * 1e6))
+        park(ctl, app.signature(name, args, kwargs, **kept), due_us=deferral.now_us + int(deferral.delay * 1e6),
+             tag=state_tag(deferral.call.scope, deferral.call.key) if deferral.held else None)
     except (StoreError, EncodeError, TypeError, ValueError) as exc:  # Redis, or an unserializable option
         logger.warning("could not park %s[%s] at publish, sending it with its countdown: %r",
-                       task.name, kept.get("task_id"), exc)
+                       name, kept.get("task_id"), exc)
         return False
     return True

@@ -181,16 +181,21 @@ class ThrottleSpec:
                 )
             return str(value)
         if signature is None:
-            raise KeyBuildError(f"task {task_name}: cannot read its parameters to build key {self.key!r}")
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise KeyBuildError(f"task {task_name}: arguments do not fit its signature: {exc}") from None
-        bound.apply_defaults()
-        values = dict(bound.arguments)
-        for name, param in signature.parameters.items():
-            if param.kind is inspect.Parameter.VAR_KEYWORD:
-                values.update(values.pop(name, {}))
+            # (A task this process does not have, sent by name under a rule: its keyword
+            # arguments are all there is to go by.)
+            if args:
+                raise KeyBuildError(f"task {task_name}: cannot read its parameters to build key {self.key!r}")
+            values = dict(kwargs)
+        else:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as exc:
+                raise KeyBuildError(f"task {task_name}: arguments do not fit its signature: {exc}") from None
+            bound.apply_defaults()
+            values = dict(bound.arguments)
+            for name, param in signature.parameters.items():
+                if param.kind is inspect.Parameter.VAR_KEYWORD:
+                    values.update(values.pop(name, {}))
         for name in _template_fields(self.key):
             if name not in values:
                 raise KeyBuildError(f"task {task_name}: key {self.key!r} needs argument {name!r}, not given")

@@ -25,8 +25,9 @@ from redis.exceptions import NoScriptError, RedisError
 
 from .connection import connect, safe_url
 from .controls import FOREVER_US
+from .doctor import StoreReport, examine
 from .errors import StoreError
-from .keys import control_key, dead_letter_keys, parking_keys
+from .keys import control_key, dead_letter_keys, parking_keys, wake_key
 from .rates import Rate
 from .timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 
@@ -239,21 +240,22 @@ class RedisStore:
         return self._window(key, "admit", call)
 
     def claim(self, key: str, call: WindowCall, reservation: Reservation, *, marker: str | None = None,
-              learn: bool = True, reserve: bool = False) -> WindowReply:
+              learn: bool = True, reserve: bool = False, resumed: bool = False) -> WindowReply:
         """Use a start reserved earlier: run if on time, wait if early (``Code.EARLY``),
         give it back and check afresh (as :meth:`acquire`) if late. ``marker`` (a key in
         the same hash tag) makes it single-use; ``learn=False`` for a second claim of the
         same arrival (after waiting out an early one), so the delay estimate sees each
-        arrival once."""
+        arrival once. ``resumed``: the start was reserved behind a pause that has been
+        lifted since: give it back and check afresh, even before it."""
         return self._window(key, "claim", call, reserve=reserve, claim=reservation, marker=marker,
-                            learn=learn)
+                            learn="2" if resumed else "1" if learn else "0")
 
     def peek(self, key: str, call: WindowCall) -> WindowReply:
         """Whether the call would fit now, and usage, recording nothing."""
         return self._window(key, "peek", call)
 
     def _window(self, key: str, op: str, call: WindowCall, *, reserve: bool = False,
-                claim: Reservation | None = None, marker: str | None = None, learn: bool = True,
+                claim: Reservation | None = None, marker: str | None = None, learn: str = "1",
                 lease: int = 0, lease_span_us: int = 0) -> WindowReply:
         args = window_argv(self._now_arg(), op, call, reserve=reserve, claim=claim, learn=learn, lease=lease,
                            lease_span_us=lease_span_us)
@@ -281,6 +283,11 @@ class RedisStore:
             self.client.hset(key, field, until)
             self._prune_pauses(key, now)
             return until
+
+    def report(self) -> StoreReport:
+        """What this store risks (eviction, persistence) and its run id: see doctor.py."""
+        with self._errors():
+            return examine(self.client)
 
     def now_us(self) -> int:
         """The Redis clock (or the test clock)."""
@@ -327,7 +334,7 @@ class RedisStore:
         return int(self._run("park", [due, messages], [parked_id, due_us, message]))
 
     def release(self, lookahead_us: int, limit: int, lease_us: int,
-                attempts: int) -> tuple[int, list[tuple[str, int, bytes]]]:
+                attempts: int) -> tuple[int, list[tuple[str, int, bytes | None]]]:
         """Take up to ``limit`` parked messages due within ``lookahead_us``, under a lease;
         one handed out ``attempts`` times already becomes a dead letter instead."""
         keys = [*parking_keys(self.prefix), *dead_letter_keys(self.prefix)]
@@ -338,6 +345,41 @@ class RedisStore:
             for i in range(1, len(reply), 3)
         ]
         return now, items
+
+    def hasten(self, patterns: Sequence[str], due_us: int) -> int:
+        """Make every parked message whose id matches one of ``patterns`` (ZSCAN MATCH)
+        and is due later than ``due_us`` due then instead; returns how many. (ZSCAN: a
+        long list of parked tasks does not block Redis; ZADD XX: one released meanwhile
+        is not put back.)"""
+        due, _, _ = parking_keys(self.prefix)
+        moved = 0
+        with self._errors():
+            for pattern in patterns:
+                batch: dict[Any, int] = {}
+                for member, score in self.client.zscan_iter(due, match=pattern, count=1000):
+                    if score > due_us:
+                        batch[member] = due_us
+                    if len(batch) >= 500:
+                        moved += len(batch)
+                        self.client.zadd(due, batch, xx=True)
+                        batch = {}
+                if batch:
+                    moved += len(batch)
+                    self.client.zadd(due, batch, xx=True)
+        return moved
+
+    def wake_releasers(self) -> None:
+        """Wake one waiting releaser now (it releases everything due)."""
+        with self._errors():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.lpush(wake_key(self.prefix), 1)
+            pipe.pexpire(wake_key(self.prefix), WAKE_TTL_MS)
+            pipe.execute()
+
+    def wait_for_wake(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for :meth:`wake_releasers`; True if woken."""
+        with self._errors():
+            return self.client.blpop([wake_key(self.prefix)], timeout=seconds) is not None
 
     def ack(self, parked_ids: Sequence[str]) -> int:
         if not parked_ids:
@@ -430,19 +472,21 @@ def window_script(algorithm: str, policy: ScriptPolicy = SCRIPT_POLICY) -> str:
 
 
 def window_argv(now: str, op: str, call: WindowCall, *, reserve: bool = False,
-                claim: Reservation | None = None, learn: bool = True, lease: int = 0,
+                claim: Reservation | None = None, learn: str = "1", lease: int = 0,
                 lease_span_us: int = 0) -> list[int | str]:
     """ARGV of window.lua, in the order its header documents (``tests/test_script_format.py``
     holds the two together)."""
     args: list[int | str] = [now, op, "1" if reserve else "0", call.cost, call.grace_us, call.slack_us]
     args += claim.script_args() if claim else _NO_CLAIM
-    args += ["1" if learn else "0", lease, lease_span_us, call.max_wait_us, call.not_before_us,
+    args += [learn, lease, lease_span_us, call.max_wait_us, call.not_before_us,
              call.pause_horizon_us or _FOREVER_HORIZON]
     args += _rate_args(call.algorithm, call.rates, call.fields)
     return args
 
 
 _NO_CLAIM = (0, 0, 0, 0, "", 0)
+#: A wake-up no releaser took (none runs) is forgotten after this (ms).
+WAKE_TTL_MS = 10_000
 _FOREVER_HORIZON = 2**53
 
 #: The first letter of a rate's field in the state hash: "s25/1000000" holds sliding

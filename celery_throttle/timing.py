@@ -14,8 +14,9 @@ from functools import lru_cache
 from .rates import Rate
 
 __all__ = [
-    "CONTROL_REFRESH", "QUICK_TIMEOUT", "SCRIPT_POLICY", "STORE_CONNECT_TIMEOUT", "STORE_ERROR_PAUSE",
-    "STORE_TIMEOUT", "ScriptPolicy", "grace_us", "lead_us", "lease_span_us", "slack_us", "wait_here_us",
+    "CONTROL_REFRESH", "PUBLISH_HINTS_KEPT", "PUBLISH_HINT_MAX", "QUICK_TIMEOUT", "SCRIPT_POLICY",
+    "STORE_CONNECT_TIMEOUT", "STORE_ERROR_PAUSE", "STORE_TIMEOUT", "ScriptPolicy", "grace_us", "lead_us",
+    "lease_span_us", "shortest_us", "slack_us", "wait_here_us",
 ]
 
 #: How long (seconds) the pool's check waits on Redis for a reply, and for a connection
@@ -33,6 +34,14 @@ STORE_ERROR_PAUSE = 5.0
 #: control set elsewhere is obeyed by every worker within this. One small read per
 #: process per interval, whatever the task rate.
 CONTROL_REFRESH = 0.5
+
+#: The longest (seconds) a producer trusts a key's room learnt at publish: within it,
+#: it sends up to that room unchecked (a hint, taken from the check's reply; it never
+#: exceeds the key's shortest window). Longer saves calls for keys sent to now and then;
+#: shorter re-reads the room sooner when a queue fills while no worker counts it.
+PUBLISH_HINT_MAX = 60.0
+#: Keys a producer keeps hints for at most (the least recently learnt are forgotten).
+PUBLISH_HINTS_KEPT = 10_000
 
 #: The slack: 1/100 of the shortest window, between these (µs). A busy machine can
 #: deschedule a process between the check and the first line of the body.
@@ -98,6 +107,11 @@ SCRIPT_POLICY = ScriptPolicy()
 @lru_cache(maxsize=1024)
 def _shortest_us(rates: tuple[Rate, ...]) -> int:
     return min(r.period_us for r in rates)
+
+
+def shortest_us(rates: Sequence[Rate]) -> int:
+    """The shortest window of ``rates`` (µs)."""
+    return _shortest_us(tuple(rates))
 
 
 def slack_us(rates: Sequence[Rate]) -> int:

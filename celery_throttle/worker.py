@@ -22,10 +22,13 @@ from typing import Any
 from celery import bootsteps
 from celery.signals import worker_init, worker_shutdown
 
+from .connection import safe_url
 from .controller import controller
+from .errors import StoreError
 from .hook import attach
 from .limiter import Throttle
 from .parking import Releaser
+from .publish import wrap_send_task
 from .screen import ScreenStep, screen_strategies
 from .spec import declared_spec
 
@@ -56,6 +59,7 @@ class ThrottleStep(bootsteps.StartStopStep):
             # No Redis to use, or a Sentinel URL without its group: a clear error now (the
             # client connects lazily: a Redis that is down is not an error here).
             _ = self.controller.store.client
+            _say_what_is_throttled(self.controller)
 
     def start(self, worker: Any) -> None:
         self.releaser = _start_releaser(self.controller)
@@ -68,6 +72,25 @@ class ThrottleStep(bootsteps.StartStopStep):
             self.releaser = None
 
     shutdown = terminate = stop  # (a cold shutdown terminates steps instead of stopping them)
+
+
+def _say_what_is_throttled(ctl: Throttle) -> None:
+    """One line at start: the throttled tasks, the store and what it risks (each risk
+    also on a WARNING line of its own)."""
+    store = ctl.store
+    names = sorted(name for name, task in ctl.app.tasks.items() if type(task).__dict__.get("_throttle_hooked"))
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    try:
+        report = store.report()
+    except StoreError as exc:
+        logger.warning("celery_throttle: throttling %d task(s) (%s); store %s not checked: %s", len(names), shown,
+                       safe_url(store.url), exc)
+        return
+    logger.info("celery_throttle: throttling %d task(s) (%s); store %s: %s", len(names), shown,
+                safe_url(store.url), report.summary())
+    for risk in report.risks:
+        logger.warning("celery_throttle: the throttle store %s: %s", safe_url(store.url), risk)
+    ctl.store_run_id = report.run_id
 
 
 def _start_releaser(ctl: Any) -> Any:
@@ -162,6 +185,7 @@ def install(app: Any, **overrides: Any) -> Throttle:
         setattr(app, _WIRED, True)
         app.steps["worker"].add(ThrottleStep)
         app.steps["consumer"].add(ScreenStep)
+        wrap_send_task(ctl)  # admission at publish: needs no finalized app, nor hooked tasks
         app.on_after_finalize.connect(_patch_on_finalize, weak=False)
         if app.finalized:
             patch_tasks(ctl)  # (the signal has fired already: tasks are hooked now)

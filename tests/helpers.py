@@ -282,6 +282,12 @@ class WorkerGroup:
         self.sent.append(result.id)
         return result.id
 
+    def produce(self, *sends: dict[str, Any], timeout: float = 120, **env: str) -> dict[str, Any]:
+        """Run ``tests.producer``, a producer as users write one (a process that imports
+        the task module and sends, never finalizing the app), with the workers' settings
+        (``env`` overrides them). Returns what it printed, and its log as ``"log"``."""
+        return run_producer(self._environ() | env, *sends, timeout=timeout)
+
     def denials(self) -> list[dict]:
         return self.notes("throttled")
 
@@ -299,6 +305,21 @@ class WorkerGroup:
                  f"{count} starts of {label!r} (have {len(self.starts(label))})")
         time.sleep(settle)
         return self.starts(label)
+
+
+def run_cli(workers: WorkerGroup, *args: str) -> subprocess.CompletedProcess[str]:
+    """``celery -A tests.taskapp throttle ARGS`` with the workers' settings."""
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.taskapp", "throttle", *args],
+                          cwd=ROOT, env=workers._environ(), capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+def run_producer(env: dict[str, str], *sends: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+    """Run ``python -m tests.producer`` with ``env`` for ``sends`` (see its docstring)."""
+    done = subprocess.run([sys.executable, "-m", "tests.producer", json.dumps({"sends": list(sends)})],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    assert done.returncode == 0, f"producer failed ({done.returncode}):\n{done.stderr[-3000:]}"
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "log": done.stderr}
 
 
 def max_in_window(times: Iterable[float], window: float, weights: Iterable[int] | None = None) -> int:

@@ -353,6 +353,7 @@ class WindowModel:
         slack_us: int = 0,
         claim: Claim | None = None,
         learn: bool = True,
+        resumed: bool = False,
         lease: int = 0,
         lease_span_us: int = 0,
         max_wait_us: int = 0,
@@ -385,7 +386,7 @@ class WindowModel:
             assert claim is not None
             c_start, c_latest, c_cost, c_grace = claim.start_us, claim.latest_us, claim.cost, claim.grace_us
             trip = now - (c_start - claim.lead_us)
-            if learn and trip <= p.learn_outlier_ms * 1000:  # the trip back, beyond the lead it was given
+            if learn and not resumed and trip <= p.learn_outlier_ms * 1000:  # the trip back, beyond the lead it was given
                 sample = max(0, min(trip, math.floor(shortest / p.learnt_cap_parts)))
                 if self.delay is None or self.jitter is None:
                     self.delay, self.jitter = sample, math.floor(sample / 2)
@@ -393,7 +394,9 @@ class WindowModel:
                     err = sample - self.delay
                     self.delay += math.floor(err / p.delay_gain_parts)
                     self.jitter += math.floor((abs(err) - self.jitter) / p.jitter_gain_parts)
-            paused = c_start < not_before_us  # a pause now covers its start: reserve again
+            # A pause now covers its start, or the pause it was reserved behind was
+            # lifted since: give it back and check again
+            paused = c_start < not_before_us or resumed
             if now < c_start and not paused:
                 return reply(2, c_start - now, c_start, c_latest)
             # On time only if the body, starting within `slack` of now, stays inside

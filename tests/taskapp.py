@@ -48,6 +48,7 @@ app.conf.update(
     throttle_rules={
         # First match wins: the specific name before the glob.
         "tests.taskapp.unowned_fixed": {"rate": ["3/s"], "algorithm": "fixed"},
+        "tests.taskapp.unowned_pub": {"rate": "3/10s", "key": "{tenant}"},
         "tests.taskapp.unowned_*": {"rate": "4/s", "key": "{tenant}"},
     },
 )
@@ -70,7 +71,7 @@ def _records_client() -> redis.Redis:
 
 # Only workers started by a test (which sets CT_PREFIX) note what they see: a test process
 # that imports this module (a producer sending these tasks) keeps its denials to itself.
-_NOTING = "CT_PREFIX" in os.environ
+_NOTING = "CT_PREFIX" in os.environ and not os.environ.get("CT_PRODUCER")
 
 
 def _note(what: str, sender, request, **fields) -> None:
@@ -267,6 +268,12 @@ def capped(label, tenant):
 
 # -- operating: pauses and back-off ------------------------------------------------------
 @app.task
+@throttle("20/s", scope="pausable-api", key="{tenant}")
+def pausable_keyed(label, tenant):
+    record(label)
+
+
+@app.task
 @throttle("20/s", scope="pausable-api")
 def pausable(label):
     record(label)
@@ -296,4 +303,28 @@ def live_slow(label):
 @app.task
 @throttle("5/s", margin=0.2)
 def margined(label):
+    record(label)
+
+
+# -- sent by tests/producer.py, a producer that imports this module and never finalizes -
+@app.task
+@throttle("3/10s", key="{tenant}")
+def pub_below(label, tenant):
+    record(label)
+
+
+@throttle("3/10s", key="{tenant}")
+@app.task
+def pub_above(label, tenant):
+    record(label)
+
+
+@shared_task
+@throttle("3/10s", key="{tenant}")
+def pub_shared(label, tenant):
+    record(label)
+
+
+@app.task
+def unowned_pub(label, tenant):  # throttled by a rule
     record(label)

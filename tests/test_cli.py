@@ -32,7 +32,7 @@ def test_status_reset_and_parked_from_the_command_line(prefix: str) -> None:
     assert _row(out, "github-api", "acme", "10/m") == ["3", "7"]
     assert _row(out, "", "", "100/h") == ["3", "97"]
     assert "parked: 0 waiting, 0 being released, 0 dead" in _celery(prefix, "parked")
-    assert "reset github-api key=acme" in _celery(prefix, "reset", "github-api", "--key", "acme")
+    assert "reset scope 'github-api' key 'acme'" in _celery(prefix, "reset", "github-api", "--key", "acme")
     # Nothing left, and no task of the app uses that scope: said, not a blank table
     gone = _run(prefix, "status", "github-api", "--key", "acme")
     assert gone.returncode == 1 and "nothing counted, paused or limited" in gone.stderr
@@ -90,13 +90,13 @@ def test_an_unreachable_store_is_one_line_of_error_not_a_traceback(prefix: str) 
 def test_pause_and_resume_from_the_command_line(prefix: str) -> None:
     ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
     out = _celery(prefix, "pause", "github-api", "--key", "acme", "--for", "90s")
-    assert out.startswith("paused github-api key=acme until ")
+    assert out.startswith("paused scope 'github-api' key 'acme' until ")
     assert ctl.status("github-api", key="acme").paused_until is not None
     assert "until " in _celery(prefix, "status", "github-api", "--key", "acme")
     assert ctl.status("github-api", key="other").paused_until is None  # the key only
-    assert "paused github-api key=None until resumed" in _celery(prefix, "pause", "github-api")
-    assert "resumed github-api key=None" in _celery(prefix, "resume", "github-api")
-    assert "resumed github-api key=acme" in _celery(prefix, "resume", "github-api", "--key", "acme")
+    assert "paused scope 'github-api' until resumed" in _celery(prefix, "pause", "github-api")
+    assert "resumed scope 'github-api'\n" in _celery(prefix, "resume", "github-api")
+    assert "resumed scope 'github-api' key 'acme'" in _celery(prefix, "resume", "github-api", "--key", "acme")
     assert "was not paused" in _celery(prefix, "resume", "github-api", "--key", "acme")
     bad = _run(prefix, "pause", "github-api", "--for", "soon")
     assert bad.returncode != 0 and "use e.g. 90s, 5m, 2h, 1d" in bad.stderr
@@ -105,7 +105,7 @@ def test_pause_and_resume_from_the_command_line(prefix: str) -> None:
 def test_set_and_unset_a_live_limit_from_the_command_line(prefix: str) -> None:
     ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
     ctl.acquire("github-api", rates=["10/m"], cost=3)
-    assert "github-api key=None: limit set to 4/m" in _celery(prefix, "set", "github-api", "4/m")
+    assert "scope 'github-api': limit set to 4/m" in _celery(prefix, "set", "github-api", "4/m")
     out = _celery(prefix, "status", "github-api")
     # What was counted under the declared 10/m still counts under the live 4/m
     assert _row(out, "github-api", "-", "4/m", "(live)") == ["3", "1"]
@@ -127,11 +127,40 @@ def test_parked_tasks_by_scope_and_key_with_due_times_and_a_purge(prefix: str) -
                             headers={HEADER: {"k": state_key(prefix, scope, key), "n": 1}})
         park(ctl, sig, due_us=now_us + (i + 1) * 3_600_000_000)
     out = _celery(prefix, "parked")
-    assert "exports key=acme: 2 waiting, next due " in out and "github-api key=None: 1 waiting" in out
+    assert "scope 'exports' key 'acme': 2 waiting, next due " in out and "scope 'github-api': 1 waiting" in out
     assert "parked: 3 waiting, 0 being released, 0 dead" in out
     listed = _celery(prefix, "parked", "--tasks", "--match", "github*")
-    assert "task-2  tests.taskapp.below  scope=github-api key=None  due " in listed and "task-0" not in listed
+    assert "task-2  tests.taskapp.below  scope 'github-api'  due " in listed and "task-0" not in listed
     assert "purged 2 parked task(s)" in _celery(prefix, "parked", "--purge", "--match", "exports:acme", "--yes")
     assert ctl.store.parked_count() == (1, 0, 0)
     declined = _run(prefix, "parked", "--purge")  # asks first; no answer: nothing deleted
     assert declined.returncode != 0 and ctl.store.parked_count() == (1, 0, 0)
+
+
+def test_status_prints_hostile_keys_as_text_and_lists_the_keys_of_a_scope(prefix: str) -> None:
+    # Given a tenant-keyed scope whose keys are user data that looks like rich markup
+    ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
+    hostile = ["[/]", "[red]acme", "a:b[bold]", "[link=x]y[/link]"]
+    for key in hostile:
+        for _ in range(5):
+            ctl.acquire("tenants:api", key=key, rates=["5/m"])
+    # When the whole listing, and then the scope alone, are shown
+    listing, scoped = _run(prefix, "status"), _run(prefix, "status", "tenants:api")
+    # Then neither fails, and each key is printed as it is, at 5 of 5
+    for out in (listing, scoped):
+        assert out.returncode == 0, out.stderr
+        for key in hostile:
+            assert key in out.stdout, out.stdout
+        assert "nothing counted" not in out.stdout
+
+
+def test_operator_commands_print_their_result_once(prefix: str) -> None:
+    # Given nothing paused; when a scope is paused and a limit set from the shell
+    paused = _run(prefix, "pause", "vendor", "--key", "[x]", "--for", "5m")
+    limited = _run(prefix, "set", "vendor", "3/s")
+    # Then each says what it did once, on stdout, with the key it was given (or none)
+    assert paused.stdout.count("paused") == 1 and "key '[x]'" in paused.stdout
+    assert limited.stdout.strip() == "scope 'vendor': limit set to 3/s"
+    assert "paused" not in paused.stderr and "limit" not in limited.stderr
+    _celery(prefix, "resume", "vendor", "--key", "[x]")
+    _celery(prefix, "unset", "vendor")

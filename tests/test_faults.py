@@ -5,6 +5,7 @@ Each test starts the servers and workers it needs (loopback only) and is bounded
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import threading
@@ -20,6 +21,7 @@ from celery import Celery
 
 import celery_throttle
 from celery_throttle import StoreError
+from celery_throttle.keys import parking_keys
 from celery_throttle.parking import Releaser
 from tests.conftest import BROKER_URL, RABBITMQ_URL, STORE_URL, _clean
 from tests.helpers import RedisServer, WorkerGroup, delete_queues, max_in_window, rabbitmq_or_skip, wait_for
@@ -413,3 +415,25 @@ def test_throttle_enabled_false_runs_every_task_unchecked_and_the_worker_says_so
     assert sorted(e["id"] for e in _ran_once(group, "switched-off", ids)) == sorted(ids)
     assert max_in_window([e["t"] for e in starts], 1.0) > 5
     assert "throttle_enabled is False: " in group.log_text()
+
+
+def test_a_parked_task_whose_message_was_evicted_is_logged_and_kept_as_a_dead_letter(
+    prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given 3 parked tasks, all due, whose messages the store lost (an allkeys-* eviction
+    # takes the messages hash and leaves the index, or a hand deletes it)
+    app = Celery("evicted", broker="memory://", set_as_current=False)
+    ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
+    now = ctl.store.release(0, 1, 1, 5)[0]
+    for i in range(3):
+        ctl.store.park(f"tag|task-{i}:abc", now - 1000, b"x")
+    ctl.store.client.delete(parking_keys(prefix)[1])
+    # When a releaser comes to them
+    with caplog.at_level(logging.ERROR, logger="celery_throttle"):
+        assert Releaser(ctl).release_once() == 3
+    # Then each is named in an error, and kept as a dead letter with no message
+    lost = [r.getMessage() for r in caplog.records if "message is gone" in r.getMessage()]
+    assert [m.split()[2] for m in lost] == ["task-0", "task-1", "task-2"]
+    assert [(i, body) for i, _, _, body in ctl.store.dead_letters()] == [(f"tag|task-{i}:abc", None) for i in range(3)]
+    assert ctl.store.parked_count() == (0, 0, 3)
+    ctl.close()

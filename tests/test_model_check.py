@@ -109,11 +109,12 @@ def rates_of(names: Sequence[str]) -> tuple[Rate, ...]:
 
 
 def by_op(store: RedisStore, key: str, op: str, call: WindowCall, *, reserve: bool = False,
-          claim: Reservation | None = None, lease: int = 0, lease_span_us: int = 0) -> WindowReply:
+          claim: Reservation | None = None, lease: int = 0, lease_span_us: int = 0,
+          resumed: bool = False) -> WindowReply:
     """The store's method for ``op`` (the walks pick operations at random)."""
     if op == "claim":
         assert claim is not None
-        return store.claim(key, call, claim, reserve=reserve)
+        return store.claim(key, call, claim, reserve=reserve, resumed=resumed)
     if op == "acquire":
         return store.acquire(key, call, reserve=reserve, lease=lease, lease_span_us=lease_span_us)
     if op == "screen":
@@ -204,19 +205,20 @@ class Harness:
         lease: int = 0,
         lease_span_us: int = 0,
         max_wait_us: int = 0,
+        resumed: bool = False,
     ) -> WindowReply:
         now = self.clock.now
         paused = self.paused_until
         call = WindowCall(self.algorithm, self.rates, cost, grace_us=grace_us, slack_us=slack_us,
                           max_wait_us=max_wait_us, not_before_us=paused, pause_horizon_us=self.pause_horizon)
         got = by_op(self.store, self.key, op, call, reserve=reserve, claim=claim, lease=lease,
-                    lease_span_us=lease_span_us)
+                    lease_span_us=lease_span_us, resumed=resumed)
         want = self.model.window(now, op, cost, reserve=reserve, grace_us=grace_us, slack_us=slack_us,
-                                 claim=claim, lease=lease, lease_span_us=lease_span_us,
+                                 claim=claim, resumed=resumed, lease=lease, lease_span_us=lease_span_us,
                                  max_wait_us=max_wait_us, not_before_us=paused,
                                  pause_horizon_us=self.pause_horizon)
         self.history.append(
-            f"{op} cost={cost} reserve={reserve} grace={grace_us} slack={slack_us} "
+            f"{op} cost={cost} reserve={reserve} resumed={resumed} grace={grace_us} slack={slack_us} "
             f"claim={claim and claim.to_header()} lease={lease}/{lease_span_us} max_wait={max_wait_us} "
             f"not_before={paused} at now={now} "
             f"-> {tuple(got)}"
@@ -372,7 +374,8 @@ class Harness:
         elif self.pending:
             claim = self.rng.choice(self.pending)
             self.run("claim", claim.cost, reserve=self.rng.random() < 0.8, claim=claim,
-                     grace_us=self.random_grace(), slack_us=self.random_slack())
+                     grace_us=self.random_grace(), slack_us=self.random_slack(),
+                     resumed=self.rng.random() < 0.1)
         else:
             self.run("acquire", self.random_cost(), reserve=True, grace_us=self.random_grace())
 
@@ -938,3 +941,49 @@ def test_a_task_late_for_its_start_after_a_refill_runs_on_the_unit_it_gives_back
     reply = store.claim(key, WindowCall("sliding", rates, 1, grace_us=20_000, slack_us=2000), claim, reserve=True)
     # Then it runs now, on the unit it gave back, not one window later
     assert reply.code == Code.RUN, reply
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_reservation_claimed_long_after_its_start_teaches_no_dispatch_delay(
+    store: RedisStore, clock: FakeClock, algorithm: str
+) -> None:
+    # Given a key whose tasks come back 20 ms after they were due (learnt from a claim)
+    rates = rates_of(["10/h"])
+    key = state_key(store.prefix, "outlier", algorithm)
+    call = WindowCall(algorithm, rates, 1, grace_us=2_000_000)
+
+    def claim_after(late_us: int) -> int:
+        reply = store.reserve(key, call)
+        clock.now = reply.start_us + late_us
+        store.claim(key, call, Reservation(reply.start_us, reply.latest_us, 1, reply.grace_us, reply.epoch))
+        return store.peek(key, call).lead_us
+
+    learnt = claim_after(20_000)
+    assert learnt > 0
+    # When a reservation made while no worker ran is claimed a minute after its start
+    # (a queue filled before the workers started, a releaser that had stopped)
+    # Then the key still sends its tasks back as early as it did: the trip is not learnt
+    assert claim_after(60_000_000) == learnt
+    # While a trip under SCRIPT_POLICY.learn_outlier_ms still is
+    assert claim_after(SCRIPT_POLICY.learn_outlier_ms * 1000 - 1) != learnt
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_admit_at_publish_records_nothing_for_a_key_with_room_and_reserves_near_the_limit(
+    store: RedisStore, clock: FakeClock, algorithm: str
+) -> None:
+    # Given an empty "10/m" key
+    rates = rates_of(["10/m"])
+    key = state_key(store.prefix, "admit", algorithm)
+    call = WindowCall(algorithm, rates, 2, grace_us=100_000)
+    # When a call of cost 2 is admitted at publish
+    first = store.admit(key, call)
+    # Then it fits, nothing is recorded, and the room up to half the limit is 5 units
+    assert (first.code, first.leased, first.start_us) == (Code.RUN, 5, 0)
+    assert store.peek(key, call).remaining == 10
+    # And once 4 units are counted, a call of 2 would pass half the limit: it is reserved
+    for _ in range(2):
+        assert store.acquire(key, call).allowed
+    near = store.admit(key, call)
+    assert near.code == Code.DENIED and near.start_us == clock.now and near.latest_us > clock.now
+    assert store.peek(key, call).remaining == 4

@@ -15,7 +15,15 @@ from celery import Celery
 
 import celery_throttle
 from celery_throttle.controls import CONTROL_REFRESH
-from tests.helpers import STORE_URL, WorkerGroup, assert_each_ran_once, max_in_window, new_label, wait_for
+from tests.helpers import (
+    STORE_URL,
+    WorkerGroup,
+    assert_each_ran_once,
+    max_in_window,
+    new_label,
+    run_cli,
+    wait_for,
+)
 
 #: Starts are read in the task bodies, which a loaded 2-core machine may reach more than
 #: the check's slack after the check: windows are measured 20 ms short of the limit's.
@@ -24,7 +32,7 @@ WINDOW = 0.98
 
 @pytest.fixture
 def ctl(workers: WorkerGroup) -> Iterator[celery_throttle.Throttle]:
-    app = Celery(f"operator-{uuid.uuid4().hex[:6]}", set_as_current=False)
+    app = Celery(f"operator-{uuid.uuid4().hex[:6]}", broker=workers.broker, set_as_current=False)
     yield celery_throttle.install(app, redis_url=STORE_URL, key_prefix=workers.prefix)
     operator = celery_throttle.install(app)
     for scope in ("pausable-api", "vendor-api"):
@@ -66,6 +74,51 @@ def test_resume_lets_paused_tasks_go_at_once(workers: WorkerGroup, ctl: celery_t
     starts = workers.wait_starts(label, 5, timeout=90)
     assert_each_ran_once(starts, ids)
     assert min(e["t"] for e in starts) >= resumed_at
+
+
+#: The contract: every task a pause held runs within 1 s of the resume. Measured from the
+#: resume's return to each body's start: a loaded 2-core machine adds a broker round trip
+#: and a pool dispatch of up to a few hundred ms on top (named, not hidden in the 1).
+RESUMED_WITHIN = 1.0 + 0.5
+
+
+@pytest.mark.parametrize(("how", "keyed", "seconds"), [
+    ("api", True, 30.0),  # longer than park_after (3 s here): no start reserved in it
+    ("cli", False, 30.0),
+    ("api", False, 2.5),  # shorter: starts are reserved right after it
+    ("cli", True, 2.5),
+])
+def test_resume_sends_every_task_the_pause_held_within_a_second(
+        workers: WorkerGroup, ctl: celery_throttle.Throttle, how: str, keyed: bool, seconds: float) -> None:
+    # Given a scope (or one key of it) paused, and the workers' copies of the pauses refreshed
+    label, tenant = new_label(), f"held-{new_label()}"
+    key = tenant if keyed else None
+    ctl.pause("pausable-api", key=key, seconds=seconds)
+    time.sleep(CONTROL_REFRESH + 0.1)
+    # When 4 of its tasks reach the workers during the pause (and, in a long one, 2 more
+    # are sent by a producer, which parks them at publish)
+    ids = [workers.send("pausable_keyed", label, tenant) for _ in range(4)]
+    if seconds > 3:
+        produced = workers.produce({"how": "delay", "task": "pausable_keyed", "args": [label, tenant], "count": 2})
+        assert len(produced["denials"]) == 2
+        ids += produced["sent"][0]
+    wait_for(lambda: {d["id"] for d in workers.denials()} >= set(ids[:4]), 10, what="the workers held all 4")
+    assert workers.starts(label) == [], "started during the pause"
+    # And it is resumed, through the API or the command line
+    asked_at = time.time()
+    if how == "api":
+        assert ctl.resume("pausable-api", key=key)
+    else:
+        command = ["resume", "pausable-api", *(["--key", tenant] if keyed else [])]
+        done = run_cli(workers, *command)
+        assert done.returncode == 0 and "resumed" in done.stdout, done.stderr
+    resumed_at = time.time()
+    # Then every task it held ran once, within a second of the resume
+    starts = workers.wait_starts(label, len(ids), timeout=20)
+    assert_each_ran_once(starts, ids)
+    assert min(e["t"] for e in starts) >= asked_at
+    assert max(e["t"] for e in starts) - resumed_at <= RESUMED_WITHIN, \
+        sorted(round(e["t"] - resumed_at, 2) for e in starts)
 
 
 def test_a_task_that_backs_off_pauses_its_scope_on_every_worker(

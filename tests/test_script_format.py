@@ -33,7 +33,7 @@ def test_every_argument_sits_where_window_lua_documents_it() -> None:
     rates = (Rate(10, 1.0), Rate(500, 3600.0))
     call = WindowCall("sliding", rates, 104, grace_us=105, slack_us=106, max_wait_us=116, not_before_us=117,
                       pause_horizon_us=118)
-    argv = window_argv("101", "claim", call, reserve=True, claim=claim, learn=False, lease=114, lease_span_us=115)
+    argv = window_argv("101", "claim", call, reserve=True, claim=claim, learn="0", lease=114, lease_span_us=115)
     placed = {1: "101", 2: "claim", 3: "1", 4: 104, 5: 105, 6: 106, 7: 701, 8: 702, 9: 703, 10: 704,
               11: 705, 12: 706, 13: "0", 14: 114, 15: 115, 16: 116, 17: 117, 18: 118, 19: 2}
     assert {slot: argv[slot - 1] for slot in placed} == placed

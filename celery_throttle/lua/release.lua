@@ -17,7 +17,9 @@
 -- ARGV[5]  attempts: a message handed out this many times already (each time it could not
 --          be sent back, or its worker died with it) is a dead letter instead; its message
 --          stays, for the CLI to list, requeue or drop
--- Returns {now, id1, due1, message1, id2, due2, message2, ...}
+-- Returns {now, id1, due1, message1, id2, due2, message2, ...}; a due id whose message
+-- is gone (evicted, or deleted by hand) becomes a dead letter and comes back with no
+-- message (nil), for the worker to log and count: nothing vanishes without a word.
 local now
 if ARGV[1] ~= '' then
   now = tonumber(ARGV[1])
@@ -49,6 +51,11 @@ for i = 1, #due, 2 do
     out[#out + 1] = id
     out[#out + 1] = due[i + 1]
     out[#out + 1] = message
+  else
+    redis.call('ZADD', KEYS[5], now, id)
+    out[#out + 1] = id
+    out[#out + 1] = due[i + 1]
+    out[#out + 1] = false  -- (a nil reply: an empty message is still a message)
   end
 end
 return out

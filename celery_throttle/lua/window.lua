@@ -27,7 +27,10 @@
 --          counts as starting within it; a claim must leave it before its latest start)
 -- ARGV[7..12] for 'claim': the reservation's start, latest start, cost, grace, epoch,
 --          and lead (how early it was sent back)
--- ARGV[13] '1' if this claim is the task's arrival (learn its delay from it), '0' if not
+-- ARGV[13] '1' if this claim is the task's arrival (learn its delay from it), '0' if not,
+--          '2' for an arrival whose start was reserved behind a pause that has since been
+--          lifted (resumed, or shortened): its units are given back and the call checked
+--          afresh, even before that start (and its trip is not learnt)
 -- ARGV[14] lease: units an 'acquire' that fits may take at once for calls to come (0: none)
 -- ARGV[15] lease span (µs): those calls start within it
 -- ARGV[16] max wait (µs): a start further away than this is not reserved (0: no cap)
@@ -192,7 +195,7 @@ if op == 'claim' then
     redis.call('HSET', key, 'd', string.format('%.0f', delay), 'v', string.format('%.0f', jitter))
   end
   -- Reserved before a pause that now covers its start: given back below, reserved again.
-  local paused = c_start < not_before
+  local paused = c_start < not_before or ARGV[13] == '2'
   if now < c_start and not paused then return reply(EARLY, c_start - now, c_start, c_latest) end
   if KEYS[2] then
     -- Remember the use until its units have surely left every window.

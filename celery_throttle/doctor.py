@@ -1,0 +1,84 @@
+"""What the store risks: read at worker start (and by ``celery throttle doctor``), as
+BullMQ and Sidekiq check their Redis.
+
+Parked tasks and window counts live in the store. A store that may evict keys
+(``maxmemory-policy`` other than ``noeviction``) can drop them under memory pressure,
+and one that keeps nothing on disk loses them when it restarts. Each risk is one line
+that says what can be lost and how to fix it. Where ``CONFIG`` is refused (managed
+servers), ``INFO`` is read instead, and what it cannot tell is said once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError
+
+__all__ = ["StoreReport", "examine"]
+
+#: Policies that evict only keys with a TTL: window states have one (counts can go),
+#: parked tasks do not.
+_VOLATILE = ("volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl")
+
+
+@dataclass(frozen=True)
+class StoreReport:
+    """What was found about one store."""
+
+    #: The server's run id (it changes when the server restarts), or None.
+    run_id: str | None
+    #: One sentence per risk: what can be lost, and how to fix it.
+    risks: tuple[str, ...]
+    #: What could not be checked (CONFIG refused, an INFO field missing).
+    unchecked: tuple[str, ...]
+
+    def summary(self) -> str:
+        """For the worker's start line."""
+        if not self.risks and not self.unchecked:
+            return "no eviction, persistent"
+        return "; ".join((*(f"RISK: {r}" for r in self.risks), *(f"not checked: {u}" for u in self.unchecked)))
+
+
+def _one_node(reply: Any) -> Any:
+    """A cluster client answers per node: the first node's answer (all share a config,
+    as a cluster should)."""
+    if isinstance(reply, dict) and reply and all(isinstance(v, dict) for v in reply.values()):
+        return next(iter(reply.values()))
+    return reply
+
+
+def _config(client: Any, name: str) -> str | None:
+    try:
+        value = _one_node(client.config_get(name)).get(name)
+    except RedisError:
+        return None  # CONFIG refused (managed servers rename or forbid it)
+    return None if value is None else str(value)
+
+
+def examine(client: Any) -> StoreReport:
+    """Read the store's eviction policy, persistence and run id (raises RedisError only
+    if the server cannot be reached at all)."""
+    info = _one_node(client.info())
+    risks: list[str] = []
+    unchecked: list[str] = []
+    policy = _config(client, "maxmemory-policy") or info.get("maxmemory_policy")
+    if policy is None:
+        unchecked.append("the eviction policy (neither CONFIG nor INFO gave maxmemory-policy)")
+    elif policy in _VOLATILE:
+        risks.append(f"maxmemory-policy is {policy}: under memory pressure Redis may evict window counts "
+                     "(a limit forgets what it counted); set maxmemory-policy noeviction on the store")
+    elif policy != "noeviction":
+        risks.append(f"maxmemory-policy is {policy}: under memory pressure Redis may evict parked tasks "
+                     "(they are lost) and window counts; set maxmemory-policy noeviction on the store, or "
+                     "give the throttle a Redis of its own that does not evict")
+    save, appendonly = _config(client, "save"), _config(client, "appendonly")
+    aof = appendonly == "yes" if appendonly is not None else bool(info.get("aof_enabled"))
+    if save is None and appendonly is None:
+        if not aof:
+            unchecked.append("RDB snapshots (CONFIG refused; INFO shows no AOF): if the store keeps nothing "
+                             "on disk, a restart loses parked tasks")
+    elif not aof and not (save or "").strip():
+        risks.append("the store keeps nothing on disk (save \"\", appendonly no): a restart empties it and "
+                     "loses parked tasks and counts; turn on appendonly yes (or RDB snapshots)")
+    return StoreReport(info.get("run_id"), tuple(risks), tuple(unchecked))
