@@ -112,10 +112,10 @@ class Plan:
 
 FULL = Plan((1000, 10_000, 100_000),
             big=(("under", "plain Celery"), ("under", "ours, check at publish on"),
-                 ("under", "ours, check at publish off"), ("under", "ours, check at publish on" + ABOVE),
-                 ("flood", "ours, check at publish on"), ("flood", "ours, check at publish on" + ABOVE)),
+                 ("under", "ours, check at publish off"), ("flood", "ours, check at publish on")),
             neighbour=(("1", 10_000, "neighbour"), ("0", 10_000, "neighbour"), ("1", 100_000, "neighbour"),
-                       ("1", 10_000, "neighbour_above"), ("1", 100_000, "neighbour_above")))
+                       ("1", 10_000, "neighbour_above")),
+            learn=("learn",))
 QUICK = Plan((1000,), big=(), neighbour=(("1", 1000, "neighbour"), ("0", 1000, "neighbour"),
                                          ("1", 1000, "neighbour_above")))
 
