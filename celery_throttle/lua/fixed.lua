@@ -50,6 +50,59 @@ function ALGO.load(r, raw, now)
   r.full = full
 end
 
+-- The fast path of window.lua, for one rate: an answer only where it is the general
+-- path's own (load, usage, earliest at now, record, clear_at, dump), worked out in one
+-- pass over the stored windows without building the rate's tables. `raw` must hold one
+-- array (no folded range) of windows in strictly rising order, `cost` more units must
+-- fit in every window [now, latest] touches, and (with `record`) no fold may be due.
+-- Anything else returns nil and the general path decides. Returns the units used now
+-- (before this call), when the last counted unit leaves its window (0: none), and,
+-- with `record`, the field's new value.
+function ALGO.fit(raw, now, limit, period, cost, latest, record)
+  local t = {}
+  if raw then
+    local ok, value, full = pcall(cmsgpack.unpack, raw)
+    if not ok or type(value) ~= 'table' or full ~= nil or #value % 2 ~= 0 then return nil end
+    t = value
+  end
+  local current, last = math.floor(now / period), math.floor(latest / period)
+  -- out: what dump() writes; j: the next window the call touches not yet placed in it
+  local out, used, ahead, j, prev = {}, 0, 0, current, nil
+  for i = 1, #t, 2 do
+    local k, u = t[i], t[i + 1]
+    if type(k) ~= 'number' or type(u) ~= 'number' or (prev ~= nil and k <= prev) then return nil end
+    prev = k
+    if k >= current and u > 0 then  -- (what load() keeps)
+      while record and j <= last and j < k do  -- touched windows holding nothing yet
+        out[#out + 1] = j
+        out[#out + 1] = cost
+        j = j + 1
+      end
+      if k == current then used = u end
+      if k >= j and k <= last and k == math.floor(k) then
+        if u + cost > limit then return nil end
+        if record then u = u + cost end
+        j = k + 1
+      end
+      out[#out + 1] = k
+      out[#out + 1] = u
+    end
+  end
+  while record and j <= last do
+    out[#out + 1] = j
+    out[#out + 1] = cost
+    j = j + 1
+  end
+  local n = #out
+  local clear = n > 0 and (out[n - 1] + 1) * period or 0
+  if not record then return used, clear end
+  for i = 1, n, 2 do
+    if out[i] > current then ahead = ahead + 1 end
+  end
+  if ahead > MAX_AHEAD then return nil end  -- a fold is due
+  return used, clear, cmsgpack.pack(out)
+end
+
 local function in_full(r, k)
   local full = r.full
   return full ~= nil and full[1] <= k and k <= full[2]

@@ -136,6 +136,54 @@ function ALGO.usage(r, x)
   return used
 end
 
+-- The fast path of window.lua, for one rate: an answer only where it is the general
+-- path's own (load, usage, earliest at now, record, clear_at, dump), worked out on the
+-- three numbers in front of the stream without building the rate's tables. `raw` must
+-- be a stream (or nothing) whose cold buckets all still count at `now`, `cost` more
+-- units must fit now, and (with `record`) the start recorded in [now, latest] must land
+-- in the hot bucket or open one after it, with no fold due. Anything else returns nil
+-- and the general path decides. Returns the units used now (before this call), when
+-- the last counted unit leaves the window (0: none), and, with `record`, the field's
+-- new value.
+function ALGO.fit(raw, now, limit, period, cost, latest, record)
+  local cut = now - period
+  local cold_units, hot_latest, hot_units, cold_at = 0, nil, 0, -1
+  if raw then
+    local ok
+    ok, cold_at, cold_units, hot_latest, hot_units = pcall(unpack_limit, raw, 3, 0)
+    if not ok or type(cold_units) ~= 'number' or type(hot_latest) ~= 'number'
+        or type(hot_units) ~= 'number' then return nil end
+    if hot_latest <= cut then  -- the latest bucket left: all did
+      cold_units, hot_latest, hot_units, cold_at = 0, nil, 0, -1
+    elseif cold_at ~= -1 then
+      local _, first
+      ok, _, first = pcall(unpack_one, raw, cold_at)  -- (the next offset, then the oldest latest)
+      -- (a bucket leaving the window now: read() drops it, the general path does that)
+      if not ok or type(first) ~= 'number' or first <= cut then return nil end
+    end
+  end
+  local used = cold_units + hot_units
+  if used + cost > limit then return nil end
+  if not record then return used, hot_latest and hot_latest + period or 0 end
+  local cold = cold_at == -1 and '' or string.sub(raw, cold_at + 1)
+  local slot = math.max(math.ceil(period / SLOTS), 1000)  -- (as load() sets r.slot)
+  local b, hot = math.floor(latest / slot), hot_latest and math.floor(hot_latest / slot)
+  if hot == nil then
+    hot_latest, hot_units = latest, cost
+  elseif b > hot then  -- the hot bucket turns cold
+    cold = cold .. pack(hot_latest, hot_units)
+    cold_units = cold_units + hot_units
+    hot_latest, hot_units = latest, cost
+  elseif b == hot then
+    hot_units = hot_units + cost
+    if latest > hot_latest then hot_latest = latest end
+  else
+    return nil  -- before the hot bucket (a start reserved later than now)
+  end
+  if cold_units + hot_units > limit or #cold > MAX_COLD_BYTES then return nil end  -- a fold may be due
+  return used, hot_latest + period, pack(cold_units, hot_latest, hot_units) .. cold
+end
+
 -- Earliest time >= x at which `cost` more units fit. Counts only fall as x grows.
 function ALGO.earliest(r, x, cost, slack)
   local used = ALGO.usage(r, x)
