@@ -152,6 +152,7 @@ if n_rates > 0 and not_before == 0 and (op == 'screen' or (op == 'acquire' and l
   end
 end
 
+ALGO.define()  -- (the algorithm's general functions: see its ALGO.define)
 local rates = {}
 local shortest, half_pace = nil, nil
 for i = 1, n_rates do
