@@ -5,7 +5,12 @@ common "allowed" path. Each variant runs for a fixed time per round; rounds are
 interleaved and the best round is kept (the machine is shared). Latency is per call; for
 the 10-key pipelined rows it is per pipeline of 10. "Redis CPU" is the CPU time of the
 server's main thread per check (INFO cpu: commands, scripts and socket I/O), the least
-over the rounds: other clients of the shared server add to it.
+over the rounds: other clients of the shared server add to it. "Script" is EVALSHA's own
+time per call (INFO commandstats), the least over the rounds: the fitting check against a
+floor script doing only TIME + HMGET + HSET + PEXPIRE on one hash (issue #15: at most
+FIT_FLOOR_TARGET times it), and ctl.acquire against ``limits`` on the same algorithm (at
+least LIMITS_TARGET times its checks/s). Run it on a Redis of its own
+(``CB_REDIS_PORT``): another client's scripts count in EVALSHA's time.
 """
 
 from __future__ import annotations
@@ -27,6 +32,21 @@ from celery_throttle.store import WindowCall
 
 RATE = "1000000/s"
 INCR_LUA = "return redis.call('INCR', KEYS[1])"
+#: The least a fitting check's script can do: read the clock, read the state, write it,
+#: keep it alive (the fields a check of one rate reads).
+FLOOR_LUA = """local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local stored = redis.call('HMGET', KEYS[1], 'e', 'd', 'v', 'f')
+redis.call('HSET', KEYS[1], 'f', string.format('%.0f', now), 'e', '1')
+redis.call('PEXPIRE', KEYS[1], 2000)
+return now"""
+FLOOR_NAME = "EVALSHA TIME+HMGET+HSET+PEXPIRE (script floor)"
+#: Issue #15's targets: a fitting check's script time at most this many times the floor
+#: script's, and ctl.acquire at least this share of limits' checks/s, same algorithm.
+FIT_FLOOR_TARGET, LIMITS_TARGET = 1.5, 0.9
+#: The limits strategy of each of our algorithms (the same decision: an exact sliding
+#: window, an aligned fixed one).
+LIMITS_PEER = {"sliding": "limits MovingWindow", "fixed": "limits FixedWindow"}
 KEYS10 = [f"k{i}" for i in range(10)]
 
 
@@ -41,6 +61,8 @@ class Stat:
     #: Redis CPU per check (µs): the server's main thread during the round (INFO cpu),
     #: so other clients of the server add a little.
     server_us: float = float("nan")
+    #: EVALSHA's own time per call (µs; INFO commandstats), NaN for a variant without.
+    script_us: float = float("nan")
 
 
 def _server_usec(client: Any) -> float:
@@ -53,12 +75,19 @@ def _server_usec(client: Any) -> float:
     return (float(cpu["used_cpu_user_main_thread"]) + float(cpu["used_cpu_sys_main_thread"])) * 1e6
 
 
+def _evalsha_usec(client: Any) -> tuple[int, int]:
+    """(calls, µs) of EVALSHA so far (INFO commandstats)."""
+    stat = client.info("commandstats").get("cmdstat_evalsha", {})
+    return int(stat.get("calls", 0)), int(stat.get("usec", 0))
+
+
 def measure(fn: Callable[[], Any], seconds: float, per_call: int = 1, max_calls: int = 2_000_000,
             stats_client: Any = None) -> Stat:
     """Call ``fn`` for ``seconds`` (or ``max_calls`` times); each call does ``per_call`` checks."""
     for _ in range(50):  # warm up: connections, script loads
         fn()
     usec0 = _server_usec(stats_client) if stats_client is not None else 0
+    evalsha0 = _evalsha_usec(stats_client) if stats_client is not None else (0, 0)
     lat: list[int] = []
     clock = time.perf_counter_ns
     start = clock()
@@ -73,12 +102,15 @@ def measure(fn: Callable[[], Any], seconds: float, per_call: int = 1, max_calls:
         if t1 >= end:
             break
     elapsed = (clock() - start) / 1e9
-    server = float("nan")
+    server = script = float("nan")
     if stats_client is not None:
         server = (_server_usec(stats_client) - usec0) / (n * per_call)
+        calls, usec = _evalsha_usec(stats_client)
+        if calls - evalsha0[0] >= n * per_call:  # (a variant without scripts has none)
+            script = (usec - evalsha0[1]) / (calls - evalsha0[0])
     lat.sort()
     return Stat(n * per_call / elapsed, percentile(lat, 0.5) / 1000, percentile(lat, 0.99) / 1000,
-                n * per_call, server)
+                n * per_call, server, script)
 
 
 def _variants(prefix: str) -> list[tuple[str, str, str, Callable[[], Any], int]]:
@@ -90,6 +122,9 @@ def _variants(prefix: str) -> list[tuple[str, str, str, Callable[[], Any], int]]
     incr_sha = client.script_load(INCR_LUA)
     out.append(("redis PING", "ping", "ref", client.ping, 1))
     out.append(("EVALSHA INCR (floor)", "floor", "ref", lambda: client.evalsha(incr_sha, 1, f"{prefix}:floor"), 1))
+    floor_sha = client.script_load(FLOOR_LUA)
+    out.append((FLOOR_NAME, "floor", "ref",
+                lambda: client.evalsha(floor_sha, 1, f"{prefix}:script-floor"), 1))
 
     app = Celery("bench-cost", broker=STORE_URL, set_as_current=False)
     app.conf.update(throttle_redis_url=STORE_URL, throttle_key_prefix=prefix)
@@ -144,6 +179,7 @@ def run_checks(res: Results, prefix: str, seconds: float, rounds: int) -> None:
     stats_client = redis.Redis.from_url(STORE_URL)
     best: dict[str, Stat] = {}
     server: dict[str, float] = {}
+    script: dict[str, float] = {}
     for r in range(rounds):
         for name, _, _, fn, per_call in (variants if r % 2 == 0 else variants[::-1]):
             try:
@@ -155,16 +191,20 @@ def run_checks(res: Results, prefix: str, seconds: float, rounds: int) -> None:
                 best[name] = stat
             if stat.server_us >= 0:  # negative: someone reset the server's stats meanwhile
                 server[name] = min(server.get(name, float("inf")), stat.server_us)
+            if stat.script_us >= 0:
+                script[name] = min(script.get(name, float("inf")), stat.script_us)
     for name, stat in best.items():
         stat.server_us = server.get(name, float("nan"))
+        stat.script_us = script.get(name, float("nan"))
     sec = "5 check cost"
     for name, family, group, _, _ in variants:
         if name not in best:
             continue
         s = best[name]
         value = f"{fmt_num(s.per_s, 0)}/s (p50 {s.p50_us:.0f} µs, p99 {s.p99_us:.0f} µs)"
-        res.add(sec, "checks/s, 1 client", name, value, "", None,
-                f"Redis CPU {s.server_us:.1f} µs/check" if s.server_us == s.server_us else "")
+        note = [f"Redis CPU {s.server_us:.1f} µs/check"] if s.server_us == s.server_us else []
+        note += [f"script {s.script_us:.1f} µs/call"] if s.script_us == s.script_us else []
+        res.add(sec, "checks/s, 1 client", name, value, "", None, ", ".join(note))
     floor = best.get("EVALSHA INCR (floor)")
     floor10 = best.get("EVALSHA INCR (floor), 10 keys pipelined")
     for name, family, group, _, _ in variants:
@@ -182,7 +222,28 @@ def run_checks(res: Results, prefix: str, seconds: float, rounds: int) -> None:
                 ratio = s.per_s / peer.per_s
                 res.add(sec, "ours / best peer, same algorithm", name, f"{ratio:.2f}x",
                         ">= 1.00x", ratio >= 1.0, f"best peer: {peer_name}")
+    _fit_rows(res, sec, best)
     res.notes.append("Check cost: limits and throttled-py have no pipelined/batch API, so only the "
                      "EVALSHA floor and celery_throttle's script (through bench/bulk.py) run 10 keys "
                      "per round trip.")
     res.series["checks"] = {k: vars(v) for k, v in best.items()}
+
+
+def _fit_rows(res: Results, sec: str, best: dict[str, Stat]) -> None:
+    """Issue #15's two targets for a fitting check, per algorithm: its script time against
+    the floor script's, and ctl.acquire's checks/s against limits' (same run)."""
+    floor = best.get(FLOOR_NAME)
+    for algo in ("sliding", "fixed"):
+        ours, direct = best.get(f"ours {algo}: store.acquire"), best.get(f"ours {algo}: ctl.acquire")
+        if floor is not None and ours is not None and floor.script_us > 0:
+            ratio = ours.script_us / floor.script_us
+            res.add(sec, "script µs of a fitting check / floor script", f"ours {algo}",
+                    f"{ratio:.2f}x ({ours.script_us:.1f} µs / {floor.script_us:.1f} µs)",
+                    f"<= {FIT_FLOOR_TARGET:.2f}x", ratio <= FIT_FLOOR_TARGET, "floor: TIME+HMGET+HSET+PEXPIRE")
+        peer = best.get(LIMITS_PEER[algo])
+        if direct is not None and peer is not None:
+            ratio = direct.per_s / peer.per_s
+            res.add(sec, "ctl.acquire checks/s / limits, same algorithm", f"ours {algo}",
+                    f"{ratio:.2f}x ({fmt_num(direct.per_s, 0)}/s / {fmt_num(peer.per_s, 0)}/s)",
+                    f">= {LIMITS_TARGET:.2f}x", ratio >= LIMITS_TARGET,
+                    f"{LIMITS_PEER[algo]}; script {direct.script_us:.1f} µs vs {peer.script_us:.1f} µs")

@@ -100,6 +100,8 @@ class Throttle:
         self.hints = Hints()
         #: The store's run id as last seen (a change: the store restarted), or None.
         self.store_run_id: str | None = None
+        #: What the script is told, by call shape (see _window_call).
+        self._requests: dict[tuple[Any, ...], WindowCall] = {}
 
     # -- configuration ----------------------------------------------------------------
     def configure(self, overrides: Mapping[str, Any]) -> None:
@@ -108,6 +110,7 @@ class Throttle:
             self._overrides.update(overrides)
             self._settings = None
             self._rules = None
+            self._requests = {}
         self.close()
         _ = self.settings  # validate now, loudly
 
@@ -289,17 +292,25 @@ class Throttle:
     def _window_call(self, call: BoundCall, store: RedisStore,
                      max_wait: float | None) -> tuple[str, WindowCall]:
         """The state key of ``call`` and what the script is told about it."""
-        tightest = _tightest_limit(call.rates)
-        if call.cost > tightest:
-            raise ThrottleError(
-                f"cost {call.cost} of scope {call.scope!r} exceeds the limit {tightest} of one of its rates"
+        not_before = self._controls.paused_until(store, call.scope, call.key)
+        # The same few shapes come again and again: their WindowCall (and with it the
+        # ARGV window_argv builds from it) is made once, not on every check.
+        shape = (call.algorithm, call.rates, call.cost, call.fields, max_wait, not_before)
+        request = self._requests.get(shape)
+        if request is None:
+            tightest = _tightest_limit(call.rates)
+            if call.cost > tightest:
+                raise ThrottleError(
+                    f"cost {call.cost} of scope {call.scope!r} exceeds the limit {tightest} of one of its rates"
+                )
+            request = WindowCall(
+                call.algorithm, call.rates, call.cost, call.fields, grace_us=self.grace_us(call.rates),
+                slack_us=self.slack_us(call.rates), max_wait_us=int(max_wait * 1_000_000) if max_wait else 0,
+                not_before_us=not_before, pause_horizon_us=int(self.settings.park_after * 1_000_000),
             )
-        request = WindowCall(
-            call.algorithm, call.rates, call.cost, call.fields, grace_us=self.grace_us(call.rates),
-            slack_us=self.slack_us(call.rates), max_wait_us=int(max_wait * 1_000_000) if max_wait else 0,
-            not_before_us=self._controls.paused_until(store, call.scope, call.key),
-            pause_horizon_us=int(self.settings.park_after * 1_000_000),
-        )
+            if len(self._requests) >= _REQUEST_SHAPES:
+                self._requests.clear()  # (callable rates or costs without end: start over)
+            self._requests[shape] = request
         return state_key(self.settings.key_prefix, call.scope, call.key), request
 
     def acquire(
@@ -480,6 +491,10 @@ class Throttle:
         if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
             raise ConfigurationError(f"cost must be a positive integer, got {cost!r}")
         return BoundCall(scope, key, parsed, cost, algorithm)
+
+
+#: Call shapes whose WindowCall a Throttle keeps (rates, cost, max wait, pause end).
+_REQUEST_SHAPES = 1024
 
 
 @lru_cache(maxsize=1024)

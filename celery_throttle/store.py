@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from importlib import resources
 from typing import Any, NamedTuple
 
@@ -116,6 +116,13 @@ class WindowCall:
     #: A pause ending further away than this reserves nothing: the reply is a denial
     #: without a start whose wait is this horizon (0: no pause is that long).
     pause_horizon_us: int = 0
+
+    @cached_property
+    def argv_tails(self) -> dict[tuple[Any, ...], tuple[int | str, ...]]:
+        """ARGV[2..] of window.lua for a call without a claim, by (op, reserve, learn,
+        lease, lease span): :func:`window_argv` builds each once per WindowCall, which
+        ``Throttle`` keeps per call shape. (Not a field: no part of equality or hash.)"""
+        return {}
 
 
 class WindowReply(NamedTuple):
@@ -476,8 +483,21 @@ def window_argv(now: str, op: str, call: WindowCall, *, reserve: bool = False,
                 lease_span_us: int = 0) -> list[int | str]:
     """ARGV of window.lua, in the order its header documents (``tests/test_script_format.py``
     holds the two together)."""
-    args: list[int | str] = [now, op, "1" if reserve else "0", call.cost, call.grace_us, call.slack_us]
-    args += claim.script_args() if claim else _NO_CLAIM
+    if claim is None:
+        shape = (op, reserve, learn, lease, lease_span_us)
+        tail = call.argv_tails.get(shape)
+        if tail is None:
+            tail = call.argv_tails[shape] = tuple(_window_argv(op, call, reserve, _NO_CLAIM, learn, lease,
+                                                               lease_span_us))
+        return [now, *tail]
+    return [now, *_window_argv(op, call, reserve, claim.script_args(), learn, lease, lease_span_us)]
+
+
+def _window_argv(op: str, call: WindowCall, reserve: bool, claim_args: Sequence[int | str], learn: str,
+                 lease: int, lease_span_us: int) -> list[int | str]:
+    """ARGV[2..] of window.lua."""
+    args: list[int | str] = [op, "1" if reserve else "0", call.cost, call.grace_us, call.slack_us]
+    args += claim_args
     args += [learn, lease, lease_span_us, call.max_wait_us, call.not_before_us,
              call.pause_horizon_us or _FOREVER_HORIZON]
     args += _rate_args(call.algorithm, call.rates, call.fields)

@@ -77,6 +77,12 @@ def _warm_up(group: WorkerGroup) -> None:
     assert_each_ran_once(group.wait_starts(label, len(ids), timeout=30, settle=0.2), ids)
 
 
+#: Starts are read in the task bodies, which a loaded 2-core machine (one green thread
+#: among 20 under eventlet or gevent) may reach more than the check's slack after the
+#: check: windows are measured 20 ms short of the limit's (as in test_operate).
+WINDOW = 0.98
+
+
 def _assert_no_errors_logged(group: WorkerGroup) -> None:
     logs = group.log_text()
     for marker in ("Traceback", "ERROR/", "CRITICAL/"):
@@ -93,7 +99,7 @@ def test_a_burst_is_held_to_the_limit_and_each_task_runs_once(pool_workers: Work
     starts = pool_workers.wait_starts(label, 16, timeout=30)
     # Then each ran exactly once, never more than 5 started in any 1 s
     assert_each_ran_once(starts, ids + later)
-    assert max_in_window(sorted(e["t"] for e in starts), 1.0) <= 5
+    assert max_in_window(sorted(e["t"] for e in starts), WINDOW) <= 5
     # And the pool itself turned tasks away (the window was full when they arrived)
     denied = {d["id"] for d in pool_workers.denials()}
     assert len(denied & set(later)) >= 4, "the tasks sent with a countdown are denied in the pool"

@@ -89,23 +89,83 @@ local lease, lease_span, max_wait = tonumber(ARGV[14]), tonumber(ARGV[15]), tonu
 local not_before, pause_horizon = tonumber(ARGV[17]), tonumber(ARGV[18])
 if not_before <= now then not_before = 0 end  -- a pause that is over changes nothing
 
-local rates, fields = {}, {'e', 'd', 'v'}
-local shortest, half_pace = nil, nil
-for i = 1, tonumber(ARGV[19]) do
-  local r = {limit = tonumber(ARGV[17 + 3 * i]), period = tonumber(ARGV[18 + 3 * i]),
-             field = ARGV[19 + 3 * i], dirty = false}
-  if shortest == nil or r.period < shortest then shortest = r.period end
-  local pace = math.floor(r.period / r.limit / 2)
-  if half_pace == nil or pace < half_pace then half_pace = pace end
-  rates[i] = r
-  fields[3 + i] = r.field
-end
-
+local n_rates, fields = tonumber(ARGV[19]), {'e', 'd', 'v'}
+for i = 1, n_rates do fields[3 + i] = ARGV[19 + 3 * i] end
 local stored = redis.call('HMGET', key, unpack(fields))
 -- HMGET answers false for a missing field.
 local epoch = stored[1] or nil
 local delay = stored[2] and tonumber(stored[2]) or nil
 local jitter = stored[3] and tonumber(stored[3]) or nil
+
+-- How early reserved tasks are sent back (the reply's `lead`), -1 while nothing is learnt.
+local function lead(half_pace)
+  return delay and (delay + math.min(LEAD_JITTERS * jitter, half_pace)) or -1
+end
+
+-- Keep the hash as long as something in it still counts. When the TTL must grow, grow
+-- it by a further shortest window, so a busy key is not re-expired on every call.
+local function keep_until(clear, shortest)
+  if clear > now then
+    local ttl = math.ceil((clear - now) / 1000) + STATE_TTL_PAD_MS
+    if redis.call('PTTL', key) < ttl then
+      redis.call('PEXPIRE', key, ttl + math.ceil(shortest / 1000))
+    end
+  end
+end
+
+-- The fast path: an 'acquire' (no lease asked) or 'screen' that fits now, nothing
+-- paused. Each ALGO.fit answers only where its answer is the general path's own, so the
+-- reply and the state written are the same (tests/test_model_check.py holds both to one
+-- model); it only skips building the general path's tables and closures (Lua 5.1 makes
+-- a closure of every function expression on every call): a few µs of a check whose
+-- script takes 15. A state or call it does not take (a denial, a bucket leaving the
+-- window, a fold due, ...) goes on to the general path, nothing written.
+if n_rates > 0 and not_before == 0 and (op == 'screen' or (op == 'acquire' and lease <= cost)) then
+  local record = op == 'acquire'
+  local free, clear, shortest, half_pace, sets = nil, 0, nil, nil, {}
+  for i = 1, n_rates do
+    local limit, period = tonumber(ARGV[17 + 3 * i]), tonumber(ARGV[18 + 3 * i])
+    local used, clear_at, value = nil, nil, nil
+    if cost <= limit then  -- (else TOO_COSTLY, below)
+      used, clear_at, value = ALGO.fit(stored[3 + i] or nil, now, limit, period, cost, now + slack, record)
+    end
+    if used == nil then sets = nil break end
+    local f = limit - used - (record and cost or 0)
+    if free == nil or f < free then free = f end
+    if clear_at > clear then clear = clear_at end
+    if shortest == nil or period < shortest then shortest = period end
+    local pace = math.floor(period / limit / 2)
+    if half_pace == nil or pace < half_pace then half_pace = pace end
+    if record then
+      sets[#sets + 1] = fields[3 + i]
+      sets[#sets + 1] = value
+    end
+  end
+  if sets then
+    if record then
+      if epoch == nil then
+        epoch = string.format('%.0f', now)
+        sets[#sets + 1] = 'e'
+        sets[#sets + 1] = epoch
+      end
+      redis.call('HSET', key, unpack(sets))
+      keep_until(clear, shortest)
+    end
+    return {RUN, 0, math.max(free, 0), clear, 0, 0, now, tonumber(epoch or '0'), lead(half_pace), 0, 0}
+  end
+end
+
+ALGO.define()  -- (the algorithm's general functions: see its ALGO.define)
+local rates = {}
+local shortest, half_pace = nil, nil
+for i = 1, n_rates do
+  local r = {limit = tonumber(ARGV[17 + 3 * i]), period = tonumber(ARGV[18 + 3 * i]),
+             field = fields[3 + i], dirty = false}
+  if shortest == nil or r.period < shortest then shortest = r.period end
+  local pace = math.floor(r.period / r.limit / 2)
+  if half_pace == nil or pace < half_pace then half_pace = pace end
+  rates[i] = r
+end
 for i, r in ipairs(rates) do ALGO.load(r, stored[3 + i] or nil, now) end
 
 local function remaining(x)
@@ -142,20 +202,12 @@ local function write_back()
     sets[#sets + 1] = epoch
   end
   redis.call('HSET', key, unpack(sets))
-  -- Keep the hash as long as something in it still counts. When the TTL must grow,
-  -- grow it by a further shortest window, so a busy key is not re-expired on every call.
-  local clear = clear_at()
-  if clear > now then
-    local ttl = math.ceil((clear - now) / 1000) + STATE_TTL_PAD_MS
-    if redis.call('PTTL', key) < ttl then
-      redis.call('PEXPIRE', key, ttl + math.ceil(shortest / 1000))
-    end
-  end
+  keep_until(clear_at(), shortest)
 end
 
 local function reply(code, wait, start, latest, given_grace, leased)
   return {code, wait, remaining(now), clear_at(), start, latest, now, tonumber(epoch or '0'),
-          delay and (delay + math.min(LEAD_JITTERS * jitter, half_pace)) or -1, given_grace or 0, leased or 0}
+          lead(half_pace), given_grace or 0, leased or 0}
 end
 
 -- Whether `units` started anywhere in [now, now + span] fit, leaving every rate at most
@@ -236,7 +288,7 @@ end
 -- The earliest start every rate admits: each earliest() only moves x forward. Nothing
 -- starts in a pause; a task sent at publish cannot start before it reaches a worker.
 local x, settled = math.max(now, not_before), false
-if op == 'reserve' and delay ~= nil then x = math.max(x, now + delay + math.min(LEAD_JITTERS * jitter, half_pace)) end
+if op == 'reserve' and delay ~= nil then x = math.max(x, now + lead(half_pace)) end
 for _ = 1, SETTLE_ROUNDS do
   settled = true
   for _, r in ipairs(rates) do
