@@ -114,8 +114,9 @@ FULL = Plan((1000, 10_000, 100_000),
             big=(("under", "plain Celery"), ("under", "ours, check at publish on"),
                  ("under", "ours, check at publish off"), ("flood", "ours, check at publish on")),
             neighbour=(("1", 10_000, "neighbour"), ("0", 10_000, "neighbour"), ("1", 100_000, "neighbour"),
-                       ("1", 10_000, "neighbour_above")),
-            learn=("learn",))
+                       ("1", 10_000, "neighbour_above"), ("1", 10_000, "neighbour_unbound"),
+                       ("1", 100_000, "neighbour_unbound")),
+            learn=("learn", "learn_unbound"))
 QUICK = Plan((1000,), big=(), neighbour=(("1", 1000, "neighbour"), ("0", 1000, "neighbour"),
                                          ("1", 1000, "neighbour_above")))
 
@@ -504,7 +505,8 @@ def run_redis_per_task(res: Results, quick: bool = False) -> None:
 
 
 def _nb_name(check: str, task: str) -> str:
-    return f"ours, check at publish {'on' if check == '1' else 'off'}" + (ABOVE if task.endswith("_above") else "")
+    return (f"ours, check at publish {'on' if check == '1' else 'off'}" + (ABOVE if task.endswith("_above") else "")
+            + (", task without bind=True" if task.endswith("_unbound") else ""))
 
 
 def _line(run: Run) -> str:
@@ -593,8 +595,10 @@ def _report(res: Results, runs: list[Run], neighbours: list[Neighbour], learns: 
     if learns:
         lines += ["", "| Learning | Tasks | Start latency from .delay(): p50 / max |", "|---|---|---|"]
     for learn in learns:
-        order = "@throttle above @app.task: " if learn.task.endswith("_above") else ""
-        variant = "ours, check at publish on" + (ABOVE if order else "")
+        order = {"learn_above": "@throttle above @app.task: ",
+                 "learn_unbound": "task without bind=True: "}.get(learn.task, "")
+        variant = "ours, check at publish on" + {"learn_above": ABOVE,
+                                                 "learn_unbound": ", task without bind=True"}.get(learn.task, "")
         if learn.error:
             lines.append(f"| {order}failed | | {learn.error} |")
             res.add(SEC, "learning", variant, "failed", "", False, learn.error)
@@ -641,11 +645,23 @@ def _end_state_text(run: Run) -> str:
 
 
 def main() -> int:
-    """``python -m bench.redis_per_task [--quick]``: the section alone, printed."""
+    """``python -m bench.redis_per_task [--quick | CHECK:FLOOD:TASK ...]``: the section alone,
+    or only the prefilled-neighbour runs named (e.g. ``1:10000:neighbour_unbound``) and
+    learning runs (``learn:0:TASK``), printed."""
     from bench import report
 
     res = Results()
-    run_redis_per_task(res, quick="--quick" in sys.argv)
+    wanted = [a.split(":") for a in sys.argv[1:] if a.count(":") == 2]
+    if wanted:  # CHECK:FLOOD:TASK ...: those prefilled-neighbour runs alone
+        binary = redis_binary()
+        version = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                                 check=False).stdout.split()[2]
+        started = time.time()
+        runs = [run_neighbour_prefilled(binary, c, int(f), t) for c, f, t in wanted if c != "learn"]
+        learns = [run_learn(binary, t) for c, _, t in wanted if c == "learn"]
+        _report(res, [], runs, learns, QUICK, version, time.time() - started)
+    else:
+        run_redis_per_task(res, quick="--quick" in sys.argv)
     report.print_table(res, "Redis per task")
     return 0
 

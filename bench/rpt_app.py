@@ -162,3 +162,20 @@ def neighbour_above(self, tenant):
 @app.task(bind=True)
 def learn_above(self, tenant):
     record(tenant, self.request.id)
+
+
+# -- the prefilled neighbour with a task that does not take ``self`` (bind=False) -------
+@app.task
+@throttle(QUOTA, key="{tenant}")
+def neighbour_unbound(tenant):
+    from celery import current_task
+
+    record(tenant, current_task.request.id)
+
+
+@app.task
+@throttle(LEARN, key="{tenant}")
+def learn_unbound(tenant):
+    from celery import current_task
+
+    record(tenant, current_task.request.id)
