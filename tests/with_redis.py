@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
         return 2
     if server is not None:
         print(f"tests.with_redis: nothing answers at {probe}; started {server.binary} "
-              f"(Redis {server.version()}) at {url} for this run", flush=True)
+              f"({server.version()}) at {url} for this run", flush=True)
     child = subprocess.Popen(argv, env=dict(os.environ, CT_REDIS=url))
     # A TERM is passed on to COMMAND; an interrupt reaches COMMAND by itself (same process
     # group). Either way the server is stopped only once COMMAND has ended.
