@@ -29,7 +29,6 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Mapping
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from celery.app.task import Context
@@ -139,7 +138,7 @@ def throttle_of(ctl: Throttle, name: str, task: Any) -> Known | None:
         spec = ctl.rule_for(name) if not name.startswith("celery.") else None
     if spec is None:
         return None
-    return Known(spec, _signature(type(task)) if task is not None else None, task)  # type: ignore[arg-type]
+    return Known(spec, _signature(task) if task is not None else None, task)
 
 
 def _registered(app: Any, name: str) -> Any:
@@ -154,12 +153,17 @@ def _registered(app: Any, name: str) -> Any:
     return task
 
 
-@lru_cache(maxsize=4096)
-def _signature(task_class: Any) -> inspect.Signature | None:
-    try:
-        return inspect.signature(task_class.run)
-    except (TypeError, ValueError):
-        return None
+def _signature(task: Any) -> inspect.Signature | None:
+    """What the arguments of a call of ``task`` bind to: its ``run`` as the task calls it
+    (for ``bind=True``, without ``self``), once per task class."""
+    cls = type(task)
+    if "_throttle_call_signature" not in cls.__dict__:
+        try:
+            cls._throttle_call_signature = inspect.signature(task.run)
+        except (TypeError, ValueError):
+            cls._throttle_call_signature = None
+    signature: inspect.Signature | None = cls._throttle_call_signature
+    return signature
 
 
 def admit(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Mapping[str, Any]) -> Deferral | None:

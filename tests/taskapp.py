@@ -325,6 +325,12 @@ def pub_shared(label, tenant):
     record(label)
 
 
+@app.task(bind=True)
+@throttle("3/10s", key="{tenant}")
+def pub_bound(self, label, tenant):
+    record(label)
+
+
 @app.task
 def unowned_pub(label, tenant):  # throttled by a rule
     record(label)

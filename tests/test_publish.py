@@ -30,11 +30,12 @@ from tests.helpers import (
 )
 
 #: Every way a task is sent, and how it is declared: decorator below and above
-#: ``@app.task``, ``@shared_task``, a rule, ``send_task`` by name (of a rule's task and
-#: of a decorated one) and a group. Each task is ``3/10s`` per tenant.
+#: ``@app.task``, a bound task, ``@shared_task``, a rule, ``send_task`` by name (of a
+#: rule's task and of a decorated one) and a group. Each task is ``3/10s`` per tenant.
 WAYS = {
     "below @app.task": ("delay", "pub_below"),
     "above @app.task": ("delay", "pub_above"),
+    "bind=True": ("delay", "pub_bound"),
     "@shared_task": ("delay", "pub_shared"),
     "rule": ("delay", "unowned_pub"),
     "send_task, rule": ("send_task", "unowned_pub"),
