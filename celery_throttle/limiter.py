@@ -280,22 +280,23 @@ class Throttle:
         """The producer's check of a task about to be sent: ``RUN`` (nothing recorded) if
         the key has room, with the room left in ``leased`` (see :mod:`.publish`), else as
         :meth:`reserve_at_publish`. Quick, like :meth:`screen`."""
-        key, request = self._window_call(call, self.quick_store, max_wait)
+        key, request = self._window_call(call, self.quick_store, max_wait, timing.PUBLISH_GRACE_US)
         return self.quick_store.admit(key, request)
 
     def reserve_at_publish(self, call: BoundCall, *, max_wait: float | None = None) -> WindowReply:
         """The producer's check of a task about to be sent: a start is reserved even if
         the call fits now (the worker claims it). Quick, like :meth:`screen`."""
-        key, request = self._window_call(call, self.quick_store, max_wait)
+        key, request = self._window_call(call, self.quick_store, max_wait, timing.PUBLISH_GRACE_US)
         return self.quick_store.reserve(key, request)
 
-    def _window_call(self, call: BoundCall, store: RedisStore,
-                     max_wait: float | None) -> tuple[str, WindowCall]:
-        """The state key of ``call`` and what the script is told about it."""
+    def _window_call(self, call: BoundCall, store: RedisStore, max_wait: float | None,
+                     min_grace_us: int = 0) -> tuple[str, WindowCall]:
+        """The state key of ``call`` and what the script is told about it (``min_grace_us``:
+        the least grace its reservation gets)."""
         not_before = self._controls.paused_until(store, call.scope, call.key)
         # The same few shapes come again and again: their WindowCall (and with it the
         # ARGV window_argv builds from it) is made once, not on every check.
-        shape = (call.algorithm, call.rates, call.cost, call.fields, max_wait, not_before)
+        shape = (call.algorithm, call.rates, call.cost, call.fields, max_wait, not_before, min_grace_us)
         request = self._requests.get(shape)
         if request is None:
             tightest = _tightest_limit(call.rates)
@@ -304,7 +305,8 @@ class Throttle:
                     f"cost {call.cost} of scope {call.scope!r} exceeds the limit {tightest} of one of its rates"
                 )
             request = WindowCall(
-                call.algorithm, call.rates, call.cost, call.fields, grace_us=self.grace_us(call.rates),
+                call.algorithm, call.rates, call.cost, call.fields,
+                grace_us=max(self.grace_us(call.rates), min_grace_us),
                 slack_us=self.slack_us(call.rates), max_wait_us=int(max_wait * 1_000_000) if max_wait else 0,
                 not_before_us=not_before, pause_horizon_us=int(self.settings.park_after * 1_000_000),
             )

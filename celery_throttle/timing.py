@@ -14,7 +14,7 @@ from functools import lru_cache
 from .rates import Rate
 
 __all__ = [
-    "CONTROL_REFRESH", "PUBLISH_HINTS_KEPT", "PUBLISH_HINT_MAX", "QUICK_TIMEOUT", "SCRIPT_POLICY",
+    "CONTROL_REFRESH", "PUBLISH_GRACE_US", "PUBLISH_HINTS_KEPT", "PUBLISH_HINT_MAX", "QUICK_TIMEOUT", "SCRIPT_POLICY",
     "STORE_CONNECT_TIMEOUT", "STORE_ERROR_PAUSE", "STORE_TIMEOUT", "ScriptPolicy", "grace_us", "lead_us",
     "lease_span_us", "shortest_us", "slack_us", "wait_here_us",
 ]
@@ -40,6 +40,13 @@ CONTROL_REFRESH = 0.5
 #: exceeds the key's shortest window). Longer saves calls for keys sent to now and then;
 #: shorter re-reads the room sooner when a queue fills while no worker counts it.
 PUBLISH_HINT_MAX = 60.0
+#: The least grace (µs) of a start reserved at publish (window.lua caps it at 1/10 of the
+#: shortest window). A task that fits now is reserved a start now and must reach a worker
+#: within it, behind whatever the queue holds; with the pool's 2% (20 ms for a 1 s window)
+#: a burst's first window was missed (claims came late, gave their start back after the
+#: window had passed, and went to the back of the line: a second without starts in the
+#: demo). The cost: a saturated key fed only at publish stretches each window by it.
+PUBLISH_GRACE_US = 100_000
 #: Keys a producer keeps hints for at most (the least recently learnt are forgotten).
 PUBLISH_HINTS_KEPT = 10_000
 
