@@ -106,6 +106,13 @@ def test_a_sentinel_url_reaches_the_master_and_needs_its_group_named(sentinels: 
         nameless.acquire("api", rates=["2/s"])
 
 
+#: Starts are read in the task bodies, which a loaded 2-core machine (here also running
+#: three Redis servers and the Sentinels) may reach more than the check's slack after the
+#: check: windows are measured 20 ms short of the limit's (as in test_operate and
+#: test_pools; a CI run saw a 6th start 12 ms inside a 1.0 s window).
+WINDOW = 0.98
+
+
 def test_workers_follow_a_failover_and_every_task_runs_once(sentinels: Sentinels) -> None:
     prefix = f"ct-sentinel-{uuid.uuid4().hex[:8]}"
     group = WorkerGroup(prefix=prefix, broker=BROKER_URL, store=sentinels.url, count=2, concurrency=2,
@@ -134,8 +141,8 @@ def test_workers_follow_a_failover_and_every_task_runs_once(sentinels: Sentinels
     after = [t for t in times if t >= killed_at]
     worst_after = max_in_window(after, 1.0)
     print(f"\nfailover: {len(before)} started before the kill, {len(after)} after; "
-          f"most in any 1 s: {max_in_window(before, 1.0)} before, {worst_after} after (limit 5)")
-    assert max_in_window(before, 1.0) <= 5
+          f"most in any 1 s: {max_in_window(before, WINDOW)} before, {worst_after} after (limit 5)")
+    assert max_in_window(before, WINDOW) <= 5
     assert worst_after <= 10, "more than a second window's worth admitted after the failover"
 
 
