@@ -35,6 +35,13 @@ logger = logging.getLogger("celery_throttle")
 #: ``p`` 1 if a pause held it (it was parked, for a resume to send it at once).
 HEADER = "celery_throttle"
 
+#: Message properties a re-send carries over from the message it replaces (Celery's
+#: ``signature_from_request``, as ``retry()`` uses it, rebuilds the message from the
+#: request and drops them). Not ``user_id``: RabbitMQ refuses one that is not the
+#: sending connection's user. Not ``expiration``: a parked or delayed message would
+#: expire while it waits for its start.
+KEPT_PROPERTIES = ("app_id", "type", "message_id", "timestamp")
+
 
 def read_state(value: Any) -> dict[str, Any]:
     """The header of a message as this module wrote it, from whatever it holds.
@@ -85,6 +92,14 @@ def plan_return(ctl: Throttle, call: BoundCall, state: dict[str, Any], claim: Re
     return max(reply.wait_us - (lead_us if reservation else 0), 0) / 1e6
 
 
+def kept_properties(request: Any) -> dict[str, Any]:
+    """The KEPT_PROPERTIES the message of ``request`` had."""
+    properties = getattr(request, "properties", None)
+    if not isinstance(properties, dict):
+        return {}
+    return {name: properties[name] for name in KEPT_PROPERTIES if properties.get(name) is not None}
+
+
 @dataclass
 class TurnedAway:
     """A task a worker turned away, with what sending it back takes."""
@@ -115,7 +130,8 @@ class TurnedAway:
         self.state["n"] = int(self.state.get("n") or 0) + 1  # deferrals so far, for observability
         headers = dict(request.headers or {})
         headers[HEADER] = self.state
-        sig = task.signature_from_request(request, self.args, self.kwargs, headers=headers)
+        sig = task.signature_from_request(request, self.args, self.kwargs, headers=headers,
+                                          **kept_properties(request))
         parked = may_park and now_us is not None and (delay >= ctl.settings.park_after or held)
         signals.task_throttled.send(sender=task, request=request, delay=delay,
                                     scope=call.scope, key=call.key, parked=parked)

@@ -123,7 +123,8 @@ def record(label: str, **extra) -> None:
     # are compared on one true clock; read first, before any I/O.
     now = time.time() - float(os.environ.get("CT_CLOCK_SKEW", "0"))
     entry = {"label": label, "id": req.id, "t": now, "retries": req.retries,
-             "pid": os.getpid(), "queue": (req.delivery_info or {}).get("routing_key"), **extra}
+             "pid": os.getpid(), "queue": (req.delivery_info or {}).get("routing_key"),
+             "app_id": (req.properties or {}).get("app_id"), **extra}
     _records_client().rpush(f"{PREFIX}:starts", json.dumps(entry))
     sleep = float(os.environ.get("CT_TASK_SLEEP", "0"))
     if sleep:

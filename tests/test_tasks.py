@@ -132,15 +132,16 @@ def test_own_retries_still_count_and_work(workers: WorkerGroup) -> None:
         assert retry["reservation"] is None or retry["reservation"] != first["reservation"], (first, retry)
 
 
-def test_denied_task_keeps_its_id_args_and_queue(workers: WorkerGroup) -> None:
-    # Given tasks sent to a second queue, well over a 5/s limit
+def test_denied_task_keeps_its_id_args_queue_and_properties(workers: WorkerGroup) -> None:
+    # Given tasks sent to a second queue with a message property, well over a 5/s limit
     label = new_label()
     alt = f"{workers.queue}-alt"
-    ids = [workers.send("below", label, queue=alt) for _ in range(12)]
+    ids = [workers.send("below", label, queue=alt, app_id="billing") for _ in range(12)]
     starts = workers.wait_starts(label, 12, timeout=30)
     assert_each_ran_once(starts, ids)
-    # Then the deferred ones came back on the queue they were sent to
+    # Then the deferred ones came back on the queue they were sent to, with the property
     assert {e["queue"] for e in starts} == {alt}
+    assert {e["app_id"] for e in starts} == {"billing"}
     throttled = {d["id"] for d in workers.denials()}
     assert len(throttled & set(ids)) >= 6
 
@@ -182,7 +183,7 @@ def test_long_waits_are_parked_in_redis_and_released(workers: WorkerGroup) -> No
     # Given a 3/4s quota and park_after=3s for these workers
     label = new_label()
     tenant = f"park-{label}"
-    ids = [workers.send("slow_quota", label, tenant) for _ in range(9)]
+    ids = [workers.send("slow_quota", label, tenant, app_id="billing") for _ in range(9)]
     # When the quota is spent, the waits of 4 s and 8 s are parked, not held as ETAs
     wait_for(lambda: workers.records.zcard(f"{workers.prefix}:{{parked}}:due") >= 3, 10,
              what="parked tasks")
@@ -190,6 +191,7 @@ def test_long_waits_are_parked_in_redis_and_released(workers: WorkerGroup) -> No
     # Then all ran once, the limit held, and nothing stays parked
     assert_each_ran_once(starts, ids)
     assert max_in_window([e["t"] for e in starts], 4.0) <= 3
+    assert {e["app_id"] for e in starts} == {"billing"}  # parked with its message's properties
     assert any(d["parked"] for d in workers.denials() if d["id"] in ids)
     assert workers.records.zcard(f"{workers.prefix}:{{parked}}:due") == 0
     assert workers.records.hlen(f"{workers.prefix}:{{parked}}:messages") == 0
