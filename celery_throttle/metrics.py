@@ -7,13 +7,15 @@ serves them. Labelled by scope; by key too only with ``throttle_metrics_keys = T
 (a tenant id per label value can grow without bound). Without the extra, nothing is
 counted and nothing is imported.
 
-Each process also logs, at INFO, a summary of its denials per scope and key at most
-once a ``SUMMARY_INTERVAL`` (when there were any), and a DEBUG line per denial.
+Each process also logs, at INFO, a summary of its denials per scope and key once a
+``SUMMARY_INTERVAL`` (when there were any; a thread of its own writes it, started at the
+process's first denial), and a DEBUG line per denial.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -76,6 +78,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._denials: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0, 0.0, 0])
         self._summary_at = time.monotonic()
+        self._summarizer_pid: int | None = None
 
     def _labels(self, scope: str, key: str | None) -> tuple[str, ...]:
         return (scope, key or "") if self.with_keys else (scope,)
@@ -96,7 +99,24 @@ class Metrics:
             entry[0] += 1
             entry[1] += max(delay, 0.0)
             entry[2] += 1 if parked else 0
+        if self._summarizer_pid != os.getpid():
+            self._start_summarizer()
         self.summarize()
+
+    def _start_summarizer(self) -> None:
+        """A thread that writes the summary on its interval, denials or not (one per
+        process: a prefork child does not inherit its parent's)."""
+        self._summarizer_pid = os.getpid()
+
+        def loop() -> None:
+            while True:
+                time.sleep(max(self._summary_at + SUMMARY_INTERVAL - time.monotonic(), 0.0) + 0.01)
+                try:
+                    self.summarize()
+                except Exception:  # never let a log line end the thread
+                    logger.exception("could not write the throttle summary")
+
+        threading.Thread(target=loop, name="celery-throttle-summary", daemon=True).start()
 
     def lost(self, count: int = 1) -> None:
         if self.enabled and self._lost is not None:

@@ -60,3 +60,19 @@ def test_counters_by_scope_and_a_summary_of_denials_in_the_log(
     assert _sample("celery_throttle_released_total") >= 1
     summary = [r.getMessage() for r in caplog.records if "throttled in the last" in r.getMessage()]
     assert any(f"scope={scope} key=None" in line for line in summary), summary
+
+
+def test_the_summary_is_written_on_its_interval_without_a_later_denial(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from celery_throttle import metrics
+
+    monkeypatch.setattr(metrics, "SUMMARY_INTERVAL", 0.3)
+    counts = metrics.Metrics()
+    caplog.set_level(logging.INFO, logger="celery_throttle")
+    counts.denied("summary-scope", "acme", 2.0, parked=False)  # the one denial: nothing follows it
+
+    def summary() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "throttled in the last" in r.getMessage()]
+
+    wait_for(summary, 10, what="the summary of a lone denial")
+    assert "scope=summary-scope key=acme: 1 task(s) deferred, 2.0s on average" in summary()[0]
