@@ -6,7 +6,6 @@ Registered under the ``celery.commands`` entry point group, as Flower does.
 from __future__ import annotations
 
 import datetime as dt
-import fnmatch
 import json
 import logging
 from typing import Any
@@ -18,7 +17,7 @@ from .connection import safe_url
 from .controller import controller
 from .deferral import HEADER, read_state
 from .errors import ThrottleError
-from .keys import state_of
+from .keys import state_of, target_matches
 from .parking import decode_message, parked_task_id
 
 __all__ = ["throttle"]
@@ -48,12 +47,14 @@ def throttle() -> None:
 @throttle.command()
 @click.argument("scope", required=False)
 @click.option("--key", default=None, help="The key (e.g. tenant id) within the scope.")
-@click.option("--match", default="*", show_default=True,
-              help="Without SCOPE: list only scopes (or scope:key) matching this glob.")
+@click.option("--match", default="*", show_default=True, help="Without SCOPE: list only scopes matching this glob.")
+@click.option("--key-match", default=None, metavar="GLOB",
+              help="List only keys matching this glob (default: every key, and the scopes without one).")
 @click.option("--limit", default=200, show_default=True, help="Without SCOPE: list at most this many.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
 @click.pass_context
-def status(ctx: click.Context, scope: str | None, key: str | None, match: str, limit: int, as_json: bool) -> None:
+def status(ctx: click.Context, scope: str | None, key: str | None, match: str, key_match: str | None, limit: int,
+           as_json: bool) -> None:
     """Show usage per rate, pauses and live limits, consuming nothing.
 
     Without SCOPE: every scope and key Redis holds a window, a pause or a live limit for
@@ -61,8 +62,8 @@ def status(ctx: click.Context, scope: str | None, key: str | None, match: str, l
     """
     ctl = _controller(ctx)
     if scope is None:
-        found, more = ctl.statuses(match=match, limit=limit)
-    elif key is None and (found_keys := ctl.statuses(match=match, limit=limit, scope=scope))[0]:
+        found, more = ctl.statuses(match=match, limit=limit, key_match=key_match)
+    elif key is None and (found_keys := ctl.statuses(limit=limit, scope=scope, key_match=key_match))[0]:
         found, more = found_keys  # the scope's own row and every key of it
     else:
         found, more = [ctl.status(scope, key=key)], False
@@ -213,15 +214,16 @@ def reset(ctx: click.Context, scope: str, key: str | None) -> None:
 
 @throttle.command()
 @click.option("--tasks", is_flag=True, help="List each waiting task (id, task, scope, key, due) instead of a summary.")
-@click.option("--match", default="*", show_default=True, help="Only parked tasks whose scope (or scope:key) matches.")
+@click.option("--match", default="*", show_default=True, help="Only parked tasks whose scope matches this glob.")
+@click.option("--key-match", default=None, metavar="GLOB", help="Only parked tasks whose key matches this glob.")
 @click.option("--purge", is_flag=True, help="Delete the waiting parked tasks (those --match selects); asks first.")
 @click.option("--dead", is_flag=True, help="List the dead letters: parked tasks that could not be sent back.")
 @click.option("--requeue", is_flag=True, help="Hand every dead letter out again, now.")
 @click.option("--drop", is_flag=True, help="Delete every dead letter (asks first).")
 @click.option("--yes", is_flag=True, help="Do not ask before --purge or --drop.")
 @click.pass_context
-def parked(ctx: click.Context, tasks: bool, match: str, purge: bool, dead: bool, requeue: bool, drop: bool,
-           yes: bool) -> None:
+def parked(ctx: click.Context, tasks: bool, match: str, key_match: str | None, purge: bool, dead: bool,
+           requeue: bool, drop: bool, yes: bool) -> None:
     """Tasks parked in Redis for a long wait, by scope and key with their due times; dead letters.
 
     Without options: a summary per scope and key (waiting, next and last due). A purged
@@ -233,8 +235,7 @@ def parked(ctx: click.Context, tasks: bool, match: str, purge: bool, dead: bool,
         _dead_letters(ctl, requeue, drop, yes)
         return
     waiting = [(pid, due / 1e6, _parked_task(ctl, message)) for pid, due, message in store.waiting()]
-    waiting = [w for w in waiting if fnmatch.fnmatchcase(w[2][1], match)
-               or (w[2][2] is not None and fnmatch.fnmatchcase(f"{w[2][1]}:{w[2][2]}", match))]
+    waiting = [w for w in waiting if target_matches(w[2][1], w[2][2], match, key_match)]
     if purge:
         if waiting and (yes or click.confirm(f"delete {len(waiting)} parked task(s) for good (they never run)?")):
             click.echo(f"purged {store.purge([pid for pid, _, _ in waiting])} parked task(s)")

@@ -9,6 +9,7 @@ bounded, brace-free token.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import string
 from functools import lru_cache
@@ -16,8 +17,8 @@ from urllib.parse import quote, unquote
 
 from .errors import ConfigurationError
 
-__all__ = ["MAX_TOKEN", "PARKED_TAG_END", "control_key", "dead_letter_keys", "decode", "encode",
-           "parked_patterns", "parking_keys", "scan_pattern", "state_key", "state_of", "state_tag", "wake_key"]
+__all__ = ["MAX_TOKEN", "PARKED_TAG_END", "control_key", "dead_letter_keys", "decode", "encode", "parked_patterns",
+           "parking_keys", "scan_pattern", "state_key", "state_of", "state_tag", "target_matches", "wake_key"]
 
 # Characters kept as they are; everything else is percent-encoded (":" "{" "}" "%" "#"
 # included), which makes the encoding injective and leaves ":" free as a separator.
@@ -109,3 +110,12 @@ def state_of(prefix: str, redis_key: str) -> tuple[str, str | None] | None:
 def control_key(prefix: str) -> str:
     """The hash of run-time controls (pauses), read by every worker."""
     return f"{prefix}:control"
+
+
+def target_matches(scope: str, key: str | None, scope_glob: str = "*", key_glob: str | None = None) -> bool:
+    """Whether a scope and key are selected by two globs, one per part: never one glob
+    over ``scope:key``, which is ambiguous when a scope or key holds ``:``. Without
+    ``key_glob`` any key (or none) is selected; with it, only keys it matches."""
+    if not fnmatch.fnmatchcase(scope, scope_glob):
+        return False
+    return key_glob is None or (key is not None and fnmatch.fnmatchcase(key, key_glob))

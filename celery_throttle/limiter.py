@@ -17,7 +17,7 @@ from .config import ALGORITHMS, Settings, require_redis_url
 from .controls import FOREVER_US, Controls, control_target, limit_field, parse_controls, pause_field
 from .errors import ConfigurationError, ThrottleError
 from .hints import Hints
-from .keys import encode, parked_patterns, scan_pattern, state_key, state_of
+from .keys import encode, parked_patterns, scan_pattern, state_key, state_of, target_matches
 from .lease import Leases, sent_at
 from .metrics import Metrics
 from .rates import Rate, parse_rates
@@ -336,11 +336,12 @@ class Throttle:
         pauses, limits = parse_controls(self.store.controls())
         return self._status(scope, key, pauses, limits)
 
-    def statuses(self, match: str = "*", limit: int = 200, scope: str | None = None) -> tuple[list[Status], bool]:
+    def statuses(self, match: str = "*", limit: int = 200, scope: str | None = None,
+                 key_match: str | None = None) -> tuple[list[Status], bool]:
         """The status of every scope and key that Redis holds a window, a pause or a live
-        limit for, whose scope (or ``scope:key``) matches the glob ``match`` (and, if
-        given, whose scope is ``scope``); found by SCAN, never KEYS. At most ``limit`` of
-        them; the flag is True if more were left."""
+        limit for, whose scope matches the glob ``match`` and key the glob ``key_match``
+        (:func:`.keys.target_matches`; and, if given, whose scope is ``scope``); found by
+        SCAN, never KEYS. At most ``limit`` of them; the flag is True if more were left."""
         prefix = self.settings.key_prefix
         pauses, limits = parse_controls(self.store.controls())
         found: dict[tuple[str, str | None], None] = {}
@@ -348,7 +349,7 @@ class Throttle:
         named = (state_of(prefix, name) for name in self.store.scan(scan_pattern(prefix)))
         controlled = (control_target(field) for field in (*pauses, *limits))
         for target in itertools.chain(controlled, named):
-            if (target is None or target in found or not _matches(target, match)
+            if (target is None or target in found or not target_matches(*target, match, key_match)
                     or (scope is not None and target[0] != scope)):
                 continue
             if len(found) >= limit:
@@ -516,11 +517,6 @@ def _live_fields(algorithm: str, declared: tuple[Rate, ...], live: tuple[Rate, .
     else its own."""
     by_period = {r.period_us: r for r in declared}
     return tuple(rate_field(algorithm, by_period.get(r.period_us, r)) for r in live)
-
-
-def _matches(target: tuple[str, str | None], pattern: str) -> bool:
-    scope, key = target
-    return fnmatch.fnmatchcase(scope, pattern) or (key is not None and fnmatch.fnmatchcase(f"{scope}:{key}", pattern))
 
 
 def _unix(until_us: int) -> float:

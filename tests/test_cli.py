@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,8 +51,6 @@ def _row(out: str, *head: str) -> list[str]:
 
 
 def test_status_lists_every_scope_with_its_pauses_and_live_limits_and_as_json(prefix: str) -> None:
-    import json
-
     ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
     ctl.acquire("github-api", key="acme", rates=["10/m"], cost=3)
     ctl.acquire("github-api", key="globex", rates=["10/m"], cost=1)
@@ -131,7 +130,8 @@ def test_parked_tasks_by_scope_and_key_with_due_times_and_a_purge(prefix: str) -
     assert "parked: 3 waiting, 0 being released, 0 dead" in out
     listed = _celery(prefix, "parked", "--tasks", "--match", "github*")
     assert "task-2  tests.taskapp.below  scope 'github-api'  due " in listed and "task-0" not in listed
-    assert "purged 2 parked task(s)" in _celery(prefix, "parked", "--purge", "--match", "exports:acme", "--yes")
+    assert "purged 2 parked task(s)" in _celery(prefix, "parked", "--purge", "--match", "exports", "--key-match", "acme",
+                                                     "--yes")
     assert ctl.store.parked_count() == (1, 0, 0)
     declined = _run(prefix, "parked", "--purge")  # asks first; no answer: nothing deleted
     assert declined.returncode != 0 and ctl.store.parked_count() == (1, 0, 0)
@@ -152,6 +152,26 @@ def test_status_prints_hostile_keys_as_text_and_lists_the_keys_of_a_scope(prefix
         for key in hostile:
             assert key in out.stdout, out.stdout
         assert "nothing counted" not in out.stdout
+
+
+def test_match_selects_scope_and_key_apart_when_both_hold_a_colon(prefix: str) -> None:
+    # Given scope "a:b" key "c" and scope "a" key "b:c" (one glob over "scope:key" is
+    # "a:b:c" for both)
+    ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
+    ctl.acquire("a:b", key="c", rates=["5/m"])
+    ctl.acquire("a", key="b:c", rates=["5/m"])
+    ctl.acquire("a", key="d", rates=["5/m"])
+
+    def listed(*args: str) -> list[tuple[str, str]]:
+        data = json.loads(_celery(prefix, "status", "--json", *args))
+        return [(k["scope"], k["key"]) for k in data["keys"]]
+
+    # Then each glob selects one part, and each pair is told apart
+    assert listed("--match", "a:b") == [("a:b", "c")]
+    assert listed("--match", "a", "--key-match", "b:c") == [("a", "b:c")]
+    assert listed("--match", "a", "--key-match", "b*") == [("a", "b:c")]
+    assert listed("--key-match", "c") == [("a:b", "c")]
+    assert listed("a", "--key-match", "d") == [("a", "d")]
 
 
 def test_operator_commands_print_their_result_once(prefix: str) -> None:
