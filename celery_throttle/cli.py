@@ -95,6 +95,7 @@ def _as_dict(status: Any) -> dict[str, Any]:
         "paused_until": None if status.paused_until is None else (
             "until resumed" if status.paused_until == float("inf") else _iso(status.paused_until)),
         "live_limit": [str(r) for r in status.live_limit] if status.live_limit else None,
+        "held_at_publish": status.held_at_publish,
         "rates": [{"rate": str(r.rate), "algorithm": r.algorithm, "used": r.used, "remaining": r.remaining,
                    "reset_at": _iso(r.reset_at)} for r in status.rates],
     }
@@ -107,12 +108,14 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
 
     zone = dt.datetime.now().astimezone().strftime("%Z")
     table = Table(box=None, pad_edge=False, header_style="bold")
+    held = any(s.held_at_publish for s in found)  # (a column only when it says something: 80 columns)
     for name, justify in (("scope", "left"), ("key", "left"), ("rate", "right"), ("used", "right"),
-                          ("left", "right"), (f"resets ({zone})", "right"), ("paused", "left")):
-        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+                          ("left", "right"), (f"resets ({zone})", "right"), ("held", "right"), ("paused until", "left")):
+        if name != "held" or held:
+            table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for s in found:
         paused = "" if s.paused_until is None else (
-            "until resumed" if s.paused_until == float("inf") else f"until {_clock(s.paused_until)}")
+            "resumed" if s.paused_until == float("inf") else _clock(s.paused_until))
         live = set(s.live_limit or ())
         # A row per stored rate, marked when a live limit replaces the code's rates; a
         # scope with only a control (a pause, a live limit) gets one row for it.
@@ -122,7 +125,8 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
             first = i == 0
             # Scopes and keys are user data: Text, never read as rich markup ("[red]acme").
             table.add_row(Text(s.scope) if first else "", Text("-" if s.key is None else s.key) if first else "",
-                          rate, used, left, resets, paused if first else "")
+                          rate, used, left, resets, *([str(s.held_at_publish or "") if first else ""] if held else []),
+                          paused if first else "")
     console = Console(width=None if Console().is_terminal else 80, soft_wrap=False)
     if found:
         console.print(table)
@@ -130,6 +134,8 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
         click.echo("no throttled scope has anything counted, paused or limited")
     if more:
         click.echo("... more not shown (narrow with --match, or raise --limit)")
+    if held:
+        click.echo("held: tasks held back at publish (by the window or a pause), lately")
     if listing:
         click.echo(f"parked: {parked[0]} waiting, {parked[1]} being released, {parked[2]} dead")
 

@@ -17,8 +17,9 @@ from urllib.parse import quote, unquote
 
 from .errors import ConfigurationError
 
-__all__ = ["MAX_TOKEN", "PARKED_TAG_END", "control_key", "dead_letter_keys", "decode", "encode", "parked_patterns",
-           "parking_keys", "scan_pattern", "state_key", "state_of", "state_tag", "target_matches", "wake_key"]
+__all__ = ["MAX_TOKEN", "PARKED_TAG_END", "control_key", "dead_letter_keys", "decode", "encode", "held_count_key",
+           "parked_patterns", "parking_keys", "scan_pattern", "state_key", "state_of", "state_tag", "target_matches",
+           "wake_key"]
 
 # Characters kept as they are; everything else is percent-encoded (":" "{" "}" "%" "#"
 # included), which makes the encoding injective and leaves ":" free as a separator.
@@ -105,6 +106,11 @@ def state_of(prefix: str, redis_key: str) -> tuple[str, str | None] | None:
         return None
     scope, sep, key = tag.partition(":")
     return decode(scope), (decode(key) if sep else None)
+
+
+def held_count_key(state_key: str) -> str:
+    """The count of tasks held back at publish for one state hash (same hash tag)."""
+    return f"{state_key}:held"
 
 
 def control_key(prefix: str) -> str:

@@ -74,6 +74,9 @@ class Status:
     paused_until: float | None = None
     #: The live limit in force (``set_limit`` of this key, else of its scope), or None.
     live_limit: tuple[Rate, ...] | None = None
+    #: Tasks held back at publish (by the window or a pause), counted until a day passes
+    #: without one (``ScriptPolicy.held_count_ttl_ms``).
+    held_at_publish: int = 0
 
     @property
     def remaining(self) -> int | None:
@@ -388,7 +391,8 @@ class Throttle:
             used = rate.limit - reply.remaining
             reset_at = (reply.clear_at_us or reply.now_us) / 1e6
             out.append(RateStatus(rate, algorithm, used, reply.remaining, reset_at))
-        return Status(scope, key, tuple(out), self._paused_until(pauses, scope, key), live_rates or None)
+        return Status(scope, key, tuple(out), self._paused_until(pauses, scope, key), live_rates or None,
+                      self.store.held_count(hash_key))
 
     def pause(self, scope: str, key: str | None = None, seconds: float | None = None) -> float:
         """Start nothing of ``scope`` (or of its ``key``) for ``seconds`` (None: until

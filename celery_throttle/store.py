@@ -27,7 +27,7 @@ from .connection import connect, safe_url
 from .controls import FOREVER_US
 from .doctor import StoreReport, examine
 from .errors import StoreError
-from .keys import control_key, dead_letter_keys, parking_keys, wake_key
+from .keys import control_key, dead_letter_keys, held_count_key, parking_keys, wake_key
 from .rates import Rate
 from .timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 
@@ -266,9 +266,19 @@ class RedisStore:
                 lease: int = 0, lease_span_us: int = 0) -> WindowReply:
         args = window_argv(self._now_arg(), op, call, reserve=reserve, claim=claim, learn=learn, lease=lease,
                            lease_span_us=lease_span_us)
-        keys = [key, marker] if claim is not None and marker else [key]
+        if claim is not None:
+            keys = [key, marker] if marker else [key]
+        else:
+            keys = [key, held_count_key(key)] if op in ("admit", "reserve") else [key]
         # Lua numbers come back as Redis integers: the reply is already ints.
         return WindowReply(*self._run(call.algorithm, keys, args))
+
+    def held_count(self, key: str) -> int:
+        """How many tasks of the state hash ``key`` were held back at publish (window.lua
+        counts them), lately."""
+        with self._errors():
+            value = self.client.get(held_count_key(key))
+        return int(value) if value is not None and value.isdigit() else 0
 
     def read(self, key: str) -> dict[str, bytes]:
         """The raw state hash: field name to value (a rate's value is MessagePack)."""

@@ -101,6 +101,9 @@ class ScriptPolicy:
     #: delay is learnt: busy workers widen it, idle ones keep it tight.
     grace_jitters: int = 4
     grace_slacks: int = 2
+    #: How long (ms) a key's count of tasks held back at publish is kept after its last
+    #: one (``throttle status`` shows it): a day of them, then it starts again from 0.
+    held_count_ttl_ms: int = 86_400_000
 
     def values(self) -> dict[str, int]:
         """Each constant by its name in the scripts."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
@@ -60,7 +61,7 @@ def test_status_lists_every_scope_with_its_pauses_and_live_limits_and_as_json(pr
     assert _row(out, "github-api", "acme", "10/m") == ["3", "7"]
     assert _row(out, "github-api", "globex", "10/m") == ["1", "9"]
     assert _row(out, "exports", "-", "5/m") == ["2", "3"]
-    assert "until resumed" in next(line for line in out.splitlines() if line.startswith("vendor"))
+    assert next(line for line in out.splitlines() if line.startswith("vendor")).rstrip().endswith("resumed")
     assert "parked: 0 waiting" in out
     assert all(len(line) <= 80 for line in out.splitlines())
     only = _celery(prefix, "status", "--match", "github*")
@@ -91,7 +92,9 @@ def test_pause_and_resume_from_the_command_line(prefix: str) -> None:
     out = _celery(prefix, "pause", "github-api", "--key", "acme", "--for", "90s")
     assert out.startswith("paused scope 'github-api' key 'acme' until ")
     assert ctl.status("github-api", key="acme").paused_until is not None
-    assert "until " in _celery(prefix, "status", "github-api", "--key", "acme")
+    until = dt.datetime.fromtimestamp(ctl.status("github-api", key="acme").paused_until).astimezone()
+    row = _celery(prefix, "status", "github-api", "--key", "acme").splitlines()[1]
+    assert row.split()[:2] == ["github-api", "acme"] and row.rstrip().endswith(until.strftime("%H:%M:%S")), row
     assert ctl.status("github-api", key="other").paused_until is None  # the key only
     assert "paused scope 'github-api' until resumed" in _celery(prefix, "pause", "github-api")
     assert "resumed scope 'github-api'\n" in _celery(prefix, "resume", "github-api")

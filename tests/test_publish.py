@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 
@@ -85,6 +87,12 @@ def test_every_way_of_sending_from_a_producer_that_never_finalizes_is_admitted_a
     assert store_client.zcard(f"{idle_queue['CT_PREFIX']}:{{parked}}:due") == 8
     # And nothing finalized the app (but Celery's own proxy of a @shared_task, on use)
     assert out["finalized"] is (way == "@shared_task")
+    # And `throttle status` counts the 8 held back at publish, for the tenant's key
+    done = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.taskapp", "throttle", "status", "--json",
+                           "--key-match", tenant], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert [k["held_at_publish"] for k in json.loads(done.stdout)["keys"]] == [8], done.stdout
 
 
 def test_a_flood_of_one_tenant_waits_outside_the_queue_and_other_tenants_start_at_once(

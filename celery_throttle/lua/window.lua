@@ -9,6 +9,8 @@
 --          reservation is used once: a second claim of it (a duplicated or redelivered
 --          message) is checked afresh instead of running on, or giving back, units that
 --          were already used.
+--          For 'admit' and 'reserve' (at publish): a counter (same hash tag) of the tasks
+--          held back there, by the window or a pause (kept HELD_COUNT_TTL_MS after the last).
 -- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
 -- ARGV[2]  op: 'acquire' | 'peek' | 'claim' | 'screen' | 'reserve' | 'admit' ('screen':
 --          like 'acquire', but a call that fits now is not recorded: the worker's pool
@@ -266,8 +268,18 @@ if op == 'claim' then
   end
 end
 
+-- At publish, a task held back (by the window, or a pause) is counted for `status`.
+local at_publish = (op == 'admit' or op == 'reserve') and KEYS[2] ~= nil
+local function count_held()
+  if at_publish then
+    redis.call('INCR', KEYS[2])
+    redis.call('PEXPIRE', KEYS[2], HELD_COUNT_TTL_MS)
+  end
+end
+
 if not_before - now > pause_horizon and op ~= 'peek' then
   write_back()  -- (a claim's units given back above)
+  count_held()
   return reply(DENIED, pause_horizon, 0, 0)
 end
 
@@ -289,6 +301,7 @@ end
 -- starts in a pause; a task sent at publish cannot start before it reaches a worker.
 local x, settled = math.max(now, not_before), false
 if op == 'reserve' and delay ~= nil then x = math.max(x, now + lead(half_pace)) end
+local earliest_arrival = x
 for _ = 1, SETTLE_ROUNDS do
   settled = true
   for _, r in ipairs(rates) do
@@ -329,4 +342,5 @@ elseif settled and (reserve or op == 'reserve') then
   end
 end
 write_back()
+if code ~= RUN and (x > earliest_arrival or not_before > now or not settled) then count_held() end
 return reply(code, x - now, start, latest, start > 0 and grace or 0, leased)
