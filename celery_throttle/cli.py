@@ -15,10 +15,10 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .connection import safe_url
 from .controller import controller
-from .deferral import HEADER, read_state
 from .errors import ThrottleError
 from .keys import state_of, target_matches
 from .parking import decode_message, parked_task_id
+from .why import REPLY_TIMEOUT, explain, parked_call
 
 __all__ = ["throttle"]
 
@@ -209,6 +209,74 @@ def doctor(ctx: click.Context) -> None:
 
 
 @throttle.command()
+@click.argument("task_id")
+@click.option("--timeout", default=REPLY_TIMEOUT, show_default=True, help="Seconds to wait for the workers' answers.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
+@click.pass_context
+def why(ctx: click.Context, task_id: str, timeout: float, as_json: bool) -> None:
+    """Where task TASK_ID waits, until when, and what holds it.
+
+    Parked (the store), or held by a worker: a countdown for its reserved start,
+    received and waiting for a pool process, or running.
+    """
+    found = explain(_controller(ctx), task_id, timeout)
+    if as_json:
+        click.echo(json.dumps(_whereabouts_dict(found), indent=2))
+        return
+    for line in _whereabouts_lines(found):
+        click.echo(line)
+
+
+_WHERE = {
+    "parked": "parked in the store, due {until}",
+    "releasing": "being sent back from the store (taken at {until})",
+    "dead": "a dead letter since {until}: it could not be sent back (throttle parked --dead)",
+    "countdown": "held by worker {worker} as a countdown until {until}",
+    "received": "received by worker {worker}, waiting for a pool process",
+    "running": "running on worker {worker}",
+}
+
+
+def _whereabouts_lines(found: Any) -> list[str]:
+    head = f"task {found.task_id}" + (f" ({found.name})" if found.name else "")
+    if found.where == "unknown":
+        return [(f"{head}: not waiting in the throttle: it is not parked, and none of the {found.workers_asked} "
+                "worker(s) that answered holds it (it may be in a queue no worker has taken it from yet, done, "
+                "or unknown)")]
+    until = "?" if found.until is None else f"{_when(found.until)} ({_from_now(found.until)})"
+    lines = [f"{head}: {_WHERE[found.where].format(until=until, worker=found.worker)}"]
+    if found.scope is not None:
+        start = "" if found.start is None else f": reserved start {_when(found.start)} ({_from_now(found.start)})"
+        lines.append(f"{_target(found.scope, found.key)}{start}")
+    if found.held_by_pause or found.paused_until is not None:
+        lines.append("held by: a pause " + ("that has ended" if found.paused_until is None else _until(found.paused_until)))
+    elif found.fullest is not None:
+        r = found.fullest
+        lines.append(f"held by: the rate {r.rate} ({r.used} used, {r.remaining} left now, resets "
+                     f"{_when(r.reset_at)})")
+    return lines
+
+
+def _whereabouts_dict(found: Any) -> dict[str, Any]:
+    r = found.fullest
+    return {
+        "task_id": found.task_id, "where": found.where, "name": found.name, "scope": found.scope, "key": found.key,
+        "until": None if found.until is None else _iso(found.until),
+        "reserved_start": None if found.start is None else _iso(found.start), "worker": found.worker,
+        "held_by_pause": found.held_by_pause,
+        "paused_until": None if found.paused_until is None else (
+            "until resumed" if found.paused_until == float("inf") else _iso(found.paused_until)),
+        "fullest_rate": None if r is None else {"rate": str(r.rate), "used": r.used, "remaining": r.remaining,
+                                                "reset_at": _iso(r.reset_at)},
+    }
+
+
+def _from_now(timestamp: float) -> str:
+    seconds = timestamp - dt.datetime.now().timestamp()
+    return f"in {seconds:.1f}s" if seconds >= 0 else f"{-seconds:.1f}s ago"
+
+
+@throttle.command()
 @click.argument("scope")
 @click.option("--key", default=None, help="The key (e.g. tenant id) within the scope.")
 @click.pass_context
@@ -280,13 +348,9 @@ def _dead_letters(ctl: Any, requeue: bool, drop: bool, yes: bool) -> None:
 def _parked_task(ctl: Any, message: bytes | None) -> tuple[str, str, str | None]:
     """(task name, scope, key) of a parked message; its scope from the reservation it
     carries, else "?"."""
-    try:
-        body = decode_message(ctl.app, message or b"")
-    except (ValueError, TypeError, AttributeError, DecodeError, ContentDisallowed):
-        return "<cannot be decoded>", "?", None
-    state = read_state((body["options"].get("headers") or {}).get(HEADER))
+    name, state = parked_call(ctl, message)
     named = state_of(ctl.settings.key_prefix, state["k"]) if "k" in state else None
-    return body["task"], *(named or ("?", None))
+    return name, *(named or ("?", None))
 
 
 def _task_name(app: Any, message: bytes | None) -> str:

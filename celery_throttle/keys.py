@@ -17,9 +17,9 @@ from urllib.parse import quote, unquote
 
 from .errors import ConfigurationError
 
-__all__ = ["MAX_TOKEN", "PARKED_TAG_END", "control_key", "dead_letter_keys", "decode", "encode", "held_count_key",
-           "parked_patterns", "parking_keys", "scan_pattern", "state_key", "state_of", "state_tag", "target_matches",
-           "wake_key"]
+__all__ = ["MAX_TOKEN", "PARKED_TAG_END", "control_key", "dead_letter_keys", "decode", "encode", "glob_escape",
+           "held_count_key", "parked_patterns", "parking_keys", "scan_pattern", "state_key", "state_of", "state_tag",
+           "target_matches", "wake_key"]
 
 # Characters kept as they are; everything else is percent-encoded (":" "{" "}" "%" "#"
 # included), which makes the encoding injective and leaves ":" free as a separator.
@@ -92,8 +92,12 @@ def dead_letter_keys(prefix: str) -> tuple[str, str]:
 def scan_pattern(prefix: str) -> str:
     """A SCAN MATCH pattern for every state hash under ``prefix`` (and a few other keys
     that :func:`state_of` turns away)."""
-    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
-    return f"{escaped}:{{*}}"
+    return f"{glob_escape(prefix)}:{{*}}"
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a Redis MATCH pattern that matches only itself."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
 
 
 def state_of(prefix: str, redis_key: str) -> tuple[str, str | None] | None:

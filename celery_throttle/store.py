@@ -27,7 +27,15 @@ from .connection import connect, safe_url
 from .controls import FOREVER_US
 from .doctor import StoreReport, examine
 from .errors import StoreError
-from .keys import control_key, dead_letter_keys, held_count_key, parking_keys, wake_key
+from .keys import (
+    PARKED_TAG_END,
+    control_key,
+    dead_letter_keys,
+    glob_escape,
+    held_count_key,
+    parking_keys,
+    wake_key,
+)
 from .rates import Rate
 from .timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 
@@ -436,6 +444,21 @@ class RedisStore:
                 bodies = self.client.hmget(messages, [i for i, _ in chunk])
                 out += [(i.decode(), int(when), body) for (i, when), body in zip(chunk, bodies)]
         return out
+
+    def find_parked(self, task_id: str) -> list[tuple[str, str, int, bytes | None]]:
+        """Where the store holds task ``task_id``: (``waiting`` | ``releasing`` | ``dead``,
+        parked id, due / lease expiry / given up at in µs, message), by ZSCAN (a parked id
+        is ``[tag|]task id:suffix``: :func:`.parking.parked_task_id`)."""
+        due, messages, inflight = parking_keys(self.prefix)
+        _, dead = dead_letter_keys(self.prefix)
+        found: list[tuple[str, str, int, bytes | None]] = []
+        with self._errors():
+            for where, key in (("waiting", due), ("releasing", inflight), ("dead", dead)):
+                for member, score in self.client.zscan_iter(key, match=f"*{glob_escape(task_id)}:*", count=1000):
+                    parked_id = member.decode()
+                    if parked_id.rpartition(PARKED_TAG_END)[2].rpartition(":")[0] == task_id:
+                        found.append((where, parked_id, int(score), self.client.hget(messages, member)))
+        return found
 
     def purge(self, parked_ids: Sequence[str]) -> int:
         """Delete parked messages still waiting (one a releaser took meanwhile goes on)."""

@@ -31,6 +31,7 @@ from .parking import Releaser
 from .publish import wrap_send_task
 from .screen import ScreenStep, screen_strategies
 from .spec import declared_spec
+from .why import throttle_why as _why_command  # noqa: F401 - registers the remote control command
 
 __all__ = ["ThrottleStep", "attach_to_running_workers", "install", "patch_tasks"]
 

@@ -6,6 +6,7 @@ steers them through a controller on the same store and key prefix.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -213,3 +214,36 @@ def test_backoff_from_raises_on_429_and_503_only() -> None:
     with pytest.raises(celery_throttle.Backoff) as unavailable:
         celery_throttle.backoff_from(Response(503, {}), default=5)
     assert unavailable.value.seconds == 5
+
+
+def test_why_says_where_a_task_waits_until_when_and_what_holds_it(workers: WorkerGroup) -> None:
+    # Given 6 tasks of one tenant under 3/10s sent by a producer that parks long waits,
+    # and 6 of another by one that sends them with their countdown (park_after 60 s)
+    label, parked_tenant, counted_tenant = new_label(), f"p-{new_label()}", f"c-{new_label()}"
+    parked = workers.produce({"how": "delay", "task": "pub_below", "args": [label, parked_tenant], "count": 6})
+    counted = workers.produce({"how": "delay", "task": "pub_below", "args": [label, counted_tenant], "count": 6},
+                              CT_PARK_AFTER="60")
+    parked_id = parked["denials"][-1]["id"]
+    counted_id = counted["denials"][-1]["id"]
+    assert parked["denials"][-1]["parked"] and not counted["denials"][-1]["parked"]
+
+    def why(task_id: str) -> str:
+        done = run_cli(workers, "why", task_id)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    # Then `why` finds the parked one in the store: due when, its key, the rate holding it
+    out = why(parked_id)
+    assert f"task {parked_id} (tests.taskapp.pub_below): parked in the store, due " in out, out
+    assert f"scope 'tests.taskapp.pub_below' key '{parked_tenant}': reserved start " in out, out
+    assert "held by: the rate 3/10s (3 used, 0 left now" in out, out
+    # And the other in the worker that holds it as a countdown for its reserved start
+    def held_as_countdown() -> str | None:
+        text = why(counted_id)
+        return text if "countdown" in text else None
+
+    out = wait_for(held_as_countdown, 15, 0.5, what="a worker holding the countdown")
+    assert re.search(rf"held by worker w\d-{workers.prefix}@\S+ as a countdown until ", out), out
+    assert f"key '{counted_tenant}': reserved start " in out and "held by: the rate 3/10s" in out, out
+    # And a task id nobody holds is said to be so, not an error
+    assert "not waiting in the throttle" in why(f"no-such-{label}")
