@@ -13,6 +13,7 @@ from typing import Any
 import click
 from kombu.exceptions import ContentDisallowed, DecodeError
 
+from .broker_parking import broker_parking
 from .connection import safe_url
 from .controller import controller
 from .errors import ThrottleError
@@ -196,7 +197,7 @@ def resume(ctx: click.Context, scope: str, key: str | None) -> None:
 def doctor(ctx: click.Context) -> None:
     """Check the store: can it evict or lose parked tasks and counts? Exit 1 if so."""
     ctl = _controller(ctx)
-    report = ctl.store.report()
+    report = ctl.store.report(broker_parking(ctl) is not None)
     click.echo(f"store {safe_url(ctl.store.url)} (run id {(report.run_id or '?')[:8]})")
     for risk in report.risks:
         click.echo(f"RISK: {risk}")
@@ -231,6 +232,8 @@ _WHERE = {
     "parked": "parked in the store, due {until}",
     "releasing": "being sent back from the store (taken at {until})",
     "dead": "a dead letter since {until}: it could not be sent back (throttle parked --dead)",
+    "delayed": "parked in the broker's delay queues, due in its queue at {until}",
+    "held": "held in the broker until the pause holding it is over",
     "countdown": "held by worker {worker} as a countdown until {until}",
     "received": "received by worker {worker}, waiting for a pool process",
     "running": "running on worker {worker}",
@@ -328,6 +331,10 @@ def parked(ctx: click.Context, tasks: bool, match: str, key_match: str | None, p
                        f"last {_when(max(dues))}")
     count, in_flight, dead_count = store.parked_count()
     click.echo(f"parked: {count} waiting, {in_flight} being released, {dead_count} dead")
+    broker = broker_parking(ctl)
+    if broker is not None:
+        delayed, held = broker.counts()
+        click.echo(f"in the broker: {delayed} in its delay queues (of every app on it), {held} held by a pause")
 
 
 def _dead_letters(ctl: Any, requeue: bool, drop: bool, yes: bool) -> None:

@@ -18,6 +18,7 @@ __all__ = ["ALGORITHMS", "STORE_ERROR_POLICIES", "Settings", "check_margin", "ch
 
 ALGORITHMS = ("sliding", "fixed")
 STORE_ERROR_POLICIES = ("defer", "allow", "fail")
+PARK_IN = ("auto", "broker", "store")
 _DEFAULT_REDIS = "redis://localhost:6379/0"
 
 
@@ -42,6 +43,10 @@ class Settings:
     #: A denied task whose wait is longer than this (seconds) is parked in Redis
     #: instead of waiting as an ETA message in a worker's memory.
     park_after: float = 60.0
+    #: Where parked tasks wait: "broker" (RabbitMQ's durable delay queues: as durable
+    #: as the broker's own messages), "store" (Redis), or "auto": the broker when it is
+    #: an AMQP one, else the store (a Redis broker usually is the store).
+    park_in: str = "auto"
     #: How late (seconds) a task may start after its reserved time and still use it.
     #: None: 2% of the shortest window, between 10 ms and 2 s.
     start_grace: float | None = None
@@ -108,6 +113,8 @@ class Settings:
             raise ConfigurationError(f"throttle_redis_url must be a URL string, got {self.redis_url!r}")
         if not isinstance(self.rules, Mapping):
             raise ConfigurationError("throttle_rules must be a dict of task-name glob -> options")
+        if self.park_in not in PARK_IN:
+            raise ConfigurationError(f"throttle_park_in {self.park_in!r}: use one of {PARK_IN}")
         check_max_wait(self.max_wait, "throttle_max_wait")
         check_margin(self.margin, "throttle_margin")
         if not isinstance(self.metrics_keys, bool):

@@ -70,6 +70,11 @@ class Controls:
         until = pauses.get(pause_field(scope, None), 0)
         return max(until, pauses.get(pause_field(scope, key), 0)) if key is not None else until
 
+    def pauses(self, store: Any) -> dict[str, int]:
+        """Every pause: field to end (µs, Redis clock)."""
+        self._maybe_refresh(store)
+        return dict(self._pauses)
+
     def limits_for(self, store: Any, scope: str, key: str | None) -> tuple[Rate, ...] | None:
         """The live limit of ``scope``/``key`` (the key's own first), or None."""
         self._maybe_refresh(store)

@@ -17,6 +17,7 @@ from celery.exceptions import Reject
 
 from . import signals
 from .errors import StoreError
+from .header import HEADER, read_state
 from .keys import state_key, state_tag
 from .parking import park
 from .spec import BoundCall
@@ -25,15 +26,9 @@ from .store import Code, Reservation, WindowReply, rates_tag
 if TYPE_CHECKING:
     from .limiter import Throttle
 
-__all__ = ["HEADER", "TurnedAway", "plan_return", "read_state"]
+__all__ = ["HEADER", "KEPT_PROPERTIES", "TurnedAway", "kept_properties", "plan_return", "read_state"]
 
 logger = logging.getLogger("celery_throttle")
-
-#: Message header carrying a deferred task's reservation and counters:
-#: ``k`` the state key it was reserved under, ``r`` the reservation
-#: (:meth:`Reservation.to_header`), ``n`` deferrals so far, ``e`` store errors in a row,
-#: ``p`` 1 if a pause held it (it was parked, for a resume to send it at once).
-HEADER = "celery_throttle"
 
 #: Message properties a re-send carries over from the message it replaces (Celery's
 #: ``signature_from_request``, as ``retry()`` uses it, rebuilds the message from the
@@ -41,28 +36,6 @@ HEADER = "celery_throttle"
 #: sending connection's user. Not ``expiration``: a parked or delayed message would
 #: expire while it waits for its start.
 KEPT_PROPERTIES = ("app_id", "type", "message_id", "timestamp")
-
-
-def read_state(value: Any) -> dict[str, Any]:
-    """The header of a message as this module wrote it, from whatever it holds.
-
-    A message may come from a foreign producer, an older version or a hand: anything
-    that is not what we write counts as absent (a fresh call), field by field, and
-    never raises.
-    """
-    if not isinstance(value, dict):
-        return {}
-    state: dict[str, Any] = {}
-    if isinstance(value.get("k"), str):
-        state["k"] = value["k"]
-    reservation = Reservation.from_header(value.get("r"))
-    if reservation is not None:
-        state["r"] = reservation.to_header()
-    for counter in ("n", "e", "p"):
-        number = value.get(counter)
-        if isinstance(number, int) and not isinstance(number, bool) and 0 <= number < 2**31:
-            state[counter] = number
-    return state
 
 
 def plan_return(ctl: Throttle, call: BoundCall, state: dict[str, Any], claim: Reservation | None,
@@ -139,7 +112,7 @@ class TurnedAway:
         if parked and now_us is not None:
             try:
                 park(ctl, sig, due_us=now_us + int(delay * 1e6),
-                     tag=state_tag(call.scope, call.key) if held else None)
+                     tag=state_tag(call.scope, call.key) if held else None, now_us=now_us)
             except StoreError as exc:
                 # Sent back with its countdown instead: it waits in a worker, but it is not lost.
                 logger.warning("could not park %s[%s], sending it back for %.1fs instead: %s",

@@ -56,10 +56,13 @@ def _config(client: Any, name: str) -> str | None:
     return None if value is None else str(value)
 
 
-def examine(client: Any) -> StoreReport:
+def examine(client: Any, parks_in_broker: bool = False) -> StoreReport:
     """Read the store's eviction policy, persistence and run id (raises RedisError only
-    if the server cannot be reached at all)."""
+    if the server cannot be reached at all). ``parks_in_broker``: parked tasks are kept
+    in the broker (broker_parking.py), so the store cannot lose them."""
     info = _one_node(client.info())
+    parked = "" if parks_in_broker else "parked tasks (they are lost) and "
+    kept = " (parked tasks are kept in the broker)" if parks_in_broker else ""
     risks: list[str] = []
     unchecked: list[str] = []
     policy = _config(client, "maxmemory-policy") or info.get("maxmemory_policy")
@@ -69,16 +72,16 @@ def examine(client: Any) -> StoreReport:
         risks.append(f"maxmemory-policy is {policy}: under memory pressure Redis may evict window counts "
                      "(a limit forgets what it counted); set maxmemory-policy noeviction on the store")
     elif policy != "noeviction":
-        risks.append(f"maxmemory-policy is {policy}: under memory pressure Redis may evict parked tasks "
-                     "(they are lost) and window counts; set maxmemory-policy noeviction on the store, or "
-                     "give the throttle a Redis of its own that does not evict")
+        risks.append(f"maxmemory-policy is {policy}: under memory pressure Redis may evict {parked}window "
+                     f"counts and pauses{kept}; set maxmemory-policy noeviction on the store, or give the "
+                     "throttle a Redis of its own that does not evict")
     save, appendonly = _config(client, "save"), _config(client, "appendonly")
     aof = appendonly == "yes" if appendonly is not None else bool(info.get("aof_enabled"))
     if save is None and appendonly is None:
         if not aof:
             unchecked.append("RDB snapshots (CONFIG refused; INFO shows no AOF): if the store keeps nothing "
-                             "on disk, a restart loses parked tasks")
+                             f"on disk, a restart loses {parked}counts and pauses{kept}")
     elif not aof and not (save or "").strip():
         risks.append("the store keeps nothing on disk (save \"\", appendonly no): a restart empties it and "
-                     "loses parked tasks and counts; turn on appendonly yes (or RDB snapshots)")
+                     f"loses {parked}counts and pauses{kept}; turn on appendonly yes (or RDB snapshots)")
     return StoreReport(info.get("run_id"), tuple(risks), tuple(unchecked))

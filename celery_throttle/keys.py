@@ -17,7 +17,7 @@ from urllib.parse import quote, unquote
 
 from .errors import ConfigurationError
 
-__all__ = ["MAX_TOKEN", "PARKED_TAG_END", "control_key", "dead_letter_keys", "decode", "encode", "glob_escape",
+__all__ = ["MAX_TOKEN", "PARKED_TAG_END", "broker_index_keys", "control_key", "dead_letter_keys", "decode", "encode", "glob_escape",
            "held_count_key", "parked_patterns", "parking_keys", "scan_pattern", "state_key", "state_of", "state_tag",
            "target_matches", "wake_key"]
 
@@ -77,6 +77,11 @@ def parked_patterns(scope: str, key: str | None) -> tuple[str, ...]:
 def parking_keys(prefix: str) -> tuple[str, str, str]:
     """Parked ids by due time, parked messages, in-flight ids by lease expiry."""
     return (f"{prefix}:{{parked}}:due", f"{prefix}:{{parked}}:messages", f"{prefix}:{{parked}}:inflight")
+
+
+def broker_index_keys(prefix: str) -> tuple[str, str]:
+    """Tasks parked in the broker, by due time, and what each is (for ``throttle why``)."""
+    return f"{prefix}:{{parked}}:broker", f"{prefix}:{{parked}}:broker:info"
 
 
 def wake_key(prefix: str) -> str:

@@ -105,6 +105,9 @@ class Throttle:
         self.store_run_id: str | None = None
         #: What the script is told, by call shape (see _window_call).
         self._requests: dict[tuple[Any, ...], WindowCall] = {}
+        #: Where long waits go in the broker (:func:`.broker_parking.broker_parking`), once
+        #: looked at; False: in the store.
+        self.broker_parking: Any = None
 
     # -- configuration ----------------------------------------------------------------
     def configure(self, overrides: Mapping[str, Any]) -> None:
@@ -114,6 +117,7 @@ class Throttle:
             self._settings = None
             self._rules = None
             self._requests = {}
+            self.broker_parking = None
         self.close()
         _ = self.settings  # validate now, loudly
 
@@ -424,7 +428,7 @@ class Throttle:
         self._controls.note(field, None)
         found = self.store.clear_control(field)
         due = self.store.hasten(parked_patterns(scope, key), self.store.now_us())
-        if due:
+        if due or found:  # (found: it may hold tasks in the broker's held queue, uncounted)
             self.store.wake_releasers()
             logger.warning("resumed scope %r%s: %d parked task(s) it held are due now", scope,
                            "" if key is None else f" key {key!r}", due)
@@ -440,6 +444,15 @@ class Throttle:
         """When the pause covering ``call`` ends (µs, Redis clock; this process's copy of
         the controls), or 0."""
         return self._controls.paused_until(self.store, call.scope, call.key)
+
+    def pause_end_of(self, scope: str, key: str | None) -> int:
+        """When the pause covering ``scope``/``key`` ends (µs, Redis clock; this process's
+        copy of the controls), or 0."""
+        return self._controls.paused_until(self.store, scope, key)
+
+    def pauses(self) -> dict[str, int]:
+        """This process's copy of the pauses: control field to end (µs, Redis clock)."""
+        return self._controls.pauses(self.store)
 
     def refresh_controls(self) -> None:
         """Read pauses and live limits now (a task held by a pause arrives: is it over?)."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kombu.serialization import dumps, loads, prepare_accept_content
 
+from .broker_parking import broker_parking
 from .errors import StoreError
 from .keys import PARKED_TAG_END
 
@@ -46,6 +47,9 @@ MAX_ATTEMPTS = 5
 WAKE_SLICE = 1.0
 #: Seconds between two looks at the store's run id (a restart is logged within this).
 STORE_WATCH_EVERY = 10.0
+#: Seconds an entry of the index of tasks parked in the broker is kept after it was due
+#: (the task has reached its queue by then, or `throttle why` asks the workers).
+BROKER_INDEX_KEPT = 60.0
 #: Seconds between two reads of the parked count for the Prometheus gauge.
 _GAUGE_EVERY = 10.0
 
@@ -72,10 +76,20 @@ def decode_message(app: Any, message: bytes) -> dict[str, Any]:
     return body
 
 
-def park(ctl: Throttle, sig: Any, due_us: int, tag: str | None = None) -> str:
-    """Store a deferred task's message in Redis until ``due_us`` (Redis clock). ``tag``:
-    the state tag of its scope and key (:func:`.keys.state_tag`), so that a resume finds
-    it; its id starts with it."""
+def park(ctl: Throttle, sig: Any, due_us: int, tag: str | None = None, *, now_us: int | None = None) -> str:
+    """Keep a deferred task's message until ``due_us`` (Redis clock): in RabbitMQ when
+    ``ctl`` parks there (:mod:`.broker_parking`; ``now_us``, the Redis clock's now, gives
+    the wait), else in Redis. ``tag``: the state tag of its scope and key
+    (:func:`.keys.state_tag`) when a pause holds it, so that a resume finds it; its id
+    starts with it. Returns its parked id (``""``: in the broker)."""
+    broker = broker_parking(ctl)
+    if broker is not None and now_us is not None:
+        try:
+            broker.park(sig, due_us, now_us, held=tag is not None)
+            return ""
+        except Exception as exc:  # noqa: BLE001 - any broker error: the store keeps it instead
+            logger.warning("could not park %s[%s] in the broker, parking it in the store: %r", sig.task,
+                           sig.options.get("task_id"), exc)
     parked_id = f"{sig.options.get('task_id')}:{uuid.uuid4().hex[:12]}"
     if tag is not None:
         parked_id = f"{tag}{PARKED_TAG_END}{parked_id}"
@@ -97,6 +111,11 @@ class Releaser(threading.Thread):
         self._stop_event = threading.Event()
         self._gauged_at = float("-inf")
         self._watched_at = time.monotonic()
+        #: Woken by a resume since the last round.
+        self._woken = False
+        #: The pauses in force at the last round (None: no round yet): one that is gone
+        #: since (ended, resumed, or lost with the store) lets the tasks it held go.
+        self._pauses_seen: set[str] | None = None
 
     def run(self) -> None:
         interval = self.ctl.settings.release_interval
@@ -108,6 +127,12 @@ class Releaser(threading.Thread):
                 logger.warning("could not release parked tasks: %s", exc)
             except Exception:  # never let the thread die: parked tasks would wait forever
                 logger.exception("releasing parked tasks failed")
+            try:
+                self.move_held()
+            except StoreError as exc:  # the pauses cannot be read: what they hold stays held
+                logger.warning("could not look for tasks held by a pause that is over: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - the broker: tried again next round
+                logger.warning("could not move tasks held by a pause back to their queue: %r", exc)
 
     def _wait(self, seconds: float) -> bool:
         """Wait for the next round: ``seconds``, or less when a resume wakes this releaser
@@ -116,6 +141,7 @@ class Releaser(threading.Thread):
         while (left := deadline - time.monotonic()) > 0 and not self._stop_event.is_set():
             try:
                 if self.ctl.store.wait_for_wake(min(left, WAKE_SLICE)):
+                    self._woken = True
                     break
             except StoreError:
                 self._stop_event.wait(left)  # the round that follows says what is wrong
@@ -124,11 +150,25 @@ class Releaser(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
 
+    def move_held(self) -> None:
+        """With parking in the broker: move the tasks a pause held back to their queue
+        when a pause is over since the last round, or a resume woke this releaser (and
+        once at start: a pause may have ended while no worker ran)."""
+        broker = broker_parking(self.ctl)
+        if broker is None:
+            return
+        now_us = self.ctl.store.now_us()
+        active = {field for field, end in self.ctl.pauses().items() if end > now_us}
+        seen, self._pauses_seen = self._pauses_seen, active
+        woken, self._woken = self._woken, False
+        if woken or seen is None or not seen <= active:
+            broker.move_held()
+
     def _watch_store(self) -> None:
         """Say so when the store restarted (its run id changed) while this worker ran:
         whatever it did not keep on disk (parked tasks, counts) may be lost."""
         ctl = self.ctl
-        report = ctl.store.report()
+        report = ctl.store.report(broker_parking(ctl) is not None)
         before, ctl.store_run_id = ctl.store_run_id, report.run_id
         if before is not None and report.run_id is not None and report.run_id != before:
             ctl.metrics.store_error("restart")
@@ -174,6 +214,8 @@ class Releaser(threading.Thread):
         if time.monotonic() - self._watched_at > STORE_WATCH_EVERY:
             self._watched_at = time.monotonic()
             self._watch_store()
+            if broker_parking(ctl) is not None:
+                ctl.store.forget_in_broker(due_before_us=now_us - int(BROKER_INDEX_KEPT * 1e6))
         if ctl.metrics.enabled and time.monotonic() - self._gauged_at > _GAUGE_EVERY:
             self._gauged_at = time.monotonic()
             ctl.metrics.parked_waiting(ctl.store.parked_count()[0])

@@ -226,7 +226,7 @@ def _park(ctl: Throttle, name: str, deferral: Deferral, args: Any, kwargs: Any,
         kept.setdefault("root_id", parent.request.root_id or parent.request.id)
     try:
         park(ctl, app.signature(name, args, kwargs, **kept), due_us=deferral.now_us + int(deferral.delay * 1e6),
-             tag=state_tag(deferral.call.scope, deferral.call.key) if deferral.held else None)
+             tag=state_tag(deferral.call.scope, deferral.call.key) if deferral.held else None, now_us=deferral.now_us)
     except (StoreError, EncodeError, TypeError, ValueError) as exc:  # Redis, or an unserializable option
         logger.warning("could not park %s[%s] at publish, sending it with its countdown: %r",
                        name, kept.get("task_id"), exc)

@@ -29,6 +29,7 @@ from .doctor import StoreReport, examine
 from .errors import StoreError
 from .keys import (
     PARKED_TAG_END,
+    broker_index_keys,
     control_key,
     dead_letter_keys,
     glob_escape,
@@ -309,10 +310,10 @@ class RedisStore:
             self._prune_pauses(key, now)
             return until
 
-    def report(self) -> StoreReport:
+    def report(self, parks_in_broker: bool = False) -> StoreReport:
         """What this store risks (eviction, persistence) and its run id: see doctor.py."""
         with self._errors():
-            return examine(self.client)
+            return examine(self.client, parks_in_broker)
 
     def now_us(self) -> int:
         """The Redis clock (or the test clock)."""
@@ -459,6 +460,41 @@ class RedisStore:
                     if parked_id.rpartition(PARKED_TAG_END)[2].rpartition(":")[0] == task_id:
                         found.append((where, parked_id, int(score), self.client.hget(messages, member)))
         return found
+
+    # -- the index of tasks parked in the broker (see broker_parking.py) ------------------
+    def index_in_broker(self, task_id: str, due_us: int, info: str) -> None:
+        """Note a task parked in the broker, due at ``due_us``, and what it is."""
+        by_due, infos = broker_index_keys(self.prefix)
+        with self._errors():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zadd(by_due, {task_id: due_us})
+            pipe.hset(infos, task_id, info)
+            pipe.execute()
+
+    def find_in_broker(self, task_id: str) -> tuple[int, str] | None:
+        """(due in µs, what it is) of a task parked in the broker, if noted."""
+        by_due, infos = broker_index_keys(self.prefix)
+        with self._errors():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zscore(by_due, task_id)
+            pipe.hget(infos, task_id)
+            due, info = pipe.execute()
+        return None if due is None or info is None else (int(due), info.decode())
+
+    def forget_in_broker(self, task_ids: Sequence[str] = (), due_before_us: int | None = None) -> int:
+        """Drop index entries: these tasks', and (``due_before_us``) those due before then,
+        1000 at a time. Returns how many."""
+        by_due, infos = broker_index_keys(self.prefix)
+        with self._errors():
+            ids = list(task_ids)
+            if due_before_us is not None:
+                ids += [i.decode() for i in self.client.zrangebyscore(by_due, "-inf", due_before_us, 0, 1000)]
+            if not ids:
+                return 0
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrem(by_due, *ids)
+            pipe.hdel(infos, *ids)
+            return int(pipe.execute()[0])
 
     def purge(self, parked_ids: Sequence[str]) -> int:
         """Delete parked messages still waiting (one a releaser took meanwhile goes on)."""

@@ -1,7 +1,7 @@
 """``throttle why TASK_ID``: where one task waits, until when, and what holds it.
 
 The store answers for a parked task (waiting for its time, being released, or a dead
-letter). The workers answer, through Celery's remote control (the ``throttle_why``
+letter; or, noted in its index, parked in the broker). The workers answer, through Celery's remote control (the ``throttle_why``
 command registered here, in every process that imports the plugin), for a task they
 hold: as a countdown in the worker's timer (a task sent back, or sent at publish, to
 arrive for its reserved start), received and waiting for a pool process, or running. A
@@ -11,6 +11,7 @@ task found in neither waits in a queue no worker has taken it from, or is done.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from celery.worker.control import inspect_command
 from celery.worker.request import Request
 from kombu.exceptions import ContentDisallowed, DecodeError
 
-from .deferral import HEADER, read_state
+from .header import HEADER, read_state
 from .keys import PARKED_TAG_END, state_of
 from .parking import decode_message
 from .store import Reservation
@@ -38,8 +39,8 @@ class Whereabouts:
     """Where a task waits (``where``), and what is known of why."""
 
     task_id: str
-    #: ``parked`` | ``releasing`` | ``dead`` (the store), ``countdown`` | ``received`` |
-    #: ``running`` (a worker), or ``unknown``.
+    #: ``parked`` | ``releasing`` | ``dead`` (the store), ``delayed`` | ``held`` (parked in
+    #: the broker), ``countdown`` | ``received`` | ``running`` (a worker), or ``unknown``.
     where: str
     name: str | None = None
     scope: str | None = None
@@ -79,14 +80,21 @@ def explain(ctl: Throttle, task_id: str, timeout: float = REPLY_TIMEOUT) -> Wher
                           held_by_pause=PARKED_TAG_END in parked_id)
         if message is None:
             out.name = "<message gone>"
+    elif (noted := ctl.store.find_in_broker(task_id)) is not None:
+        due_us, info = noted
+        entry = json.loads(info)
+        state = read_state(entry.get("h"))
+        in_held_queue = bool(entry.get("held"))
+        out = Whereabouts(task_id, "held" if in_held_queue else "delayed", entry.get("t"),
+                          until=None if in_held_queue else due_us / 1e6, held_by_pause=in_held_queue)
     else:
         replies = ctl.app.control.broadcast("throttle_why", arguments={"task_id": task_id}, reply=True,
                                             timeout=timeout)
         answers = [(worker, answer) for reply in replies or () for worker, answer in reply.items()]
-        held = next(((w, a) for w, a in answers if isinstance(a, dict) and a.get("where")), None)
-        if held is None:
+        holder = next(((w, a) for w, a in answers if isinstance(a, dict) and a.get("where")), None)
+        if holder is None:
             return Whereabouts(task_id, "unknown", workers_asked=len(answers))
-        worker, answer = held
+        worker, answer = holder
         state = read_state(answer.get("header"))
         eta = answer.get("eta")
         out = Whereabouts(task_id, str(answer["where"]), answer.get("name"), worker=worker,

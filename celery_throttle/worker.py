@@ -22,6 +22,7 @@ from typing import Any
 from celery import bootsteps
 from celery.signals import worker_init, worker_shutdown
 
+from .broker_parking import broker_parking
 from .connection import safe_url
 from .controller import controller
 from .errors import StoreError
@@ -82,13 +83,14 @@ def _say_what_is_throttled(ctl: Throttle) -> None:
     names = sorted(name for name, task in ctl.app.tasks.items() if type(task).__dict__.get("_throttle_hooked"))
     shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
     try:
-        report = store.report()
+        report = store.report(broker_parking(ctl) is not None)
     except StoreError as exc:
         logger.warning("celery_throttle: throttling %d task(s) (%s); store %s not checked: %s", len(names), shown,
                        safe_url(store.url), exc)
         return
-    logger.info("celery_throttle: throttling %d task(s) (%s); store %s: %s", len(names), shown,
-                safe_url(store.url), report.summary())
+    logger.info("celery_throttle: throttling %d task(s) (%s); store %s: %s; long waits parked in the %s",
+                len(names), shown, safe_url(store.url), report.summary(),
+                "broker (RabbitMQ delay queues)" if broker_parking(ctl) is not None else "store")
     for risk in report.risks:
         logger.warning("celery_throttle: the throttle store %s: %s", safe_url(store.url), risk)
     ctl.store_run_id = report.run_id

@@ -60,5 +60,5 @@ def workers(store_client: redis.Redis, broker_url: str) -> Iterator[WorkerGroup]
     yield group
     group.stop()
     _clean(store_client, prefix)
-    delete_queues(broker_url, [group.queue, f"{group.queue}-alt"])
+    delete_queues(broker_url, group.queues)
 

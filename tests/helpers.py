@@ -197,6 +197,12 @@ class WorkerGroup:
         self.records = redis.Redis.from_url(records)
         self.sent: list[str] = []  # ids sent with send(): stop() deletes their results
 
+    @property
+    def queues(self) -> list[str]:
+        """The broker queues this group's tasks use: its own, the second one, and the
+        queue where tasks a pause holds wait when parking is in the broker."""
+        return [self.queue, f"{self.queue}-alt", f"{self.prefix}.held"]
+
     def _environ(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(CT_PREFIX=self.prefix, CT_QUEUE=self.queue, CT_BROKER=self.broker,

@@ -130,7 +130,7 @@ def test_workers_follow_a_failover_and_every_task_runs_once(sentinels: Sentinels
         starts = group.wait_starts(label, 40, timeout=90, settle=2.0)
     finally:
         group.stop()
-        delete_queues(BROKER_URL, [group.queue, f"{group.queue}-alt"])
+        delete_queues(BROKER_URL, group.queues)
         group.records.delete(f"{prefix}:starts", f"{prefix}:throttled", f"{prefix}:prerun", f"{prefix}:postrun")
     # Then every task ran exactly once
     counts = Counter(e["id"] for e in starts)

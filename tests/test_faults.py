@@ -49,7 +49,7 @@ def group_factory(store_client: redis.Redis) -> Iterator:
     for group in groups:
         group.stop()
         _clean(store_client, group.prefix)
-        delete_queues(group.broker, [group.queue, f"{group.queue}-alt"])
+        delete_queues(group.broker, group.queues)
 
 
 def _ran_once(group: WorkerGroup, label: str, ids: list[str]) -> list[dict]:

@@ -63,7 +63,7 @@ def pool_workers(request: pytest.FixtureRequest, store_client: redis.Redis) -> I
     finally:
         group.stop()
         _clean(store_client, prefix)
-        delete_queues(BROKER_URL, [group.queue, f"{group.queue}-alt"])
+        delete_queues(BROKER_URL, group.queues)
 
 
 def _warm_up(group: WorkerGroup) -> None:

@@ -9,11 +9,28 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 
+import pytest
 import redis
+from celery import Celery
 
-from tests.helpers import BROKER_URL, ROOT, RedisServer, WorkerGroup, wait_for
+import celery_throttle
+from celery_throttle.controls import CONTROL_REFRESH
+from tests.conftest import RABBITMQ_URL
+from tests.helpers import (
+    BROKER_URL,
+    ROOT,
+    RedisServer,
+    WorkerGroup,
+    assert_each_ran_once,
+    delete_queues,
+    new_label,
+    rabbitmq_or_skip,
+    run_cli,
+    wait_for,
+)
 
 
 def _doctor(store_url: str) -> subprocess.CompletedProcess[str]:
@@ -69,3 +86,48 @@ def test_a_store_that_restarts_empty_is_noticed_by_the_running_worker() -> None:
     finally:
         group.stop()
         server.stop()
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["long waits", "held by a pause"])
+def test_with_a_rabbitmq_broker_a_store_restarted_empty_loses_no_parked_task(
+        held: bool, store_client: redis.Redis) -> None:
+    # Given a RabbitMQ broker, and a store that keeps nothing on disk
+    broker = rabbitmq_or_skip(RABBITMQ_URL)
+    server = RedisServer().start()
+    group = WorkerGroup(prefix=f"ct-test-{uuid.uuid4().hex[:10]}", broker=broker, store=server.url, count=1,
+                        env={"CT_PARK_AFTER": "1"})
+    label, tenant = new_label(), f"durable-{new_label()}"
+    try:
+        group.start()
+        if held:  # (a pause of this tenant: every task it holds is parked, however short its wait)
+            app = Celery("operator", broker=broker, set_as_current=False)
+            ctl = celery_throttle.Throttle(app, {"redis_url": server.url, "key_prefix": group.prefix})
+            ctl.pause("tests.taskapp.slow_quota", key=tenant, seconds=600)
+            ctl.close()
+            time.sleep(CONTROL_REFRESH + 0.2)
+        # When 9 tasks of one tenant under 3/4s are sent: 6 parked (their waits of 4 s and
+        # 8 s), or all 9 held by the pause
+        ids = [group.send("slow_quota", label, tenant) for _ in range(9)]
+        parked = 9 if held else 6
+        wait_for(lambda: sum(d["parked"] for d in group.denials() if d["id"] in ids) >= parked, 20, 0.1,
+                 what=f"{parked} parked tasks")
+        # (kept in the broker: the store holds none of them)
+        with redis.Redis.from_url(server.url) as store:
+            assert store.zcard(f"{group.prefix}:{{parked}}:due") == 0
+        # (and `throttle why` says where one waits)
+        why = run_cli(group, "why", ids[-1])
+        assert ("held in the broker until the pause" if held else "parked in the broker's delay queues") \
+            in why.stdout, (why.stdout, why.stderr)
+        # And the store is killed and started again, empty (its pause gone with it)
+        server.kill()
+        RedisServer.start(server)
+        # Then every task runs, once
+        starts = group.wait_starts(label, 9, timeout=60)
+        assert_each_ran_once(starts, ids)
+        assert "could not park" not in group.log_text()
+    finally:
+        group.stop()
+        server.stop()
+        delete_queues(broker, group.queues)
+        for key in store_client.scan_iter(match=f"{group.prefix}*", count=1000):
+            store_client.delete(key)
