@@ -69,7 +69,7 @@ class Scale:
 FULL = Scale("25/s", 250, 700, 5, 0.5, 6, (10, 1000, 100000), 100000, 20000, 150,
              backlog_depths=(1, 1000, 10000, 100000), fit_calls=15000, fit_rounds=3,
              backlog_tasks=3000, floods=(1000, 10000, 100000), api_tasks=150,
-             api_margins=(0.02, 0.05, 0.1), api_cold=("moving", "fixed", "jitter"))
+             api_margins=(0.0, 0.05, 0.1), api_cold=("moving", "fixed", "jitter"))
 QUICK = Scale("20/s", 100, 400, 2, 0.25, 2, (10, 1000, 10000), 10000, 2000, 20,
               backlog_depths=(1, 1000, 10000), fit_calls=5000, fit_rounds=2,
               backlog_tasks=1000, floods=(1000, 10000), api_tasks=50, api_margins=(0.05,),

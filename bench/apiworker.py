@@ -98,8 +98,8 @@ def sliding(self, label, account):
 
 
 @app.task(bind=True, max_retries=None)
-@throttle(RATE, key="{account}", margin=0.02)
-def margin_02(self, label, account):
+@throttle(RATE, key="{account}", margin=0)
+def margin_0(self, label, account):
     call_api(self, label, account)
 
 

@@ -64,8 +64,9 @@ class Settings:
     #: Seconds added to every sliding window (per throttle: margin=): any two starts N
     #: apart are then at least a window plus this apart, so that the requests they make
     #: still arrive a window apart at an API that limits them (its clock, and the time
-    #: from a task's start to its request reaching it, differ from ours).
-    margin: float = 0.0
+    #: from a task's start to its request reaching it, differ from ours). None: 2% of
+    #: each window, at most 20 ms (timing.MARGIN_SHARE); 0: none.
+    margin: float | None = None
     #: Label metrics by key as well as scope (a tenant id per label value: unbounded).
     metrics_keys: bool = False
     #: Backoff (seconds) for tasks deferred because Redis could not be reached.

@@ -224,8 +224,9 @@ class Throttle:
         call = self.live(spec.bind(name, signature, args or (), kwargs or {}, self.settings.default_algorithm),
                          quick=quick)
         margin = spec.margin if spec.margin is not None else self.settings.margin
-        if margin and call.algorithm == "sliding":
-            call = replace(call, rates=_widened(call.rates, round(margin * 1_000_000)), fields=None)
+        if call.algorithm == "sliding" and margin != 0:
+            margin_us = -1 if margin is None else round(margin * 1_000_000)  # -1: the default, per rate
+            call = replace(call, rates=_widened(call.rates, margin_us), fields=None)
         return call
 
     def live(self, call: BoundCall, *, quick: bool = False) -> BoundCall:
@@ -524,8 +525,10 @@ def _tightest_limit(rates: tuple[Rate, ...]) -> int:
 
 @lru_cache(maxsize=1024)
 def _widened(rates: tuple[Rate, ...], margin_us: int) -> tuple[Rate, ...]:
-    """Each rate's window made ``margin_us`` longer (a window of its own in the state)."""
-    return tuple(Rate(r.limit, (r.period_us + margin_us) / 1_000_000) for r in rates)
+    """Each rate's window made ``margin_us`` longer (a window of its own in the state);
+    -1: by the default margin of its length (:func:`.timing.default_margin_us`)."""
+    return tuple(Rate(r.limit, (r.period_us + (margin_us if margin_us >= 0 else timing.default_margin_us(r.period_us)))
+                      / 1_000_000) for r in rates)
 
 
 @lru_cache(maxsize=1024)

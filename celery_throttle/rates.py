@@ -42,6 +42,8 @@ class Rate:
             if us >= unit_us and us % unit_us == 0:
                 count = us // unit_us
                 return f"{self.limit}/{count if count != 1 else ''}{name}"
+        if us >= 1_000_000:  # (a window with a margin: 10/1.02s)
+            return f"{self.limit}/{f'{us / 1e6:.6f}'.rstrip('0').rstrip('.')}s"
         return f"{self.limit}/{us // 1000 if us % 1000 == 0 else us / 1000}ms"
 
 

@@ -166,6 +166,33 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class SlowProxy:
+    """``tests.slow_proxy`` in a process of its own: the store ``target`` (a Redis URL)
+    behind a link that delays every reply by ``delay_ms``."""
+
+    def __init__(self, target: str, delay_ms: float) -> None:
+        self.target = redis.connection.parse_url(target)
+        self.port = free_port()
+        self.delay_ms = delay_ms
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/{self.target.get('db', 0)}"
+
+    def start(self) -> SlowProxy:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.slow_proxy", str(self.port), str(self.target.get("port", 6379)),
+             str(self.delay_ms)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == b"ready"
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
 def _pings(client: redis.Redis) -> bool:
     try:
         return bool(client.ping())

@@ -13,6 +13,7 @@ from celery_throttle.config import Settings
 from celery_throttle.errors import ConfigurationError
 from celery_throttle.keys import state_key
 from celery_throttle.spec import ThrottleSpec
+from celery_throttle.timing import default_margin_us
 from tests.helpers import WorkerGroup, wait_for
 from tests.reference import SlidingRate
 
@@ -40,7 +41,8 @@ def test_a_task_that_would_wait_past_its_max_wait_fails_naming_scope_key_and_wai
     assert sorted(g["id"] for g in mine) == sorted(r.id for r in failed)
     assert all(g["wait"] > 5 and g["max_wait"] == 5 for g in mine)
     # And nothing was reserved for them: the window holds only the 2 that ran
-    state = workers.records.hget(state_key(workers.prefix, "tests.taskapp.capped", tenant), "s2/60000000")
+    window_us = 60_000_000 + default_margin_us(60_000_000)  # (2/m, with the default margin)
+    state = workers.records.hget(state_key(workers.prefix, "tests.taskapp.capped", tenant), f"s2/{window_us}")
     assert sum(SlidingRate.decode(state)[1::2]) == 2
     for result in results:
         result.forget()

@@ -1,0 +1,55 @@
+"""A TCP proxy that delays every reply: a store on a slow link, for the tests.
+
+``python -m tests.slow_proxy LISTEN_PORT TARGET_PORT DELAY_MS``: each chunk the target
+(a Redis) sends back reaches the client DELAY_MS later, in order; requests go through at
+once. So every round trip to the store takes DELAY_MS more, as across a slow network or
+a far region. It prints "ready" once it listens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+    async def send() -> None:
+        while True:
+            due, data = await queue.get()
+            if not data:
+                break
+            await asyncio.sleep(max(due - loop.time(), 0))
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    sender = asyncio.create_task(send())
+    try:
+        while data := await reader.read(65536):
+            queue.put_nowait((loop.time() + delay, data))
+    finally:
+        queue.put_nowait((loop.time() + delay, b""))
+        await sender
+
+
+async def main(listen: int, target: int, delay_ms: float) -> None:
+    async def serve(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", target)
+        except OSError:
+            client_writer.close()
+            return
+        await asyncio.gather(_pipe(client_reader, upstream_writer, 0.0),
+                             _pipe(upstream_reader, client_writer, delay_ms / 1000), return_exceptions=True)
+
+    server = await asyncio.start_server(serve, "127.0.0.1", listen)
+    print("ready", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])))
