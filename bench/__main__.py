@@ -4,7 +4,8 @@ Sections: ``burst`` (1 violation, 2 makespan, 3 re-sends, 4 naive baselines, and
 chart), ``cost`` (5 check cost), ``overhead`` (6), ``memory`` (7), ``long`` (8 long waits),
 ``backlog`` (9 deep backlog cost, on a redis-server of its own), ``neighbour`` (10 noisy
 neighbour), ``api429`` (11 429s from a real rate-limited API: Flask-Limiter under gunicorn),
-``rpt`` (12 Redis per task, from usual producers, each run on a redis-server of its own).
+``rpt`` (12 Redis per task, from usual producers, each run on a redis-server of its own),
+``slow`` (13 a store 100 ms away, behind a delaying proxy).
 Starts its own workers against the local Redis (dbs 10 and 11, which it owns; not touched
 when only ``rpt`` runs), prints a table, writes bench/out/ (results.md, results.json,
 chart.png, worker logs). A full run also writes bench/results.md and bench/chart.png, to
@@ -24,7 +25,7 @@ from typing import Any
 
 from bench.common import BENCH_DIR, OUT_DIR, Results, broker_client, delete_prefix, new_prefix, store_client
 
-SECTIONS = ("burst", "cost", "overhead", "memory", "long", "backlog", "neighbour", "api429", "rpt")
+SECTIONS = ("burst", "cost", "overhead", "memory", "long", "backlog", "neighbour", "api429", "rpt", "slow")
 #: Sections that use only servers of their own: a run of these alone leaves the local
 #: Redis's databases 10 and 11 alone.
 OWN_SERVERS = frozenset({"rpt"})
@@ -33,7 +34,8 @@ ALIASES = {"1": "burst", "2": "burst", "3": "burst", "4": "burst", "violation": 
            "5": "cost", "checks": "cost", "6": "overhead", "7": "memory", "8": "long",
            "long-waits": "long", "9": "backlog", "deep-backlog": "backlog", "10": "neighbour",
            "neighbor": "neighbour", "noisy-neighbour": "neighbour", "11": "api429", "api": "api429",
-           "429": "api429", "429s": "api429", "12": "rpt", "redis-per-task": "rpt", "per-task": "rpt"}
+           "429": "api429", "429s": "api429", "12": "rpt", "redis-per-task": "rpt", "per-task": "rpt",
+           "13": "slow", "slow-store": "slow"}
 
 
 @dataclass(frozen=True)
@@ -80,14 +82,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small scale, 1-2 minutes")
     p.add_argument("--only", action="append", default=[], metavar="NAME",
-                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-12")
+                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-13")
     args = p.parse_args(argv)
     chosen = []
     for item in args.only:
         for name in item.split(","):
             name = ALIASES.get(name.strip().lower(), name.strip().lower())
             if name not in SECTIONS:
-                p.error(f"unknown section {name!r}: use one of {', '.join(SECTIONS)} or 1-12")
+                p.error(f"unknown section {name!r}: use one of {', '.join(SECTIONS)} or 1-13")
             chosen.append(name)
     args.sections = [s for s in SECTIONS if s in chosen] if chosen else list(SECTIONS)
     return args
@@ -188,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
 
             print("Redis per task: usual producers, a redis-server of its own per run ...", flush=True)
             _guard(res, "12 Redis per task", run_redis_per_task, res, args.quick)
+        if "slow" in args.sections:
+            from bench.slow_store import run_slow_store
+
+            print("slow store: a burst with the store 0 and 100 ms away ...", flush=True)
+            _guard(res, "13 slow store", run_slow_store, res, prefix, 1 if args.quick else 3)
     except KeyboardInterrupt:
         res.notes.append("interrupted")
     finally:

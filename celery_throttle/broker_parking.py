@@ -94,7 +94,7 @@ class BrokerParking:
 
     def park(self, sig: Any, due_us: int, now_us: int, held: bool) -> None:
         """Publish ``sig`` to arrive in its queue at ``due_us`` (Redis clock; ``now_us``
-        its now; to the second below: it claims its start, and waits out the rest), or,
+        its now), or,
         if a pause ``held`` it, to the held queue. Noted in the store's index for
         ``throttle why`` (if the store answers). Raises what the broker raises (the
         caller parks it in the store instead)."""
@@ -120,9 +120,11 @@ class BrokerParking:
             moved.apply_async(queue=self._held(), exchange_type="direct")
             return
         self._prepare(dest)
+        # The topology counts whole seconds: the task reaches its queue up to a second
+        # early, and its ETA (the countdown) holds it in the worker's timer for the rest.
         seconds = min(max(math.floor(delay), 1), MAX_DELAY)
         moved.apply_async(exchange=level_name(MAX_LEVEL, DELAY_PREFIX), exchange_type="topic",
-                          routing_key=calculate_routing_key(seconds, dest))
+                          routing_key=calculate_routing_key(seconds, dest), countdown=max(delay, 0.0))
 
     def destination(self, options: dict[str, Any]) -> str | None:
         """The name of the queue a message sent with ``options`` went to (Celery's

@@ -198,7 +198,9 @@ class Throttle:
         return timing.grace_us(tuple(rates), self.settings.start_grace)
 
     def lead_us(self, rates: Sequence[Rate], learnt: int = -1) -> int:
-        """How early a reserved task is sent back (µs); see :func:`.timing.lead_us`."""
+        """How early a reserved task is sent back (µs); see :func:`.timing.lead_us`. A
+        round trip to the store more when it is far: its claim must reach the store
+        before the start, and it waits out the rest in the worker."""
         return timing.lead_us(rates, self.grace_us(rates), learnt)
 
     @staticmethod
@@ -302,6 +304,9 @@ class Throttle:
         """The state key of ``call`` and what the script is told about it (``min_grace_us``:
         the least grace its reservation gets)."""
         not_before = self._controls.paused_until(store, call.scope, call.key)
+        # A store far away: a reserved start must stay open a round trip longer (the
+        # claim travels to it), however little the window's share.
+        min_grace_us = max(min_grace_us, timing.round_trip_allowance_us(store.rtt_us))
         # The same few shapes come again and again: their WindowCall (and with it the
         # ARGV window_argv builds from it) is made once, not on every check.
         shape = (call.algorithm, call.rates, call.cost, call.fields, max_wait, not_before, min_grace_us)
@@ -370,29 +375,48 @@ class Throttle:
     def known_scopes(self) -> list[str]:
         """The scopes this app's throttled tasks use (declared or by rule; a scope that
         is the task's name where none is given)."""
-        scopes = set()
+        return sorted({scope for scope, _ in self._known_specs()})
+
+    def _known_specs(self) -> list[tuple[str, ThrottleSpec]]:
+        """(scope, throttle) of every throttled task of this app, declared or by rule."""
+        out = []
         for name, task in list(self.app.tasks.items()):
             spec = declared_spec(task) or (None if name.startswith("celery.") else self.rule_for(name))
             if spec is not None:
-                scopes.add(spec.scope or name)
-        return sorted(scopes)
+                out.append((spec.scope or name, spec))
+        return out
+
+    def _declared_periods(self, scope: str, live_rates: Sequence[Rate]) -> set[int]:
+        """The window lengths (µs) declared for ``scope``: by its tasks' fixed rates, and
+        its live limit."""
+        periods = {r.period_us for r in live_rates}
+        for known, spec in self._known_specs():
+            if known == scope and isinstance(spec.rates, tuple):
+                periods.update(r.period_us for r in spec.rates)
+        return periods
 
     def _status(self, scope: str, key: str | None, pauses: Mapping[str, int],
                 limits: Mapping[str, tuple[Rate, ...]]) -> Status:
         hash_key = state_key(self.settings.key_prefix, scope, key)
         live_rates = (key is not None and limits.get(limit_field(scope, key))) or limits.get(limit_field(scope, None))
         live = {r.period_us: r for r in live_rates or ()}
-        seen: set[tuple[str, Rate, str]] = set()
+        seen: set[tuple[str, Rate, Rate, str]] = set()
+        declared = self._declared_periods(scope, live_rates or ())
         for field in self.store.read(hash_key):
             algorithm = _ALGORITHM_OF_TAG.get(field[:1])
             limit, _, period_us = field[1:].partition("/")
             if algorithm and limit.isdigit() and period_us.isdigit():
-                # The limit in force: the live one of this window length, if set.
-                rate = live.get(int(period_us)) or Rate(int(limit), int(period_us) / 1_000_000)
-                seen.add((algorithm, rate, field))
+                # Shown as declared (a window with the default margin as the rate without
+                # it), counted over the window stored. The limit in force: the live one
+                # of this window length, if set.
+                stored_us = int(period_us)
+                declared_us = next((d for d in declared if d + timing.default_margin_us(d) == stored_us
+                                    and algorithm == "sliding"), stored_us)
+                rate = live.get(declared_us) or Rate(int(limit), declared_us / 1_000_000)
+                seen.add((algorithm, rate, Rate(rate.limit, stored_us / 1_000_000), field))
         out = []
-        for algorithm, rate, field in sorted(seen):
-            reply = self.store.peek(hash_key, WindowCall(algorithm, (rate,), fields=(field,)))
+        for algorithm, rate, counted, field in sorted(seen):
+            reply = self.store.peek(hash_key, WindowCall(algorithm, (counted,), fields=(field,)))
             used = rate.limit - reply.remaining
             reset_at = (reply.clear_at_us or reply.now_us) / 1e6
             out.append(RateStatus(rate, algorithm, used, reply.remaining, reset_at))

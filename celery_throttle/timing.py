@@ -14,10 +14,24 @@ from functools import lru_cache
 from .rates import Rate
 
 __all__ = [
-    "CONTROL_REFRESH", "PUBLISH_GRACE_US", "PUBLISH_HINTS_KEPT", "PUBLISH_HINT_MAX", "QUICK_TIMEOUT", "SCRIPT_POLICY",
-    "STORE_CONNECT_TIMEOUT", "STORE_ERROR_PAUSE", "STORE_TIMEOUT", "ScriptPolicy", "default_margin_us", "grace_us",
+    "CONTROL_REFRESH",
+    "PUBLISH_GRACE_US",
+    "PUBLISH_HINTS_KEPT",
+    "PUBLISH_HINT_MAX",
+    "QUICK_TIMEOUT",
+    "SCRIPT_POLICY",
+    "STORE_CONNECT_TIMEOUT",
+    "STORE_ERROR_PAUSE",
+    "STORE_TIMEOUT",
+    "ScriptPolicy",
+    "default_margin_us",
+    "grace_us",
     "lead_us",
-    "lease_span_us", "shortest_us", "slack_us", "wait_here_us",
+    "lease_span_us",
+    "round_trip_allowance_us",
+    "shortest_us",
+    "slack_us",
+    "wait_here_us",
 ]
 
 #: How long (seconds) the pool's check waits on Redis for a reply, and for a connection
@@ -58,6 +72,9 @@ PUBLISH_HINTS_KEPT = 10_000
 #: 10/s task drew 1.3-2 429s per 100 requests cold; with 20 ms, none. It costs a saturated
 #: 1 s window 2% of its pace, and an hourly quota nothing worth naming.
 MARGIN_SHARE, MARGIN_MAX_US = 0.02, 20_000
+#: A store round trip (µs) counts in the grace and the lead from this long on (a store
+#: on the same host or network answers in well under it), in steps of this.
+RTT_COUNTS_FROM_US, RTT_STEP_US = 5_000, 10_000
 #: The slack: 1/100 of the shortest window, between these (µs). A busy machine can
 #: deschedule a process between the check and the first line of the body.
 SLACK_PARTS, SLACK_MIN_US, SLACK_MAX_US = 100, 2_000, 20_000
@@ -169,6 +186,15 @@ def lead_us(rates: Sequence[Rate], grace: int, learnt: int = -1) -> int:
         return learnt
     half_pace = min(r.period_us // r.limit // 2 for r in rates)
     return min(grace + min(grace, half_pace), LEAD_MAX_US)
+
+
+def round_trip_allowance_us(rtt_us: int) -> int:
+    """What a store's measured round trip adds to a reservation's grace and lead (µs): 0
+    under RTT_COUNTS_FROM_US (a local store), else the round trip rounded up to
+    RTT_STEP_US (a few values, so the calls of a key keep their cached shape)."""
+    if rtt_us < RTT_COUNTS_FROM_US:
+        return 0
+    return -(-rtt_us // RTT_STEP_US) * RTT_STEP_US
 
 
 def default_margin_us(period_us: int) -> int:

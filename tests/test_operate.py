@@ -239,7 +239,7 @@ def test_why_says_where_a_task_waits_until_when_and_what_holds_it(workers: Worke
              else "parked in the store, due ")
     assert f"task {parked_id} (tests.taskapp.pub_below): {where}" in out, out
     assert f"scope 'tests.taskapp.pub_below' key '{parked_tenant}': reserved start " in out, out
-    assert "held by: the rate 3/10.02s (3 used, 0 left now" in out, out
+    assert "held by: the rate 3/10s (3 used, 0 left now" in out, out
     # And the other in the worker that holds it as a countdown for its reserved start
     def held_as_countdown() -> str | None:
         text = why(counted_id)
@@ -247,6 +247,6 @@ def test_why_says_where_a_task_waits_until_when_and_what_holds_it(workers: Worke
 
     out = wait_for(held_as_countdown, 15, 0.5, what="a worker holding the countdown")
     assert re.search(rf"held by worker w\d-{workers.prefix}@\S+ as a countdown until ", out), out
-    assert f"key '{counted_tenant}': reserved start " in out and "held by: the rate 3/10.02s" in out, out
+    assert f"key '{counted_tenant}': reserved start " in out and "held by: the rate 3/10s" in out, out
     # And a task id nobody holds is said to be so, not an error
     assert "not waiting in the throttle" in why(f"no-such-{label}")
