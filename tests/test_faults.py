@@ -6,7 +6,6 @@ Each test starts the servers and workers it needs (loopback only) and is bounded
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import subprocess
 import threading
