@@ -201,7 +201,7 @@ class Throttle:
         """How early a reserved task is sent back (µs); see :func:`.timing.lead_us`. A
         round trip to the store more when it is far: its claim must reach the store
         before the start, and it waits out the rest in the worker."""
-        return timing.lead_us(rates, self.grace_us(rates), learnt)
+        return timing.lead_us(rates, self.grace_us(rates), learnt) + timing.round_trip_allowance_us(self.store.rtt_us)
 
     @staticmethod
     def slack_us(rates: Sequence[Rate]) -> int:
