@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import threading
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,11 @@ DEST_HEADER = "celery_throttle_to"
 MAX_DELAY = 2 ** (MAX_LEVEL + 1) - 1
 #: The delay prefix calculate_routing_key puts before a routing key (one bit per level).
 _DELAY_BITS = re.compile(rf"^(?:[01]\.){{{MAX_LEVEL + 1}}}")
+#: Seconds before its due time a task parked in the topology is aimed to reach its queue
+#: at least (the hops through its queues take some ms each; a task reaching its worker
+#: after its start would give it up). A wait under a second more than this is sent with
+#: its countdown instead.
+ARRIVAL_SLACK = 0.5
 #: Message properties a held task keeps when it is moved to its queue.
 _MOVED_PROPERTIES = ("correlation_id", "reply_to", "priority", "delivery_mode", "app_id", "type", "message_id",
                      "timestamp")
@@ -72,8 +78,11 @@ def parks_in_broker(ctl: Throttle) -> bool:
 
 
 def broker_parking(ctl: Throttle) -> BrokerParking | None:
-    """``ctl``'s broker parking, or None when it parks in the store (looked at once)."""
-    if ctl.broker_parking is None:
+    """``ctl``'s broker parking, or None when it parks in the store (looked at once per
+    process: a prefork child gets one of its own, not its parent's lock, which another
+    thread of the parent may have held when it forked)."""
+    current = ctl.broker_parking
+    if current is None or (isinstance(current, BrokerParking) and current.pid != os.getpid()):
         ctl.broker_parking = BrokerParking(ctl) if parks_in_broker(ctl) else False
     return ctl.broker_parking or None
 
@@ -84,6 +93,7 @@ class BrokerParking:
 
     def __init__(self, ctl: Throttle) -> None:
         self.ctl = ctl
+        self.pid = os.getpid()
         self._lock = threading.Lock()
         self._declared = False
         self._bound: set[str] = set()
@@ -119,10 +129,14 @@ class BrokerParking:
             self._prepare(dest=None)
             moved.apply_async(queue=self._held(), exchange_type="direct")
             return
+        if delay < 1 + ARRIVAL_SLACK:  # (the topology's least delay is a second)
+            moved.apply_async(countdown=max(delay, 0.0), queue=dest)
+            return
         self._prepare(dest)
-        # The topology counts whole seconds: the task reaches its queue up to a second
-        # early, and its ETA (the countdown) holds it in the worker's timer for the rest.
-        seconds = min(max(math.floor(delay), 1), MAX_DELAY)
+        # The topology counts whole seconds, and its hops take a little: the task is
+        # aimed ARRIVAL_SLACK early, and its ETA (the countdown) holds it in the worker's
+        # timer for the rest.
+        seconds = min(math.floor(delay - ARRIVAL_SLACK), MAX_DELAY)
         moved.apply_async(exchange=level_name(MAX_LEVEL, DELAY_PREFIX), exchange_type="topic",
                           routing_key=calculate_routing_key(seconds, dest), countdown=max(delay, 0.0))
 
