@@ -37,7 +37,7 @@ from kombu.transport.native_delayed_delivery import (
 
 from .controls import FOREVER_US
 from .errors import StoreError
-from .header import HEADER, read_state
+from .header import HEADER, read_state, without_dead_letter_headers
 from .keys import state_of
 
 if TYPE_CHECKING:
@@ -196,7 +196,7 @@ class BrokerParking:
                 message = queue.get(no_ack=False)
                 if message is None:
                     break
-                headers = dict(message.headers or {})
+                headers = without_dead_letter_headers(message.headers)
                 dest = headers.get(DEST_HEADER)
                 held = self._still_held(headers, now_us) or not isinstance(dest, str)
                 properties = {name: message.properties[name] for name in _MOVED_PROPERTIES

@@ -17,7 +17,7 @@ from celery.exceptions import Reject
 
 from . import signals
 from .errors import StoreError
-from .header import HEADER, read_state
+from .header import HEADER, read_state, without_dead_letter_headers
 from .keys import state_key, state_tag
 from .parking import park
 from .spec import BoundCall
@@ -101,7 +101,7 @@ class TurnedAway:
         done."""
         ctl, task, request, call = self.ctl, self.task, self.request, self.call
         self.state["n"] = int(self.state.get("n") or 0) + 1  # deferrals so far, for observability
-        headers = dict(request.headers or {})
+        headers = without_dead_letter_headers(request.headers)
         headers[HEADER] = self.state
         sig = task.signature_from_request(request, self.args, self.kwargs, headers=headers,
                                           **kept_properties(request))

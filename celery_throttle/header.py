@@ -7,13 +7,28 @@ from typing import Any
 
 from .store import Reservation
 
-__all__ = ["HEADER", "read_state"]
+__all__ = ["DEAD_LETTER_HEADERS", "HEADER", "read_state", "without_dead_letter_headers"]
 
 #: Message header carrying a deferred task's reservation and counters:
 #: ``k`` the state key it was reserved under, ``r`` the reservation
 #: (:meth:`Reservation.to_header`), ``n`` deferrals so far, ``e`` store errors in a row,
 #: ``p`` 1 if a pause held it (it was parked, for a resume to send it at once).
 HEADER = "celery_throttle"
+
+
+#: Headers RabbitMQ adds to a message it dead-letters, as the delay topology of broker
+#: parking does at each hop (the names Celery's own retry() drops, X_DEATH_HEADERS). A
+#: re-send that kept them would pass the same delay queue a second time with them, which
+#: RabbitMQ takes for a dead-letter cycle and drops the message, without a word.
+DEAD_LETTER_HEADERS = frozenset({"x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
+                                 "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason"})
+
+
+def without_dead_letter_headers(headers: Any) -> dict[str, Any]:
+    """A copy of a message's headers without DEAD_LETTER_HEADERS."""
+    if not isinstance(headers, dict):
+        return {}
+    return {name: value for name, value in headers.items() if name not in DEAD_LETTER_HEADERS}
 
 
 def read_state(value: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ managed caches often are, and a real worker whose store it is.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from tests.conftest import RABBITMQ_URL
 from tests.helpers import (
     BROKER_URL,
     ROOT,
+    STORE_URL,
     RedisServer,
     WorkerGroup,
     assert_each_ran_once,
@@ -114,10 +116,13 @@ def test_with_a_rabbitmq_broker_a_store_restarted_empty_loses_no_parked_task(
         # (kept in the broker: the store holds none of them)
         with redis.Redis.from_url(server.url) as store:
             assert store.zcard(f"{group.prefix}:{{parked}}:due") == 0
-        # (and `throttle why` says where one waits)
+        # (and `throttle why` says where one waits, `throttle parked` how many)
         why = run_cli(group, "why", ids[-1])
         assert ("held in the broker until the pause" if held else "parked in the broker's delay queues") \
             in why.stdout, (why.stdout, why.stderr)
+        counts = re.search(r"in the broker: (\d+) in its delay queues \(of every app on it\), (\d+) held by a pause",
+                           run_cli(group, "parked").stdout)
+        assert counts is not None and (int(counts[2]) == 9 if held else int(counts[1]) >= 6), counts
         # And the store is killed and started again, empty (its pause gone with it)
         server.kill()
         RedisServer.start(server)
@@ -130,4 +135,60 @@ def test_with_a_rabbitmq_broker_a_store_restarted_empty_loses_no_parked_task(
         server.stop()
         delete_queues(broker, group.queues)
         for key in store_client.scan_iter(match=f"{group.prefix}*", count=1000):
+            store_client.delete(key)
+
+
+def test_a_task_parked_in_the_broker_twice_reaches_its_queue_twice(store_client: redis.Redis) -> None:
+    # Given a RabbitMQ broker, and a task parked in its delay queues for 3.6 s (through
+    # two of them: 2 s, then 1 s), that has reached its queue, dead-lettered by both
+    from kombu import Connection, Queue
+
+    from celery_throttle.deferral import TurnedAway
+
+    broker = rabbitmq_or_skip(RABBITMQ_URL)
+    prefix = f"ct-test-{uuid.uuid4().hex[:10]}"
+    queue = f"{prefix}-q"
+    app = Celery("twice", broker=broker, set_as_current=False)
+    app.conf.update(task_default_queue=queue, broker_connection_retry_on_startup=True)
+    ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix, park_after=1.0)
+
+    @app.task(name="twice.job")
+    @celery_throttle.throttle("1/s")
+    def job_of(x):
+        return x
+
+    job = app.tasks["twice.job"]  # (a worker's view of it: the app finalized)
+
+    def arrived(timeout: float = 10) -> object:
+        deadline = time.monotonic() + timeout
+        with Connection(broker) as conn:
+            while time.monotonic() < deadline:
+                message = Queue(queue).bind(conn.default_channel).get(no_ack=True)
+                if message is not None:
+                    return message
+                time.sleep(0.05)
+        return None
+
+    try:
+        with app.connection_for_write() as conn:
+            Queue(queue).bind(conn.default_channel).declare()
+        now = ctl.store.now_us()
+        celery_throttle.parking.park(ctl, job.signature((1,), task_id="twice-1", queue=queue), now + 3_600_000,
+                                     now_us=now)
+        first = arrived()
+        assert first is not None and "x-death" in first.headers, "not through the delay queues"
+        # When a worker turns it away again for as long (it is sent back as a worker does it)
+        from celery.worker.request import Request
+
+        context = Request(first, app=app, task=job)._context
+        call = ctl.bind(job, (1,), {})
+        TurnedAway(ctl, job, context, (1,), {}, call, {}).send_back(3.6, ctl.store.now_us())
+        # Then it reaches its queue again (RabbitMQ drops a message that passes a delay
+        # queue it was dead-lettered from before, if it still carries the record of it)
+        again = arrived()
+        assert again is not None and again.headers["id"] == "twice-1"
+    finally:
+        ctl.close()
+        delete_queues(broker, [queue, f"{prefix}.held"])
+        for key in store_client.scan_iter(match=f"{prefix}*", count=1000):
             store_client.delete(key)
