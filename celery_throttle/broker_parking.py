@@ -224,13 +224,13 @@ class BrokerParking:
 
     def counts(self) -> tuple[int, int]:
         """(tasks in the delay queues, tasks held by a pause) in the broker now."""
-        delayed = held = 0
+        counts = []
         with self.ctl.app.connection_for_write() as conn:
             channel = conn.default_channel
-            for level in range(MAX_LEVEL + 1):
+            for name in (*(level_name(level, DELAY_PREFIX) for level in range(MAX_LEVEL + 1)), self.held_queue):
                 try:
-                    delayed += Queue(level_name(level, DELAY_PREFIX)).bind(channel).queue_declare(passive=True)[1]
+                    counts.append(int(Queue(name).bind(channel).queue_declare(passive=True)[1]))
                 except Exception:  # noqa: BLE001 - not declared yet: nothing in it
-                    channel = conn.channel()
-            held = self._held().bind(channel).queue_declare(passive=True)[1] if self._declared else 0
-        return delayed, held
+                    counts.append(0)
+                    channel = conn.channel()  # (RabbitMQ closes a channel on an unknown queue)
+        return sum(counts[:-1]), counts[-1]
