@@ -28,12 +28,16 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kombu.entity import Queue
-from kombu.transport.native_delayed_delivery import (
-    MAX_LEVEL,
-    calculate_routing_key,
-    declare_native_delayed_delivery_exchanges_and_queues,
-    level_name,
-)
+
+try:  # kombu 5.5+ (Celery 5.5's native delayed delivery)
+    from kombu.transport.native_delayed_delivery import (
+        MAX_LEVEL,
+        calculate_routing_key,
+        declare_native_delayed_delivery_exchanges_and_queues,
+        level_name,
+    )
+except ImportError:  # pragma: no cover - an older kombu: parked tasks stay in the store
+    MAX_LEVEL = -1
 
 from .controls import FOREVER_US
 from .errors import StoreError
@@ -69,6 +73,11 @@ def parks_in_broker(ctl: Throttle) -> bool:
     """Whether long waits go to RabbitMQ: ``throttle_park_in`` says so, or is ``auto``
     and the broker is an AMQP one."""
     where = ctl.settings.park_in
+    if MAX_LEVEL < 0:  # (kombu without the delay topology)
+        if where == "broker":
+            logger.warning("celery_throttle: throttle_park_in is 'broker', but this kombu has no native "
+                           "delayed delivery (kombu 5.5+): parked tasks are kept in the store")
+        return False
     if where != "auto":
         return where == "broker"
     try:
