@@ -12,33 +12,22 @@ goes to the back of the line).
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from typing import Any
 
 import redis
 
-from bench.common import ROOT, STORE_URL, Results, fmt_num, max_in_window
+from bench.common import STORE_URL, Results, fmt_num, max_in_window
 from bench.workers import WorkerGroup
+from tests.slow_proxy import spawn
 
 SEC = "13 slow store"
 TASKS, RATE, ROUNDS, DELAYS_MS = 30, "10/s", 3, (0, 100)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _proxy(delay_ms: int) -> tuple[subprocess.Popen[bytes], str]:
     target = redis.connection.parse_url(STORE_URL)
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.slow_proxy", str(port), str(target.get("port", 6379)),
-                             str(delay_ms)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    proc, port = spawn(target.get("port", 6379), delay_ms)
     return proc, f"redis://127.0.0.1:{port}/{target.get('db', 0)}"
 
 

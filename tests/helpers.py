@@ -24,6 +24,7 @@ from celery import Celery
 
 from examples.local_redis import drop_bindings, server_binary
 from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
+from tests.slow_proxy import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI") == "true"
@@ -172,19 +173,16 @@ class SlowProxy:
 
     def __init__(self, target: str, delay_ms: float) -> None:
         self.target = redis.connection.parse_url(target)
-        self.port = free_port()
         self.delay_ms = delay_ms
         self.proc: subprocess.Popen | None = None
+        self.port = 0
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/{self.target.get('db', 0)}"
 
     def start(self) -> SlowProxy:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.slow_proxy", str(self.port), str(self.target.get("port", 6379)),
-             str(self.delay_ms)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == b"ready"
+        self.proc, self.port = spawn(self.target.get("port", 6379), self.delay_ms)
         return self
 
     def stop(self) -> None:

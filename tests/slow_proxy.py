@@ -9,7 +9,10 @@ a far region. It prints "ready" once it listens.
 from __future__ import annotations
 
 import asyncio
+import socket
+import subprocess
 import sys
+from pathlib import Path
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
@@ -49,6 +52,19 @@ async def main(listen: int, target: int, delay_ms: float) -> None:
     print("ready", flush=True)
     async with server:
         await server.serve_forever()
+
+
+def spawn(target_port: int, delay_ms: float) -> tuple[subprocess.Popen[bytes], int]:
+    """This proxy in a process of its own, in front of the Redis at ``target_port``, once
+    it listens: (the process, the port it listens on)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    proc = subprocess.Popen([sys.executable, "-m", "tests.slow_proxy", str(port), str(target_port), str(delay_ms)],
+                            cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    return proc, port
 
 
 if __name__ == "__main__":
