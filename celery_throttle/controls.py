@@ -21,7 +21,7 @@ from typing import Any
 from .errors import ConfigurationError, StoreError
 from .keys import decode, encode
 from .rates import Rate, parse_rates
-from .timing import CONTROL_REFRESH
+from .timing import CONTROL_REFRESH, RTT_COUNTS_FROM_US
 
 __all__ = ["CONTROL_REFRESH", "FOREVER_US", "Controls", "control_target", "limit_field", "pause_field"]
 
@@ -60,6 +60,7 @@ class Controls:
         self._limits: dict[str, tuple[Rate, ...]] = {}
         self._read_at = float("-inf")
         self._lock = threading.Lock()
+        self._reading = False  # (a read in the background is under way)
 
     def paused_until(self, store: Any, scope: str, key: str | None) -> int:
         """The end of the pause (µs, Redis clock) covering ``scope``/``key``, or 0."""
@@ -90,18 +91,35 @@ class Controls:
         self._refresh(store)
 
     def _maybe_refresh(self, store: Any) -> None:
-        if time.monotonic() - self._read_at > CONTROL_REFRESH:
+        age = time.monotonic() - self._read_at
+        if age > CONTROL_REFRESH:
             self._refresh(store)
+        elif age > CONTROL_REFRESH / 2 and store.rtt_us >= RTT_COUNTS_FROM_US and not self._reading:
+            # A store far away: read again in the background before the copy is due, so
+            # that no check waits a round trip for it while tasks keep coming.
+            self._reading = True
+            threading.Thread(target=self._read_behind, args=(store,), daemon=True,
+                             name="celery_throttle controls").start()
+
+    def _read_behind(self, store: Any) -> None:
+        try:
+            with self._lock:
+                self._read(store)
+        finally:
+            self._reading = False
 
     def _refresh(self, store: Any) -> None:
         with self._lock:
             if time.monotonic() - self._read_at <= CONTROL_REFRESH:
                 return  # another thread just did
-            try:
-                self._pauses, self._limits = parse_controls(store.controls())
-            except StoreError:
-                pass  # the check that follows meets the same store and says so
-            self._read_at = time.monotonic()
+            self._read(store)
+
+    def _read(self, store: Any) -> None:
+        try:
+            self._pauses, self._limits = parse_controls(store.controls())
+        except StoreError:
+            pass  # the check that follows meets the same store and says so
+        self._read_at = time.monotonic()
 
     def note(self, field: str, value: str | None) -> None:
         """A control (or, with None, its removal) this process just wrote: obeyed at once."""

@@ -157,9 +157,12 @@ class Throttle:
                     options.pop("socket_timeout", None)
                     options.pop("socket_connect_timeout", None)
                     timeout = connect_timeout = quick_timeout
-                setattr(self, attribute, RedisStore(require_redis_url(self.app, s), s.key_prefix,
-                                                    clock=self._clock, timeout=timeout,
-                                                    connect_timeout=connect_timeout, options=options))
+                opened = RedisStore(require_redis_url(self.app, s), s.key_prefix, clock=self._clock,
+                                    timeout=timeout, connect_timeout=connect_timeout, options=options)
+                other = self._quick_store if attribute == "_store" else self._store
+                if other is not None:
+                    opened.rtt_us = other.rtt_us  # (the same store, as far away)
+                setattr(self, attribute, opened)
             store: RedisStore = getattr(self, attribute)
             return store
 
@@ -198,10 +201,11 @@ class Throttle:
         return timing.grace_us(tuple(rates), self.settings.start_grace)
 
     def lead_us(self, rates: Sequence[Rate], learnt: int = -1) -> int:
-        """How early a reserved task is sent back (µs); see :func:`.timing.lead_us`. A
-        round trip to the store more when it is far: its claim must reach the store
-        before the start, and it waits out the rest in the worker."""
-        return timing.lead_us(rates, self.grace_us(rates), learnt) + timing.round_trip_allowance_us(self.store.rtt_us)
+        """How early a reserved task is sent back (µs); see :func:`.timing.lead_us`. Half
+        a round trip to the store more when it is far: its claim must reach the store
+        before the start (and every µs earlier holds a pool process)."""
+        return (timing.lead_us(rates, self.grace_us(rates), learnt)
+                + timing.round_trip_allowance_us(self.store.rtt_us) // 2)
 
     @staticmethod
     def slack_us(rates: Sequence[Rate]) -> int:
@@ -304,12 +308,12 @@ class Throttle:
         """The state key of ``call`` and what the script is told about it (``min_grace_us``:
         the least grace its reservation gets)."""
         not_before = self._controls.paused_until(store, call.scope, call.key)
-        # A store far away: a reserved start must stay open a round trip longer (the
-        # claim travels to it), however little the window's share.
-        min_grace_us = max(min_grace_us, timing.round_trip_allowance_us(store.rtt_us))
+        # (A store far away: a reserved start must stay open round trips longer, the claim
+        # travels to it, however little the window's share.)
+        grace = timing.reservation_grace_us(call.rates, self.settings.start_grace, min_grace_us, store.rtt_us)
         # The same few shapes come again and again: their WindowCall (and with it the
         # ARGV window_argv builds from it) is made once, not on every check.
-        shape = (call.algorithm, call.rates, call.cost, call.fields, max_wait, not_before, min_grace_us)
+        shape = (call.algorithm, call.rates, call.cost, call.fields, max_wait, not_before, grace)
         request = self._requests.get(shape)
         if request is None:
             tightest = _tightest_limit(call.rates)
@@ -319,7 +323,7 @@ class Throttle:
                 )
             request = WindowCall(
                 call.algorithm, call.rates, call.cost, call.fields,
-                grace_us=max(self.grace_us(call.rates), min_grace_us),
+                grace_us=grace,
                 slack_us=self.slack_us(call.rates), max_wait_us=int(max_wait * 1_000_000) if max_wait else 0,
                 not_before_us=not_before, pause_horizon_us=int(self.settings.park_after * 1_000_000),
             )

@@ -8,7 +8,8 @@ that records nothing if the task fits now; only when it does not fit is a start 
 and the message re-sent (or parked) and acked, without ever reaching the pool. Whatever
 fits, or cannot be screened (bad arguments, Redis down), goes to the pool as usual, where
 ``before_start`` makes the real, authoritative check. A key that keeps fitting is only
-sampled (one message in eight), so tasks under their limit do not pay twice.
+sampled (one message in eight), so tasks under their limit do not pay twice. A store far
+away (SCREEN_RTT_MAX_US) is not screened against at all.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .controller import controller
 from .deferral import HEADER, TurnedAway, read_state
 from .errors import StoreError, ThrottleError
 from .store import Code
-from .timing import STORE_ERROR_PAUSE
+from .timing import SCREEN_RTT_MAX_US, STORE_ERROR_PAUSE
 
 __all__ = ["ScreenStep", "screen_strategies"]
 
@@ -73,7 +74,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
         nonlocal fits_in_a_row
         headers = message.headers or {}
         if ("task" not in headers or headers.get("eta") or breaker.open
-                or "r" in read_state(headers.get(HEADER))):
+                or ctl.store.rtt_us >= SCREEN_RTT_MAX_US or "r" in read_state(headers.get(HEADER))):
             return handler(message, body, ack, reject, callbacks, **kw)
         streak = fits_in_a_row
         every = _SAMPLE if streak < 8 * _SAMPLE else 4 * _SAMPLE

@@ -19,6 +19,7 @@ __all__ = [
     "PUBLISH_HINTS_KEPT",
     "PUBLISH_HINT_MAX",
     "QUICK_TIMEOUT",
+    "SCREEN_RTT_MAX_US",
     "SCRIPT_POLICY",
     "STORE_CONNECT_TIMEOUT",
     "STORE_ERROR_PAUSE",
@@ -28,6 +29,7 @@ __all__ = [
     "grace_us",
     "lead_us",
     "lease_span_us",
+    "reservation_grace_us",
     "round_trip_allowance_us",
     "shortest_us",
     "slack_us",
@@ -75,6 +77,16 @@ MARGIN_SHARE, MARGIN_MAX_US = 0.02, 20_000
 #: A store round trip (µs) counts in the grace and the lead from this long on (a store
 #: on the same host or network answers in well under it), in steps of this.
 RTT_COUNTS_FROM_US, RTT_STEP_US = 5_000, 10_000
+#: A reserved start far from its store stays open this many round trips: one for the
+#: claim to reach the store, one for a claim that waits behind others in a busy pool
+#: (each claim holds a pool process for a round trip: 4 processes take 4 claims per
+#: trip, and a window's starts come due together). At most 1/FAR_GRACE_CAP_PARTS of the
+#: shortest window: each window of a saturated key is stretched by its grace.
+FAR_GRACE_TRIPS, FAR_GRACE_CAP_PARTS = 2, 4
+#: The consumer screens no message when the store is at least this far (µs): it screens
+#: one message at a time, so a store 100 ms away would let it take at most 10 messages a
+#: second, whatever the pool could do. The pool's processes check in parallel instead.
+SCREEN_RTT_MAX_US = RTT_COUNTS_FROM_US
 #: The slack: 1/100 of the shortest window, between these (µs). A busy machine can
 #: deschedule a process between the check and the first line of the body.
 SLACK_PARTS, SLACK_MIN_US, SLACK_MAX_US = 100, 2_000, 20_000
@@ -175,6 +187,17 @@ def grace_us(rates: tuple[Rate, ...], start_grace: float | None = None) -> int:
     return max(int(grace * 1_000_000), GRACE_SLACKS * slack_us(rates))
 
 
+def reservation_grace_us(rates: tuple[Rate, ...], start_grace: float | None, least_us: int, rtt_us: int) -> int:
+    """The grace a start reserved for a call of ``rates`` is given (µs), before what the
+    key learns widens it: :func:`grace_us`, or ``least_us`` if more (at publish), at most
+    1/learnt_cap_parts of the shortest window, as window.lua caps what it learns; and
+    FAR_GRACE_TRIPS round trips of a store ``rtt_us`` away, up to FAR_GRACE_CAP_PARTS."""
+    shortest = _shortest_us(rates)
+    grace = min(max(grace_us(rates, start_grace), least_us), shortest // SCRIPT_POLICY.learnt_cap_parts)
+    far = FAR_GRACE_TRIPS * round_trip_allowance_us(rtt_us)
+    return max(grace, min(far, shortest // FAR_GRACE_CAP_PARTS))
+
+
 def lead_us(rates: Sequence[Rate], grace: int, learnt: int = -1) -> int:
     """How early a reserved task is sent back; it waits out the rest in the worker (µs).
 
@@ -189,7 +212,7 @@ def lead_us(rates: Sequence[Rate], grace: int, learnt: int = -1) -> int:
 
 
 def round_trip_allowance_us(rtt_us: int) -> int:
-    """What a store's measured round trip adds to a reservation's grace and lead (µs): 0
+    """A store's measured round trip, as it counts in a reservation's grace and lead (µs): 0
     under RTT_COUNTS_FROM_US (a local store), else the round trip rounded up to
     RTT_STEP_US (a few values, so the calls of a key keep their cached shape)."""
     if rtt_us < RTT_COUNTS_FROM_US:

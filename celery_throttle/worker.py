@@ -83,13 +83,15 @@ def _say_what_is_throttled(ctl: Throttle) -> None:
     names = sorted(name for name, task in ctl.app.tasks.items() if type(task).__dict__.get("_throttle_hooked"))
     shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
     try:
+        # (Before the pool forks: every child starts knowing how far away the store is.)
+        rtt_us = store.measure_rtt()
         report = store.report(broker_parking(ctl) is not None)
     except StoreError as exc:
         logger.warning("celery_throttle: throttling %d task(s) (%s); store %s not checked: %s", len(names), shown,
                        safe_url(store.url), exc)
         return
-    logger.info("celery_throttle: throttling %d task(s) (%s); store %s: %s; long waits parked in the %s",
-                len(names), shown, safe_url(store.url), report.summary(),
+    logger.info("celery_throttle: throttling %d task(s) (%s); store %s: %s, round trip %.1f ms; long waits "
+                "parked in the %s", len(names), shown, safe_url(store.url), report.summary(), rtt_us / 1000,
                 "broker (RabbitMQ delay queues)" if broker_parking(ctl) is not None else "store")
     for risk in report.risks:
         logger.warning("celery_throttle: the throttle store %s: %s", safe_url(store.url), risk)

@@ -458,9 +458,9 @@ class WindowModel:
         elif settled and (reserve or op == "reserve") and max_wait_us > 0 and x - max(now, not_before_us) > max_wait_us:
             code = 3  # further than the caller will wait: nothing reserved
         elif settled and (reserve or op == "reserve"):
-            if self.jitter is not None:
-                grace_us = max(grace_us, p.grace_jitters * self.jitter + p.grace_slacks * slack_us)
-            grace_us = min(grace_us, math.floor(shortest / p.learnt_cap_parts))
+            if self.jitter is not None:  # (what is learnt is capped; the caller's least grace is not)
+                grace_us = max(grace_us, min(p.grace_jitters * self.jitter + p.grace_slacks * slack_us,
+                                             math.floor(shortest / p.learnt_cap_parts)))
             start = x
             latest = min(r.record(x, x + grace_us, cost) for r in self.rates)
             written = True

@@ -1,9 +1,9 @@
-"""A TCP proxy that delays every reply: a store on a slow link, for the tests.
+"""A TCP proxy that delays both ways: a store on a slow link, for the tests.
 
-``python -m tests.slow_proxy LISTEN_PORT TARGET_PORT DELAY_MS``: each chunk the target
-(a Redis) sends back reaches the client DELAY_MS later, in order; requests go through at
-once. So every round trip to the store takes DELAY_MS more, as across a slow network or
-a far region. It prints "ready" once it listens.
+``python -m tests.slow_proxy LISTEN_PORT TARGET_PORT DELAY_MS``: each chunk reaches the
+other side DELAY_MS / 2 later, in order, each way. So every round trip to the store takes
+DELAY_MS more, half of it on the way there, as across a slow network or a far region. It
+prints "ready" once it listens.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ async def main(listen: int, target: int, delay_ms: float) -> None:
         except OSError:
             client_writer.close()
             return
-        await asyncio.gather(_pipe(client_reader, upstream_writer, 0.0),
-                             _pipe(upstream_reader, client_writer, delay_ms / 1000), return_exceptions=True)
+        one_way = delay_ms / 2000
+        await asyncio.gather(_pipe(client_reader, upstream_writer, one_way),
+                             _pipe(upstream_reader, client_writer, one_way), return_exceptions=True)
 
     server = await asyncio.start_server(serve, "127.0.0.1", listen)
     print("ready", flush=True)

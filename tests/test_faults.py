@@ -6,6 +6,7 @@ Each test starts the servers and workers it needs (loopback only) and is bounded
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import subprocess
 import threading
@@ -459,5 +460,8 @@ def test_a_store_100_ms_away_keeps_the_limit_and_loses_nothing(group_factory) ->
         # it misses, are measured side by side with a store 0 ms away in bench section 13)
         _ran_once(group, "slow", ids)
         assert max_in_window(starts, 0.98) <= 10
+        # And the worker said how far its store is (its processes start knowing it)
+        trip = re.search(r"round trip ([\d.]+) ms", group.log_text())
+        assert trip is not None and float(trip.group(1)) >= 100
     finally:
         proxy.stop()

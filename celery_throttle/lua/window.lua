@@ -23,8 +23,8 @@
 -- ARGV[3]  '1' to reserve a future start when denied, '0' not to
 -- ARGV[4]  cost: units this call uses
 -- ARGV[5]  grace (µs): the least a reserved start may come late and still count as on
---          time (it grows with the dispatch jitter learnt below, up to 1/LEARNT_CAP_PARTS
---          of the shortest window)
+--          time (it grows with the dispatch jitter learnt below, that growth up to
+--          1/LEARNT_CAP_PARTS of the shortest window)
 -- ARGV[6]  slack (µs): how long after the check the body may start (a call admitted now
 --          counts as starting within it; a claim must leave it before its latest start)
 -- ARGV[7..12] for 'claim': the reservation's start, latest start, cost, grace, epoch,
@@ -332,8 +332,11 @@ elseif settled and x == now and op ~= 'reserve' then
 elseif settled and (reserve or op == 'reserve') and max_wait > 0 and x - math.max(now, not_before) > max_wait then
   code = TOO_FAR
 elseif settled and (reserve or op == 'reserve') then
-  if jitter ~= nil then grace = math.max(grace, GRACE_JITTERS * jitter + GRACE_SLACKS * slack) end
-  grace = math.min(grace, math.floor(shortest / LEARNT_CAP_PARTS))
+  -- (The grace learnt is capped; the least one the caller gives is its own to cap.)
+  if jitter ~= nil then
+    grace = math.max(grace, math.min(GRACE_JITTERS * jitter + GRACE_SLACKS * slack,
+                                     math.floor(shortest / LEARNT_CAP_PARTS)))
+  end
   start, latest = x, nil
   for _, r in ipairs(rates) do
     local until_ = ALGO.record(r, x, x + grace, cost)
