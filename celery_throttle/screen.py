@@ -51,7 +51,10 @@ def screen_strategies(ctl: Any, c: Any) -> None:
         return
     breaker = c.__dict__.setdefault("_throttle_breaker", Breaker(STORE_ERROR_PAUSE))
     for name, task in c.app.tasks.items():
-        if type(task).__dict__.get("_throttle_hooked") and name in c.strategies:
+        if (type(task).__dict__.get("_throttle_hooked") and name in c.strategies
+                and not getattr(c.strategies[name], "_throttle_screened", False)):
+            # (Once: at consumer start, update_strategies builds them and screens them,
+            # then this step runs; wrapped twice, a message would be screened twice.)
             c.strategies[name] = _screened(ctl, task, c.strategies[name], c.connection_errors, breaker)
 
 
@@ -113,6 +116,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
         ack(logger, errors)
         return None
 
+    screened._throttle_screened = True  # type: ignore[attr-defined]
     return screened
 
 

@@ -331,9 +331,13 @@ class WorkerGroup:
         return [e for e in (json.loads(x) for x in raw) if e["label"] == label]
 
     def wait_starts(self, label: str, count: int, timeout: float, settle: float = 1.0) -> list[dict]:
-        """Wait for ``count`` starts of ``label``, then a moment more to catch extras."""
-        wait_for(lambda: len(self.starts(label)) >= count, timeout, 0.1,
-                 f"{count} starts of {label!r} (have {len(self.starts(label))})")
+        """Wait for ``count`` starts of ``label``, then a moment more to catch extras. On a
+        time-out, the error says how many came and ends with the workers' logs."""
+        try:
+            wait_for(lambda: len(self.starts(label)) >= count, timeout, 0.1, f"{count} starts of {label!r}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc} (have {len(self.starts(label))}); the workers' logs end with:\n"
+                                 f"{self.log_text()[-4000:]}") from None
         time.sleep(settle)
         return self.starts(label)
 

@@ -124,3 +124,34 @@ def test_install_after_the_worker_was_built_still_releases_parked_tasks(
         times = starts.wait(4, timeout=20)
     assert max_in_window(times, 3.0) <= 2
     assert any("already built" in r.getMessage() for r in caplog.records)
+
+
+def test_the_consumer_screens_each_message_once(app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given an installed app that checks nothing at publish, a task allowed one start an
+    # hour, and a worker (its consumer builds the strategies and screens them, then the
+    # screen step starts)
+    ctl = celery_throttle.install(app, park_after=7200, check_at_publish=False)
+    starts = Starts()
+
+    @app.task(shared=False)
+    @throttle("1/h")
+    def export() -> None:
+        starts.note()
+
+    screened: list[str] = []
+    real_screen = ctl.screen
+
+    def counting_screen(call, **kwargs):
+        screened.append(call.scope)
+        return real_screen(call, **kwargs)
+
+    monkeypatch.setattr(ctl, "screen", counting_screen)
+    with _worker(app):
+        # When 6 calls arrive
+        for _ in range(6):
+            export.delay()
+        wait_for(lambda: len(screened) >= 6, 20, 0.05, "6 screened messages")
+        time.sleep(1.0)
+    # Then each was screened once: the first fitted and ran, the 5 others were turned away
+    assert len(starts.times) == 1
+    assert len(screened) == 6
