@@ -30,6 +30,7 @@ from tests.helpers import (
     SlowProxy,
     WorkerGroup,
     delete_queues,
+    free_port,
     max_in_window,
     rabbitmq_or_skip,
     wait_for,
@@ -95,7 +96,7 @@ def test_store_killed_mid_burst_loses_nothing_and_limit_holds_after(group_factor
 
 
 def test_store_down_with_allow_runs_tasks_unthrottled(group_factory) -> None:
-    dead = f"redis://127.0.0.1:{RedisServer().port}/0"
+    dead = f"redis://127.0.0.1:{free_port()}/0"
     group = group_factory(store=dead, count=1, env={"CT_ON_STORE_ERROR": "allow"}).start()
     ids = [group.send("below", "allow") for _ in range(8)]
     starts = group.wait_starts("allow", 8, timeout=30, settle=0.5)
@@ -104,7 +105,7 @@ def test_store_down_with_allow_runs_tasks_unthrottled(group_factory) -> None:
 
 
 def test_store_down_with_fail_fails_the_task_visibly(group_factory) -> None:
-    dead = f"redis://127.0.0.1:{RedisServer().port}/0"
+    dead = f"redis://127.0.0.1:{free_port()}/0"
     group = group_factory(store=dead, count=1, env={"CT_ON_STORE_ERROR": "fail"}).start()
     result = group.client.AsyncResult(group.send("below", "fail"))
     wait_for(lambda: result.state == "FAILURE", 30, what="the task to fail")
@@ -114,7 +115,7 @@ def test_store_down_with_fail_fails_the_task_visibly(group_factory) -> None:
 
 def test_acquire_raises_store_error_when_redis_is_unreachable() -> None:
     app = Celery("dead", broker="memory://", set_as_current=False)
-    ctl = celery_throttle.install(app, redis_url=f"redis://127.0.0.1:{RedisServer().port}/0")
+    ctl = celery_throttle.install(app, redis_url=f"redis://127.0.0.1:{free_port()}/0")
     with pytest.raises(StoreError, match="127.0.0.1"):
         ctl.acquire("x", rates="1/s")
 
