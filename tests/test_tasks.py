@@ -149,8 +149,10 @@ def test_denied_task_keeps_its_id_args_queue_and_properties(workers: WorkerGroup
 def test_signal_reports_each_denial_with_scope_key_and_delay(workers: WorkerGroup) -> None:
     label = new_label()
     tenant = f"sig-{label}"
-    ids = [workers.send("above", label, tenant) for _ in range(8)]
-    workers.wait_starts(label, 8, timeout=30)
+    # (12 at a fixed 4/s: 8 fit at most if the first pass over them crosses a window's
+    # edge, so 4 are denied at least; with 8, a pass across the edge could deny none.)
+    ids = [workers.send("above", label, tenant) for _ in range(12)]
+    workers.wait_starts(label, 12, timeout=30)
     denials = [d for d in workers.denials() if d["id"] in ids]
     assert len(denials) >= 4
     assert all(d["scope"] == "tests.taskapp.above" and d["key"] == tenant for d in denials)
