@@ -103,23 +103,27 @@ class Controls:
 
     def _read_behind(self, store: Any) -> None:
         try:
-            with self._lock:
-                self._read(store)
+            self._read(store)
         finally:
             self._reading = False
 
     def _refresh(self, store: Any) -> None:
-        with self._lock:
-            if time.monotonic() - self._read_at <= CONTROL_REFRESH:
-                return  # another thread just did
-            self._read(store)
+        if time.monotonic() - self._read_at <= CONTROL_REFRESH:
+            return  # another thread just did
+        self._read(store)
 
     def _read(self, store: Any) -> None:
+        # The round trip outside the lock: a prefork pool forks its processes while the
+        # releaser's thread may be reading, and a process that inherited the lock held
+        # would wait for it forever. (Two threads may then both read: no harm.)
         try:
-            self._pauses, self._limits = parse_controls(store.controls())
+            controls = parse_controls(store.controls())
         except StoreError:
-            pass  # the check that follows meets the same store and says so
-        self._read_at = time.monotonic()
+            controls = None  # the check that follows meets the same store and says so
+        with self._lock:
+            if controls is not None:
+                self._pauses, self._limits = controls
+            self._read_at = time.monotonic()
 
     def note(self, field: str, value: str | None) -> None:
         """A control (or, with None, its removal) this process just wrote: obeyed at once."""

@@ -46,6 +46,10 @@ class ThrottleStep(bootsteps.StartStopStep):
     """Added to ``app.steps['worker']`` by :func:`celery_throttle.install`."""
 
     label = "celery_throttle"
+    #: Started after the pool (its __init__, which hooks the tasks, runs before anything
+    #: starts): the prefork pool forks its processes in its start, and a thread of ours
+    #: running then (the releaser) could hold a lock the process inherits held, forever.
+    requires = ("celery.worker.components:Pool",)
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
