@@ -13,6 +13,7 @@ at once.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -21,12 +22,15 @@ from typing import Any
 from .errors import ConfigurationError, StoreError
 from .keys import decode, encode
 from .rates import Rate, parse_rates
-from .timing import CONTROL_REFRESH, RTT_COUNTS_FROM_US
+from .timing import CONTROL_REFRESH, RTT_COUNTS_FROM_US, STORE_TIMEOUT
 
 __all__ = ["CONTROL_REFRESH", "FOREVER_US", "Controls", "control_target", "limit_field", "pause_field"]
 
 logger = logging.getLogger("celery_throttle")
 
+#: A read of the controls under way for longer than this (seconds: the store's timeout,
+#: and some) is taken for lost, and another thread reads.
+READ_GIVEN_UP = STORE_TIMEOUT + 1.0
 #: The end of a pause with no end: the largest integer a Lua number holds exactly.
 FOREVER_US = 2**53 - 1
 
@@ -60,7 +64,8 @@ class Controls:
         self._limits: dict[str, tuple[Rate, ...]] = {}
         self._read_at = float("-inf")
         self._lock = threading.Lock()
-        self._reading = False  # (a read in the background is under way)
+        #: (pid, since when) of the thread reading the controls, if one is.
+        self._reader: tuple[int, float] | None = None
 
     def paused_until(self, store: Any, scope: str, key: str | None) -> int:
         """The end of the pause (µs, Redis clock) covering ``scope``/``key``, or 0."""
@@ -86,36 +91,35 @@ class Controls:
 
     def refresh(self, store: Any) -> None:
         """Read the controls now, whatever the age of this copy."""
-        with self._lock:
-            self._read_at = float("-inf")
-        self._refresh(store)
+        self._claim_read()
+        self._read(store)
 
     def _maybe_refresh(self, store: Any) -> None:
         age = time.monotonic() - self._read_at
         if age > CONTROL_REFRESH:
-            self._refresh(store)
-        elif age > CONTROL_REFRESH / 2 and store.rtt_us >= RTT_COUNTS_FROM_US and not self._reading:
+            # One thread reads; the others go on with this copy meanwhile (it is then a
+            # round trip older at most), except before the first read.
+            if self._claim_read() or self._read_at == float("-inf"):
+                self._read(store)
+        elif age > CONTROL_REFRESH / 2 and store.rtt_us >= RTT_COUNTS_FROM_US and self._claim_read():
             # A store far away: read again in the background before the copy is due, so
             # that no check waits a round trip for it while tasks keep coming.
-            self._reading = True
-            threading.Thread(target=self._read_behind, args=(store,), daemon=True,
-                             name="celery_throttle controls").start()
+            threading.Thread(target=self._read, args=(store,), daemon=True, name="celery_throttle controls").start()
 
-    def _read_behind(self, store: Any) -> None:
-        try:
-            self._read(store)
-        finally:
-            self._reading = False
-
-    def _refresh(self, store: Any) -> None:
-        if time.monotonic() - self._read_at <= CONTROL_REFRESH:
-            return  # another thread just did
-        self._read(store)
+    def _claim_read(self) -> bool:
+        """Whether the caller is to read the controls: no other thread of this process is
+        reading them (a reader of the process this one was forked from does not count)."""
+        now = time.monotonic()
+        with self._lock:
+            reader = self._reader
+            if reader is not None and reader[0] == os.getpid() and now - reader[1] < READ_GIVEN_UP:
+                return False
+            self._reader = (os.getpid(), now)
+            return True
 
     def _read(self, store: Any) -> None:
-        # The round trip outside the lock: a prefork pool forks its processes while the
-        # releaser's thread may be reading, and a process that inherited the lock held
-        # would wait for it forever. (Two threads may then both read: no harm.)
+        # The round trip outside the lock: a prefork pool may fork a process while another
+        # thread reads, and a process that inherited the lock held would wait forever.
         try:
             controls = parse_controls(store.controls())
         except StoreError:
@@ -124,6 +128,7 @@ class Controls:
             if controls is not None:
                 self._pauses, self._limits = controls
             self._read_at = time.monotonic()
+            self._reader = None
 
     def note(self, field: str, value: str | None) -> None:
         """A control (or, with None, its removal) this process just wrote: obeyed at once."""

@@ -310,10 +310,10 @@ class Throttle:
         not_before = self._controls.paused_until(store, call.scope, call.key)
         # (A store far away: a reserved start must stay open round trips longer, the claim
         # travels to it, however little the window's share.)
-        grace = timing.reservation_grace_us(call.rates, self.settings.start_grace, min_grace_us, store.rtt_us)
+        far_us = timing.round_trip_allowance_us(store.rtt_us)
         # The same few shapes come again and again: their WindowCall (and with it the
         # ARGV window_argv builds from it) is made once, not on every check.
-        shape = (call.algorithm, call.rates, call.cost, call.fields, max_wait, not_before, grace)
+        shape = (call.algorithm, call.rates, call.cost, call.fields, max_wait, not_before, min_grace_us, far_us)
         request = self._requests.get(shape)
         if request is None:
             tightest = _tightest_limit(call.rates)
@@ -323,7 +323,7 @@ class Throttle:
                 )
             request = WindowCall(
                 call.algorithm, call.rates, call.cost, call.fields,
-                grace_us=grace,
+                grace_us=timing.reservation_grace_us(call.rates, self.settings.start_grace, min_grace_us, far_us),
                 slack_us=self.slack_us(call.rates), max_wait_us=int(max_wait * 1_000_000) if max_wait else 0,
                 not_before_us=not_before, pause_horizon_us=int(self.settings.park_after * 1_000_000),
             )

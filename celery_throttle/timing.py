@@ -187,15 +187,15 @@ def grace_us(rates: tuple[Rate, ...], start_grace: float | None = None) -> int:
     return max(int(grace * 1_000_000), GRACE_SLACKS * slack_us(rates))
 
 
-def reservation_grace_us(rates: tuple[Rate, ...], start_grace: float | None, least_us: int, rtt_us: int) -> int:
+def reservation_grace_us(rates: tuple[Rate, ...], start_grace: float | None, least_us: int, far_us: int) -> int:
     """The grace a start reserved for a call of ``rates`` is given (µs), before what the
     key learns widens it: :func:`grace_us`, or ``least_us`` if more (at publish), at most
     1/learnt_cap_parts of the shortest window, as window.lua caps what it learns; and
-    FAR_GRACE_TRIPS round trips of a store ``rtt_us`` away, up to FAR_GRACE_CAP_PARTS."""
+    FAR_GRACE_TRIPS round trips of a store far away (``far_us``: its
+    :func:`round_trip_allowance_us`), up to 1/FAR_GRACE_CAP_PARTS."""
     shortest = _shortest_us(rates)
     grace = min(max(grace_us(rates, start_grace), least_us), shortest // SCRIPT_POLICY.learnt_cap_parts)
-    far = FAR_GRACE_TRIPS * round_trip_allowance_us(rtt_us)
-    return max(grace, min(far, shortest // FAR_GRACE_CAP_PARTS))
+    return max(grace, min(FAR_GRACE_TRIPS * far_us, shortest // FAR_GRACE_CAP_PARTS))
 
 
 def lead_us(rates: Sequence[Rate], grace: int, learnt: int = -1) -> int:

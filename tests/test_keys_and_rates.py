@@ -388,13 +388,17 @@ def test_declaring_an_empty_or_non_string_scope_is_refused(scope: Any) -> None:
 
 
 def test_a_start_reserved_far_from_its_store_stays_open_two_round_trips_at_most_a_quarter_window() -> None:
-    from celery_throttle.timing import grace_us, reservation_grace_us
+    from celery_throttle.timing import grace_us, reservation_grace_us, round_trip_allowance_us
 
     rates = parse_rates(["10/s"])
+
+    def grace(least_us: int, rtt_us: int) -> int:
+        return reservation_grace_us(rates, None, least_us, round_trip_allowance_us(rtt_us))
+
     # A store on this host: the window's own grace (3 slacks), or publish's least, under 1/10
-    assert reservation_grace_us(rates, None, 0, 300) == grace_us(rates) == 30_000
-    assert reservation_grace_us(rates, None, 100_000, 300) == 100_000
-    assert reservation_grace_us(rates, None, 500_000, 300) == 100_000
+    assert grace(0, 300) == grace_us(rates) == 30_000
+    assert grace(100_000, 300) == 100_000
+    assert grace(500_000, 300) == 100_000
     # A store 95 ms away: two round trips (each rounded up to 10 ms); 400 ms away: 1/4 window
-    assert reservation_grace_us(rates, None, 0, 95_000) == 200_000
-    assert reservation_grace_us(rates, None, 0, 400_000) == 250_000
+    assert grace(0, 95_000) == 200_000
+    assert grace(0, 400_000) == 250_000
