@@ -8,7 +8,7 @@ PYTHON ?= .venv/bin/python
 endif
 BASE_PYTHON ?= python3
 
-.PHONY: install demo lint test test-passes bench
+.PHONY: install demo lint quick test test-passes bench
 
 .venv/bin/python:
 	$(BASE_PYTHON) -m venv .venv || { echo "could not make a virtualenv with $(BASE_PYTHON) -m venv" \
@@ -34,6 +34,11 @@ REDIS62_TESTS = tests/test_model_check.py tests/test_direct.py tests/test_bad_in
 lint:
 	$(PYTHON) -m ruff check celery_throttle tests
 	$(PYTHON) -m mypy
+
+# The inner loop: the pure and script tiers (no worker process; tests/conftest.py says
+# which test is in which tier), with fewer examples per property (CT_QUICK). Under 30 s.
+quick: install
+	CT_QUICK=1 $(PYTHON) -m tests.with_redis $(PYTHON) -m pytest -q -m "pure or script"
 
 test: install lint
 	$(PYTHON) -m tests.with_redis $(MAKE) --no-print-directory test-passes

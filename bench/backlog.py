@@ -47,8 +47,9 @@ from bench.bulk import Bulk
 from bench.common import OUT_DIR, Results, fmt_bytes, limits_peers, percentile, wait_until
 from bench.naive import NaiveLimiter
 from celery_throttle.keys import state_key
+from celery_throttle.protocol import Code, Reservation, WindowCall, WindowReply
 from celery_throttle.rates import Rate, parse_rates
-from celery_throttle.store import Code, RedisStore, Reservation, WindowCall, WindowReply
+from celery_throttle.store import RedisStore
 from celery_throttle.timing import grace_us as _grace_us
 from celery_throttle.timing import slack_us as _slack_us
 
@@ -265,7 +266,7 @@ def build(store: RedisStore, cfg: Config, keys: Sequence[str], depth: int) -> di
                 for _ in range(n):
                     cfg.call(store, k)
         for k, reply in bulk.replies:
-            if reply.code == Code.DENIED and reply.start_us:
+            if reply.code == Code.RESERVED:
                 held[k].append(Reservation(reply.start_us, reply.latest_us, 1, reply.grace_us, reply.epoch))
         wanted = {k: depth - len(held[k]) for k in keys}
     short = [k for k in keys if len(held[k]) != depth]
@@ -453,7 +454,7 @@ def measure_naive(client: Any, prefix: str, algorithm: str, limit: int, window_s
 
 
 def _codes(codes: dict[int, int]) -> str:
-    names = {Code.RUN: "run", Code.DENIED: "denied", Code.EARLY: "early"}
+    names = {Code.RUN: "run", Code.DENIED: "denied", Code.RESERVED: "reserved", Code.EARLY: "early"}
     return "/".join(f"{n} {names.get(c, c)}" for c, n in sorted(codes.items()))
 
 

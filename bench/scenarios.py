@@ -224,7 +224,7 @@ def run_long_wait(res: Results, prefix: str, tasks: int, window: int, quick: boo
         denied_before = cpu_denials = 0.0
         while time.monotonic() < deadline:
             started = group.start_count(label)
-            waiting, inflight, _ = ctl.store.parked_count()
+            waiting, inflight, _ = ctl.parking.parked_count()
             samples.append((time.time(), group.rss(), used_memory(redis_client), waiting + inflight))
             if time.time() < refill_at:
                 denied_before = group.counter("denied", label)
@@ -238,7 +238,7 @@ def run_long_wait(res: Results, prefix: str, tasks: int, window: int, quick: boo
         settle_until = time.time() + (visibility + 2 if not quick else 4)
         while time.time() < settle_until:
             samples.append((time.time(), group.rss(), used_memory(redis_client),
-                            sum(ctl.store.parked_count())))
+                            sum(ctl.parking.parked_count())))
             time.sleep(0.5)
         starts = group.starts(label)
         denied, parked = group.counter("denied", label), group.counter("parked", label)

@@ -41,8 +41,8 @@ except ImportError:  # pragma: no cover - an older kombu: parked tasks stay in t
 
 from .controls import FOREVER_US
 from .errors import StoreError
-from .header import HEADER, read_state, without_dead_letter_headers
 from .keys import state_of
+from .protocol import HEADER, read_state, without_dead_letter_headers
 
 if TYPE_CHECKING:
     from .limiter import Throttle
@@ -122,7 +122,7 @@ class BrokerParking:
         if task_id:
             info = {"t": sig.task, "h": (sig.options.get("headers") or {}).get(HEADER), "held": held}
             try:
-                self.ctl.store.index_in_broker(str(task_id), FOREVER_US if held else due_us, json.dumps(info))
+                self.ctl.parking.index_in_broker(str(task_id), FOREVER_US if held else due_us, json.dumps(info))
             except StoreError as exc:  # only `why` misses it
                 logger.debug("could not note %s as parked in the broker: %s", task_id, exc)
 
@@ -219,7 +219,7 @@ class BrokerParking:
                     gone.append(headers["id"])
         if gone:
             try:
-                ctl.store.forget_in_broker(gone)
+                ctl.parking.forget_in_broker(gone)
             except StoreError as exc:
                 logger.debug("could not forget %d moved task(s) in the index: %s", len(gone), exc)
         if moved:

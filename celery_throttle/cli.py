@@ -74,7 +74,7 @@ def status(ctx: click.Context, scope: str | None, key: str | None, match: str, k
                 listed = ", ".join(known[:20]) + (", ..." if len(known) > 20 else "") or "none"
                 raise click.ClickException(f"no such scope {scope!r}: nothing counted, paused or limited "
                                            f"for it, and no task of this app uses it; known scopes: {listed}")
-    parked = ctl.store.parked_count()
+    parked = ctl.parking.parked_count()
     if as_json:
         click.echo(json.dumps({"keys": [_as_dict(s) for s in found], "more": more,
                                "parked": dict(zip(("waiting", "in_flight", "dead"), parked))}, indent=2))
@@ -307,7 +307,7 @@ def parked(ctx: click.Context, tasks: bool, match: str, key_match: str | None, p
     task is gone for good: it never runs.
     """
     ctl = _controller(ctx)
-    store = ctl.store
+    store = ctl.parking
     if dead or requeue or drop:
         _dead_letters(ctl, requeue, drop, yes)
         return
@@ -338,7 +338,7 @@ def parked(ctx: click.Context, tasks: bool, match: str, key_match: str | None, p
 
 
 def _dead_letters(ctl: Any, requeue: bool, drop: bool, yes: bool) -> None:
-    store = ctl.store
+    store = ctl.parking
     letters = store.dead_letters()
     for parked_id, when_us, attempts, message in letters:
         click.echo(f"{parked_id}  {_task_name(ctl.app, message)}  dead since "

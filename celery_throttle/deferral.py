@@ -17,16 +17,23 @@ from celery.exceptions import Reject
 
 from . import signals
 from .errors import StoreError
-from .header import HEADER, read_state, without_dead_letter_headers
 from .keys import state_key, state_tag
 from .parking import park
+from .protocol import (
+    HEADER,
+    Code,
+    Reservation,
+    WindowReply,
+    header_value,
+    rates_tag,
+    without_dead_letter_headers,
+)
 from .spec import BoundCall
-from .store import Code, Reservation, WindowReply, rates_tag
 
 if TYPE_CHECKING:
     from .limiter import Throttle
 
-__all__ = ["HEADER", "KEPT_PROPERTIES", "TurnedAway", "kept_properties", "plan_return", "read_state"]
+__all__ = ["KEPT_PROPERTIES", "TurnedAway", "kept_properties", "plan_return"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -52,7 +59,7 @@ def plan_return(ctl: Throttle, call: BoundCall, state: dict[str, Any], claim: Re
     if reply.code == Code.EARLY:
         reservation = claim
         lead_us = 0  # it already came back early once: aim at the start itself
-    elif reply.start_us:
+    elif reply.code == Code.RESERVED:
         lead_us = min(lead_us, reply.wait_us)  # a start closer than the lead: sent now
         reservation = Reservation(reply.start_us, reply.latest_us, call.cost, reply.grace_us,
                                   reply.epoch, lead_us, rates_tag(call.rates))
@@ -102,7 +109,7 @@ class TurnedAway:
         ctl, task, request, call = self.ctl, self.task, self.request, self.call
         self.state["n"] = int(self.state.get("n") or 0) + 1  # deferrals so far, for observability
         headers = without_dead_letter_headers(request.headers)
-        headers[HEADER] = self.state
+        headers[HEADER] = header_value(self.state)
         sig = task.signature_from_request(request, self.args, self.kwargs, headers=headers,
                                           **kept_properties(request))
         parked = may_park and now_us is not None and (delay >= ctl.settings.park_after or held)

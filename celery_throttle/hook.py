@@ -29,11 +29,11 @@ from celery.states import IGNORED
 from . import signals
 from .backoff import Backoff
 from .controller import controller
-from .deferral import HEADER, TurnedAway, read_state
+from .deferral import TurnedAway
 from .errors import StoreError, WaitTooLong
 from .keys import state_key
+from .protocol import HEADER, Code, Reservation, read_state
 from .spec import BoundCall, ThrottleSpec, declared_spec
-from .store import Code, Reservation
 from .timing import wait_here_us
 
 if TYPE_CHECKING:
@@ -251,7 +251,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
             f"{'' if call.key is None else f' key {call.key!r}'}: more than its max_wait of "
             f"{_seconds(max_wait or 0)}"
         )
-    if claim is not None and reply.code == Code.DENIED:
+    if claim is not None and reply.code in (Code.DENIED, Code.RESERVED):
         # Its reserved start could not be used (it came too late, or the window state it
         # was made in is gone): it queues again behind every start reserved since.
         logger.info("throttled %s[%s] could not use its reserved start (now %+.1f ms from it); "

@@ -20,18 +20,11 @@ from .hints import Hints
 from .keys import encode, parked_patterns, scan_pattern, state_key, state_of, target_matches
 from .lease import Leases, sent_at
 from .metrics import Metrics
+from .parking_store import ParkingStore
+from .protocol import ALGORITHM_TAGS, Code, Reservation, WindowCall, WindowReply, rate_field, rates_tag
 from .rates import Rate, parse_rates
 from .spec import BoundCall, ThrottleSpec, declared_spec
-from .store import (
-    ALGORITHM_TAGS,
-    Code,
-    RedisStore,
-    Reservation,
-    WindowCall,
-    WindowReply,
-    rate_field,
-    rates_tag,
-)
+from .store import RedisStore
 
 __all__ = ["Decision", "RateStatus", "Status", "Throttle"]
 
@@ -94,6 +87,7 @@ class Throttle:
         self._settings: Settings | None = None
         self._store: RedisStore | None = None
         self._quick_store: RedisStore | None = None
+        self._parking: ParkingStore | None = None
         self._lock = threading.Lock()
         self._rules: list[tuple[str, ThrottleSpec]] | None = None
         self._leases = Leases()
@@ -140,6 +134,14 @@ class Throttle:
     def store(self) -> RedisStore:
         """The Redis store, connected on first use (in the process that uses it)."""
         return self._store or self._open("_store")
+
+    @property
+    def parking(self) -> ParkingStore:
+        """The parked messages of :attr:`store`."""
+        parking = self._parking
+        if parking is None or parking.store is not self.store:
+            parking = self._parking = ParkingStore(self.store)
+        return parking
 
     @property
     def quick_store(self) -> RedisStore:
@@ -456,9 +458,9 @@ class Throttle:
         field = pause_field(scope, key)
         self._controls.note(field, None)
         found = self.store.clear_control(field)
-        due = self.store.hasten(parked_patterns(scope, key), self.store.now_us())
+        due = self.parking.hasten(parked_patterns(scope, key), self.store.now_us())
         if due or found:  # (found: it may hold tasks in the broker's held queue, uncounted)
-            self.store.wake_releasers()
+            self.parking.wake_releasers()
             logger.warning("resumed scope %r%s: %d parked task(s) it held are due now", scope,
                            "" if key is None else f" key {key!r}", due)
         return found

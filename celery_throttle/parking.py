@@ -93,7 +93,7 @@ def park(ctl: Throttle, sig: Any, due_us: int, tag: str | None = None, *, now_us
     parked_id = f"{sig.options.get('task_id')}:{uuid.uuid4().hex[:12]}"
     if tag is not None:
         parked_id = f"{tag}{PARKED_TAG_END}{parked_id}"
-    ctl.store.park(parked_id, due_us, encode_message(ctl.app, sig))
+    ctl.parking.park(parked_id, due_us, encode_message(ctl.app, sig))
     return parked_id
 
 
@@ -140,7 +140,7 @@ class Releaser(threading.Thread):
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0 and not self._stop_event.is_set():
             try:
-                if self.ctl.store.wait_for_wake(min(left, WAKE_SLICE)):
+                if self.ctl.parking.wait_for_wake(min(left, WAKE_SLICE)):
                     self._woken = True
                     break
             except StoreError:
@@ -186,7 +186,7 @@ class Releaser(threading.Thread):
         ctl = self.ctl
         interval = ctl.settings.release_interval
         lookahead_us = int(interval * 1.5 * 1e6)
-        now_us, items = ctl.store.release(lookahead_us, BATCH, int(_LEASE_S * 1e6), MAX_ATTEMPTS)
+        now_us, items = ctl.parking.release(lookahead_us, BATCH, int(_LEASE_S * 1e6), MAX_ATTEMPTS)
         sent, unacked = 0, []
         for parked_id, due_us, message in items:
             if message is None:
@@ -200,14 +200,14 @@ class Releaser(threading.Thread):
                 ctl.app.signature(body).apply_async(countdown=max(due_us - now_us, 0) / 1e6)
             except Exception:  # anything this message does: the others still go
                 logger.exception("could not send parked task %s back; it will be tried again", parked_id)
-                ctl.store.retry_later([parked_id], now_us + int(interval * 2 * 1e6))
+                ctl.parking.retry_later([parked_id], now_us + int(interval * 2 * 1e6))
                 continue
             unacked.append(parked_id)
             sent += 1
             if len(unacked) >= _ACK_EVERY:
-                ctl.store.ack(unacked)
+                ctl.parking.ack(unacked)
                 unacked = []
-        ctl.store.ack(unacked)
+        ctl.parking.ack(unacked)
         if sent:
             logger.info("released %d parked task(s)", sent)
             ctl.metrics.released(sent)
@@ -215,8 +215,8 @@ class Releaser(threading.Thread):
             self._watched_at = time.monotonic()
             self._watch_store()
             if broker_parking(ctl) is not None:
-                ctl.store.forget_in_broker(due_before_us=now_us - int(BROKER_INDEX_KEPT * 1e6))
+                ctl.parking.forget_in_broker(due_before_us=now_us - int(BROKER_INDEX_KEPT * 1e6))
         if ctl.metrics.enabled and time.monotonic() - self._gauged_at > _GAUGE_EVERY:
             self._gauged_at = time.monotonic()
-            ctl.metrics.parked_waiting(ctl.store.parked_count()[0])
+            ctl.metrics.parked_waiting(ctl.parking.parked_count()[0])
         return len(items)

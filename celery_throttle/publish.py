@@ -38,13 +38,13 @@ from kombu.exceptions import EncodeError
 
 from . import signals
 from .breaker import Breaker
-from .deferral import HEADER, plan_return
+from .deferral import plan_return
 from .errors import StoreError, ThrottleError
 from .hints import Hints
 from .keys import state_key, state_tag
 from .parking import park
+from .protocol import HEADER, Code, header_value
 from .spec import BoundCall, ThrottleSpec, declared_spec
-from .store import Code
 from .timing import PUBLISH_HINT_MAX, STORE_ERROR_PAUSE, shortest_us
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def wrap_send_task(ctl: Throttle) -> None:
         options.pop("countdown", None)
         options.pop("eta", None)
         task_id = options.pop("task_id", None) or uuid()
-        headers = options["headers"] = {**(options.get("headers") or {}), HEADER: deferral.state}
+        headers = options["headers"] = {**(options.get("headers") or {}), HEADER: header_value(deferral.state)}
         if deferral.delay > 0:  # turned away: not a task that goes now with its start
             call = deferral.call
             ctl.metrics.denied(call.scope, call.key, deferral.delay, deferral.park)
@@ -202,7 +202,7 @@ def admit(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Mapping[str
         ctl.hints.open(ident, reply.leased - call.cost, min(shortest_us(call.rates) / 1e6, PUBLISH_HINT_MAX))
         return None
     held = ctl.holds(call, reply.now_us)
-    if reply.code != Code.DENIED or not (reply.start_us or held):
+    if not (reply.code == Code.RESERVED or (reply.code == Code.DENIED and held)):
         return None  # no start reserved (none found, or too far): the worker decides
     # (A long pause reserves no start: the task is parked until the pause's horizon, or
     # until a resume sends it.)

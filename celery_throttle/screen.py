@@ -24,9 +24,9 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .breaker import Breaker
 from .controller import controller
-from .deferral import HEADER, TurnedAway, read_state
+from .deferral import TurnedAway
 from .errors import StoreError, ThrottleError
-from .store import Code
+from .protocol import HEADER, Code, read_state
 from .timing import SCREEN_RTT_MAX_US, STORE_ERROR_PAUSE
 
 __all__ = ["ScreenStep", "screen_strategies"]
@@ -102,7 +102,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
         except (DecodeError, ContentDisallowed, ValueError, TypeError):
             # A body that does not decode: Celery's own path reports it.
             return handler(message, body, ack, reject, callbacks, **kw)
-        if reply.code != Code.DENIED or not reply.start_us:
+        if reply.code != Code.RESERVED:
             fits_in_a_row = streak + 1
             return handler(message, body, ack, reject, callbacks, **kw)
         fits_in_a_row = 0

@@ -20,10 +20,9 @@ from celery.worker.control import inspect_command
 from celery.worker.request import Request
 from kombu.exceptions import ContentDisallowed, DecodeError
 
-from .header import HEADER, read_state
 from .keys import PARKED_TAG_END, state_of
 from .parking import decode_message
-from .store import Reservation
+from .protocol import HEADER, Reservation, read_state
 
 if TYPE_CHECKING:
     from .limiter import RateStatus, Throttle
@@ -72,7 +71,7 @@ def parked_call(ctl: Throttle, message: bytes | None) -> tuple[str, dict[str, An
 
 def explain(ctl: Throttle, task_id: str, timeout: float = REPLY_TIMEOUT) -> Whereabouts:
     """Where task ``task_id`` waits, asking the store, then the workers."""
-    found = ctl.store.find_parked(task_id)
+    found = ctl.parking.find_parked(task_id)
     if found:
         where, parked_id, when_us, message = min(found, key=lambda f: ("waiting", "releasing", "dead").index(f[0]))
         name, state = parked_call(ctl, message)
@@ -80,7 +79,7 @@ def explain(ctl: Throttle, task_id: str, timeout: float = REPLY_TIMEOUT) -> Wher
                           held_by_pause=PARKED_TAG_END in parked_id)
         if message is None:
             out.name = "<message gone>"
-    elif (noted := ctl.store.find_in_broker(task_id)) is not None:
+    elif (noted := ctl.parking.find_in_broker(task_id)) is not None:
         due_us, info = noted
         entry = json.loads(info)
         state = read_state(entry.get("h"))

@@ -5,6 +5,8 @@ A missing Redis skips the tests locally but fails them in CI (CI=true).
 
 from __future__ import annotations
 
+import inspect
+import re
 import uuid
 from collections.abc import Iterator
 
@@ -13,10 +15,21 @@ import redis
 from hypothesis import settings
 
 # No per-example deadline: these machines are shared, and a slow example is not a wrong one.
+# `make quick` (CT_QUICK=1) tries fewer examples per property: the inner loop, not the proof.
 settings.register_profile("celery_throttle", deadline=None)
-settings.load_profile("celery_throttle")
+settings.register_profile("celery_throttle_quick", deadline=None, max_examples=10)
 
-from tests.helpers import BROKER_URL, STORE_URL, WorkerGroup, delete_queues, rabbitmq_or_skip, redis_or_skip
+from tests.helpers import (
+    BROKER_URL,
+    QUICK,
+    STORE_URL,
+    WorkerGroup,
+    delete_queues,
+    rabbitmq_or_skip,
+    redis_or_skip,
+)
+
+settings.load_profile("celery_throttle_quick" if QUICK else "celery_throttle")
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
@@ -62,3 +75,44 @@ def workers(store_client: redis.Redis, broker_url: str) -> Iterator[WorkerGroup]
     _clean(store_client, prefix)
     delete_queues(broker_url, group.queues)
 
+
+
+# -- tiers ----------------------------------------------------------------------------
+# Every test is in one tier (pyproject.toml lists the markers): `make quick` runs the first
+# two, `make test` all of them.
+#   pure     no Redis, no worker: rates, keys, declarations, the script's format
+#   script   a real Redis, no worker process: the scripts against the model, the
+#            controller used directly, the upgrade corpus
+#   workers  real Celery workers (subprocesses, or Celery's in-process test worker) or
+#            the CLI as a subprocess
+#   faults   workers and servers that are killed, slowed or filled on purpose
+TIERS = ("pure", "script", "workers", "faults")
+#: Modules whose tests are all of one tier.
+_MODULE_TIERS = {
+    "test_faults": "faults", "test_store_risks": "faults", "test_soak": "faults",
+    # (the CLI, the examples and the deployments run as subprocesses)
+    "test_cli": "workers", "test_examples": "workers", "test_embedded": "workers",
+    "test_deployments": "workers", "test_testing_example": "workers",
+}
+#: Fixtures that start workers, and those that reach Redis.
+_WORKER_FIXTURES = {"workers", "pool_workers", "group_factory", "app", "idle_queue"}
+_REDIS_FIXTURES = {"store_client", "prefix", "store", "clock", "redis_client", "ctl"}
+#: What a test body that starts a worker or another process itself calls.
+_STARTS_PROCESSES = re.compile(r"\b(WorkerGroup|start_worker|subprocess\.\w+)\(")
+
+
+def _tier(item: pytest.Item) -> str:
+    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+    used = set(getattr(item, "fixturenames", ()))
+    if module in _MODULE_TIERS:
+        return _MODULE_TIERS[module]
+    function = getattr(item, "function", None)
+    if used & _WORKER_FIXTURES or (function is not None and _STARTS_PROCESSES.search(inspect.getsource(function))):
+        return "workers"
+    return "script" if used & _REDIS_FIXTURES else "pure"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in TIERS):  # (unless a test says its tier)
+            item.add_marker(getattr(pytest.mark, _tier(item)))

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI") == "true"
 
 
+#: ``make quick`` (CT_QUICK=1): fewer examples per property (the inner loop, not the proof).
+QUICK = os.environ.get("CT_QUICK") == "1"
 #: The Redis the tests use (``CT_REDIS``, default the local one). ``make test`` runs under
 #: ``tests.with_redis``, which sets it: to the local one if it answers, else to a throwaway
 #: server; and it runs the script-level tests a second time against Redis 6.2, the oldest

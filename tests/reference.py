@@ -28,6 +28,7 @@ from typing import Protocol
 
 import msgpack
 
+from celery_throttle.protocol import STATE_FORMAT, Code
 from celery_throttle.timing import SCRIPT_POLICY, ScriptPolicy
 
 __all__ = [
@@ -312,6 +313,8 @@ _ALGORITHMS = {"sliding": SlidingRate, "fixed": FixedRate}
 
 #: The hash field holding its epoch: the time (µs) the hash was created.
 EPOCH_FIELD = "e"
+#: The hash field holding its format (protocol.STATE_FORMAT), written with the epoch.
+FORMAT_FIELD = "f"
 
 
 class WindowModel:
@@ -373,7 +376,7 @@ class WindowModel:
 
         for r in self.rates:
             if cost > r.limit:
-                return ModelReply(-1, 0, 0, 0, 0, 0, now, 0, -1, 0, 0)
+                return ModelReply(Code.TOO_COSTLY, 0, 0, 0, 0, 0, now, 0, -1, 0, 0)
 
         # A reservation made in another epoch (or none: RedisStore sends '' without a
         # claim) is not honoured and gives nothing back: the call is an acquire.
@@ -398,11 +401,11 @@ class WindowModel:
             # lifted since: give it back and check again
             paused = c_start < not_before_us or resumed
             if now < c_start and not paused:
-                return reply(2, c_start - now, c_start, c_latest)
+                return reply(Code.EARLY, c_start - now, c_start, c_latest)
             # On time only if the body, starting within `slack` of now, stays inside
             # the reserved span.
             if now + slack_us <= c_latest and not paused:
-                return reply(1, 0, c_start, c_latest)
+                return reply(Code.RUN, 0, c_start, c_latest)
             # Late: give the reserved units back, then try afresh.
             for r in self.rates:
                 written = r.unrecord(c_start, c_grace, c_cost) or written
@@ -414,13 +417,13 @@ class WindowModel:
                     r.fold(now)
             if written and self.epoch is None:
                 self.epoch = now
-            return reply(0, pause_horizon_us, 0, 0)
+            return reply(Code.DENIED, pause_horizon_us, 0, 0)
 
         if op == "admit":  # at publish: fits, every rate at most half full: not recorded
             half = [math.floor(r.limit / 2) - max(r.usage(now), r.usage(now + slack_us)) for r in self.rates]
             if not not_before_us and all(h >= cost and r.earliest(now, cost, slack_us) == now
                                          for h, r in zip(half, self.rates)):
-                return reply(1, 0, 0, 0, 0, min(half))
+                return reply(Code.RUN, 0, 0, 0, 0, min(half))
             op = "reserve"
 
         x, settled = max(now, not_before_us), False  # nothing starts in a pause
@@ -436,13 +439,13 @@ class WindowModel:
                 break
 
         if op == "peek":
-            return reply(1 if x == now else 0, x - now, 0, 0)
+            return reply(Code.RUN if x == now else Code.DENIED, x - now, 0, 0)
 
-        code, start, latest, leased = 0, 0, 0, 0
+        code, start, latest, leased = Code.DENIED, 0, 0, 0
         if settled and x == now and op == "screen":
-            code = 1  # fits now: recorded by the acquire that follows, not here
+            code = Code.RUN  # fits now: recorded by the acquire that follows, not here
         elif settled and x == now and op != "reserve":
-            code = 1
+            code = Code.RUN
             units, span = cost, slack_us
             if op == "acquire" and lease > cost:
                 # A lease: `lease` units over [now, now + span], only while every rate
@@ -456,12 +459,12 @@ class WindowModel:
                 r.record(now, now + span, units)
             written = True
         elif settled and (reserve or op == "reserve") and max_wait_us > 0 and x - max(now, not_before_us) > max_wait_us:
-            code = 3  # further than the caller will wait: nothing reserved
+            code = Code.TOO_FAR  # further than the caller will wait: nothing reserved
         elif settled and (reserve or op == "reserve"):
             if self.jitter is not None:  # (what is learnt is capped; the caller's least grace is not)
                 grace_us = max(grace_us, min(p.grace_jitters * self.jitter + p.grace_slacks * slack_us,
                                              math.floor(shortest / p.learnt_cap_parts)))
-            start = x
+            code, start = Code.RESERVED, x
             latest = min(r.record(x, x + grace_us, cost) for r in self.rates)
             written = True
         if written and self.folds:
@@ -487,7 +490,9 @@ class WindowModel:
 
     # what the hash should hold
     def fields(self) -> dict[str, str | list[int]]:
-        out: dict[str, str | list[int]] = {} if self.epoch is None else {EPOCH_FIELD: str(self.epoch)}
+        out: dict[str, str | list[int]] = {}
+        if self.epoch is not None:
+            out.update({EPOCH_FIELD: str(self.epoch), FORMAT_FIELD: str(STATE_FORMAT)})
         if self.delay is not None:
             out.update(d=str(self.delay), v=str(self.jitter))
         for r in self.rates:

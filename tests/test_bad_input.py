@@ -8,9 +8,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from celery_throttle.deferral import HEADER, read_state
 from celery_throttle.keys import parking_keys
-from celery_throttle.store import Reservation
+from celery_throttle.protocol import HEADER, Reservation, read_state
 from tests.helpers import WorkerGroup, max_in_window
 
 #: What a JSON (or msgpack, or pickle-less YAML) body can carry.
@@ -105,19 +104,19 @@ def test_any_bytes_parked_never_stop_the_releaser_and_end_as_dead_letters(prefix
     @given(st.binary(max_size=200) | st.text(max_size=80).map(lambda t: f"application/json\nutf-8\n{t}".encode()))
     def check(blob: bytes) -> None:
         # Given a parked entry holding any bytes at all (a foreign writer, a truncation)
-        ctl.store.drop_dead([parked_id for parked_id, *_ in ctl.store.dead_letters()])
-        ctl.store.park(f"junk-{uuid.uuid4().hex}", 0, blob)
+        ctl.parking.drop_dead([parked_id for parked_id, *_ in ctl.parking.dead_letters()])
+        ctl.parking.park(f"junk-{uuid.uuid4().hex}", 0, blob)
         # When the releaser meets it again and again
         due = parking_keys(prefix)[0]
         handed_out = 0
-        while ctl.store.parked_count()[2] == 0 and handed_out <= MAX_ATTEMPTS:
+        while ctl.parking.parked_count()[2] == 0 and handed_out <= MAX_ATTEMPTS:
             releaser.release_once()  # never raises
             handed_out += 1
             waiting = ctl.store.client.zrange(due, 0, -1)
             if waiting:
                 ctl.store.client.zadd(due, dict.fromkeys(waiting, 0))  # due again now
         # Then after MAX_ATTEMPTS tries it is a dead letter: not back forever, not lost
-        assert ctl.store.parked_count() == (0, 0, 1)
+        assert ctl.parking.parked_count() == (0, 0, 1)
         assert handed_out == MAX_ATTEMPTS + 1  # the last hand-out finds it spent
 
     try:

@@ -118,9 +118,9 @@ def test_set_and_unset_a_live_limit_from_the_command_line(prefix: str) -> None:
 
 
 def test_parked_tasks_by_scope_and_key_with_due_times_and_a_purge(prefix: str) -> None:
-    from celery_throttle.deferral import HEADER
     from celery_throttle.keys import state_key
     from celery_throttle.parking import park
+    from celery_throttle.protocol import HEADER
 
     ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
     now_us = ctl.store.now_us()
@@ -135,9 +135,9 @@ def test_parked_tasks_by_scope_and_key_with_due_times_and_a_purge(prefix: str) -
     assert "task-2  tests.taskapp.below  scope 'github-api'  due " in listed and "task-0" not in listed
     assert "purged 2 parked task(s)" in _celery(prefix, "parked", "--purge", "--match", "exports", "--key-match", "acme",
                                                      "--yes")
-    assert ctl.store.parked_count() == (1, 0, 0)
+    assert ctl.parking.parked_count() == (1, 0, 0)
     declined = _run(prefix, "parked", "--purge")  # asks first; no answer: nothing deleted
-    assert declined.returncode != 0 and ctl.store.parked_count() == (1, 0, 0)
+    assert declined.returncode != 0 and ctl.parking.parked_count() == (1, 0, 0)
 
 
 def test_status_prints_hostile_keys_as_text_and_lists_the_keys_of_a_scope(prefix: str) -> None:

@@ -213,8 +213,8 @@ def test_eager_and_direct_calls_are_not_throttled(prefix: str) -> None:
 
 def test_reset_voids_outstanding_reservations(ctl: celery_throttle.Throttle) -> None:
     # Given a full 2/s window and a start reserved for a third call
+    from celery_throttle.protocol import Reservation
     from celery_throttle.spec import BoundCall
-    from celery_throttle.store import Reservation
 
     call = BoundCall("r", None, celery_throttle.rates.parse_rates("2/s"), 1, "sliding")
     assert ctl.check(call, reserve=True).allowed and ctl.check(call, reserve=True).allowed
@@ -233,8 +233,8 @@ def test_reset_voids_outstanding_reservations(ctl: celery_throttle.Throttle) -> 
 
 def test_a_reservation_is_used_once(ctl: celery_throttle.Throttle) -> None:
     # Given a full 2/s window and starts reserved for a third and a fourth call
+    from celery_throttle.protocol import Reservation
     from celery_throttle.spec import BoundCall
-    from celery_throttle.store import Reservation
 
     call = BoundCall("once", None, celery_throttle.rates.parse_rates("2/s"), 1, "sliding")
     assert ctl.check(call, reserve=True).allowed and ctl.check(call, reserve=True).allowed
@@ -296,3 +296,38 @@ def test_a_misspelt_setting_is_named_in_a_warning_with_the_likely_one(caplog: py
     assert "celery_throttle: unknown setting throttle_park_afer is ignored (did you mean throttle_park_after?)" in said
     assert "celery_throttle: unknown setting throttle_frobnicate is ignored" in said
     assert settings.park_after != 5
+
+
+def test_concurrent_pauses_keep_the_longest_and_forget_those_over(ctl: celery_throttle.Throttle) -> None:
+    import threading
+
+    from celery_throttle.controls import pause_field
+
+    # Given a pause that is over, and a live limit, in the controls hash
+    store = ctl.store
+    over = pause_field("old", None)
+    store.set_control(over, str(store.now_us() - 1_000_000))
+    ctl.set_limit("api", ["4/s"])
+    # When 8 threads pause one scope at once, each for its own length (a read, then a
+    # write, would let a shorter pause land after the longest)
+    lengths = [30.0 + i for i in range(8)]
+    start = threading.Barrier(len(lengths))
+
+    def pause(seconds: float) -> None:
+        start.wait()
+        ctl.store.pause(pause_field("vendor", None), seconds)
+
+    threads = [threading.Thread(target=pause, args=(s,)) for s in lengths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Then the longest stays, the pause that was over is forgotten, and the limit stays
+    controls = store.controls()
+    assert int(controls[pause_field("vendor", None)]) - store.now_us() > (max(lengths) - 5) * 1_000_000
+    assert over not in controls
+    assert controls["limit:api"] == "4/s"
+    # and a shorter pause set after it does not shorten it; one with no end is forever
+    assert store.pause(pause_field("vendor", None), 1.0) == int(controls[pause_field("vendor", None)])
+    assert store.pause(pause_field("vendor", None), None) == celery_throttle.controls.FOREVER_US
+    ctl.close()  # (the threads' connections)

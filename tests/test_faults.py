@@ -181,15 +181,16 @@ def test_two_releasers_take_each_parked_task_exactly_once(prefix: str) -> None:
     # Given 300 parked messages, all due
     app = Celery("release", broker="memory://", set_as_current=False)
     ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
-    now = ctl.store.release(0, 1, 1, 5)[0]
+    now = ctl.parking.release(0, 1, 1, 5)[0]
     for i in range(300):
-        ctl.store.park(f"id-{i}", now - 1000, b"x")
+        ctl.parking.park(f"id-{i}", now - 1000, b"x")
     taken: list[list[str]] = [[], []]
 
     def drain(slot: int) -> None:
+        from celery_throttle.parking_store import ParkingStore
         from celery_throttle.store import RedisStore
 
-        store = RedisStore(STORE_URL, prefix)  # each releaser has its own connection
+        store = ParkingStore(RedisStore(STORE_URL, prefix))  # each releaser has its own connection
         while True:
             _, items = store.release(0, 7, 60_000_000, 5)
             if not items:
@@ -207,21 +208,21 @@ def test_two_releasers_take_each_parked_task_exactly_once(prefix: str) -> None:
     assert not set(taken[0]) & set(taken[1])
     assert sorted(taken[0] + taken[1]) == sorted(f"id-{i}" for i in range(300))
     assert taken[0] and taken[1]
-    assert ctl.store.parked_count() == (0, 0, 0)
+    assert ctl.parking.parked_count() == (0, 0, 0)
 
 
 def test_a_releaser_that_dies_before_its_ack_loses_nothing(prefix: str) -> None:
     app = Celery("lease", broker="memory://", set_as_current=False)
     ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
-    now = ctl.store.release(0, 1, 1, 5)[0]
-    ctl.store.park("a", now, b"payload")
+    now = ctl.parking.release(0, 1, 1, 5)[0]
+    ctl.parking.park("a", now, b"payload")
     # Given a releaser that took the message under a 200 ms lease and died
-    _, items = ctl.store.release(0, 10, 200_000, 5)
+    _, items = ctl.parking.release(0, 10, 200_000, 5)
     assert [i for i, _, _ in items] == ["a"]
-    assert ctl.store.release(0, 10, 200_000, 5)[1] == []  # nobody else gets it meanwhile
+    assert ctl.parking.release(0, 10, 200_000, 5)[1] == []  # nobody else gets it meanwhile
     # When the lease runs out, the message is handed out again
     time.sleep(0.3)
-    _, again = ctl.store.release(0, 10, 200_000, 5)
+    _, again = ctl.parking.release(0, 10, 200_000, 5)
     assert [(i, m) for i, _, m in again] == [("a", b"payload")]
 
 
@@ -237,7 +238,7 @@ def test_releaser_sends_parked_task_back_with_its_options(prefix: str) -> None:
 
     sig = job.signature((1,), {"y": "z"}, task_id="fixed-id", queue="special", priority=3,
                         headers={"h": 1})
-    park(ctl, sig, due_us=ctl.store.release(0, 1, 1, 5)[0])
+    park(ctl, sig, due_us=ctl.parking.release(0, 1, 1, 5)[0])
     from celery.signals import before_task_publish
 
     def capture(sender, headers, routing_key, body, **kw):
@@ -249,7 +250,7 @@ def test_releaser_sends_parked_task_back_with_its_options(prefix: str) -> None:
     finally:
         before_task_publish.disconnect(capture)
     assert sent == [("relapp.job", "fixed-id", "special", [1], {"y": "z"}, 1)]
-    assert ctl.store.parked_count() == (0, 0, 0)
+    assert ctl.parking.parked_count() == (0, 0, 0)
 
 
 def _cluster_port() -> int:
@@ -392,26 +393,26 @@ def test_a_parked_message_that_cannot_be_sent_back_becomes_a_dead_letter_and_the
     # then a good task
     group = group_factory(count=1).start()
     ctl = celery_throttle.Throttle(group.client, {"redis_url": STORE_URL, "key_prefix": group.prefix})
-    now = ctl.store.release(0, 1, 1, 5)[0]  # (Redis's clock; takes nothing)
-    ctl.store.park("poison:1", now, b"application/json\nutf-8\n{not json")
+    now = ctl.parking.release(0, 1, 1, 5)[0]  # (Redis's clock; takes nothing)
+    ctl.parking.park("poison:1", now, b"application/json\nutf-8\n{not json")
     good = group.client.signature("tests.taskapp.unthrottled", args=("after-poison",),
                                   options={"queue": group.queue, "task_id": "good-1"})
     park(ctl, good, due_us=now)
     # When the worker's releaser has tried the poison as often as it may
-    wait_for(lambda: ctl.store.parked_count()[2] == 1, 30, what="a dead letter")
+    wait_for(lambda: ctl.parking.parked_count()[2] == 1, 30, what="a dead letter")
     # Then the good task ran, the poison is a dead letter tried 5 times, the worker is up
     assert [e["id"] for e in group.wait_starts("after-poison", 1, timeout=10)] == ["good-1"]
-    assert [(i, n) for i, _, n, _ in ctl.store.dead_letters()] == [("poison:1", 5)]
-    assert ctl.store.parked_count() == (0, 0, 1)
+    assert [(i, n) for i, _, n, _ in ctl.parking.dead_letters()] == [("poison:1", 5)]
+    assert ctl.parking.parked_count() == (0, 0, 1)
     assert all(p.poll() is None for p in group.procs)
     # And the CLI lists it, requeues it (it comes back as a dead letter), and drops it
     env_prefix = group.prefix
     listed = _run(env_prefix, "parked", "--dead")
     assert "poison:1  <cannot be decoded>  dead since" in listed.stdout and "after 5 attempts" in listed.stdout
     assert "requeued 1 dead letter(s)" in _run(env_prefix, "parked", "--requeue").stdout
-    wait_for(lambda: ctl.store.parked_count()[2] == 1, 30, what="the dead letter back")
+    wait_for(lambda: ctl.parking.parked_count()[2] == 1, 30, what="the dead letter back")
     assert "dropped 1 dead letter(s)" in _run(env_prefix, "parked", "--drop", "--yes").stdout
-    assert ctl.store.parked_count() == (0, 0, 0)
+    assert ctl.parking.parked_count() == (0, 0, 0)
     ctl.close()
 
 
@@ -434,9 +435,9 @@ def test_a_parked_task_whose_message_was_evicted_is_logged_and_kept_as_a_dead_le
     # takes the messages hash and leaves the index, or a hand deletes it)
     app = Celery("evicted", broker="memory://", set_as_current=False)
     ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
-    now = ctl.store.release(0, 1, 1, 5)[0]
+    now = ctl.parking.release(0, 1, 1, 5)[0]
     for i in range(3):
-        ctl.store.park(f"tag|task-{i}:abc", now - 1000, b"x")
+        ctl.parking.park(f"tag|task-{i}:abc", now - 1000, b"x")
     ctl.store.client.delete(parking_keys(prefix)[1])
     # When a releaser comes to them
     with caplog.at_level(logging.ERROR, logger="celery_throttle"):
@@ -444,8 +445,8 @@ def test_a_parked_task_whose_message_was_evicted_is_logged_and_kept_as_a_dead_le
     # Then each is named in an error, and kept as a dead letter with no message
     lost = [r.getMessage() for r in caplog.records if "message is gone" in r.getMessage()]
     assert [m.split()[2] for m in lost] == ["task-0", "task-1", "task-2"]
-    assert [(i, body) for i, _, _, body in ctl.store.dead_letters()] == [(f"tag|task-{i}:abc", None) for i in range(3)]
-    assert ctl.store.parked_count() == (0, 0, 3)
+    assert [(i, body) for i, _, _, body in ctl.parking.dead_letters()] == [(f"tag|task-{i}:abc", None) for i in range(3)]
+    assert ctl.parking.parked_count() == (0, 0, 3)
     ctl.close()
 
 

@@ -35,10 +35,11 @@ from hypothesis.stateful import (
 )
 
 from celery_throttle.keys import state_key
+from celery_throttle.protocol import STATE_FORMAT, Code, Reservation, WindowCall, WindowReply, rate_field
 from celery_throttle.rates import Rate, parse_rate
-from celery_throttle.store import Code, RedisStore, Reservation, WindowCall, WindowReply, rate_field
+from celery_throttle.store import RedisStore
 from celery_throttle.timing import SCRIPT_POLICY, ScriptPolicy
-from tests.helpers import STORE_URL, redis_or_skip
+from tests.helpers import QUICK, STORE_URL, redis_or_skip
 from tests.reference import (
     SLOTS,
     ModelReply,
@@ -262,8 +263,10 @@ class Harness:
             for _ in range(got.leased or 1):
                 units = 1 if got.leased else cost
                 self.jittered_eras[-1].append((now + self.rng.randint(0, slack_us), units))
-        elif got.code == Code.DENIED:
+        elif got.code in (Code.DENIED, Code.RESERVED):
             self.last_wait = got.wait_us
+            # (a start is reserved exactly when the code says so)
+            assert (got.code == Code.RESERVED) == (got.start_us > 0), self.explain(f"code {got.code} with start {got.start_us}")
             if got.start_us:
                 self.pending.append(Reservation(got.start_us, got.latest_us, cost, got.grace_us, got.epoch,
                                                 self.rng.randint(0, 30_000)))
@@ -390,7 +393,8 @@ def new_harness(store: RedisStore, clock: FakeClock, algorithm: str, names: Sequ
 
 # -- long random walks --------------------------------------------------------------------
 
-STEPS = 400
+#: Operations per walk (`make quick`: fewer; the full suite is the proof).
+STEPS = 150 if QUICK else 400
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -582,7 +586,7 @@ def test_script_matches_model_on_hypothesis_chosen_sequences(
     WindowMachine.store, WindowMachine.clock = store, clock
     run_state_machine_as_test(
         WindowMachine,
-        settings=settings(max_examples=60, stateful_step_count=50, deadline=None,
+        settings=settings(max_examples=10 if QUICK else 60, stateful_step_count=50, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow]),
     )
 
@@ -676,7 +680,7 @@ def test_a_reservation_made_before_a_reset_is_checked_afresh(
     key = state_key(store.prefix, "epoch", algorithm)
     assert store.acquire(key, WindowCall(algorithm, rates, 1)).allowed
     denied = store.acquire(key, WindowCall(algorithm, rates, 1, grace_us=20_000), reserve=True)
-    assert denied.code == Code.DENIED and denied.start_us > clock.now and denied.epoch
+    assert denied.code == Code.RESERVED and denied.start_us > clock.now and denied.epoch
     reservation = Reservation(denied.start_us, denied.latest_us, 1, 20_000, denied.epoch)
     # When the state is reset (or expires, or Redis loses it), and at the reserved start
     # another call takes the only unit of the new state
@@ -689,6 +693,36 @@ def test_a_reservation_made_before_a_reset_is_checked_afresh(
     claimed = store.claim(key, WindowCall(algorithm, rates, 1), reservation)
     assert (claimed.code, claimed.start_us) == (Code.DENIED, 0)
     assert store.peek(key, WindowCall(algorithm, rates, 1)).remaining == 0
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("op", ["acquire", "screen", "peek", "claim"])
+def test_a_state_of_another_format_is_started_afresh_and_one_without_is_ours(
+    store: RedisStore, clock: FakeClock, redis_client: redis.Redis, algorithm: str, op: str
+) -> None:
+    # Given a full "2/s" window, and a start reserved in it
+    rates = rates_of(["2/s"])
+    key = state_key(store.prefix, "format", f"{algorithm}-{op}")
+    for _ in range(2):
+        assert store.acquire(key, WindowCall(algorithm, rates, 1)).allowed
+    denied = store.acquire(key, WindowCall(algorithm, rates, 1, grace_us=20_000), reserve=True)
+    reservation = Reservation(denied.start_us, denied.latest_us, 1, 20_000, denied.epoch)
+    assert redis_client.hget(key, "f") == str(STATE_FORMAT).encode()
+    # When the hash has no format field (written before it existed), it is read as ours
+    redis_client.hdel(key, "f")
+    assert store.peek(key, WindowCall(algorithm, rates, 1)).remaining == 0
+    # But when it says another format (a later version wrote it, the deploy rolled back)
+    redis_client.hset(key, "f", STATE_FORMAT + 1)
+    claim = reservation if op == "claim" else None
+    clock.now = reservation.start_us if claim is not None else clock.now + 1000
+    reply = by_op(store, key, op, WindowCall(algorithm, rates, 1), reserve=True, claim=claim)
+    # Then it is started afresh: nothing it counted counts, no reservation of it holds
+    # (the claim is an ordinary acquire of a new state), and a write makes it ours
+    assert reply.code == Code.RUN and reply.start_us == 0
+    assert reply.remaining == (2 if op in ("screen", "peek") else 1)
+    assert reply.epoch == (0 if op in ("screen", "peek") else clock.now) != reservation.epoch
+    if op in ("acquire", "claim"):
+        assert redis_client.hget(key, "f") == str(STATE_FORMAT).encode()
 
 
 def test_fixed_admission_at_the_end_of_a_window_counts_where_it_may_start(
@@ -728,7 +762,7 @@ def test_state_gets_a_ttl_covering_every_counted_unit_then_expires(
             for _ in range(2):
                 assert store.acquire(key, WindowCall(algorithm, rates, 1, slack_us=2000)).allowed
             reply = store.acquire(key, WindowCall(algorithm, rates, 1, grace_us=20_000), reserve=True)
-            assert reply.code == Code.DENIED and reply.start_us > reply.now_us
+            assert reply.code == Code.RESERVED and reply.start_us > reply.now_us
             # Then the hash lives at least until the last counted unit leaves its window,
             # plus the pad it was loaded with, and at most one more window (the headroom a
             # TTL is grown by)
@@ -790,7 +824,7 @@ def test_sliding_day_limit_memory_stays_flat_after_5000_admissions(
             worst = max(worst, redis_client.memory_usage(key, samples=0))
     # Then the hash keeps one field for the rate, holding one bucket per SLOTS-th of the
     # day (a day's span touches at most SLOTS + 1 of them), and its epoch field; under 4 kB
-    assert sorted(redis_client.hkeys(key)) == [b"e", b"s100000/86400000000"]
+    assert sorted(redis_client.hkeys(key)) == [b"e", b"f", b"s100000/86400000000"]
     assert len(SlidingRate.decode(redis_client.hget(key, "s100000/86400000000"))) <= 2 * (SLOTS + 1)
     assert worst < 4096, f"MEMORY USAGE reached {worst} bytes"
 
@@ -803,8 +837,8 @@ DEEP_SETS: dict[str, tuple[str, ...]] = {
     "10/s+1000/h": ("10/s", "1000/h"),
     "5/s+12/3s": ("5/s", "12/3s"),
 }
-#: Reservations outstanding at the deepest point of a walk.
-DEEP = 1500
+#: Reservations outstanding at the deepest point of a walk (`make quick`: shallower).
+DEEP = 400 if QUICK else 1500
 #: What the state of one key may take, however deep its backlog (bytes of the hash's values).
 DEEP_STATE_BYTES = 4096
 
@@ -899,7 +933,7 @@ def test_folding_a_deep_backlog_changes_no_decision_for_calls_of_one_cost(
         want = exact.window(now, op, cost, reserve=True, grace_us=grace, slack_us=slack, claim=claim)
         # Then every reply is the same, field for field
         assert got == want, (op, now, claim)
-        if got.code == Code.DENIED and got.start_us:
+        if got.code == Code.RESERVED:
             pending.append(Reservation(got.start_us, got.latest_us, cost, got.grace_us, got.epoch, 0))
         return got
 
@@ -985,5 +1019,5 @@ def test_admit_at_publish_records_nothing_for_a_key_with_room_and_reserves_near_
     for _ in range(2):
         assert store.acquire(key, call).allowed
     near = store.admit(key, call)
-    assert near.code == Code.DENIED and near.start_us == clock.now and near.latest_us > clock.now
+    assert near.code == Code.RESERVED and near.start_us == clock.now and near.latest_us > clock.now
     assert store.peek(key, call).remaining == 4

@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 from importlib import resources
 
+from celery_throttle.protocol import STATE_FORMAT, Code, Reservation, WindowCall, rate_field, window_argv
 from celery_throttle.rates import Rate
-from celery_throttle.store import Code, Reservation, WindowCall, rate_field, window_argv, window_script
+from celery_throttle.store import window_script
 from celery_throttle.timing import SCRIPT_POLICY
 
 #: Each documented ARGV slot, by the words its header line starts with.
@@ -45,23 +46,24 @@ def test_every_argument_sits_where_window_lua_documents_it() -> None:
 def test_reply_codes_match_the_script() -> None:
     text = resources.files("celery_throttle").joinpath("lua", "window.lua").read_text("utf-8")
     header = " ".join(text[text.index("-- Returns"):text.index("local key = KEYS[1]")].replace("--", "").split())
-    for code, meaning in ((Code.RUN, "run now"), (Code.DENIED, "not now (start > 0"),
+    for code, meaning in ((Code.RUN, "run now"), (Code.DENIED, "not now, and no start reserved"),
+                          (Code.RESERVED, "not now, and a start was reserved"),
                           (Code.EARLY, "a claim that came before"), (Code.TOO_FAR, "denied, and the earliest start"),
                           (Code.TOO_COSTLY, "the cost exceeds the limit")):
         assert f"{code.name} {meaning}" in header, f"code {code.name} is not documented as {meaning!r}"
-    assert [c.value for c in (Code.RUN, Code.DENIED, Code.EARLY, Code.TOO_FAR, Code.TOO_COSTLY)] == \
-        [1, 0, 2, 3, -1]
+    assert [c.value for c in (Code.RUN, Code.DENIED, Code.RESERVED, Code.EARLY, Code.TOO_FAR, Code.TOO_COSTLY)] == \
+        [1, 0, 4, 2, 3, -1]
 
 
 def test_the_script_reads_every_constant_it_is_loaded_with_and_no_other() -> None:
-    # The constants window.lua is given: the timing policy and the reply codes, on its
-    # first line (so its own line numbers shift by one)
+    # The constants window.lua is given: the timing policy, the reply codes and the state
+    # format, on its first line (so its own line numbers shift by one)
     script = window_script("sliding")
     first = script.split("\n", 1)[0]
     given = dict(zip(first.removeprefix("local ").split(" = ")[0].split(", "),
                      first.split(" = ")[1].split(", "), strict=True))
     assert given == {**{k: str(v) for k, v in SCRIPT_POLICY.values().items()},
-                     **{c.name: str(c.value) for c in Code}}
+                     **{c.name: str(c.value) for c in Code}, "STATE_FORMAT": str(STATE_FORMAT)}
     # Each is used by the script, and the script uses no capitalised name it is not given
     # (but its algorithm's own: SLOTS, MAX_BUCKETS, ...)
     window = resources.files("celery_throttle").joinpath("lua", "window.lua").read_text("utf-8")

@@ -120,7 +120,7 @@ def test_install_after_the_worker_was_built_still_releases_parked_tasks(
         for _ in range(4):
             export.delay()
         # Then the waits are parked in Redis, and released and run by this worker
-        wait_for(lambda: ctl.store.parked_count()[0] > 0 or len(starts.times) >= 4, 10, 0.05, "a parked task")
+        wait_for(lambda: ctl.parking.parked_count()[0] > 0 or len(starts.times) >= 4, 10, 0.05, "a parked task")
         times = starts.wait(4, timeout=20)
     assert max_in_window(times, 3.0) <= 2
     assert any("already built" in r.getMessage() for r in caplog.records)

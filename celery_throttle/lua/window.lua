@@ -4,7 +4,7 @@
 -- celery_throttle/timing.py, ScriptPolicy, says what each is and why).
 --
 -- KEYS[1]  hash holding the state of every rate of this (scope, key): one field per rate
---          (named by the caller), plus 'e', 'd' and 'v' below
+--          (named by the caller), plus 'e', 'd', 'v' and 'f' below
 -- KEYS[2]  for 'claim': a marker naming this task's reservation (same hash tag). A
 --          reservation is used once: a second claim of it (a duplicated or redelivered
 --          message) is checked afresh instead of running on, or giving back, units that
@@ -49,7 +49,9 @@
 -- is counted exactly like an admitted one, and a key near its limit is checked call by
 -- call. Units a worker leases and does not use count until they leave the window.
 --
--- The hash's field 'e' is its epoch: set when the hash is created. A reservation made
+-- The hash's field 'f' is its format (STATE_FORMAT, celery_throttle.protocol; absent:
+-- written before the field, format 1), set with 'e' when the hash is created; a hash of
+-- another format is started afresh. The field 'e' is its epoch: set when the hash is created. A reservation made
 -- in another epoch (the hash was reset, expired, or Redis lost its data) is not honoured:
 -- its units are no longer counted, so the call is checked afresh.
 --
@@ -63,9 +65,10 @@
 --
 -- Returns {code, wait, remaining, clear_at, start, latest, now, epoch, lead, grace, leased}
 -- (times in µs):
---   code  (constants set before the script from celery_throttle.store.Code)
+--   code  (constants set before the script from celery_throttle.protocol.Code)
 --          RUN run now
---          DENIED not now (start > 0: a start was reserved)
+--          DENIED not now, and no start reserved
+--          RESERVED not now, and a start was reserved: start, latest, grace
 --          EARLY a claim that came before its reserved start
 --          TOO_FAR denied, and the earliest start (in `wait`) is further than the max
 --            wait (a pause's own length not counted): nothing reserved
@@ -91,9 +94,15 @@ local lease, lease_span, max_wait = tonumber(ARGV[14]), tonumber(ARGV[15]), tonu
 local not_before, pause_horizon = tonumber(ARGV[17]), tonumber(ARGV[18])
 if not_before <= now then not_before = 0 end  -- a pause that is over changes nothing
 
-local n_rates, fields = tonumber(ARGV[19]), {'e', 'd', 'v'}
-for i = 1, n_rates do fields[3 + i] = ARGV[19 + 3 * i] end
+local n_rates, fields = tonumber(ARGV[19]), {'e', 'd', 'v', 'f'}
+for i = 1, n_rates do fields[4 + i] = ARGV[19 + 3 * i] end
 local stored = redis.call('HMGET', key, unpack(fields))
+if stored[1] and stored[4] and tonumber(stored[4]) ~= STATE_FORMAT then
+  -- Written in another format (a later version's, and the deploy rolled back): not read
+  -- as this one, but started afresh, as a hash that expired would be.
+  redis.call('DEL', key)
+  for i = 1, #fields do stored[i] = false end
+end
 -- HMGET answers false for a missing field.
 local epoch = stored[1] or nil
 local delay = stored[2] and tonumber(stored[2]) or nil
@@ -129,7 +138,7 @@ if n_rates > 0 and not_before == 0 and (op == 'screen' or (op == 'acquire' and l
     local limit, period = tonumber(ARGV[17 + 3 * i]), tonumber(ARGV[18 + 3 * i])
     local used, clear_at, value = nil, nil, nil
     if cost <= limit then  -- (else TOO_COSTLY, below)
-      used, clear_at, value = ALGO.fit(stored[3 + i] or nil, now, limit, period, cost, now + slack, record)
+      used, clear_at, value = ALGO.fit(stored[4 + i] or nil, now, limit, period, cost, now + slack, record)
     end
     if used == nil then sets = nil break end
     local f = limit - used - (record and cost or 0)
@@ -139,7 +148,7 @@ if n_rates > 0 and not_before == 0 and (op == 'screen' or (op == 'acquire' and l
     local pace = math.floor(period / limit / 2)
     if half_pace == nil or pace < half_pace then half_pace = pace end
     if record then
-      sets[#sets + 1] = fields[3 + i]
+      sets[#sets + 1] = fields[4 + i]
       sets[#sets + 1] = value
     end
   end
@@ -149,6 +158,8 @@ if n_rates > 0 and not_before == 0 and (op == 'screen' or (op == 'acquire' and l
         epoch = string.format('%.0f', now)
         sets[#sets + 1] = 'e'
         sets[#sets + 1] = epoch
+        sets[#sets + 1] = 'f'
+        sets[#sets + 1] = STATE_FORMAT
       end
       redis.call('HSET', key, unpack(sets))
       keep_until(clear, shortest)
@@ -162,13 +173,13 @@ local rates = {}
 local shortest, half_pace = nil, nil
 for i = 1, n_rates do
   local r = {limit = tonumber(ARGV[17 + 3 * i]), period = tonumber(ARGV[18 + 3 * i]),
-             field = fields[3 + i], dirty = false}
+             field = fields[4 + i], dirty = false}
   if shortest == nil or r.period < shortest then shortest = r.period end
   local pace = math.floor(r.period / r.limit / 2)
   if half_pace == nil or pace < half_pace then half_pace = pace end
   rates[i] = r
 end
-for i, r in ipairs(rates) do ALGO.load(r, stored[3 + i] or nil, now) end
+for i, r in ipairs(rates) do ALGO.load(r, stored[4 + i] or nil, now) end
 
 local function remaining(x)
   local free = nil
@@ -202,6 +213,8 @@ local function write_back()
     epoch = string.format('%.0f', now)
     sets[#sets + 1] = 'e'
     sets[#sets + 1] = epoch
+    sets[#sets + 1] = 'f'
+    sets[#sets + 1] = STATE_FORMAT
   end
   redis.call('HSET', key, unpack(sets))
   keep_until(clear_at(), shortest)
@@ -337,7 +350,7 @@ elseif settled and (reserve or op == 'reserve') then
     grace = math.max(grace, math.min(GRACE_JITTERS * jitter + GRACE_SLACKS * slack,
                                      math.floor(shortest / LEARNT_CAP_PARTS)))
   end
-  start, latest = x, nil
+  code, start, latest = RESERVED, x, nil
   for _, r in ipairs(rates) do
     local until_ = ALGO.record(r, x, x + grace, cost)
     r.dirty = true

@@ -1,0 +1,259 @@
+"""The protocol between the plugin and its store, and what a task carries: pure data, no
+Redis.
+
+- :class:`Code`: what a window script decided (its reply's first field; the scripts get
+  each code by name, :func:`.store.window_script`).
+- :class:`WindowCall` (what a script is told about one call), :func:`window_argv` (its
+  ARGV) and :class:`WindowReply` (what it answered).
+- :class:`Reservation`: a start reserved for a denied call, as a claim and a header carry it.
+- The ``celery_throttle`` message header (:data:`HEADER`, :func:`read_state`), versioned
+  by :data:`HEADER_VERSION`: CHANGELOG.md records each change of it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from functools import cached_property, lru_cache
+from typing import Any, NamedTuple
+
+from .rates import Rate
+
+__all__ = ["ALGORITHM_TAGS", "DEAD_LETTER_HEADERS", "HEADER", "HEADER_VERSION", "STATE_FORMAT", "Code", "Reservation",
+           "WindowCall", "WindowReply", "header_value", "rate_field", "rates_tag", "read_state", "window_argv",
+           "without_dead_letter_headers"]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A start reserved for a denied call: it may start in ``[start_us, latest_us]``.
+
+    ``epoch`` names the window state it was made in; a reset or lost state voids it.
+    ``lead_us``: how long before ``start_us`` the task was due to arrive.
+    ``rates_tag``: which rates it was reserved under (:func:`rates_tag`; 0: unknown). A
+    claim under other rates (a live limit set since) gives it back and is checked afresh.
+    """
+
+    start_us: int
+    latest_us: int
+    cost: int
+    grace_us: int
+    epoch: int
+    lead_us: int = 0
+    rates_tag: int = 0
+
+    def to_header(self) -> list[int]:
+        return [self.start_us, self.latest_us, self.cost, self.grace_us, self.epoch, self.lead_us,
+                self.rates_tag]
+
+    def script_args(self) -> list[int]:
+        """ARGV[7..12] of window.lua for a claim of it."""
+        return [self.start_us, self.latest_us, self.cost, self.grace_us, self.epoch, self.lead_us]
+
+    @classmethod
+    def from_header(cls, value: Any) -> Reservation | None:
+        """The reservation a header holds, or None for anything else (6 fields: written
+        before rates were tagged)."""
+        if not isinstance(value, (list, tuple)) or len(value) not in (6, 7):
+            return None
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**53 for v in value):
+            return None
+        return cls(*value) if value[2] > 0 else None
+
+
+@lru_cache(maxsize=1024)
+def rates_tag(rates: tuple[Rate, ...]) -> int:
+    """A short name of a set of rates, carried by the reservations made under it."""
+    return zlib.crc32(",".join(map(str, rates)).encode()) or 1
+
+
+#: The layout of a window state hash (window.lua's field 'f'; absent: written before the
+#: field, format 1). A hash of another format (a later version's, and the deploy rolled
+#: back) is started afresh, as if it had expired: its reservations are checked afresh
+#: and what it counted is forgotten (at most one window's starts counted twice over).
+#: CHANGELOG.md records each format.
+STATE_FORMAT = 1
+
+
+class Code(IntEnum):
+    """What window.lua decided (its reply's first field; the script knows each by name)."""
+
+    #: The call's cost is above the limit of one of its rates (nothing else is set).
+    TOO_COSTLY = -1
+    #: Not now, and no start reserved (none asked for, a pause too long to reserve
+    #: behind, or none settled): ``wait`` is when to check again.
+    DENIED = 0
+    #: Start now.
+    RUN = 1
+    #: A claim that came before its reserved start (``wait`` until it).
+    EARLY = 2
+    #: The earliest start is further than the caller's max wait: nothing reserved.
+    TOO_FAR = 3
+    #: Not now, and a start was reserved for it: ``start``, ``latest`` and ``grace``
+    #: say which, ``wait`` until it.
+    RESERVED = 4
+
+
+@dataclass(frozen=True)
+class WindowCall:
+    """What window.lua is told about one call, whatever the operation (times in µs)."""
+
+    algorithm: str
+    rates: tuple[Rate, ...]
+    cost: int = 1
+    #: The state's field per rate, when not the rate's own name (a live limit).
+    fields: tuple[str, ...] | None = None
+    #: How long after its reserved start a call may still use it.
+    grace_us: int = 0
+    #: How long after the check the body may start and still count as starting then.
+    slack_us: int = 0
+    #: A start further away than this is not reserved (``Code.TOO_FAR``; 0: no cap).
+    max_wait_us: int = 0
+    #: Paused until then (Redis clock; 0: not paused): nothing starts before it.
+    not_before_us: int = 0
+    #: A pause ending further away than this reserves nothing: the reply is a denial
+    #: without a start whose wait is this horizon (0: no pause is that long).
+    pause_horizon_us: int = 0
+
+    @cached_property
+    def argv_tails(self) -> dict[tuple[Any, ...], tuple[int | str, ...]]:
+        """ARGV[2..] of window.lua for a call without a claim, by (op, reserve, learn,
+        lease, lease span): :func:`window_argv` builds each once per WindowCall, which
+        ``Throttle`` keeps per call shape. (Not a field: no part of equality or hash.)"""
+        return {}
+
+
+class WindowReply(NamedTuple):
+    """What window.lua answered (times in microseconds of the Redis clock).
+
+    A named tuple: one is built per check, and a frozen dataclass took several times as
+    long to build.
+    """
+
+    code: int
+    wait_us: int
+    remaining: int
+    clear_at_us: int
+    start_us: int
+    latest_us: int
+    now_us: int
+    epoch: int
+    #: The learnt dispatch delay of this key (-1: nothing learnt yet).
+    lead_us: int
+    #: The grace given to the start reserved by this call (0 if none).
+    grace_us: int
+    #: Units granted as a lease, this call's own included (0 if none).
+    leased: int = 0
+
+    @property
+    def allowed(self) -> bool:
+        return self.code == Code.RUN
+
+
+def window_argv(now: str, op: str, call: WindowCall, *, reserve: bool = False,
+                claim: Reservation | None = None, learn: str = "1", lease: int = 0,
+                lease_span_us: int = 0) -> list[int | str]:
+    """ARGV of window.lua, in the order its header documents (``tests/test_script_format.py``
+    holds the two together)."""
+    if claim is None:
+        shape = (op, reserve, learn, lease, lease_span_us)
+        tail = call.argv_tails.get(shape)
+        if tail is None:
+            tail = call.argv_tails[shape] = tuple(_window_argv(op, call, reserve, _NO_CLAIM, learn, lease,
+                                                               lease_span_us))
+        return [now, *tail]
+    return [now, *_window_argv(op, call, reserve, claim.script_args(), learn, lease, lease_span_us)]
+
+
+def _window_argv(op: str, call: WindowCall, reserve: bool, claim_args: Sequence[int | str], learn: str,
+                 lease: int, lease_span_us: int) -> list[int | str]:
+    """ARGV[2..] of window.lua."""
+    args: list[int | str] = [op, "1" if reserve else "0", call.cost, call.grace_us, call.slack_us]
+    args += claim_args
+    args += [learn, lease, lease_span_us, call.max_wait_us, call.not_before_us,
+             call.pause_horizon_us or _FOREVER_HORIZON]
+    args += _rate_args(call.algorithm, call.rates, call.fields)
+    return args
+
+
+_NO_CLAIM = (0, 0, 0, 0, "", 0)
+_FOREVER_HORIZON = 2**53
+
+#: The first letter of a rate's field in the state hash: "s25/1000000" holds sliding
+#: "25/s". ``Throttle.status`` reads the rates a hash holds back from these names.
+ALGORITHM_TAGS = {"sliding": "s", "fixed": "f"}
+
+
+def rate_field(algorithm: str, rate: Rate) -> str:
+    return f"{ALGORITHM_TAGS[algorithm]}{rate.limit}/{rate.period_us}"
+
+
+@lru_cache(maxsize=1024)
+def _rate_args(algorithm: str, rates: tuple[Rate, ...], fields: tuple[str, ...] | None = None,
+               ) -> tuple[int | str, ...]:
+    args: list[int | str] = [len(rates)]
+    for i, rate in enumerate(rates):
+        args += [rate.limit, rate.period_us, fields[i] if fields else rate_field(algorithm, rate)]
+    return tuple(args)
+
+
+# -- the message header --------------------------------------------------------------
+#: Message header carrying a deferred task's reservation and counters:
+#: ``k`` the state key it was reserved under, ``r`` the reservation
+#: (:meth:`Reservation.to_header`), ``n`` deferrals so far, ``e`` store errors in a row,
+#: ``p`` 1 if a pause held it (it was parked, for a resume to send it at once), ``v``
+#: the format's version (:data:`HEADER_VERSION`).
+HEADER = "celery_throttle"
+#: The header's format as this version writes it. A header without ``v`` was written
+#: before the field existed, in format 1. One from a later format (a deploy rolled back
+#: while such messages wait) is read as absent: the task is checked afresh, which may
+#: count it twice in its window but never lets it run unchecked. CHANGELOG.md records
+#: each format.
+HEADER_VERSION = 1
+
+
+#: Headers RabbitMQ adds to a message it dead-letters, as the delay topology of broker
+#: parking does at each hop (the names Celery's own retry() drops, X_DEATH_HEADERS). A
+#: re-send that kept them would pass the same delay queue a second time with them, which
+#: RabbitMQ takes for a dead-letter cycle and drops the message, without a word.
+DEAD_LETTER_HEADERS = frozenset({"x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
+                                 "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason"})
+
+
+def without_dead_letter_headers(headers: Any) -> dict[str, Any]:
+    """A copy of a message's headers without DEAD_LETTER_HEADERS."""
+    if not isinstance(headers, dict):
+        return {}
+    return {name: value for name, value in headers.items() if name not in DEAD_LETTER_HEADERS}
+
+
+def read_state(value: Any) -> dict[str, Any]:
+    """The header of a message as this version wrote it, from whatever it holds.
+
+    A message may come from a foreign producer, an older version or a hand: anything
+    that is not what we write counts as absent (a fresh call), field by field, and
+    never raises.
+    """
+    if not isinstance(value, dict):
+        return {}
+    version = value.get("v", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version > HEADER_VERSION:
+        return {}
+    state: dict[str, Any] = {}
+    if isinstance(value.get("k"), str):
+        state["k"] = value["k"]
+    reservation = Reservation.from_header(value.get("r"))
+    if reservation is not None:
+        state["r"] = reservation.to_header()
+    for counter in ("n", "e", "p"):
+        number = value.get(counter)
+        if isinstance(number, int) and not isinstance(number, bool) and 0 <= number < 2**31:
+            state[counter] = number
+    return state
+
+
+def header_value(state: dict[str, Any]) -> dict[str, Any]:
+    """The header to send for ``state`` (as :func:`read_state` returns it, updated)."""
+    return {**state, "v": HEADER_VERSION}
