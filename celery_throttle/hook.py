@@ -21,16 +21,14 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from celery.app import trace as celery_trace
-from celery.app.trace import TraceInfo, build_tracer, task_has_custom
 from celery.exceptions import Ignore
-from celery.states import IGNORED
 
 from . import signals
 from .backoff import Backoff
 from .controller import controller
 from .deferral import TurnedAway
 from .errors import StoreError, WaitTooLong
+from .internals import build_task_tracer, deferred_trace_result, has_own, trace_context
 from .keys import state_key
 from .protocol import HEADER, Code, Reservation, read_state
 from .spec import BoundCall, ThrottleSpec, declared_spec
@@ -55,7 +53,7 @@ def attach(task: Any, spec: ThrottleSpec) -> None:
     cls._throttle_spec = spec
     if cls.__dict__.get("_throttle_hooked"):
         return
-    original = cls.before_start if task_has_custom(task, "before_start") else None
+    original = cls.before_start if has_own(task, "before_start") else None
 
     def before_start(self: Any, task_id: str, args: Any, kwargs: Any) -> None:
         if _decided.task_id == task_id:
@@ -78,8 +76,7 @@ def attach(task: Any, spec: ThrottleSpec) -> None:
     if built is not None:
         # Hooked after the worker built its tracer (a task defined after the worker
         # started, then reload()): build it again, now with our before_start in it.
-        task.__trace__ = build_tracer(task.name, task, task.app.loader, _worker_hostname(),
-                                      app=task.app)
+        task.__trace__ = build_task_tracer(task)
 
 
 def _catching_backoff(run: Any, task: Any) -> Any:
@@ -166,7 +163,7 @@ def _deciding(task: Any, tracer: Any) -> Any:
     """``tracer``, preceded by the throttle's decision."""
 
     def trace(uuid: str, args: Any, kwargs: Any, request: Any = None) -> Any:
-        context = celery_trace.Context(request or {}, args=args, called_directly=False, kwargs=kwargs)
+        context = trace_context(request, args, kwargs)
         task.request_stack.push(context)
         error: BaseException | None = None
         try:
@@ -176,7 +173,7 @@ def _deciding(task: Any, tracer: Any) -> Any:
         finally:
             task.request_stack.pop()
         if not run:
-            return celery_trace.trace_ok_t(Deferred(), TraceInfo(IGNORED), 0.0, None)
+            return deferred_trace_result(Deferred())
         if error is None and isinstance(request, dict):
             _forget_header_of(request)
         _decided.task_id, _decided.error = uuid, error
@@ -187,12 +184,6 @@ def _deciding(task: Any, tracer: Any) -> Any:
 
     trace.__wrapped__ = tracer  # type: ignore[attr-defined]
     return trace
-
-
-def _worker_hostname() -> str | None:
-    """The worker's node name, as Celery keeps it for its own fast tracer."""
-    localized = celery_trace._localized
-    return localized[2] if len(localized) == 3 else None
 
 
 def _signature(task: Any) -> inspect.Signature | None:

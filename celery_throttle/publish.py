@@ -32,7 +32,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from celery.app.task import Context
-from celery.local import maybe_evaluate
 from celery.utils import uuid
 from kombu.exceptions import EncodeError
 
@@ -41,6 +40,7 @@ from .breaker import Breaker
 from .deferral import plan_return
 from .errors import StoreError, ThrottleError
 from .hints import Hints
+from .internals import registered_task
 from .keys import state_key, state_tag
 from .parking import park
 from .protocol import HEADER, Code, header_value
@@ -132,25 +132,13 @@ def throttle_of(ctl: Throttle, name: str, task: Any) -> Known | None:
     """The throttle this app knows for task ``name`` (``task``: its task, if the caller
     has it); None if it has none."""
     if task is None:
-        task = _registered(ctl.app, name)
+        task = registered_task(ctl.app, name)
     spec = declared_spec(task) if task is not None else None
     if spec is None:
         spec = ctl.rule_for(name) if not name.startswith("celery.") else None
     if spec is None:
         return None
     return Known(spec, _signature(task) if task is not None else None, task)
-
-
-def _registered(app: Any, name: str) -> Any:
-    """The app's task of that name, without finalizing the app. A task module imported by
-    a producer that never finalizes holds its ``@app.task`` tasks as pending promises:
-    they are made now, as the first use of any of them would."""
-    task = app._tasks.get(name)
-    if task is None and app._pending:
-        for promise in list(app._pending):
-            maybe_evaluate(promise)
-        task = app._tasks.get(name)
-    return task
 
 
 def _signature(task: Any) -> inspect.Signature | None:

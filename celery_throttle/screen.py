@@ -19,13 +19,13 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import bootsteps
-from celery.utils.imports import symbol_by_name
 from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .breaker import Breaker
 from .controller import controller
 from .deferral import TurnedAway
 from .errors import StoreError, ThrottleError
+from .internals import request_context_factory
 from .protocol import HEADER, Code, read_state
 from .timing import SCREEN_RTT_MAX_US, STORE_ERROR_PAUSE
 
@@ -70,7 +70,7 @@ _SAMPLE = 8
 
 def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
               breaker: Breaker) -> Callable[..., Any]:
-    Request = symbol_by_name(task.Request)
+    request_context = request_context_factory(task)
     fits_in_a_row = 0
 
     def screened(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any) -> Any:
@@ -107,7 +107,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             return handler(message, body, ack, reject, callbacks, **kw)
         fits_in_a_row = 0
         try:
-            context = Request(message, app=task.app, task=task)._context
+            context = request_context(message)
             TurnedAway(ctl, task, context, args, kwargs, call, {}).defer(reply)
         except Exception:
             logger.exception("could not defer %s[%s] from the consumer; handing it to the pool",

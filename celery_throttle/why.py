@@ -15,11 +15,11 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
 from celery.worker.request import Request
 from kombu.exceptions import ContentDisallowed, DecodeError
 
+from .internals import held_requests
 from .keys import PARKED_TAG_END, state_of
 from .parking import decode_message
 from .protocol import HEADER, Reservation, read_state
@@ -115,14 +115,9 @@ def explain(ctl: Throttle, task_id: str, timeout: float = REPLY_TIMEOUT) -> Wher
 def throttle_why(state: Any, task_id: str, **kwargs: Any) -> dict[str, Any]:
     """Where this worker holds task ``task_id``: a countdown in its timer, received and
     waiting for a pool process, or running (``{}``: it does not hold it)."""
-    for waiting in list(state.consumer.timer.schedule.queue):
-        request = (getattr(waiting.entry, "args", None) or (None,))[0]
-        if isinstance(request, Request) and request.id == task_id:
-            return _answer("countdown", request)
-    for where, requests in (("running", worker_state.active_requests), ("received", worker_state.reserved_requests)):
-        for request in list(requests):
-            if request.id == task_id:
-                return _answer(where, request)
+    for where, request in held_requests(state.consumer):
+        if request.id == task_id:
+            return _answer(where, request)
     return {}
 
 

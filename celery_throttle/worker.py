@@ -27,6 +27,7 @@ from .connection import safe_url
 from .controller import controller
 from .errors import StoreError
 from .hook import attach
+from .internals import chain_on_close, wrap_update_strategies
 from .limiter import Throttle
 from .parking import Releaser
 from .publish import wrap_send_task
@@ -113,14 +114,12 @@ def _hook_at_reload(worker: Any, ctl: Any) -> None:
     consumer = getattr(worker, "consumer", None)
     if consumer is None or getattr(consumer, "_throttle_reload_hooked", False):
         return
-    update_strategies = consumer.update_strategies
 
-    def updated() -> None:
-        update_strategies()
+    def hook_and_screen() -> None:
         patch_tasks(ctl)
         screen_strategies(ctl, consumer)
 
-    consumer.update_strategies = updated
+    wrap_update_strategies(consumer, hook_and_screen)
     consumer._throttle_reload_hooked = True
 
 
@@ -141,15 +140,12 @@ def attach_to_running_workers(ctl: Any) -> None:
 def _stop_with(worker: Any, releaser: Any) -> None:
     """Stop ``releaser`` when ``worker`` stops, warm or cold (a cold stop sends no
     worker_shutdown, but always closes the blueprint)."""
-    closing = worker.blueprint.on_close
 
-    def on_close() -> None:
+    def stop() -> None:
         releaser.stop()
         releaser.join(timeout=5)
-        if closing is not None:
-            closing()
 
-    worker.blueprint.on_close = on_close
+    chain_on_close(worker, stop)
 
 
 @worker_init.connect(weak=False)
