@@ -192,7 +192,7 @@ class BrokerParking:
         the start). Returns (moved, still held)."""
         self._prepare(dest=None)
         ctl = self.ctl
-        ctl.refresh_controls()
+        ctl.checker.refresh_controls()
         now_us = ctl.store.now_us()
         moved = kept = 0
         gone: list[str] = []
@@ -229,7 +229,7 @@ class BrokerParking:
     def _still_held(self, headers: dict[str, Any], now_us: int) -> bool:
         state = read_state(headers.get(HEADER))
         named = state_of(self.ctl.settings.key_prefix, state["k"]) if "k" in state else None
-        return named is not None and self.ctl.pause_end_of(*named) > now_us
+        return named is not None and self.ctl.checker.pause_end_of(*named) > now_us
 
     def counts(self) -> tuple[int, int]:
         """(tasks in the delay queues, tasks held by a pause) in the broker now."""

@@ -17,7 +17,7 @@ from celery.exceptions import Reject
 
 from . import signals
 from .errors import StoreError
-from .keys import state_key, state_tag
+from .keys import state_tag
 from .parking import park
 from .protocol import (
     HEADER,
@@ -54,8 +54,8 @@ def plan_return(ctl: Throttle, call: BoundCall, state: dict[str, Any], claim: Re
         state["p"] = 1
     else:
         state.pop("p", None)
-    ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
-    lead_us = ctl.lead_us(call.rates, reply.lead_us)
+    ident = call.state_key
+    lead_us = ctl.checker.lead_us(call.rates, reply.lead_us)
     if reply.code == Code.EARLY:
         reservation = claim
         lead_us = 0  # it already came back early once: aim at the start itself
@@ -96,7 +96,7 @@ class TurnedAway:
 
     def defer(self, reply: WindowReply, claim: Reservation | None = None) -> None:
         """Send it back (or park it) to come for the start ``reply`` reserved."""
-        held = self.ctl.holds(self.call, reply.now_us)
+        held = self.ctl.checker.holds(self.call, reply.now_us)
         delay = plan_return(self.ctl, self.call, self.state, claim, reply, held)
         self.send_back(delay, reply.now_us, held=held)
 

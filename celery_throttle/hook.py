@@ -29,7 +29,6 @@ from .controller import controller
 from .deferral import TurnedAway
 from .errors import StoreError, WaitTooLong
 from .internals import build_task_tracer, deferred_trace_result, has_own, trace_context
-from .keys import state_key
 from .protocol import HEADER, Code, Reservation, read_state
 from .spec import BoundCall, ThrottleSpec, declared_spec
 from .timing import wait_here_us
@@ -112,7 +111,7 @@ def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
     if request.is_eager or request.called_directly:
         raise exc
     ctl = controller(task.app)
-    call = ctl.bind(task, args, kwargs)
+    call = ctl.checker.bind(task, args, kwargs)
     key = None if exc.whole_scope else call.key
     try:
         ctl.pause(call.scope, key, exc.seconds)
@@ -202,18 +201,18 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     if not ctl.settings.enabled:
         return True
     spec: ThrottleSpec = type(task)._throttle_spec
-    call = ctl.bind(task, args, kwargs)
+    call = ctl.checker.bind(task, args, kwargs)
     state = _header(request)
-    ident = state_key(ctl.settings.key_prefix, call.scope, call.key)
+    ident = call.state_key
     claim = Reservation.from_header(state.get("r")) if state.get("k") == ident else None
-    max_wait = ctl.max_wait(spec)
+    max_wait = ctl.checker.max_wait(spec)
     resumed = False
     if state.get("p"):
         # A pause held it: is the pause over (resumed: nothing waits for its end)?
-        ctl.refresh_controls()
-        resumed = claim is not None and not ctl.pause_end_us(call)
+        ctl.checker.refresh_controls()
+        resumed = claim is not None and not ctl.checker.pause_end_us(call)
     try:
-        reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id, lease=True, max_wait=max_wait,
+        reply = ctl.checker.check(call, reserve=True, claim=claim, claimant=request.id, lease=True, max_wait=max_wait,
                           resumed=resumed)
         for _ in range(WAIT_HERE_TRIES):
             if not (reply.code == Code.EARLY and claim and reply.wait_us <= _wait_here_us(ctl, call, claim)):
@@ -225,7 +224,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
             # (An Event, not time.sleep: libfaketime, with which the clock-skew test
             # runs workers, breaks time.sleep's clock_nanosleep.)
             threading.Event().wait(max(reply.wait_us - ctl.store.rtt_us, 0) / 1e6)
-            reply = ctl.check(call, reserve=True, claim=claim, claimant=request.id, learn=False,
+            reply = ctl.checker.check(call, reserve=True, claim=claim, claimant=request.id, learn=False,
                               max_wait=max_wait)
     except StoreError as exc:
         return TurnedAway(ctl, task, request, args, kwargs, call, state).on_store_error(exc)
@@ -263,7 +262,7 @@ def _seconds(value: float) -> str:
 
 def _wait_here_us(ctl: Throttle, call: BoundCall, claim: Reservation) -> int:
     """How early an arrival may be and still wait in the worker instead of going back."""
-    return wait_here_us(claim.lead_us, ctl.slack_us(call.rates))
+    return wait_here_us(claim.lead_us, ctl.checker.slack_us(call.rates))
 
 
 def _header(request: Any) -> dict[str, Any]:

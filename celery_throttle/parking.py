@@ -158,7 +158,7 @@ class Releaser(threading.Thread):
         if broker is None:
             return
         now_us = self.ctl.store.now_us()
-        active = {field for field, end in self.ctl.pauses().items() if end > now_us}
+        active = {field for field, end in self.ctl.checker.pauses().items() if end > now_us}
         seen, self._pauses_seen = self._pauses_seen, active
         woken, self._woken = self._woken, False
         if woken or seen is None or not seen <= active:

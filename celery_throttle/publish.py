@@ -41,7 +41,7 @@ from .deferral import plan_return
 from .errors import StoreError, ThrottleError
 from .hints import Hints
 from .internals import registered_task
-from .keys import state_key, state_tag
+from .keys import state_tag
 from .parking import park
 from .protocol import HEADER, Code, header_value
 from .spec import BoundCall, ThrottleSpec, declared_spec
@@ -135,7 +135,7 @@ def throttle_of(ctl: Throttle, name: str, task: Any) -> Known | None:
         task = registered_task(ctl.app, name)
     spec = declared_spec(task) if task is not None else None
     if spec is None:
-        spec = ctl.rule_for(name) if not name.startswith("celery.") else None
+        spec = ctl.checker.rule_for(name) if not name.startswith("celery.") else None
     if spec is None:
         return None
     return Known(spec, _signature(task) if task is not None else None, task)
@@ -168,16 +168,16 @@ def admit(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Mapping[str
         if known is None:
             return None
         spec = known.spec
-        call = ctl.bind_spec(name, spec, known.signature, args, kwargs, quick=True)
-        ident = state_key(settings.key_prefix, call.scope, call.key)
+        call = ctl.checker.bind_spec(name, spec, known.signature, args, kwargs, quick=True)
+        ident = call.state_key
         hint = ctl.hints.take(ident, call.cost)
         if hint == Hints.SEND:
             return None
-        max_wait = ctl.max_wait(spec)
+        max_wait = ctl.checker.max_wait(spec)
         if hint == Hints.RESERVE:
-            reply = ctl.reserve_at_publish(call, max_wait=max_wait)
+            reply = ctl.checker.reserve_at_publish(call, max_wait=max_wait)
         else:
-            reply = ctl.admit_at_publish(call, max_wait=max_wait)
+            reply = ctl.checker.admit_at_publish(call, max_wait=max_wait)
     except StoreError as exc:
         ctl.metrics.store_error("producer")
         _breaker.trip()
@@ -189,7 +189,7 @@ def admit(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Mapping[str
     if reply.code == Code.RUN:  # room: this one and `leased - cost` more go unchecked
         ctl.hints.open(ident, reply.leased - call.cost, min(shortest_us(call.rates) / 1e6, PUBLISH_HINT_MAX))
         return None
-    held = ctl.holds(call, reply.now_us)
+    held = ctl.checker.holds(call, reply.now_us)
     if not (reply.code == Code.RESERVED or (reply.code == Code.DENIED and held)):
         return None  # no start reserved (none found, or too far): the worker decides
     # (A long pause reserves no start: the task is parked until the pause's horizon, or

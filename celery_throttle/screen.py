@@ -87,8 +87,8 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
         try:
             args, kwargs = _arguments(message)
             spec = type(task)._throttle_spec
-            call = ctl.bind(task, args, kwargs, quick=True)
-            reply = ctl.screen(call, max_wait=ctl.max_wait(spec))
+            call = ctl.checker.bind(task, args, kwargs, quick=True)
+            reply = ctl.checker.screen(call, max_wait=ctl.checker.max_wait(spec))
         except StoreError as exc:
             # Redis down or slow: stop screening for a while; the pool's check decides.
             ctl.metrics.store_error("consumer")

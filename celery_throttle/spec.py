@@ -15,6 +15,7 @@ from typing import Any
 
 from .config import ALGORITHMS, check_margin, check_max_wait
 from .errors import ConfigurationError, KeyBuildError
+from .keys import state_key
 from .rates import Rate, parse_rates
 
 __all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec", "declared_spec"]
@@ -32,8 +33,10 @@ class BoundCall:
     rates: tuple[Rate, ...]
     cost: int
     algorithm: str
+    #: The Redis key of the window state of this scope and key (:func:`.keys.state_key`).
+    state_key: str
     #: The state's field name per rate, when not the rate's own: a live limit keeps the
-    #: declared rate's window of the same length (see ``Throttle.live``).
+    #: declared rate's window of the same length (see ``Checker.live``).
     fields: tuple[str, ...] | None = None
 
 
@@ -142,8 +145,10 @@ class ThrottleSpec:
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
         default_algorithm: str,
+        prefix: str,
     ) -> BoundCall:
-        """Resolve scope, key, rates and cost for one call of ``task_name``."""
+        """Resolve scope, key, rates and cost for one call of ``task_name``, whose window
+        state is kept under ``prefix``."""
         scope = self.scope or task_name
         algorithm = self.algorithm or default_algorithm
         if isinstance(self.rates, tuple):
@@ -162,7 +167,7 @@ class ThrottleSpec:
             except ConfigurationError as exc:
                 raise KeyBuildError(f"task {task_name}: {exc}") from None
         key = self._key(task_name, signature, args, kwargs)
-        return BoundCall(scope, key, rates, int(cost), algorithm)
+        return BoundCall(scope, key, rates, int(cost), algorithm, state_key(prefix, scope, key))
 
     def _key(
         self,

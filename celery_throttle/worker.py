@@ -210,8 +210,8 @@ def patch_tasks(ctl: Throttle) -> int:
             continue
         spec, where = declared_spec(task), f"task {name}"
         if spec is None:
-            spec = ctl.rule_for(name)
-            where = f"throttle_rules[{ctl.rule_pattern(name)!r}] for task {name}"
+            spec = ctl.checker.rule_for(name)
+            where = f"throttle_rules[{ctl.checker.rule_pattern(name)!r}] for task {name}"
         if spec is not None:
             spec.check_signature(task.run, where)
             attach(task, spec)

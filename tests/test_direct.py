@@ -14,6 +14,7 @@ from celery import Celery, shared_task
 
 import celery_throttle
 from celery_throttle import ConfigurationError, throttle
+from celery_throttle.keys import state_key
 from celery_throttle.worker import ThrottleStep
 from tests.helpers import STORE_URL
 
@@ -216,19 +217,19 @@ def test_reset_voids_outstanding_reservations(ctl: celery_throttle.Throttle) -> 
     from celery_throttle.protocol import Reservation
     from celery_throttle.spec import BoundCall
 
-    call = BoundCall("r", None, celery_throttle.rates.parse_rates("2/s"), 1, "sliding")
-    assert ctl.check(call, reserve=True).allowed and ctl.check(call, reserve=True).allowed
-    denied = ctl.check(call, reserve=True)
-    token = Reservation(denied.start_us, denied.latest_us, 1, ctl.grace_us(call.rates), denied.epoch)
+    call = BoundCall("r", None, celery_throttle.rates.parse_rates("2/s"), 1, "sliding", state_key(ctl.settings.key_prefix, "r", None))
+    assert ctl.checker.check(call, reserve=True).allowed and ctl.checker.check(call, reserve=True).allowed
+    denied = ctl.checker.check(call, reserve=True)
+    token = Reservation(denied.start_us, denied.latest_us, 1, ctl.checker.grace_us(call.rates), denied.epoch)
     # When, shortly before that start, the state is reset (or lost) and two fresh calls
     # fill the new window
     time.sleep(max(denied.start_us - denied.now_us - 300_000, 0) / 1e6)
     ctl.reset("r")
-    assert ctl.check(call, reserve=True).allowed and ctl.check(call, reserve=True).allowed
+    assert ctl.checker.check(call, reserve=True).allowed and ctl.checker.check(call, reserve=True).allowed
     time.sleep(max(token.start_us - time.time() * 1e6, 0) / 1e6 + 0.001)
     # Then the old token is not honoured (its unit is no longer counted): a third call
     # in the same second is denied
-    assert not ctl.check(call, reserve=True, claim=token).allowed
+    assert not ctl.checker.check(call, reserve=True, claim=token).allowed
 
 
 def test_a_reservation_is_used_once(ctl: celery_throttle.Throttle) -> None:
@@ -236,15 +237,15 @@ def test_a_reservation_is_used_once(ctl: celery_throttle.Throttle) -> None:
     from celery_throttle.protocol import Reservation
     from celery_throttle.spec import BoundCall
 
-    call = BoundCall("once", None, celery_throttle.rates.parse_rates("2/s"), 1, "sliding")
-    assert ctl.check(call, reserve=True).allowed and ctl.check(call, reserve=True).allowed
-    denied = ctl.check(call, reserve=True)
-    assert not ctl.check(call, reserve=True).allowed  # a fourth call reserves the same second
-    token = Reservation(denied.start_us, denied.latest_us, 1, ctl.grace_us(call.rates), denied.epoch)
+    call = BoundCall("once", None, celery_throttle.rates.parse_rates("2/s"), 1, "sliding", state_key(ctl.settings.key_prefix, "once", None))
+    assert ctl.checker.check(call, reserve=True).allowed and ctl.checker.check(call, reserve=True).allowed
+    denied = ctl.checker.check(call, reserve=True)
+    assert not ctl.checker.check(call, reserve=True).allowed  # a fourth call reserves the same second
+    token = Reservation(denied.start_us, denied.latest_us, 1, ctl.checker.grace_us(call.rates), denied.epoch)
     time.sleep(max(denied.start_us - denied.now_us, 0) / 1e6 + 0.001)
     # When the task claims it on time, and a duplicate of its message claims it again
-    first = ctl.check(call, reserve=True, claim=token, claimant="task-1")
-    second = ctl.check(call, reserve=True, claim=token, claimant="task-1")
+    first = ctl.checker.check(call, reserve=True, claim=token, claimant="task-1")
+    second = ctl.checker.check(call, reserve=True, claim=token, claimant="task-1")
     # Then only the first runs on it; the duplicate is checked afresh (and denied here)
     assert first.allowed
     assert not second.allowed

@@ -23,17 +23,17 @@ def test_example_tasks_are_throttled(module: str) -> None:
     assert own
     for task in own:
         assert type(task).__dict__.get("_throttle_hooked"), task.name
-        assert declared_spec(task) or ctl.rule_for(task.name)
+        assert declared_spec(task) or ctl.checker.rule_for(task.name)
 
 
 def test_rules_example_matches_by_name() -> None:
     from examples import rules
 
     ctl = controller(rules.app)
-    assert ctl.rule_for("billing.tasks.charge").scope == "stripe"
-    crm = ctl.rule_for("crm.tasks.sync_contacts")
+    assert ctl.checker.rule_for("billing.tasks.charge").scope == "stripe"
+    crm = ctl.checker.rule_for("crm.tasks.sync_contacts")
     assert crm.algorithm == "fixed" and [str(r) for r in crm.rates] == ["100/m", "5000/d"]
-    assert ctl.rule_for("other.task") is None
+    assert ctl.checker.rule_for("other.task") is None
 
 
 def test_stacking_two_throttles_is_refused() -> None:

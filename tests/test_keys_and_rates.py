@@ -268,7 +268,7 @@ TENANT_SPEC = ThrottleSpec.declare(["10/s", "1000/h"], key="{tenant}")
 
 def bound_key(tenant: Any, *, by_keyword: bool = False) -> str:
     args, kwargs = ((), {"tenant": tenant}) if by_keyword else ((tenant,), {})
-    call = TENANT_SPEC.bind(TASK, SIGNATURE, args, kwargs, "sliding")
+    call = TENANT_SPEC.bind(TASK, SIGNATURE, args, kwargs, "sliding", "throttle")
     assert call.scope == TASK and call.rates == parse_rates(["10/s", "1000/h"])
     return state_key("throttle", call.scope, call.key)
 
@@ -305,7 +305,7 @@ def test_a_missing_tenant_fails_the_call_naming_task_and_argument(tenant: Any, b
 
 def test_a_call_that_does_not_fit_the_signature_fails_naming_the_task() -> None:
     with pytest.raises(KeyBuildError, match=re.escape(TASK)):
-        TENANT_SPEC.bind(TASK, SIGNATURE, (), {}, "sliding")
+        TENANT_SPEC.bind(TASK, SIGNATURE, (), {}, "sliding", "throttle")
 
 
 def test_a_key_template_naming_a_missing_argument_fails_at_check_signature() -> None:

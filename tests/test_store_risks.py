@@ -181,7 +181,7 @@ def test_a_task_parked_in_the_broker_twice_reaches_its_queue_twice(store_client:
         from celery.worker.request import Request
 
         context = Request(first, app=app, task=job)._context
-        call = ctl.bind(job, (1,), {})
+        call = ctl.checker.bind(job, (1,), {})
         TurnedAway(ctl, job, context, (1,), {}, call, {}).send_back(3.6, ctl.store.now_us())
         # Then it reaches its queue again (RabbitMQ drops a message that passes a delay
         # queue it was dead-lettered from before, if it still carries the record of it)

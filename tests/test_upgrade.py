@@ -121,11 +121,11 @@ def test_a_start_reserved_before_the_deploy_is_claimed_after_it(corpus: dict[str
         args, kwargs, _ = message["body"]
         spec = declared_spec(task)
         assert spec is not None
-        call = ctl.bind_spec(task.name, spec, inspect.signature(task.run), args, kwargs)
+        call = ctl.checker.bind_spec(task.name, spec, inspect.signature(task.run), args, kwargs)
         assert state["k"] == state_key(prefix, call.scope, call.key)
         # When it arrives at its reserved start
         clock.now = claim.start_us
-        reply = ctl.check(call, reserve=True, claim=claim, claimant=headers["id"], lease=True)
+        reply = ctl.checker.check(call, reserve=True, claim=claim, claimant=headers["id"], lease=True)
         # Then it runs, on the units reserved for it (a claim it could not use would be
         # checked afresh: no start in the reply)
         assert (reply.code, reply.start_us) == (Code.RUN, claim.start_us), (headers["task"], tuple(reply))

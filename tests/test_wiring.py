@@ -139,13 +139,13 @@ def test_the_consumer_screens_each_message_once(app: Celery, monkeypatch: pytest
         starts.note()
 
     screened: list[str] = []
-    real_screen = ctl.screen
+    real_screen = ctl.checker.screen
 
     def counting_screen(call, **kwargs):
         screened.append(call.scope)
         return real_screen(call, **kwargs)
 
-    monkeypatch.setattr(ctl, "screen", counting_screen)
+    monkeypatch.setattr(ctl.checker, "screen", counting_screen)
     with _worker(app):
         # When 6 calls arrive
         for _ in range(6):
