@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 from .rates import Rate
 
-__all__ = ["ALGORITHM_TAGS", "DEAD_LETTER_HEADERS", "HEADER", "HEADER_VERSION", "STATE_FORMAT", "Code", "Reservation",
-           "WindowCall", "WindowReply", "header_value", "rate_field", "rates_tag", "read_state", "window_argv",
+__all__ = ["ALGORITHM_TAGS", "DEAD_LETTER_HEADERS", "HEADER", "HEADER_VERSION", "STATE_FORMAT", "STATE_LAYOUT", "Code", "Reservation",
+           "StateLayout", "WindowCall", "WindowReply", "header_value", "rate_field", "rates_tag", "read_state", "window_argv",
            "without_dead_letter_headers"]
 
 
@@ -75,6 +75,32 @@ def rates_tag(rates: tuple[Rate, ...]) -> int:
 #: and what it counted is forgotten (at most one window's starts counted twice over).
 #: CHANGELOG.md records each format.
 STATE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """How a rate's state is laid out in its field of the hash: part of the state's format
+    (sliding.lua and fixed.lua are loaded with it, and the reference model built with it;
+    the tests load both with another, tests/test_model_check.py)."""
+
+    #: Buckets per window of a sliding rate: a bucket spans 1/SLOTS of it (at least 1 ms).
+    slots: int = 100
+    #: Buckets a sliding rate keeps at most; past it the front is folded even if it could
+    #: still decide something (safe, a little late: only a sparse schedule, of a rate that
+    #: another rate holds back, reaches it; a saturated one spans about SLOTS buckets).
+    max_buckets: int = 200
+    #: Windows after the current one a fixed rate keeps before folding the older ones...
+    max_ahead: int = 8
+    #: ... and how many of the last of them stay as they are.
+    keep_ahead: int = 4
+
+    def values(self) -> dict[str, int]:
+        """The constants the algorithm scripts read, by their names there."""
+        return {"SLOTS": self.slots, "MAX_BUCKETS": self.max_buckets, "MAX_AHEAD": self.max_ahead,
+                "KEEP_AHEAD": self.keep_ahead}
+
+
+STATE_LAYOUT = StateLayout()
 
 
 class Code(IntEnum):

@@ -12,6 +12,7 @@ Parked messages are kept by :class:`.parking_store.ParkingStore`, over the same 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,10 +27,19 @@ from .controls import FOREVER_US
 from .doctor import StoreReport, examine
 from .errors import StoreError
 from .keys import control_key, held_count_key
-from .protocol import STATE_FORMAT, Code, Reservation, WindowCall, WindowReply, window_argv
+from .protocol import (
+    STATE_FORMAT,
+    STATE_LAYOUT,
+    Code,
+    Reservation,
+    StateLayout,
+    WindowCall,
+    WindowReply,
+    window_argv,
+)
 from .timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 
-__all__ = ["RedisStore", "lua", "window_script"]
+__all__ = ["RedisStore", "lua", "true_lines", "window_script"]
 
 
 def lua(name: str) -> str:
@@ -47,7 +57,8 @@ class RedisStore:
 
     def __init__(self, url: str, prefix: str, clock: Callable[[], int] | None = None,
                  timeout: float = STORE_TIMEOUT, connect_timeout: float = STORE_CONNECT_TIMEOUT,
-                 options: Mapping[str, Any] | None = None, policy: ScriptPolicy = SCRIPT_POLICY) -> None:
+                 options: Mapping[str, Any] | None = None, policy: ScriptPolicy = SCRIPT_POLICY,
+                 layout: StateLayout = STATE_LAYOUT) -> None:
         self.url = url
         self.prefix = prefix
         #: ``throttle_redis_options``: passed to redis-py (see connection.py).
@@ -59,9 +70,17 @@ class RedisStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._client: Any = None
-        #: Every script's source by name, registered at connect (and again after a close).
-        self._sources = {"sliding": window_script("sliding", policy), "fixed": window_script("fixed", policy),
-                         "pause": lua("pause.lua")}
+        #: The state layout the window scripts are loaded with (tests load them with others).
+        self.layout = layout
+        #: Every script's source by name, registered at connect (and again after a close),
+        #: and where each of its lines comes from.
+        self._sources: dict[str, str] = {}
+        self._lines: dict[str, list[tuple[int, str]]] = {}
+        for algorithm in ("sliding", "fixed"):
+            parts = _window_parts(algorithm, policy, layout)
+            self._sources[algorithm] = "".join(text for _, text in parts)
+            self._lines[algorithm] = _line_map(parts)
+        self._sources["pause"] = lua("pause.lua")
         self._scripts: dict[str, Any] = {}
         #: The smoothed round trip of a script call (µs; TCP's estimator, gain 1/8), as
         #: this process measures it: a store far away (another region, a slow link)
@@ -113,7 +132,8 @@ class RedisStore:
                 client.script_load(registered.script)
                 return client.evalsha(registered.sha, len(keys), *keys, *args)
         except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
+            lines = self._lines.get(script, [(1, f"{script}.lua")])
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {true_lines(str(exc), lines)}") from exc
         sample = int((time.perf_counter() - sent) * 1e6)
         self.rtt_us += (sample - self.rtt_us) // RTT_GAIN_PARTS
         return reply
@@ -254,10 +274,37 @@ class RedisStore:
             self._client = None
 
 
-def window_script(algorithm: str, policy: ScriptPolicy = SCRIPT_POLICY) -> str:
-    """window.lua with its algorithm and the constants it reads: the timing policy, the
-    reply codes and the state format (on the first line, so the script's own line numbers
-    shift by one)."""
-    constants = {**policy.values(), **{code.name: int(code) for code in Code}, "STATE_FORMAT": STATE_FORMAT}
+def window_script(algorithm: str, policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> str:
+    """window.lua with its algorithm and the constants they read: the timing policy, the
+    reply codes, the state format and layout (on a first line of their own: an error's
+    line is told as the file's own by :func:`true_lines`)."""
+    return "".join(text for _, text in _window_parts(algorithm, policy, layout))
+
+
+def _window_parts(algorithm: str, policy: ScriptPolicy, layout: StateLayout) -> list[tuple[str, str]]:
+    constants = {**policy.values(), **layout.values(), **{code.name: int(code) for code in Code},
+                 "STATE_FORMAT": STATE_FORMAT}
     preamble = f"local {', '.join(constants)} = {', '.join(map(str, constants.values()))}\n"
-    return preamble + lua(f"{algorithm}.lua") + lua("window.lua")
+    return [("(constants)", preamble), (f"{algorithm}.lua", lua(f"{algorithm}.lua")), ("window.lua", lua("window.lua"))]
+
+
+def _line_map(parts: Sequence[tuple[str, str]]) -> list[tuple[int, str]]:
+    """(first line in the script, file) of each part."""
+    out, first = [], 1
+    for name, text in parts:
+        out.append((first, name))
+        first += text.count("\n")
+    return out
+
+
+_SCRIPT_LINE = re.compile(r"user_script:(\d+)")
+
+
+def true_lines(message: str, lines: Sequence[tuple[int, str]]) -> str:
+    """``message`` (a script's error) with each ``user_script:N`` told as ``file.lua:M``."""
+    def place(match: re.Match[str]) -> str:
+        line = int(match.group(1))
+        first, name = max(((f, n) for f, n in lines if f <= line), default=(1, "script"))
+        return f"{name}:{line - first + 1}"
+
+    return _SCRIPT_LINE.sub(place, message)

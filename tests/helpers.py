@@ -233,7 +233,10 @@ class WorkerGroup:
     def _environ(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(CT_PREFIX=self.prefix, CT_QUEUE=self.queue, CT_BROKER=self.broker,
-                   CT_STORE=self.store, CT_RECORDS=self.records_url, PYTHONPATH=str(ROOT))
+                   CT_STORE=self.store, CT_RECORDS=self.records_url, PYTHONPATH=str(ROOT),
+                   # (the workers' temp folders, e.g. multiprocessing's pymp-*, which a
+                   # worker killed on purpose leaves: removed with the logs)
+                   TMPDIR=str(self.logdir))
         env.update(self.env)
         return env
 

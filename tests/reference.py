@@ -28,7 +28,7 @@ from typing import Protocol
 
 import msgpack
 
-from celery_throttle.protocol import STATE_FORMAT, Code
+from celery_throttle.protocol import STATE_FORMAT, STATE_LAYOUT, Code, StateLayout
 from celery_throttle.timing import SCRIPT_POLICY, ScriptPolicy
 
 __all__ = [
@@ -43,14 +43,10 @@ __all__ = [
     "max_units_per_aligned_window",
 ]
 
-#: Buckets per period of a sliding window (sliding.lua's SLOTS).
-SLOTS = 100
-#: Buckets a sliding rate keeps at most (sliding.lua's MAX_BUCKETS).
-MAX_BUCKETS = 2 * SLOTS
-#: Windows after the current one a fixed rate keeps before folding the older ones, and
-#: how many of them stay (fixed.lua's MAX_AHEAD and KEEP_AHEAD).
-MAX_AHEAD = 8
-KEEP_AHEAD = 4
+#: Buckets per period of a sliding window, as the scripts are loaded with it by default
+#: (protocol.StateLayout says what each constant of the layout is; a model built with
+#: another layout uses that one).
+SLOTS = STATE_LAYOUT.slots
 
 
 class Claim(Protocol):
@@ -99,10 +95,11 @@ class SlidingRate:
 
     tag = "s"
 
-    def __init__(self, limit: int, period_us: int) -> None:
+    def __init__(self, limit: int, period_us: int, layout: StateLayout = STATE_LAYOUT) -> None:
         self.limit = limit
         self.period = period_us
-        self.slot = max(math.ceil(period_us / SLOTS), 1000)
+        self.layout = layout
+        self.slot = max(math.ceil(period_us / layout.slots), 1000)
         self.field = f"{self.tag}{limit}/{period_us}"
         self.buckets: dict[int, Bucket] = {}
 
@@ -158,7 +155,7 @@ class SlidingRate:
         keys = sorted(self.buckets)
         after = sum(self.buckets[k].units for k in keys[2:])
         i = 0
-        while i + 1 < len(keys) and (after >= self.limit or len(keys) - i > MAX_BUCKETS):
+        while i + 1 < len(keys) and (after >= self.limit or len(keys) - i > self.layout.max_buckets):
             front, behind = self.buckets.pop(keys[i]), self.buckets[keys[i + 1]]
             behind.units += front.units  # and keeps its own latest, the later one
             i += 1
@@ -198,9 +195,10 @@ class FixedRate:
 
     tag = "f"
 
-    def __init__(self, limit: int, period_us: int) -> None:
+    def __init__(self, limit: int, period_us: int, layout: StateLayout = STATE_LAYOUT) -> None:
         self.limit = limit
         self.period = period_us
+        self.layout = layout
         self.field = f"{self.tag}{limit}/{period_us}"
         self.windows: dict[int, int] = {}
         self.full: tuple[int, int] | None = None
@@ -267,12 +265,12 @@ class FixedRate:
         return 0 if last is None else (last + 1) * self.period
 
     def fold(self, now: int) -> None:
-        """Past MAX_AHEAD windows ahead of the current one, all but the last KEEP_AHEAD,
-        and what lies between them, count as full from then on."""
+        """Past ``max_ahead`` windows ahead of the current one, all but the last
+        ``keep_ahead``, and what lies between them, count as full from then on."""
         ahead = sorted(k for k in self.windows if k > self.current)
-        if len(ahead) <= MAX_AHEAD:
+        if len(ahead) <= self.layout.max_ahead:
             return
-        lo, hi = ahead[0], ahead[-KEEP_AHEAD] - 1
+        lo, hi = ahead[0], ahead[-self.layout.keep_ahead] - 1
         if self.full is not None:
             lo, hi = min(lo, self.full[0]), max(hi, self.full[1])
         for k in ahead:
@@ -317,20 +315,39 @@ EPOCH_FIELD = "e"
 FORMAT_FIELD = "f"
 
 
+@dataclass(frozen=True)
+class _Call:
+    """What window.lua is told about one call (its ARGV, decoded)."""
+
+    now: int
+    cost: int
+    reserve: bool
+    grace_us: int
+    slack_us: int
+    lease: int
+    lease_span_us: int
+    max_wait_us: int
+    not_before_us: int
+    pause_horizon_us: int
+    #: The shortest window of the rates.
+    shortest: int
+
+
 class WindowModel:
     """The state of one hash (one scope and key) for one algorithm and set of rates."""
 
     def __init__(self, algorithm: str, rates: Sequence[tuple[int, int]], *, fold: bool = True,
-                 policy: ScriptPolicy = SCRIPT_POLICY) -> None:
+                 policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> None:
         """``rates``: (limit, period in µs) pairs, in the order they are sent to Redis.
         ``fold=False``: never fold a deep backlog (not what the scripts do: the exact
         state that folding summarises, to compare decisions with). ``policy``: the
-        timing policy the scripts were loaded with."""
+        timing policy the scripts were loaded with; ``layout``, their state layout."""
         cls = _ALGORITHMS[algorithm]
         self.algorithm = algorithm
         self.folds = fold
         self.policy = policy
-        self.rates: list[SlidingRate | FixedRate] = [cls(limit, period) for limit, period in rates]
+        self.layout = layout
+        self.rates: list[SlidingRate | FixedRate] = [cls(limit, period, layout) for limit, period in rates]
         #: The hash's field "e": the time it was first written; None while it does not
         #: exist. A claim made in another epoch is neither honoured nor given back.
         self.epoch: int | None = None
@@ -340,11 +357,11 @@ class WindowModel:
 
     def reset(self) -> None:
         """The hash is gone (deleted, expired, lost): a new epoch starts with its next write."""
-        self.rates = [type(r)(r.limit, r.period) for r in self.rates]
+        self.rates = [type(r)(r.limit, r.period, self.layout) for r in self.rates]
         self.epoch = None
         self.delay = self.jitter = None
 
-    # window.lua, step by step
+    # window.lua, operation by operation (its twin: the same functions, in the same order)
     def window(
         self,
         now: int,
@@ -363,116 +380,147 @@ class WindowModel:
         not_before_us: int = 0,
         pause_horizon_us: int = 2**53,
     ) -> ModelReply:
-        p = self.policy
         for r in self.rates:
             r.load(now)
-        shortest = min(r.period for r in self.rates)
-        if not_before_us <= now:
-            not_before_us = 0  # a pause that is over changes nothing
-
-        def reply(code: int, wait: int, start: int, latest: int, grace: int = 0, leased: int = 0) -> ModelReply:
-            return ModelReply(code, wait, self.remaining(now), self.clear_at(), start, latest, now,
-                              self.epoch or 0, self.lead(), grace, leased)
-
+        # The cost is checked here, once, for every operation.
         for r in self.rates:
             if cost > r.limit:
                 return ModelReply(Code.TOO_COSTLY, 0, 0, 0, 0, 0, now, 0, -1, 0, 0)
-
-        # A reservation made in another epoch (or none: RedisStore sends '' without a
-        # claim) is not honoured and gives nothing back: the call is an acquire.
-        claim_epoch = str(claim.epoch) if claim else ""
-        if op == "claim" and (self.epoch is None or claim_epoch != str(self.epoch)):
-            op = "acquire"
-
-        written = False  # whether write_back() sets any field (then the epoch too)
+        call = _Call(now, cost, reserve, grace_us, slack_us, lease, lease_span_us, max_wait_us,
+                     not_before_us if not_before_us > now else 0,  # a pause that is over changes nothing
+                     pause_horizon_us, min(r.period for r in self.rates))
         if op == "claim":
-            assert claim is not None
-            c_start, c_latest, c_cost, c_grace = claim.start_us, claim.latest_us, claim.cost, claim.grace_us
-            trip = now - (c_start - claim.lead_us)
-            if learn and not resumed and trip <= p.learn_outlier_ms * 1000:  # the trip back, beyond the lead it was given
-                sample = max(0, min(trip, math.floor(shortest / p.learnt_cap_parts)))
-                if self.delay is None or self.jitter is None:
-                    self.delay, self.jitter = sample, math.floor(sample / 2)
-                else:
-                    err = sample - self.delay
-                    self.delay += math.floor(err / p.delay_gain_parts)
-                    self.jitter += math.floor((abs(err) - self.jitter) / p.jitter_gain_parts)
-            # A pause now covers its start, or the pause it was reserved behind was
-            # lifted since: give it back and check again
-            paused = c_start < not_before_us or resumed
-            if now < c_start and not paused:
-                return reply(Code.EARLY, c_start - now, c_start, c_latest)
-            # On time only if the body, starting within `slack` of now, stays inside
-            # the reserved span.
-            if now + slack_us <= c_latest and not paused:
-                return reply(Code.RUN, 0, c_start, c_latest)
-            # Late: give the reserved units back, then try afresh.
+            return self._claim(call, claim, learn, resumed)
+        operation = {"acquire": self._acquire, "screen": self._screen, "reserve": self._reserve,
+                     "admit": self._admit, "peek": self._peek}[op]
+        return operation(call)
+
+    # -- what every operation shares
+    def _reply(self, c: _Call, code: int, wait: int, start: int, latest: int, grace: int = 0,
+               leased: int = 0) -> ModelReply:
+        return ModelReply(code, wait, self.remaining(c.now), self.clear_at(), start, latest, c.now,
+                          self.epoch or 0, self.lead(), grace, leased)
+
+    def _written(self, c: _Call) -> None:
+        """write_back() set a field: the deep backlog folds, and a new hash gets its epoch."""
+        if self.folds:
             for r in self.rates:
-                written = r.unrecord(c_start, c_grace, c_cost) or written
+                r.fold(c.now)
+        if self.epoch is None:
+            self.epoch = c.now
 
-        if not_before_us - now > pause_horizon_us and op != "peek":
-            # A long pause reserves nothing (a resume must let its tasks go): check later.
-            if written and self.folds:
-                for r in self.rates:
-                    r.fold(now)
-            if written and self.epoch is None:
-                self.epoch = now
-            return reply(Code.DENIED, pause_horizon_us, 0, 0)
-
-        if op == "admit":  # at publish: fits, every rate at most half full: not recorded
-            half = [math.floor(r.limit / 2) - max(r.usage(now), r.usage(now + slack_us)) for r in self.rates]
-            if not not_before_us and all(h >= cost and r.earliest(now, cost, slack_us) == now
-                                         for h, r in zip(half, self.rates)):
-                return reply(Code.RUN, 0, 0, 0, 0, min(half))
-            op = "reserve"
-
-        x, settled = max(now, not_before_us), False  # nothing starts in a pause
-        if op == "reserve" and self.delay is not None:  # at publish: not before it arrives
-            x = max(x, now + self.lead())
-        for _ in range(p.settle_rounds):
+    def _earliest(self, c: _Call, start: int) -> tuple[int, bool]:
+        x, settled = start, False
+        for _ in range(self.policy.settle_rounds):
             settled = True
             for r in self.rates:
-                e = r.earliest(x, cost, slack_us)
+                e = r.earliest(x, c.cost, c.slack_us)
                 if e > x:
                     x, settled = e, False
             if settled:
                 break
+        return x, settled
 
-        if op == "peek":
-            return reply(Code.RUN if x == now else Code.DENIED, x - now, 0, 0)
+    def _lease_fits(self, c: _Call, units: int, span: int) -> bool:
+        return all(2 * (max(r.usage(c.now), r.usage(c.now + span)) + units) <= r.limit
+                   and r.earliest(c.now, units, span) == c.now for r in self.rates)
 
-        code, start, latest, leased = Code.DENIED, 0, 0, 0
-        if settled and x == now and op == "screen":
+    def _record_reserved(self, c: _Call, x: int) -> tuple[int, int]:
+        """(latest start, grace given) of a start reserved at x."""
+        p, grace = self.policy, c.grace_us
+        if self.jitter is not None:  # (what is learnt is capped; the caller's least grace is not)
+            grace = max(grace, min(p.grace_jitters * self.jitter + p.grace_slacks * c.slack_us,
+                                   math.floor(c.shortest / p.learnt_cap_parts)))
+        return min(r.record(x, x + grace, c.cost) for r in self.rates), grace
+
+    def _check(self, c: _Call, runs: str | None, reserving: bool, start_from: int, lease: int,
+               written: bool = False) -> ModelReply:
+        if c.not_before_us - c.now > c.pause_horizon_us:
+            # A long pause reserves nothing (a resume must let its tasks go): check later.
+            if written:
+                self._written(c)
+            return self._reply(c, Code.DENIED, c.pause_horizon_us, 0, 0)
+        x, settled = self._earliest(c, start_from)
+        code, start, latest, grace, leased = Code.DENIED, 0, 0, 0, 0
+        if settled and x == c.now and runs == "screen":
             code = Code.RUN  # fits now: recorded by the acquire that follows, not here
-        elif settled and x == now and op != "reserve":
+        elif settled and x == c.now and runs == "record":
             code = Code.RUN
-            units, span = cost, slack_us
-            if op == "acquire" and lease > cost:
+            units, span = c.cost, c.slack_us
+            if lease > c.cost:
                 # A lease: `lease` units over [now, now + span], only while every rate
                 # stays at most half full with them.
-                wide = max(lease_span_us, slack_us)
-                if all(2 * (max(r.usage(now), r.usage(now + wide)) + lease) <= r.limit
-                       and r.earliest(now, lease, wide) == now
-                       for r in self.rates):
+                wide = max(c.lease_span_us, c.slack_us)
+                if self._lease_fits(c, lease, wide):
                     units, span, leased = lease, wide, lease
             for r in self.rates:
-                r.record(now, now + span, units)
+                r.record(c.now, c.now + span, units)
             written = True
-        elif settled and (reserve or op == "reserve") and max_wait_us > 0 and x - max(now, not_before_us) > max_wait_us:
+        elif settled and reserving and c.max_wait_us > 0 and x - max(c.now, c.not_before_us) > c.max_wait_us:
             code = Code.TOO_FAR  # further than the caller will wait: nothing reserved
-        elif settled and (reserve or op == "reserve"):
-            if self.jitter is not None:  # (what is learnt is capped; the caller's least grace is not)
-                grace_us = max(grace_us, min(p.grace_jitters * self.jitter + p.grace_slacks * slack_us,
-                                             math.floor(shortest / p.learnt_cap_parts)))
+        elif settled and reserving:
             code, start = Code.RESERVED, x
-            latest = min(r.record(x, x + grace_us, cost) for r in self.rates)
+            latest, grace = self._record_reserved(c, x)
             written = True
-        if written and self.folds:
-            for r in self.rates:
-                r.fold(now)
-        if written and self.epoch is None:
-            self.epoch = now
-        return reply(code, x - now, start, latest, grace_us if start > 0 else 0, leased)
+        if written:
+            self._written(c)
+        return self._reply(c, code, x - c.now, start, latest, grace, leased)
+
+    # -- the operations
+    def _acquire(self, c: _Call) -> ModelReply:
+        return self._check(c, "record", c.reserve, max(c.now, c.not_before_us), c.lease)
+
+    def _screen(self, c: _Call) -> ModelReply:
+        return self._check(c, "screen", c.reserve, max(c.now, c.not_before_us), 0)
+
+    def _reserve(self, c: _Call) -> ModelReply:
+        start_from = max(c.now, c.not_before_us)
+        if self.delay is not None:  # at publish: not before it arrives
+            start_from = max(start_from, c.now + self.lead())
+        return self._check(c, None, True, start_from, 0)
+
+    def _admit(self, c: _Call) -> ModelReply:
+        # At publish: fits, every rate at most half full: not recorded
+        half = [math.floor(r.limit / 2) - max(r.usage(c.now), r.usage(c.now + c.slack_us)) for r in self.rates]
+        if not c.not_before_us and all(h >= c.cost and r.earliest(c.now, c.cost, c.slack_us) == c.now
+                                       for h, r in zip(half, self.rates)):
+            return self._reply(c, Code.RUN, 0, 0, 0, 0, min(half))
+        return self._reserve(c)
+
+    def _claim(self, c: _Call, claim: Claim | None, learn: bool, resumed: bool) -> ModelReply:
+        # A reservation made in another epoch (or none: RedisStore sends '' without a
+        # claim) is not honoured and gives nothing back: the call is an acquire.
+        if claim is None or self.epoch is None or str(claim.epoch) != str(self.epoch):
+            return self._acquire(c)
+        p = self.policy
+        c_start, c_latest = claim.start_us, claim.latest_us
+        trip = c.now - (c_start - claim.lead_us)
+        if learn and not resumed and trip <= p.learn_outlier_ms * 1000:  # the trip back, beyond the lead it was given
+            sample = max(0, min(trip, math.floor(c.shortest / p.learnt_cap_parts)))
+            if self.delay is None or self.jitter is None:
+                self.delay, self.jitter = sample, math.floor(sample / 2)
+            else:
+                err = sample - self.delay
+                self.delay += math.floor(err / p.delay_gain_parts)
+                self.jitter += math.floor((abs(err) - self.jitter) / p.jitter_gain_parts)
+        # A pause now covers its start, or the pause it was reserved behind was lifted
+        # since: give it back and check again
+        paused = c_start < c.not_before_us or resumed
+        if c.now < c_start and not paused:
+            return self._reply(c, Code.EARLY, c_start - c.now, c_start, c_latest)
+        # On time only if the body, starting within `slack` of now, stays inside the
+        # reserved span.
+        if c.now + c.slack_us <= c_latest and not paused:
+            return self._reply(c, Code.RUN, 0, c_start, c_latest)
+        # Late: give the reserved units back, then try afresh.
+        written = False
+        for r in self.rates:
+            written = r.unrecord(c_start, claim.grace_us, claim.cost) or written
+        return self._check(c, "record", c.reserve, max(c.now, c.not_before_us), 0, written)
+
+    def _peek(self, c: _Call) -> ModelReply:
+        x, _ = self._earliest(c, max(c.now, c.not_before_us))
+        return self._reply(c, Code.RUN if x == c.now else Code.DENIED, x - c.now, 0, 0)
 
     def lead(self) -> int:
         """The learnt delay plus a margin of 2 v, at most half the busiest rate's spacing."""

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from celery_throttle import ConfigurationError, throttle
+from celery_throttle import ConfigurationError, signals, throttle
 from celery_throttle.controller import controller
 from celery_throttle.spec import declared_spec
 from celery_throttle.worker import patch_tasks
@@ -15,7 +15,14 @@ from celery_throttle.worker import patch_tasks
 @pytest.mark.parametrize("module", ["examples.external_api", "examples.tenant_quotas",
                                     "examples.rules", "examples.demo_app"])
 def test_example_tasks_are_throttled(module: str) -> None:
-    mod = importlib.import_module(module)
+    # (an example's signal receivers, connected at import, would count this process's
+    # denials in its Redis for the rest of the run: they are disconnected after)
+    receivers = list(signals.task_throttled.receivers)
+    try:
+        mod = importlib.import_module(module)
+    finally:
+        signals.task_throttled.receivers[:] = receivers
+        signals.task_throttled.sender_receivers_cache.clear()
     ctl = controller(mod.app)
     patch_tasks(ctl)
     # (@app.task tasks are shared with every app: keep this module's own)

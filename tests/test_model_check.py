@@ -12,6 +12,7 @@ deletes the hash and forgets, on purpose: the truth is checked per epoch.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -35,7 +36,15 @@ from hypothesis.stateful import (
 )
 
 from celery_throttle.keys import state_key
-from celery_throttle.protocol import STATE_FORMAT, Code, Reservation, WindowCall, WindowReply, rate_field
+from celery_throttle.protocol import (
+    STATE_FORMAT,
+    Code,
+    Reservation,
+    StateLayout,
+    WindowCall,
+    WindowReply,
+    rate_field,
+)
 from celery_throttle.rates import Rate, parse_rate
 from celery_throttle.store import RedisStore
 from celery_throttle.timing import SCRIPT_POLICY, ScriptPolicy
@@ -158,8 +167,10 @@ class Harness:
     pause_horizon: int = 0
 
     def __post_init__(self) -> None:
+        #: Where check_observable_state peeks (apart from the walk's own choices).
+        self.probe_rng = random.Random(zlib.crc32(f"probe/{self.algorithm}".encode()))
         self.model = WindowModel(self.algorithm, [(r.limit, r.period_us) for r in self.rates],
-                                 policy=self.store.policy)
+                                 policy=self.store.policy, layout=self.store.layout)
 
     @property
     def min_limit(self) -> int:
@@ -237,6 +248,7 @@ class Harness:
         leased = got.leased if op == "acquire" else 0  # (an admit's is its room, not a lease)
         self.leases += 1 if leased else 0
         self._account(op, cost, max(slack_us, lease_span_us) if leased else slack_us, claim, got)
+        self.check_observable_state()
         self.check_stored_state()
         # The script's TTLs are real milliseconds computed from the test clock: keep the
         # hash from expiring in real time while a slow machine runs the walk (TTLs have
@@ -271,7 +283,23 @@ class Harness:
                 self.pending.append(Reservation(got.start_us, got.latest_us, cost, got.grace_us, got.epoch,
                                                 self.rng.randint(0, 30_000)))
 
+    def check_observable_state(self) -> None:
+        """What the state answers, whatever its layout: a peek at a moment ahead (within two
+        of the shortest windows, at random) agrees with the model's, asked of a copy of it
+        (a peek ahead loads, and forgets, what has left the window by then). A change of
+        layout or encoding leaves this oracle as it is; check_stored_state is the other half."""
+        ahead = self.clock.now + self.probe_rng.randint(1, 2 * self.min_period)
+        saved, self.clock.now = self.clock.now, ahead
+        try:
+            got = self.store.peek(self.key, WindowCall(self.algorithm, self.rates, 1))
+        finally:
+            self.clock.now = saved
+        want = copy.deepcopy(self.model).window(ahead, "peek", 1)
+        assert tuple(got) == want.as_tuple(), self.explain(
+            f"a peek ahead, at {ahead}, answered {tuple(got)}, model {want.as_tuple()}")
+
     def check_stored_state(self) -> None:
+        """The encoding: the hash holds, field by field, what the model's layout says."""
         raw = self.store.client.hgetall(self.key)
         stored = {k.decode(): v for k, v in raw.items()}
         live = self.model.live_stored_fields(stored, self.clock.now)
@@ -472,6 +500,33 @@ def test_script_matches_model_under_another_timing_policy(
         for _ in range(STEPS):
             h.random_operation()
         # Then they agreed at every step, and no window held too much
+        h.check_invariant()
+        assert h.admissions, "the walk admitted nothing: it tested nothing"
+    finally:
+        store.close()
+
+
+#: A state layout unlike the default in every field: few buckets per window and few kept,
+#: few fixed windows ahead, so that walks fold all the time.
+ODD_LAYOUT = StateLayout(slots=7, max_buckets=10, max_ahead=3, keep_ahead=1)
+
+
+@pytest.mark.parametrize("rate_set", sorted(RATE_SETS))
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_script_matches_model_under_another_state_layout(
+    redis_client: redis.Redis, key_prefix: str, clock: FakeClock, algorithm: str, rate_set: str
+) -> None:
+    # Given the scripts and the model both loaded with another state layout
+    store = RedisStore(STORE_URL, key_prefix, clock=clock, layout=ODD_LAYOUT)
+    try:
+        h = new_harness(store, clock, algorithm, RATE_SETS[rate_set],
+                        seed=zlib.crc32(f"layout/{algorithm}/{rate_set}".encode()))
+        # When a random walk, then a deep backlog, run on both
+        for _ in range(STEPS):
+            h.random_operation()
+        _deep_walk(h, lambda: 1, DEEP // 3)
+        # Then they agreed at every step (the state folded as the layout says), and no
+        # window held too much
         h.check_invariant()
         assert h.admissions, "the walk admitted nothing: it tested nothing"
     finally:

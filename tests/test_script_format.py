@@ -6,10 +6,23 @@ from __future__ import annotations
 import re
 from importlib import resources
 
-from celery_throttle.protocol import STATE_FORMAT, Code, Reservation, WindowCall, rate_field, window_argv
+import pytest
+import redis
+
+from celery_throttle.errors import StoreError
+from celery_throttle.protocol import (
+    STATE_FORMAT,
+    STATE_LAYOUT,
+    Code,
+    Reservation,
+    WindowCall,
+    rate_field,
+    window_argv,
+)
 from celery_throttle.rates import Rate
-from celery_throttle.store import window_script
+from celery_throttle.store import RedisStore, window_script
 from celery_throttle.timing import SCRIPT_POLICY
+from tests.helpers import STORE_URL
 
 #: Each documented ARGV slot, by the words its header line starts with.
 DOCUMENTED = {
@@ -55,18 +68,47 @@ def test_reply_codes_match_the_script() -> None:
         [1, 0, 4, 2, 3, -1]
 
 
-def test_the_script_reads_every_constant_it_is_loaded_with_and_no_other() -> None:
-    # The constants window.lua is given: the timing policy, the reply codes and the state
-    # format, on its first line (so its own line numbers shift by one)
-    script = window_script("sliding")
-    first = script.split("\n", 1)[0]
-    given = dict(zip(first.removeprefix("local ").split(" = ")[0].split(", "),
-                     first.split(" = ")[1].split(", "), strict=True))
-    assert given == {**{k: str(v) for k, v in SCRIPT_POLICY.values().items()},
-                     **{c.name: str(c.value) for c in Code}, "STATE_FORMAT": str(STATE_FORMAT)}
-    # Each is used by the script, and the script uses no capitalised name it is not given
-    # (but its algorithm's own: SLOTS, MAX_BUCKETS, ...)
-    window = resources.files("celery_throttle").joinpath("lua", "window.lua").read_text("utf-8")
-    code = re.sub(r"'[^']*'", "", "\n".join(line.split("--")[0] for line in window.splitlines()))
-    used = set(re.findall(r"\b[A-Z][A-Z_]{2,}\b", code)) - {"ARGV", "KEYS", "ALGO"}
-    assert used == set(given)
+#: The layout constants of the other algorithm: given to each script, read by one.
+_OTHER_ALGORITHMS_LAYOUT = {"sliding": {"MAX_AHEAD", "KEEP_AHEAD"}, "fixed": {"SLOTS", "MAX_BUCKETS"}}
+
+
+def test_the_scripts_read_every_constant_they_are_loaded_with_and_no_other() -> None:
+    # The constants the window scripts are given: the timing policy, the state layout,
+    # the reply codes and the state format, on a first line of their own
+    for algorithm in ("sliding", "fixed"):
+        script = window_script(algorithm)
+        first = script.split("\n", 1)[0]
+        given = dict(zip(first.removeprefix("local ").split(" = ")[0].split(", "),
+                         first.split(" = ")[1].split(", "), strict=True))
+        assert given == {**{k: str(v) for k, v in SCRIPT_POLICY.values().items()},
+                         **{k: str(v) for k, v in STATE_LAYOUT.values().items()},
+                         **{c.name: str(c.value) for c in Code}, "STATE_FORMAT": str(STATE_FORMAT)}
+        # Each is used by the algorithm or window.lua, and they use no capitalised name
+        # they are not given but those they set themselves (MAX_COLD_BYTES, ...)
+        used: set[str] = set()
+        own: set[str] = set()
+        for name in (f"{algorithm}.lua", "window.lua"):
+            text = resources.files("celery_throttle").joinpath("lua", name).read_text("utf-8")
+            code = re.sub(r"'[^']*'", "", "\n".join(line.split("--")[0] for line in text.splitlines()))
+            used |= set(re.findall(r"\b[A-Z][A-Z_]{2,}\b", code)) - {"ARGV", "KEYS", "ALGO"}
+            own |= set(re.findall(r"^local ([A-Z][A-Z_]{2,}) =", code, re.MULTILINE))
+        assert own.isdisjoint(given), f"{algorithm}: sets a constant it is given: {own & set(given)}"
+        assert used - own == set(given) - _OTHER_ALGORITHMS_LAYOUT[algorithm]
+
+
+def test_an_error_in_a_script_names_the_file_and_its_own_line(store_client: redis.Redis, prefix: str) -> None:
+    # Given a call whose ARGV says one rate but carries none (its field name missing)
+    store = RedisStore(STORE_URL, prefix)
+    window = resources.files("celery_throttle").joinpath("lua", "window.lua").read_text("utf-8").splitlines()
+    try:
+        argv = window_argv("", "peek", WindowCall("sliding", (Rate(1, 1.0),)))
+        # When the script runs it
+        with pytest.raises(StoreError) as failed:
+            store.run("sliding", [f"{prefix}:k"], argv[:19] + ["1"])
+        # Then the error names window.lua and its line there (the arithmetic on the rate's
+        # missing period), not the line in the script as loaded
+        named = re.search(r"window\.lua:(\d+): attempt to perform arithmetic on field 'period'", str(failed.value))
+        assert named, str(failed.value)
+        assert "r.period" in window[int(named.group(1)) - 1], (named.group(0), window[int(named.group(1)) - 1])
+    finally:
+        store.close()

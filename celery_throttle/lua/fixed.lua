@@ -16,10 +16,9 @@
 -- range only ever counts more than was recorded). A give-back into it gives nothing back.
 local ALGO = {}
 
--- Windows after the current one that may hold units before the older ones are folded.
-local MAX_AHEAD = 8
--- How many of the last windows ahead stay as they are when the others are folded.
-local KEEP_AHEAD = 4
+-- MAX_AHEAD (windows after the current one that may hold units before the older ones are
+-- folded) and KEEP_AHEAD (how many of the last of them stay as they are) are set before
+-- the script from celery_throttle.protocol.StateLayout.
 
 -- The fast path of window.lua, for one rate: an answer only where it is the general
 -- path's own (load, usage, earliest at now, record, clear_at, dump), worked out in one

@@ -30,11 +30,8 @@
 -- behind the front holds fewer than `limit` units, plus one bucket: about one window of
 -- buckets, whatever waits. Folding only makes units look later, so it is always safe; a
 -- give-back of units folded away finds no bucket and gives nothing back.
-local SLOTS = 100
--- Buckets kept at most per rate; past it the front is folded even if it could still
--- decide something (safe, a little late: only a sparse schedule, of a rate that another
--- rate holds back, reaches it; a saturated one spans about SLOTS buckets).
-local MAX_BUCKETS = 2 * SLOTS
+-- (SLOTS, and MAX_BUCKETS, the buckets kept at most per rate, are set before the script
+-- from celery_throttle.protocol.StateLayout, which says why.)
 -- A stored cold pair takes at least 10 bytes (a time in µs is a 9-byte integer), so a
 -- state that is not decoded holds more than MAX_BUCKETS buckets only past this size.
 local MAX_COLD_BYTES = 10 * (MAX_BUCKETS - 1)

@@ -1,7 +1,15 @@
 -- Checks and records one call against every rate of one (scope, key), atomically.
 -- Prepended at load time by the algorithm (sliding.lua or fixed.lua), which defines ALGO,
--- and before it by the timing policy's constants (SETTLE_ROUNDS, STATE_TTL_PAD_MS, ...:
--- celery_throttle/timing.py, ScriptPolicy, says what each is and why).
+-- and before it by the constants both read: the timing policy (SETTLE_ROUNDS,
+-- STATE_TTL_PAD_MS, ...: celery_throttle/timing.py, ScriptPolicy, says what each is and
+-- why), the state layout (SLOTS, ...: protocol.py, StateLayout), the reply codes and the
+-- state format. (An error's line is told as this file's own: store.py, true_lines.)
+--
+-- Each operation (ARGV[2]) is a function of its own, at the end: acquire, screen,
+-- reserve_start, admit, claim, peek, dispatched after the one check of the cost. They
+-- share `check`, the decision from the earliest start on (run now, reserve, or deny).
+-- Before them, a fast path answers an acquire or screen that fits now without building
+-- the general path's tables. tests/reference.py is the twin, function by function.
 --
 -- KEYS[1]  hash holding the state of every rate of this (scope, key): one field per rate
 --          (named by the caller), plus 'e', 'd', 'v' and 'f' below
@@ -181,6 +189,8 @@ for i = 1, n_rates do
 end
 for i, r in ipairs(rates) do ALGO.load(r, stored[4 + i] or nil, now) end
 
+-- -- what every operation shares ------------------------------------------------------
+
 local function remaining(x)
   local free = nil
   for _, r in ipairs(rates) do
@@ -237,14 +247,129 @@ local function lease_fits(units, span)
   return true
 end
 
-for _, r in ipairs(rates) do
-  if cost > r.limit then return {TOO_COSTLY, 0, 0, 0, 0, 0, now, 0, -1, 0, 0} end
+-- At publish, a task held back (by the window, or a pause) is counted for `status`.
+local function count_held()
+  if (op == 'admit' or op == 'reserve') and KEYS[2] ~= nil then
+    redis.call('INCR', KEYS[2])
+    redis.call('PEXPIRE', KEYS[2], HELD_COUNT_TTL_MS)
+  end
 end
 
-if op == 'claim' and (epoch ~= ARGV[11] or (KEYS[2] and redis.call('EXISTS', KEYS[2]) == 1)) then
-  op = 'acquire'  -- reserved in a state that is gone, or already used: check afresh
+-- The earliest start, from `from` on, that every rate admits: each earliest() only moves
+-- it forward; settled once a round moves it no more.
+local function earliest(from)
+  local x, settled = from, false
+  for _ = 1, SETTLE_ROUNDS do
+    settled = true
+    for _, r in ipairs(rates) do
+      local e = ALGO.earliest(r, x, cost, slack)
+      if e > x then x, settled = e, false end
+    end
+    if settled then break end
+  end
+  return x, settled
 end
-if op == 'claim' then
+
+-- Nothing starts in a pause: the earliest any start may be.
+local unpaused = math.max(now, not_before)
+
+-- Record a start reserved at x, open for the grace (the caller's, widened by the jitter
+-- learnt; that widening capped, the caller's least grace its own to cap). Returns the
+-- latest start every rate allows it, and the grace given.
+local function record_reserved(x)
+  local given = grace
+  if jitter ~= nil then
+    given = math.max(given, math.min(GRACE_JITTERS * jitter + GRACE_SLACKS * slack,
+                                     math.floor(shortest / LEARNT_CAP_PARTS)))
+  end
+  local latest = nil
+  for _, r in ipairs(rates) do
+    local until_ = ALGO.record(r, x, x + given, cost)
+    r.dirty = true
+    if latest == nil or until_ < latest then latest = until_ end
+  end
+  return latest, given
+end
+
+-- The decision of a check, from the earliest start on or after `from`: run now if it is
+-- now (`runs`: 'record' records the start, with a lease of `lease_units` if they fit;
+-- 'screen' records nothing, the pool's acquire will; nil: never now), else reserve that
+-- start if `reserving` (unless further than the max wait), else deny.
+local function check(runs, reserving, from, lease_units)
+  if not_before - now > pause_horizon then
+    -- A pause too long to reserve behind (a resume must let its tasks go): check later.
+    write_back()  -- (a claim's units given back)
+    count_held()
+    return reply(DENIED, pause_horizon, 0, 0)
+  end
+  local x, settled = earliest(from)
+  local code, start, latest, given, leased = DENIED, 0, 0, 0, 0
+  if settled and x == now and runs == 'screen' then
+    code = RUN
+  elseif settled and x == now and runs == 'record' then
+    code = RUN
+    local units, span = cost, slack
+    if lease_units > cost then
+      span = math.max(lease_span, slack)
+      if lease_fits(lease_units, span) then units, leased = lease_units, lease_units else span = slack end
+    end
+    for _, r in ipairs(rates) do
+      ALGO.record(r, now, now + span, units)
+      r.dirty = true
+    end
+  elseif settled and reserving and max_wait > 0 and x - unpaused > max_wait then
+    code = TOO_FAR
+  elseif settled and reserving then
+    code, start = RESERVED, x
+    latest, given = record_reserved(x)
+  end
+  write_back()
+  if code ~= RUN and (x > from or not_before > now or not settled) then count_held() end
+  return reply(code, x - now, start, latest, given, leased)
+end
+
+-- -- the operations (ARGV[2]) ------------------------------------------------------------
+
+-- Admit now if every rate has room (recorded, with a lease if asked and it fits), else
+-- deny, reserving a start if ARGV[3].
+local function acquire()
+  return check('record', reserve, unpaused, lease)
+end
+
+-- As acquire, but a call that fits now is not recorded: the worker's pool acquires it.
+local function screen()
+  return check('screen', reserve, unpaused, 0)
+end
+
+-- At publish: reserve a start even for a call that fits now, no sooner than the key's
+-- learnt dispatch delay from now (the worker claims it when the task arrives).
+local function reserve_start()
+  local from = unpaused
+  if delay ~= nil then from = math.max(from, now + lead(half_pace)) end
+  return check(nil, true, from, 0)
+end
+
+-- At publish: a call that fits now, leaving every rate at most half full, is not
+-- recorded (RUN, `leased` the room left before a rate is half full); any other reserves.
+local function admit()
+  if not_before == 0 and lease_fits(cost, slack) then
+    -- (lease_fits: at most half of each rate used with this call, so the room is >= cost)
+    local room = nil
+    for _, r in ipairs(rates) do
+      local used = math.max(ALGO.usage(r, now), ALGO.usage(r, now + slack))
+      local free = math.floor(r.limit / 2) - used
+      if room == nil or free < room then room = free end
+    end
+    return reply(RUN, 0, 0, 0, 0, room)
+  end
+  return reserve_start()
+end
+
+-- Use a start reserved earlier: learn the trip back, run if on time, wait if early, give
+-- it back and check afresh if late. A reservation of another epoch, or used already (its
+-- marker, KEYS[2], is set), is neither honoured nor given back: the call is an acquire.
+local function claim()
+  if epoch ~= ARGV[11] or (KEYS[2] and redis.call('EXISTS', KEYS[2]) == 1) then return acquire() end
   local c_start, c_latest = tonumber(ARGV[7]), tonumber(ARGV[8])
   local c_cost, c_grace, c_lead = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[12])
   -- (A trip back longer than LEARN_OUTLIER_MS is not a dispatch delay: no worker ran,
@@ -279,84 +404,24 @@ if op == 'claim' then
     ALGO.unrecord(r, c_start, c_grace, c_cost)
     r.dirty = true
   end
+  return check('record', reserve, unpaused, 0)
 end
 
--- At publish, a task held back (by the window, or a pause) is counted for `status`.
-local at_publish = (op == 'admit' or op == 'reserve') and KEYS[2] ~= nil
-local function count_held()
-  if at_publish then
-    redis.call('INCR', KEYS[2])
-    redis.call('PEXPIRE', KEYS[2], HELD_COUNT_TTL_MS)
-  end
-end
-
-if not_before - now > pause_horizon and op ~= 'peek' then
-  write_back()  -- (a claim's units given back above)
-  count_held()
-  return reply(DENIED, pause_horizon, 0, 0)
-end
-
-if op == 'admit' then
-  if not_before == 0 and lease_fits(cost, slack) then
-    -- (lease_fits: at most half of each rate used with this call, so the room is >= cost)
-    local room = nil
-    for _, r in ipairs(rates) do
-      local used = math.max(ALGO.usage(r, now), ALGO.usage(r, now + slack))
-      local free = math.floor(r.limit / 2) - used
-      if room == nil or free < room then room = free end
-    end
-    return reply(RUN, 0, 0, 0, 0, room)
-  end
-  op = 'reserve'
-end
-
--- The earliest start every rate admits: each earliest() only moves x forward. Nothing
--- starts in a pause; a task sent at publish cannot start before it reaches a worker.
-local x, settled = math.max(now, not_before), false
-if op == 'reserve' and delay ~= nil then x = math.max(x, now + lead(half_pace)) end
-local earliest_arrival = x
-for _ = 1, SETTLE_ROUNDS do
-  settled = true
-  for _, r in ipairs(rates) do
-    local e = ALGO.earliest(r, x, cost, slack)
-    if e > x then x, settled = e, false end
-  end
-  if settled then break end
-end
-
-if op == 'peek' then
+-- Whether the call would fit now, and usage, recording nothing.
+local function peek()
+  local x = earliest(unpaused)
   return reply(x == now and RUN or DENIED, x - now, 0, 0)
 end
 
-local code, start, latest, leased = DENIED, 0, 0, 0
-if settled and x == now and op == 'screen' then
-  code = RUN
-elseif settled and x == now and op ~= 'reserve' then
-  code = RUN
-  local units, span = cost, slack
-  if op == 'acquire' and lease > cost then
-    span = math.max(lease_span, slack)
-    if lease_fits(lease, span) then units, leased = lease, lease else span = slack end
-  end
-  for _, r in ipairs(rates) do
-    ALGO.record(r, now, now + span, units)
-    r.dirty = true
-  end
-elseif settled and (reserve or op == 'reserve') and max_wait > 0 and x - math.max(now, not_before) > max_wait then
-  code = TOO_FAR
-elseif settled and (reserve or op == 'reserve') then
-  -- (The grace learnt is capped; the least one the caller gives is its own to cap.)
-  if jitter ~= nil then
-    grace = math.max(grace, math.min(GRACE_JITTERS * jitter + GRACE_SLACKS * slack,
-                                     math.floor(shortest / LEARNT_CAP_PARTS)))
-  end
-  code, start, latest = RESERVED, x, nil
-  for _, r in ipairs(rates) do
-    local until_ = ALGO.record(r, x, x + grace, cost)
-    r.dirty = true
-    if latest == nil or until_ < latest then latest = until_ end
-  end
+-- The cost is checked here, once, for every operation.
+for _, r in ipairs(rates) do
+  if cost > r.limit then return {TOO_COSTLY, 0, 0, 0, 0, 0, now, 0, -1, 0, 0} end
 end
-write_back()
-if code ~= RUN and (x > earliest_arrival or not_before > now or not settled) then count_held() end
-return reply(code, x - now, start, latest, start > 0 and grace or 0, leased)
+if op == 'acquire' then return acquire()
+elseif op == 'screen' then return screen()
+elseif op == 'reserve' then return reserve_start()
+elseif op == 'admit' then return admit()
+elseif op == 'claim' then return claim()
+elseif op == 'peek' then return peek()
+end
+return redis.error_reply('window.lua: unknown op ' .. tostring(op))
