@@ -24,7 +24,6 @@ from tests.helpers import (
     QUICK,
     STORE_URL,
     WorkerGroup,
-    delete_queues,
     rabbitmq_or_skip,
     redis_or_skip,
 )
@@ -71,9 +70,8 @@ def workers(store_client: redis.Redis, broker_url: str) -> Iterator[WorkerGroup]
                         concurrency=2, env={"CT_PARK_AFTER": "3"})
     group.start()
     yield group
-    group.stop()
+    group.stop()  # (its queues and their bindings with it)
     _clean(store_client, prefix)
-    delete_queues(broker_url, group.queues)
 
 
 

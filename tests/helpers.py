@@ -293,6 +293,7 @@ class WorkerGroup:
             client = redis.Redis.from_url(self.broker)
             drop_bindings(client, lambda queue: f"-{self.prefix}@" in queue)
             client.close()
+        delete_queues(self.broker, self.queues)
         shutil.rmtree(self.logdir, ignore_errors=True)
 
     def delete_results(self) -> None:

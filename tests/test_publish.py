@@ -25,6 +25,7 @@ from tests.helpers import (
     STORE_URL,
     WorkerGroup,
     assert_each_ran_once,
+    delete_queues,
     free_port,
     max_in_window,
     new_label,
@@ -60,6 +61,7 @@ def idle_queue(store_client: redis.Redis) -> Iterator[dict[str, str]]:
         broker.delete(f"celery-task-meta-{json.loads(raw)['headers']['id']}")
     broker.delete(env["CT_QUEUE"])
     broker.close()
+    delete_queues(BROKER_URL, [env["CT_QUEUE"]])  # (and the bindings the producer declared)
     for key in store_client.scan_iter(match=f"{prefix}*", count=1000):
         store_client.delete(key)
 
