@@ -50,7 +50,7 @@ SLOTS = STATE_LAYOUT.slots
 
 
 class Claim(Protocol):
-    """What a claim carries: ``celery_throttle.store.Reservation`` fits."""
+    """What a claim carries: ``celery_throttle.protocol.Reservation`` fits."""
 
     start_us: int
     latest_us: int
