@@ -46,11 +46,15 @@ quick: install
 test: install lint
 	$(PYTHON) -m tests.with_redis $(MAKE) --no-print-directory test-passes
 
+# The suite runs in TEST_PROCS processes (pytest-xdist): most of a test's time is a window
+# waiting to pass, not CPU, and each process has workers, prefixes and queues of its own.
+TEST_PROCS ?= 3
+
 test-passes:
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n $(TEST_PROCS)
 	$(PYTHON) -m pytest -m soak
-	$(PYTHON) -m tests.redis62 $(REDIS62_TESTS)
-	$(PYTHON) -m tests.valkey $(REDIS62_TESTS) $(VALKEY_WORKER_TESTS)
+	$(PYTHON) -m tests.redis62 -n 2 $(REDIS62_TESTS)
+	$(PYTHON) -m tests.valkey -n 2 $(REDIS62_TESTS) $(VALKEY_WORKER_TESTS)
 	$(PYTHON) -m tests.celery_versions $(CELERY_VERSIONS)
 
 bench: install
