@@ -39,7 +39,7 @@ from .protocol import (
 )
 from .timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 
-__all__ = ["RedisStore", "lua", "true_lines", "window_script"]
+__all__ = ["RedisStore", "lua", "true_lines", "window_preamble", "window_script"]
 
 
 def lua(name: str) -> str:
@@ -281,10 +281,15 @@ def window_script(algorithm: str, policy: ScriptPolicy = SCRIPT_POLICY, layout: 
     return "".join(text for _, text in _window_parts(algorithm, policy, layout))
 
 
-def _window_parts(algorithm: str, policy: ScriptPolicy, layout: StateLayout) -> list[tuple[str, str]]:
+def window_preamble(policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> str:
+    """The line of constants put before the window scripts."""
     constants = {**policy.values(), **layout.values(), **{code.name: int(code) for code in Code},
                  "STATE_FORMAT": STATE_FORMAT}
-    preamble = f"local {', '.join(constants)} = {', '.join(map(str, constants.values()))}\n"
+    return f"local {', '.join(constants)} = {', '.join(map(str, constants.values()))}\n"
+
+
+def _window_parts(algorithm: str, policy: ScriptPolicy, layout: StateLayout) -> list[tuple[str, str]]:
+    preamble = window_preamble(policy, layout)
     return [("(constants)", preamble), (f"{algorithm}.lua", lua(f"{algorithm}.lua")), ("window.lua", lua("window.lua"))]
 
 

@@ -35,6 +35,8 @@ def memory_app() -> Iterator[Celery]:
 
 
 def _task(app: Celery) -> Any:
+    """A task as the worker side sees it: app.tasks (the producer side, never finalized,
+    is test_publish.py's, from producer processes that only import and send)."""
     @app.task(name="contract.add", shared=False)
     def add(x: int, y: int) -> int:
         return x + y
@@ -53,8 +55,7 @@ def test_worker_hostname_reads_the_trace_optimizations(memory_app: Celery) -> No
 
 
 def test_a_tracer_built_as_the_worker_builds_one_runs_the_task(memory_app: Celery) -> None:
-    task = _task(memory_app)
-    memory_app.finalize()
+    task = _task(memory_app)  # (read from app.tasks, as a worker reads it)
     tracer = internals.build_task_tracer(task)
     result = tracer(uuid.uuid4().hex, (2, 3), {}, {})
     assert result.retval == 5, "build_tracer's signature or result changed"

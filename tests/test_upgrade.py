@@ -25,7 +25,7 @@ from celery_throttle.limiter import Throttle
 from celery_throttle.parking import Releaser, decode_message
 from celery_throttle.protocol import HEADER, Code, Reservation, read_state
 from celery_throttle.spec import declared_spec
-from tests.fixtures.make_corpus import STREAMS, build_app
+from tests.fixtures.make_corpus import STREAMS, build_app, drained
 from tests.helpers import STORE_URL
 
 CORPORA = sorted((Path(__file__).parent / "fixtures").glob("format-*.json"))
@@ -142,17 +142,7 @@ def test_tasks_parked_before_the_deploy_are_released_after_it(corpus: dict[str, 
     released = Releaser(ctl).release_once()
     # Then every one is taken and sent back to its queue, as the task it was
     assert released == len(parked)
-    sent = []
-    with app.connection_for_write() as connection:
-        queue = connection.SimpleQueue("corpus")
-        while True:
-            try:
-                message = queue.get(block=False)
-            except queue.Empty:
-                break
-            sent.append((message.headers["task"], message.headers["id"], message.decode()[0]))
-            message.ack()
-        queue.close()
+    sent = [(headers["task"], headers["id"], body[0]) for headers, body in drained(app)]
     messages = corpus["keys"]["{parked}:messages"]["value"]
     bodies = [decode_message(app, _b(value)) for value in messages.values()]
     assert sorted(sent) == sorted((b["task"], b["options"]["task_id"], b["args"]) for b in bodies)
