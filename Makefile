@@ -50,11 +50,21 @@ test: install lint
 # waiting to pass, not CPU, and each process has workers, prefixes and queues of its own.
 TEST_PROCS ?= 3
 
+# The four passes after the suite are independent (the 6.2 and Valkey passes start servers
+# of their own, the soak has its own prefix and queues), so they run side by side, each
+# one's output printed whole when it ends.
 test-passes:
 	$(PYTHON) -m pytest -n $(TEST_PROCS)
+	$(MAKE) --no-print-directory -j4 --output-sync=target pass-soak pass-redis62 pass-valkey pass-celery
+
+.PHONY: pass-soak pass-redis62 pass-valkey pass-celery
+pass-soak:
 	$(PYTHON) -m pytest -m soak
-	$(PYTHON) -m tests.redis62 -n 2 $(REDIS62_TESTS)
-	$(PYTHON) -m tests.valkey -n 2 $(REDIS62_TESTS) $(VALKEY_WORKER_TESTS)
+pass-redis62:
+	$(PYTHON) -m tests.redis62 $(REDIS62_TESTS)
+pass-valkey:
+	$(PYTHON) -m tests.valkey $(REDIS62_TESTS) $(VALKEY_WORKER_TESTS)
+pass-celery:
 	$(PYTHON) -m tests.celery_versions $(CELERY_VERSIONS)
 
 bench: install
