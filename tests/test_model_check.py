@@ -910,6 +910,8 @@ def _deep_walk(h: Harness, cost_of: Callable[[], int], depth: int) -> int:
         if i % 100 == 99:
             worst = max(worst, _state_bytes(h))
     for i in range(depth // 3):
+        if not h.pending:
+            break  # (a shallow walk's backlog can be used up by its on-time claims)
         first = min(h.pending, key=lambda r: r.start_us)
         roll = rng.random()
         if roll < 0.85:  # on time, somewhere in its grace
