@@ -18,7 +18,7 @@ from urllib.parse import quote, unquote
 from .errors import ConfigurationError
 
 __all__ = ["MAX_TOKEN", "PARKED_TAG_END", "broker_index_keys", "control_key", "dead_letter_keys", "decode", "encode", "glob_escape",
-           "held_count_key", "parked_patterns", "parking_keys", "scan_pattern", "state_key", "state_of", "state_tag",
+           "held_count_key", "parked_patterns", "parking_keys", "scan_pattern", "slot_index_key", "slot_keys", "state_key", "state_of", "state_tag",
            "target_matches", "wake_key"]
 
 # Characters kept as they are; everything else is percent-encoded (":" "{" "}" "%" "#"
@@ -120,6 +120,18 @@ def state_of(prefix: str, redis_key: str) -> tuple[str, str | None] | None:
 def held_count_key(state_key: str) -> str:
     """The count of tasks held back at publish for one state hash (same hash tag)."""
     return f"{state_key}:held"
+
+
+def slot_keys(state_key: str) -> tuple[str, str, str]:
+    """The holders of one state hash's concurrency slots (by lease end), the tasks waiting
+    for one (by when they first waited) and their messages: same hash tag (slots.lua)."""
+    return f"{state_key}:slots", f"{state_key}:queue", f"{state_key}:waiting"
+
+
+def slot_index_key(prefix: str) -> str:
+    """The hash of state keys that have tasks waiting for a slot (field) and their limit
+    (value): the keys a worker's sweep visits, to reclaim leases of workers that died."""
+    return f"{prefix}:slot-waiting"
 
 
 def control_key(prefix: str) -> str:

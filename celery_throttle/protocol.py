@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from .rates import Rate
 
-__all__ = ["ALGORITHM_TAGS", "DEAD_LETTER_HEADERS", "HEADER", "HEADER_VERSION", "STATE_FORMAT", "STATE_LAYOUT", "Code", "Reservation",
+__all__ = ["ALGORITHM_TAGS", "DEAD_LETTER_HEADERS", "HEADER", "HEADER_VERSION", "STATE_FORMAT", "STATE_LAYOUT", "Code", "Reservation", "SlotCode", "SlotReply",
            "StateLayout", "WindowCall", "WindowReply", "header_value", "rate_field", "rates_tag", "read_state", "window_argv",
            "without_dead_letter_headers"]
 
@@ -120,6 +120,33 @@ class Code(IntEnum):
     #: Not now, and a start was reserved for it: ``start``, ``latest`` and ``grace``
     #: say which, ``wait`` until it.
     RESERVED = 4
+
+
+class SlotCode(IntEnum):
+    """What slots.lua answered (its reply's first field; the script knows each by name)."""
+
+    #: A holder's lease had run out (release, renew): another task may have had its slot.
+    LOST = 0
+    #: The slot is the holder's (take), or was (release); the call did what it was asked.
+    TAKEN = 1
+    #: No slot free, and the task was not queued (no message was given).
+    FULL = 2
+    #: No slot free: the task is queued, its message kept, until a slot is handed to it.
+    QUEUED = 3
+
+
+@dataclass(frozen=True)
+class SlotReply:
+    """slots.lua's reply: the code, slots held and tasks queued after the call, the
+    Redis clock, and the tasks a slot was handed to, each with its message (None: lost)."""
+
+    code: SlotCode
+    running: int
+    waiting: int
+    now_us: int
+    woken: tuple[tuple[str, bytes | None], ...] = ()
+    #: For a renewal: the holders whose lease had run out.
+    lost: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
