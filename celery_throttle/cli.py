@@ -18,7 +18,8 @@ from .connection import safe_url
 from .controller import controller
 from .errors import ThrottleError
 from .keys import state_of, target_matches
-from .parking import decode_message, parked_task_id
+from .messages import decode_message
+from .parking import parked_task_id
 from .why import REPLY_TIMEOUT, explain, parked_call
 
 __all__ = ["throttle"]

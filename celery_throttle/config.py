@@ -67,6 +67,10 @@ class Settings:
     #: from a task's start to its request reaching it, differ from ours). None: 2% of
     #: each window, at most 20 ms (timing.MARGIN_SHARE); 0: none.
     margin: float | None = None
+    #: How long (seconds) a concurrency slot stays held without a renewal: the worker
+    #: holding it renews it while the body runs, so this bounds how long a slot of a
+    #: worker that died (SIGKILL, a lost host) stays taken before it is reclaimed.
+    concurrency_lease: float = 30.0
     #: Label metrics by key as well as scope (a tenant id per label value: unbounded).
     metrics_keys: bool = False
     #: Backoff (seconds) for tasks deferred because Redis could not be reached.
@@ -124,7 +128,8 @@ class Settings:
             raise ConfigurationError("throttle_enabled must be True or False")
         if not isinstance(self.check_at_publish, bool):
             raise ConfigurationError("throttle_check_at_publish must be True or False")
-        for name in ("park_after", "release_interval", "store_retry_delay", "store_retry_max_delay"):
+        for name in ("park_after", "release_interval", "store_retry_delay", "store_retry_max_delay",
+                     "concurrency_lease"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ConfigurationError(f"throttle_{name} must be a positive number of seconds")
         return self

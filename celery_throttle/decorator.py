@@ -24,6 +24,7 @@ def throttle(
     algorithm: str | None = None,
     max_wait: float | None = None,
     margin: float | None = None,
+    concurrency: int | None = None,
 ) -> Callable[[Any], Any]:
     """Limit a task globally, across every worker, before its body runs.
 
@@ -42,13 +43,13 @@ def throttle(
     :class:`~celery_throttle.errors.WaitTooLong` instead of waiting (default:
     ``throttle_max_wait``, no cap). ``margin``: seconds added to each sliding window, so
     that requests made by the tasks still arrive a window apart at an API that limits
-    them (default: ``throttle_margin``, 0).
+    them (default: ``throttle_margin``, 0). ``concurrency``: at most this many bodies of
+    the scope and key run at once, across every worker (a slot, held from the body's
+    start to its end; with rates or without).
     Mistakes raise :class:`~celery_throttle.errors.ConfigurationError` here.
     """
-    if not rates:
-        raise ConfigurationError('throttle() needs at least one rate, e.g. throttle("10/s")')
     spec = ThrottleSpec.declare(rates, key=key, scope=scope, cost=cost, algorithm=algorithm,
-                                max_wait=max_wait, margin=margin)
+                                max_wait=max_wait, margin=margin, concurrency=concurrency)
 
     def decorate(obj: Any) -> Any:
         if isinstance(obj, PromiseProxy):

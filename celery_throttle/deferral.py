@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ from celery.exceptions import Reject
 from . import signals
 from .errors import StoreError
 from .keys import state_tag
+from .messages import encode_message
 from .parking import park
 from .protocol import (
     HEADER,
@@ -107,14 +109,10 @@ class TurnedAway:
         the re-send gets the message back (``Reject`` with requeue): it is not acked as
         done."""
         ctl, task, request, call = self.ctl, self.task, self.request, self.call
-        self.state["n"] = int(self.state.get("n") or 0) + 1  # deferrals so far, for observability
-        headers = without_dead_letter_headers(request.headers)
-        headers[HEADER] = header_value(self.state)
-        sig = task.signature_from_request(request, self.args, self.kwargs, headers=headers,
-                                          **kept_properties(request))
+        sig = self.signature()
         parked = may_park and now_us is not None and (delay >= ctl.settings.park_after or held)
         signals.task_throttled.send(sender=task, request=request, delay=delay,
-                                    scope=call.scope, key=call.key, parked=parked)
+                                    scope=call.scope, key=call.key, parked=parked, reason="rate")
         ctl.metrics.denied(call.scope, call.key, delay, parked)
         if parked and now_us is not None:
             try:
@@ -136,6 +134,31 @@ class TurnedAway:
         logger.debug("throttled %s[%s] scope=%s key=%s: back at %s (in %.3fs%s)", task.name, request.id,
                      call.scope, call.key, back.strftime("%H:%M:%S.%f")[:-3] + back.strftime(" %Z"), delay,
                      ", parked" if parked else "")
+
+    def signature(self) -> Any:
+        """Its message to send again: same id, arguments, routing and retry count, the
+        header updated (one deferral more)."""
+        self.state["n"] = int(self.state.get("n") or 0) + 1  # deferrals so far, for observability
+        headers = without_dead_letter_headers(self.request.headers)
+        headers[HEADER] = header_value(self.state)
+        return self.task.signature_from_request(self.request, self.args, self.kwargs, headers=headers,
+                                                **kept_properties(self.request))
+
+    def slot_message(self) -> bytes:
+        """Its message, to wait with its key's queue for a concurrency slot; the header
+        says since when it waits (``w``, this host's clock in µs: its ``max_wait``)."""
+        self.state.setdefault("w", int(time.time() * 1_000_000))
+        return encode_message(self.ctl.app, self.signature())
+
+    def waits_for_slot(self, running: int, waiting: int) -> None:
+        """Say that it waits off the queue for a slot (it is acked; a slot handed to it
+        sends it again)."""
+        task, request, call = self.task, self.request, self.call
+        signals.task_throttled.send(sender=task, request=request, delay=None, scope=call.scope, key=call.key,
+                                    parked=True, reason="concurrency")
+        self.ctl.metrics.denied(call.scope, call.key, 0.0, True)
+        logger.debug("throttled %s[%s] scope=%s key=%s: waits for a concurrency slot (%d of %d running, "
+                     "%d waiting)", task.name, request.id, call.scope, call.key, running, call.concurrency, waiting)
 
     def on_store_error(self, exc: StoreError) -> bool:
         """The check could not reach Redis: ``throttle_on_store_error`` decides. True: run

@@ -19,6 +19,7 @@ import functools
 import inspect
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore
@@ -29,7 +30,7 @@ from .controller import controller
 from .deferral import TurnedAway
 from .errors import StoreError, WaitTooLong
 from .internals import build_task_tracer, deferred_trace_result, has_own, trace_context
-from .protocol import HEADER, Code, Reservation, read_state
+from .protocol import HEADER, Code, Reservation, SlotCode, read_state
 from .spec import BoundCall, ThrottleSpec, declared_spec
 from .timing import wait_here_us
 
@@ -180,9 +181,22 @@ def _deciding(task: Any, tracer: Any) -> Any:
             return tracer(uuid, args, kwargs, request)
         finally:
             _decided.task_id = _decided.error = None
+            body_ended(task, uuid)
 
     trace.__wrapped__ = tracer  # type: ignore[attr-defined]
     return trace
+
+
+def body_ended(task: Any, task_id: str) -> None:
+    """The body of ``task_id`` ended (however it ended): give its concurrency slot back, if
+    this process holds one for it. Never raises: the task's outcome stands."""
+    try:
+        slots = controller(task.app).slots
+        if slots.holds(task_id):
+            slots.release(task_id)
+    except Exception as exc:  # noqa: BLE001 - its lease runs out, and the slot is reclaimed
+        logger.warning("could not give back the concurrency slot of %s[%s]: %r; it is reclaimed when its lease "
+                       "runs out", task.name, task_id, exc)
 
 
 def _signature(task: Any) -> inspect.Signature | None:
@@ -203,6 +217,57 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     spec: ThrottleSpec = type(task)._throttle_spec
     call = ctl.checker.bind(task, args, kwargs)
     state = _header(request)
+    if not call.concurrency:
+        return _check_rates(ctl, task, request, args, kwargs, spec, call, state)
+    # A slot first: a task denied one consumes no rate; one its rates deny gives its
+    # slot back at once (to the next task waiting for it).
+    if not _take_slot(ctl, task, request, args, kwargs, spec, call, state):
+        return False
+    if not call.rates:
+        _forget_header(request)
+        ctl.metrics.admitted(call.scope, call.key)
+        return True
+    runs = False
+    try:
+        runs = _check_rates(ctl, task, request, args, kwargs, spec, call, state)
+    finally:
+        if not runs:
+            ctl.slots.release(request.id)
+    return runs
+
+
+def _take_slot(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, spec: ThrottleSpec,
+               call: BoundCall, state: dict[str, Any]) -> bool:
+    """Take a concurrency slot for the task (True), or leave it waiting for one, its
+    message kept with its key's queue (False)."""
+    slots = ctl.slots
+    turned = TurnedAway(ctl, task, request, args, kwargs, call, state)
+    try:
+        reply = slots.take(call, request.id, turned.slot_message() if slots.looks_full(call) else b"")
+        if reply.code == SlotCode.FULL:
+            reply = slots.take(call, request.id, turned.slot_message())
+    except StoreError as exc:
+        return turned.on_store_error(exc)
+    if reply.code == SlotCode.QUEUED:
+        turned.waits_for_slot(reply.running, reply.waiting)
+        return False
+    max_wait = ctl.checker.max_wait(spec)
+    waited = time.time() - int(state["w"]) / 1e6 if state.get("w") else 0.0
+    if max_wait and waited > max_wait:
+        slots.release(request.id)
+        signals.task_wait_exceeded.send(sender=task, request=request, wait=waited, max_wait=max_wait,
+                                        scope=call.scope, key=call.key)
+        raise WaitTooLong(
+            f"task {task.name}[{request.id}] waited {_seconds(waited)} for a concurrency slot of scope "
+            f"{call.scope!r}{'' if call.key is None else f' key {call.key!r}'}: more than its max_wait of "
+            f"{_seconds(max_wait)}"
+        )
+    return True
+
+
+def _check_rates(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, spec: ThrottleSpec,
+                 call: BoundCall, state: dict[str, Any]) -> bool:
+    """The rates' check of a call: True, run now; False, deferred to its reserved start."""
     ident = call.state_key
     claim = Reservation.from_header(state.get("r")) if state.get("k") == ident else None
     max_wait = ctl.checker.max_wait(spec)

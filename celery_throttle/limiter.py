@@ -22,6 +22,7 @@ from .metrics import Metrics
 from .parking_store import ParkingStore
 from .protocol import ALGORITHM_TAGS, WindowCall, WindowReply
 from .rates import Rate, parse_rates
+from .slots import Slots
 from .spec import BoundCall, ThrottleSpec, declared_spec
 from .store import RedisStore
 
@@ -87,6 +88,7 @@ class Throttle:
         self._store: RedisStore | None = None
         self._quick_store: RedisStore | None = None
         self._parking: ParkingStore | None = None
+        self._slots: Slots | None = None
         self._lock = threading.Lock()
         #: The checks of this app's calls (the hook, the screen and publish use it).
         self.checker = Checker(self)
@@ -137,6 +139,13 @@ class Throttle:
         if parking is None or parking.store is not self.store:
             parking = self._parking = ParkingStore(self.store)
         return parking
+
+    @property
+    def slots(self) -> Slots:
+        """This process's concurrency slots (:mod:`.slots`)."""
+        if self._slots is None:
+            self._slots = Slots(self)
+        return self._slots
 
     @property
     def quick_store(self) -> RedisStore:

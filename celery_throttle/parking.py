@@ -17,11 +17,10 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from kombu.serialization import dumps, loads, prepare_accept_content
-
 from .broker_parking import broker_parking
 from .errors import StoreError
 from .keys import PARKED_TAG_END
+from .messages import encode_message, resend
 
 if TYPE_CHECKING:
     from .limiter import Throttle
@@ -52,28 +51,6 @@ STORE_WATCH_EVERY = 10.0
 BROKER_INDEX_KEPT = 60.0
 #: Seconds between two reads of the parked count for the Prometheus gauge.
 _GAUGE_EVERY = 10.0
-
-
-def encode_message(app: Any, sig: Any) -> bytes:
-    """Serialize a signature with the app's task serializer."""
-    options = {k: v for k, v in sig.options.items() if k not in ("countdown", "eta")}
-    body = {"task": sig.task, "args": list(sig.args), "kwargs": dict(sig.kwargs), "options": options}
-    content_type, encoding, data = dumps(body, serializer=app.conf.task_serializer)
-    if isinstance(data, str):
-        data = data.encode(encoding if encoding != "binary" else "utf-8")
-    return content_type.encode() + b"\n" + encoding.encode() + b"\n" + data
-
-
-def decode_message(app: Any, message: bytes) -> dict[str, Any]:
-    """The body :func:`encode_message` wrote; ValueError for anything else (a foreign
-    writer, a truncated value), so that it is never sent on as a task."""
-    content_type, encoding, data = message.split(b"\n", 2)
-    body = loads(data, content_type.decode(), encoding.decode(), accept=prepare_accept_content(app.conf.accept_content))
-    if not (isinstance(body, dict) and isinstance(body.get("task"), str) and body["task"]
-            and isinstance(body.get("args"), list) and isinstance(body.get("kwargs"), dict)
-            and isinstance(body.get("options"), dict)):
-        raise ValueError(f"not a parked task: {str(body)[:80]!r}")
-    return body
 
 
 def park(ctl: Throttle, sig: Any, due_us: int, tag: str | None = None, *, now_us: int | None = None) -> str:
@@ -127,6 +104,12 @@ class Releaser(threading.Thread):
                 logger.warning("could not release parked tasks: %s", exc)
             except Exception:  # never let the thread die: parked tasks would wait forever
                 logger.exception("releasing parked tasks failed")
+            try:
+                self.ctl.slots.sweep()
+            except StoreError as exc:
+                logger.warning("could not sweep concurrency slots: %s", exc)
+            except Exception:
+                logger.exception("sweeping concurrency slots failed")
             try:
                 self.move_held()
             except StoreError as exc:  # the pauses cannot be read: what they hold stays held
@@ -196,8 +179,7 @@ class Releaser(threading.Thread):
                 ctl.metrics.lost()
                 continue
             try:
-                body = decode_message(ctl.app, message)
-                ctl.app.signature(body).apply_async(countdown=max(due_us - now_us, 0) / 1e6)
+                resend(ctl.app, message, max(due_us - now_us, 0) / 1e6)
             except Exception:  # anything this message does: the others still go
                 logger.exception("could not send parked task %s back; it will be tried again", parked_id)
                 ctl.parking.retry_later([parked_id], now_us + int(interval * 2 * 1e6))

@@ -104,7 +104,7 @@ def wrap_send_task(ctl: Throttle) -> None:
             ctl.metrics.denied(call.scope, call.key, deferral.delay, deferral.park)
             request = Context(id=task_id, task=name, args=args, kwargs=kwargs, headers=headers)
             signals.task_throttled.send(sender=deferral.task, request=request, delay=deferral.delay,
-                                        scope=call.scope, key=call.key, parked=deferral.park)
+                                        scope=call.scope, key=call.key, parked=deferral.park, reason="rate")
         if deferral.park and _park(ctl, name, deferral, args, kwargs, dict(options, task_id=task_id)):
             result = (options.get("result_cls") or app.AsyncResult)(task_id)
             parent = app.current_worker_task
@@ -169,6 +169,8 @@ def admit(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Mapping[str
             return None
         spec = known.spec
         call = ctl.checker.bind_spec(name, spec, known.signature, args, kwargs, quick=True)
+        if not call.rates:
+            return None  # a concurrency limit alone: the worker's check takes the slot
         ident = call.state_key
         hint = ctl.hints.take(ident, call.cost)
         if hint == Hints.SEND:

@@ -88,6 +88,8 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             args, kwargs = _arguments(message)
             spec = type(task)._throttle_spec
             call = ctl.checker.bind(task, args, kwargs, quick=True)
+            if not call.rates:  # (a concurrency limit alone: the pool's check takes the slot)
+                return handler(message, body, ack, reject, callbacks, **kw)
             reply = ctl.checker.screen(call, max_wait=ctl.checker.max_wait(spec))
         except StoreError as exc:
             # Redis down or slow: stop screening for a while; the pool's check decides.

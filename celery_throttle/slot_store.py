@@ -86,6 +86,11 @@ class SlotStore:
             raw = self.store.client.hgetall(slot_index_key(self.store.prefix))
         return {_text(k): int(v) for k, v in raw.items() if v.isdigit()}
 
+    def lock_sweep(self, ttl_ms: int) -> bool:
+        """Take the turn to sweep for ``ttl_ms`` (one worker per round); False: taken."""
+        with self.store.errors():
+            return bool(self.store.client.set(f"{slot_index_key(self.store.prefix)}:sweep", "1", nx=True, px=ttl_ms))
+
     def unindex(self, state_key: str) -> None:
         with self.store.errors():
             self.store.client.hdel(slot_index_key(self.store.prefix), state_key)

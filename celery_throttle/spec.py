@@ -21,7 +21,7 @@ from .rates import Rate, parse_rates
 __all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec", "declared_spec"]
 
 RateArg = str | Rate | Sequence[str | Rate] | Callable[..., Any]
-RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin")
+RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin", "concurrency")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class BoundCall:
     #: The state's field name per rate, when not the rate's own: a live limit keeps the
     #: declared rate's window of the same length (see ``Checker.live``).
     fields: tuple[str, ...] | None = None
+    #: At most this many bodies of this scope and key run at once (0: no such limit).
+    concurrency: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class ThrottleSpec:
     max_wait: float | None = None
     #: Seconds added to each sliding window (None: the setting's), see ``throttle_margin``.
     margin: float | None = None
+    #: At most this many bodies of a scope and key run at once, across every worker
+    #: process (None: no such limit).
+    concurrency: int | None = None
 
     @classmethod
     def declare(
@@ -64,9 +69,18 @@ class ThrottleSpec:
         algorithm: str | None = None,
         max_wait: float | None = None,
         margin: float | None = None,
+        concurrency: int | None = None,
     ) -> ThrottleSpec:
-        if len(rates) == 1 and callable(rates[0]):
-            parsed: tuple[Rate, ...] | Callable[..., Any] = rates[0]
+        if concurrency is not None:
+            _check_cost(concurrency, "concurrency")
+        if not rates and concurrency is None:
+            raise ConfigurationError(
+                'a throttle needs a rate, a concurrency, or both, e.g. throttle("10/s") or throttle(concurrency=4)'
+            )
+        if not rates:
+            parsed: tuple[Rate, ...] | Callable[..., Any] = ()
+        elif len(rates) == 1 and callable(rates[0]):
+            parsed = rates[0]
         elif any(callable(r) for r in rates):
             raise ConfigurationError("a callable rate must be the only rate of a throttle")
         else:
@@ -83,7 +97,7 @@ class ThrottleSpec:
             raise ConfigurationError(f"scope must be a non-empty string, got {scope!r}")
         if not callable(cost):
             _check_cost(cost, "cost")
-            if isinstance(parsed, tuple):
+            if isinstance(parsed, tuple) and parsed:
                 tightest = min(parsed, key=lambda r: r.limit)
                 if cost > tightest.limit:
                     raise ConfigurationError(
@@ -91,14 +105,14 @@ class ThrottleSpec:
                     )
         check_max_wait(max_wait, "max_wait")
         check_margin(margin, "margin")
-        return cls(parsed, key, scope, cost, algorithm, max_wait, margin)
+        return cls(parsed, key, scope, cost, algorithm, max_wait, margin, concurrency)
 
     @classmethod
     def from_rule(cls, pattern: str, options: Mapping[str, Any]) -> ThrottleSpec:
         """A spec from one ``throttle_rules`` entry."""
-        if not isinstance(options, Mapping) or "rate" not in options:
+        if not isinstance(options, Mapping) or not ("rate" in options or "concurrency" in options):
             raise ConfigurationError(
-                f"throttle_rules[{pattern!r}] must be a dict with at least 'rate', got {options!r}"
+                f"throttle_rules[{pattern!r}] must be a dict with at least 'rate' or 'concurrency', got {options!r}"
             )
         unknown = set(options) - set(RULE_OPTIONS)
         if unknown:
@@ -106,7 +120,7 @@ class ThrottleSpec:
                 f"throttle_rules[{pattern!r}] has unknown option(s) {sorted(unknown)}; "
                 f"known: {list(RULE_OPTIONS)}"
             )
-        rate = options["rate"]
+        rate = options.get("rate", ())
         rates = list(rate) if isinstance(rate, (list, tuple)) else [rate]
         try:
             return cls.declare(
@@ -117,6 +131,7 @@ class ThrottleSpec:
                 algorithm=options.get("algorithm"),
                 max_wait=options.get("max_wait"),
                 margin=options.get("margin"),
+                concurrency=options.get("concurrency"),
             )
         except ConfigurationError as exc:
             raise ConfigurationError(f"throttle_rules[{pattern!r}]: {exc}") from None
@@ -167,7 +182,8 @@ class ThrottleSpec:
             except ConfigurationError as exc:
                 raise KeyBuildError(f"task {task_name}: {exc}") from None
         key = self._key(task_name, signature, args, kwargs)
-        return BoundCall(scope, key, rates, int(cost), algorithm, state_key(prefix, scope, key))
+        return BoundCall(scope, key, rates, int(cost), algorithm, state_key(prefix, scope, key),
+                         concurrency=self.concurrency or 0)
 
     def _key(
         self,

@@ -21,7 +21,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .internals import held_requests
 from .keys import PARKED_TAG_END, state_of
-from .parking import decode_message
+from .messages import decode_message
 from .protocol import HEADER, Reservation, read_state
 
 if TYPE_CHECKING:

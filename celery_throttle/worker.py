@@ -19,8 +19,10 @@ import logging
 import weakref
 from typing import Any
 
+from billiard.exceptions import WorkerLostError
 from celery import bootsteps
-from celery.signals import worker_init, worker_shutdown
+from celery.exceptions import TimeLimitExceeded
+from celery.signals import task_failure, task_revoked, worker_init, worker_shutdown
 
 from .broker_parking import broker_parking
 from .connection import safe_url
@@ -170,6 +172,34 @@ def _install_if_forgotten(app: Any) -> None:
 @worker_shutdown.connect(weak=False)
 def _on_worker_shutdown(sender: Any, **_: Any) -> None:
     _workers.discard(sender)
+
+
+@task_failure.connect(weak=False)
+def _on_task_failure(sender: Any = None, task_id: str | None = None, exception: Any = None, args: Any = None,
+                     kwargs: Any = None, **_: Any) -> None:
+    # (Sent by the worker's main process when a pool process was killed by a hard time
+    # limit, or died: the body's own process cannot give its slot back.)
+    if isinstance(exception, (TimeLimitExceeded, WorkerLostError)) and task_id:
+        _give_back_for(sender, task_id, args, kwargs)
+
+
+@task_revoked.connect(weak=False)
+def _on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
+    if terminated and request is not None:
+        _give_back_for(sender, request.id, getattr(request, "args", ()), getattr(request, "kwargs", {}))
+
+
+def _give_back_for(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
+    """Give back the concurrency slot a task held in a pool process that was killed."""
+    spec = getattr(type(task), "_throttle_spec", None) if task is not None else None
+    if spec is None or not spec.concurrency:
+        return
+    try:
+        ctl = controller(task.app)
+        ctl.slots.release_for(ctl.checker.bind(task, args or (), kwargs or {}), task_id)
+    except Exception as exc:  # noqa: BLE001 - its lease runs out, and the slot is reclaimed
+        logger.warning("could not give back the concurrency slot of %s[%s], whose process was killed: %r; "
+                       "it is reclaimed when its lease runs out", task.name, task_id, exc)
 
 
 _WIRED = "_celery_throttle_wired"

@@ -44,6 +44,7 @@ app.conf.update(
     throttle_store_retry_delay=0.5,
     throttle_store_retry_max_delay=2.0,
     throttle_release_interval=0.5,
+    throttle_concurrency_lease=float(os.environ.get("CT_SLOT_LEASE", "30")),
     throttle_enabled=os.environ.get("CT_ENABLED", "1") == "1",
     throttle_rules={
         # First match wins: the specific name before the glob.
@@ -335,3 +336,58 @@ def pub_bound(self, label, tenant):
 @app.task
 def unowned_pub(label, tenant):  # throttled by a rule
     record(label)
+
+
+# -- concurrency slots -----------------------------------------------------------------
+def span(label: str, seconds: float, **extra) -> None:
+    """A body that runs ``seconds``: its start and end (worker clock) are noted, for the
+    test to count how many ran at once."""
+    from celery import current_task
+
+    start = time.time()
+    time.sleep(seconds)
+    entry = {"label": label, "id": current_task.request.id, "t0": start, "t1": time.time(), "pid": os.getpid(),
+             "ppid": os.getppid(), **extra}
+    _records_client().rpush(f"{PREFIX}:spans", json.dumps(entry))
+
+
+def started(label: str, **extra) -> None:
+    """Note that a body started (before it runs long: a test may kill it)."""
+    entry = {"label": label, "t": time.time(), "pid": os.getpid(), "ppid": os.getppid(), **extra}
+    _records_client().rpush(f"{PREFIX}:began", json.dumps(entry))
+
+
+@app.task
+@throttle(concurrency=2, scope="export-api", key="{tenant}")
+def exporting(label, tenant, seconds=0.3):
+    span(label, seconds, tenant=tenant)
+
+
+@app.task
+@throttle("8/s", concurrency=2, key="{tenant}")
+def rated_slots(label, tenant, seconds=0.4):
+    span(label, seconds, tenant=tenant)
+
+
+@app.task(bind=True, max_retries=1, default_retry_delay=0.1, soft_time_limit=0.5)
+@throttle(concurrency=1, scope="endings")
+def ending(self, label, how):
+    """Ends as it is told; its one slot must be free again after each ending."""
+    from celery.exceptions import Ignore
+
+    started(label, how=how, retries=self.request.retries)
+    if how == "fail":
+        raise ValueError("as told")
+    if how == "ignore":
+        raise Ignore()
+    if how == "retry" and self.request.retries == 0:
+        raise self.retry()
+    if how == "soft":
+        time.sleep(2)  # SoftTimeLimitExceeded is raised in here
+
+
+@app.task
+@throttle(concurrency=1, scope="long-holder", key="{tenant}")
+def long_holder(label, tenant, seconds=60):
+    started(label, tenant=tenant)
+    time.sleep(seconds)

@@ -82,7 +82,7 @@ JSON_VALUES = st.recursive(
 def test_a_parked_message_reads_back_as_it_was_written(args: Any, kwargs: Any) -> None:
     from celery import Celery, signature
 
-    from celery_throttle.parking import decode_message, encode_message
+    from celery_throttle.messages import decode_message, encode_message
 
     app = Celery("roundtrip", set_as_current=False)
     sig = signature("proj.task", args=[args], kwargs={"value": kwargs}, app=app,

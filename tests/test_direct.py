@@ -172,7 +172,10 @@ def test_bad_rules_stop_the_worker_at_start() -> None:
         (("10/s",), {"cost": True}, "positive integer"),
         (("10/s",), {"cost": 11}, "can never fit"),
         (("10/s",), {"key": "{0}"}, "must name arguments"),
-        ((), {}, "at least one rate"),
+        ((), {}, "a rate, a concurrency, or both"),
+        ((), {"concurrency": 0}, "concurrency must be a positive integer"),
+        (("10/s",), {"concurrency": "4"}, "concurrency must be a positive integer"),
+        ((), {"concurrency": True}, "concurrency must be a positive integer"),
     ],
 )
 def test_wrong_use_fails_at_declaration(args: tuple, kwargs: dict, message: str) -> None:

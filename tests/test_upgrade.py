@@ -22,7 +22,8 @@ import redis
 
 from celery_throttle.keys import state_key
 from celery_throttle.limiter import Throttle
-from celery_throttle.parking import Releaser, decode_message
+from celery_throttle.messages import decode_message
+from celery_throttle.parking import Releaser
 from celery_throttle.protocol import HEADER, Code, Reservation, read_state
 from celery_throttle.spec import declared_spec
 from tests.fixtures.make_corpus import STREAMS, build_app, drained

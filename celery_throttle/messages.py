@@ -1,0 +1,38 @@
+"""Kept messages: a task's message as the store keeps it (parked, or waiting for a
+concurrency slot), and how it is sent to the broker again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kombu.serialization import dumps, loads, prepare_accept_content
+
+__all__ = ["decode_message", "encode_message", "resend"]
+
+
+def encode_message(app: Any, sig: Any) -> bytes:
+    """Serialize a signature with the app's task serializer."""
+    options = {k: v for k, v in sig.options.items() if k not in ("countdown", "eta")}
+    body = {"task": sig.task, "args": list(sig.args), "kwargs": dict(sig.kwargs), "options": options}
+    content_type, encoding, data = dumps(body, serializer=app.conf.task_serializer)
+    if isinstance(data, str):
+        data = data.encode(encoding if encoding != "binary" else "utf-8")
+    return content_type.encode() + b"\n" + encoding.encode() + b"\n" + data
+
+
+def decode_message(app: Any, message: bytes) -> dict[str, Any]:
+    """The body :func:`encode_message` wrote; ValueError for anything else (a foreign
+    writer, a truncated value), so that it is never sent on as a task."""
+    content_type, encoding, data = message.split(b"\n", 2)
+    body = loads(data, content_type.decode(), encoding.decode(), accept=prepare_accept_content(app.conf.accept_content))
+    if not (isinstance(body, dict) and isinstance(body.get("task"), str) and body["task"]
+            and isinstance(body.get("args"), list) and isinstance(body.get("kwargs"), dict)
+            and isinstance(body.get("options"), dict)):
+        raise ValueError(f"not a parked task: {str(body)[:80]!r}")
+    return body
+
+
+def resend(app: Any, message: bytes, countdown: float = 0.0) -> None:
+    """Send a kept message (:func:`encode_message`) to the broker, as its task again."""
+    body = decode_message(app, message)
+    app.signature(body).apply_async(countdown=countdown)

@@ -1,0 +1,218 @@
+"""Concurrency slots, the worker's side: at most K bodies of a scope and key run at once.
+
+A task with ``concurrency=K`` takes a slot before its rates are checked (slots.lua, by
+:class:`.slot_store.SlotStore`): the slot is its task id's, a lease this process renews
+while the body runs (a thread, every third of ``throttle_concurrency_lease``) and gives
+back when the body ends, however it ends. A task that finds every slot taken waits off
+the queue: its message is kept with the key's FIFO, and it is acked. The holder that
+gives a slot back hands it to the head of that FIFO in the same script, and sends the
+woken task's message to the broker: no polling, no herd, and a fresh arrival cannot take
+the slot first. A worker that dies holding slots stops renewing them: the next call on
+the key, or a worker's sweep (:meth:`Slots.sweep`, from the releaser thread), reclaims
+them once their lease has run out.
+
+Threads: the table of held slots is the process's, shared by a threads or gevent pool's
+threads, under a lock held for dict operations only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .config import Settings
+from .messages import resend
+from .metrics import Metrics
+from .protocol import SlotCode, SlotReply
+from .slot_store import SlotStore
+from .spec import BoundCall
+from .store import RedisStore
+
+__all__ = ["FULL_HINT_S", "RENEWALS_PER_LEASE", "Slots"]
+
+logger = logging.getLogger("celery_throttle")
+
+#: A lease is renewed this many times within its length: a renewal may be late by two
+#: thirds of a lease (a slow store, a stalled process) before the slot is lost.
+RENEWALS_PER_LEASE = 3
+#: For this long (seconds) after a key of this process was found full, a task of that key
+#: sends its message with its first try for a slot (one round trip, not two, for a task
+#: that will wait).
+FULL_HINT_S = 1.0
+#: How often (seconds, at most) one worker's sweep visits the keys with waiting tasks;
+#: a lock in the store makes it one worker per round, whatever the number of workers.
+SWEEP_EVERY_S = 5.0
+
+
+@dataclass(frozen=True)
+class Held:
+    """A slot this process holds: its state key and the key's limit."""
+
+    state_key: str
+    limit: int
+
+
+class Owner(Protocol):
+    """What the slots work with: the app, its settings, store and metrics."""
+
+    @property
+    def app(self) -> Any: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def store(self) -> RedisStore: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+
+class Slots:
+    """This process's concurrency slots, for one app."""
+
+    def __init__(self, ctl: Owner) -> None:
+        self.ctl = ctl
+        self._lock = threading.Lock()
+        self._held: dict[str, Held] = {}
+        self._full_at: dict[str, float] = {}
+        self._pid = os.getpid()
+        self._renewer: threading.Thread | None = None
+        self._store: SlotStore | None = None
+        self._swept_at = 0.0
+
+    @property
+    def store(self) -> SlotStore:
+        store = self._store
+        if store is None or store.store is not self.ctl.store:
+            store = self._store = SlotStore(self.ctl.store)
+        return store
+
+    @property
+    def lease_us(self) -> int:
+        return int(self.ctl.settings.concurrency_lease * 1_000_000)
+
+    def _forked(self) -> None:
+        """A child of a fork holds nothing of its parent's (and runs no renewer yet)."""
+        if os.getpid() != self._pid:
+            self._pid, self._held, self._renewer = os.getpid(), {}, None
+
+    # -- taking and giving back ---------------------------------------------------------------
+    def looks_full(self, call: BoundCall) -> bool:
+        """Whether this process found ``call``'s key full a moment ago (FULL_HINT_S)."""
+        return time.monotonic() - self._full_at.get(call.state_key, float("-inf")) < FULL_HINT_S
+
+    def take(self, call: BoundCall, holder: str, message: bytes = b"", first_wait_us: int = 0) -> SlotReply:
+        """Take a slot of ``call``'s key for ``holder``; with ``message``, queue it if none is
+        free. Tasks that a freed slot was handed to on the way are sent."""
+        self._forked()
+        store = self.store
+        reply = store.take(call.state_key, holder, call.concurrency, self.lease_us, message, first_wait_us)
+        if reply.code == SlotCode.TAKEN:
+            with self._lock:
+                self._held[holder] = Held(call.state_key, call.concurrency)
+            self._full_at.pop(call.state_key, None)
+            self._start_renewer()
+        else:
+            self._full_at[call.state_key] = time.monotonic()
+            if reply.code == SlotCode.QUEUED:
+                store.index(call.state_key, call.concurrency)
+        self.wake(reply)
+        return reply
+
+    def holds(self, holder: str) -> bool:
+        with self._lock:
+            return holder in self._held
+
+    def release(self, holder: str) -> SlotReply | None:
+        """Give back ``holder``'s slot if this process holds it, handing it to the next
+        task waiting (sent now). None if it held none."""
+        self._forked()
+        with self._lock:
+            held = self._held.pop(holder, None)
+        if held is None:
+            return None
+        reply = self.store.release(held.state_key, holder, held.limit, self.lease_us)
+        if reply.code == SlotCode.LOST:
+            self._lost(held.state_key, holder)
+        self.wake(reply)
+        return reply
+
+    def release_for(self, call: BoundCall, holder: str) -> None:
+        """Give back a slot held by ``holder`` in another process of this worker, one that
+        cannot (a pool process killed by a hard time limit, or terminated)."""
+        self.wake(self.store.release(call.state_key, holder, call.concurrency, self.lease_us))
+
+    def wake(self, reply: SlotReply) -> None:
+        """Send each task a slot was handed to back to the broker."""
+        for task_id, message in reply.woken:
+            if message is None:
+                logger.error("task %s waited for a concurrency slot, but its message is gone from the store "
+                             "(evicted, or deleted by hand): it cannot run", task_id)
+                self.ctl.metrics.lost()
+                continue
+            try:
+                resend(self.ctl.app, message)
+            except Exception:
+                logger.exception("could not send task %s, woken for a concurrency slot; it is woken again "
+                                 "when the slot's lease runs out", task_id)
+
+    def _lost(self, state_key: str, holder: str) -> None:
+        self.ctl.metrics.store_error("slot-lease-lost")
+        logger.warning("task %s ran past the lease of its concurrency slot (%s): the lease ran out (not renewed "
+                       "for %.0fs: a stalled process, or the store unreachable), and another task may have "
+                       "run beside it", holder, state_key, self.ctl.settings.concurrency_lease)
+
+    # -- renewing ---------------------------------------------------------------------------
+    def _start_renewer(self) -> None:
+        if self._renewer is not None and self._renewer.is_alive():
+            return
+        with self._lock:
+            if self._renewer is None or not self._renewer.is_alive():
+                self._renewer = threading.Thread(target=self._renew_forever, name="celery-throttle-slots",
+                                                 daemon=True)
+                self._renewer.start()
+
+    def _renew_forever(self) -> None:
+        while True:
+            time.sleep(self.ctl.settings.concurrency_lease / RENEWALS_PER_LEASE)
+            try:
+                self.renew()
+            except Exception as exc:  # noqa: BLE001 - never let the thread die: tried again next round
+                logger.warning("could not renew concurrency slots: %r", exc)
+
+    def renew(self) -> None:
+        """Extend the lease of every slot this process holds."""
+        with self._lock:
+            by_key: dict[str, list[str]] = {}
+            for holder, held in self._held.items():
+                by_key.setdefault(held.state_key, []).append(holder)
+        for state_key, holder in self.store.renew(by_key, self.lease_us):
+            self._lost(state_key, holder)
+
+    # -- the sweep --------------------------------------------------------------------------
+    def sweep(self) -> int:
+        """Reclaim leases that ran out on keys with waiting tasks (their worker died), and
+        wake the tasks the freed slots go to; one worker per SWEEP_EVERY_S. Returns how
+        many were woken."""
+        if time.monotonic() - self._swept_at < SWEEP_EVERY_S:
+            return 0
+        self._swept_at = time.monotonic()
+        store = self.store
+        if not store.lock_sweep(int(SWEEP_EVERY_S * 1000 * 0.8)):
+            return 0
+        woken = 0
+        for state_key, limit in store.indexed().items():
+            reply = store.sweep(state_key, limit, self.lease_us)
+            self.wake(reply)
+            woken += len(reply.woken)
+            if reply.waiting == 0:
+                store.unindex(state_key)
+                # (A task queued between the sweep and the unindex: index it again.)
+                if store.status(state_key)[1]:
+                    store.index(state_key, limit)
+        return woken

@@ -1,0 +1,209 @@
+"""Concurrency slots with real workers: at most K bodies of a key run at once in every pool,
+the slot is given back however a body ends, tasks waiting for one go first come first
+served when a holder ends (not by polling), a tenant's flood leaves the other tenants the
+workers, and a slot held by a worker that was SIGKILLed is reclaimed within its lease."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_throttle.keys import slot_keys, state_key
+from tests.conftest import _clean
+from tests.helpers import BROKER_URL, STORE_URL, WorkerGroup, delete_queues, new_label, wait_for
+
+#: Pool and concurrency of each of the two workers.
+POOLS = {"prefork": 4, "threads": 4, "gevent": 8}
+
+
+def spans(group: WorkerGroup, label: str) -> list[dict]:
+    raw = group.records.lrange(f"{group.prefix}:spans", 0, -1)
+    return [e for e in (json.loads(x) for x in raw) if e["label"] == label]
+
+
+def began(group: WorkerGroup, label: str) -> list[dict]:
+    raw = group.records.lrange(f"{group.prefix}:began", 0, -1)
+    return [e for e in (json.loads(x) for x in raw) if e["label"] == label]
+
+
+def most_at_once(entries: list[dict]) -> int:
+    """The most bodies that ran at the same time (a body that ends as another starts, at
+    the same instant, does not overlap it)."""
+    edges = sorted([(e["t0"], 1) for e in entries] + [(e["t1"], -1) for e in entries], key=lambda x: (x[0], x[1]))
+    running = most = 0
+    for _, step in edges:
+        running += step
+        most = max(most, running)
+    return most
+
+
+def wait_spans(group: WorkerGroup, label: str, count: int, timeout: float) -> list[dict]:
+    try:
+        wait_for(lambda: len(spans(group, label)) >= count, timeout, 0.1, f"{count} bodies of {label!r}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc} (have {len(spans(group, label))}); the workers' logs end with:\n"
+                             f"{group.log_text()[-4000:]}") from None
+    time.sleep(0.5)
+    return spans(group, label)
+
+
+def _group(pool: str, prefix: str, **kwargs) -> WorkerGroup:
+    env = {"CT_BROKER_MAX_CONNECTIONS": "64"} if pool == "gevent" else {}
+    env.update(kwargs.pop("env", {}))
+    return WorkerGroup(prefix=prefix, broker=BROKER_URL, store=STORE_URL, pool=pool, env=env, **kwargs)
+
+
+@pytest.fixture(scope="module", params=list(POOLS))
+def slot_workers(request: pytest.FixtureRequest, store_client: redis.Redis) -> Iterator[WorkerGroup]:
+    pool = request.param
+    if pool == "gevent" and importlib.util.find_spec("gevent") is None:
+        pytest.skip("gevent is not installed (pip install -e '.[test]')")
+    group = _group(pool, f"ct-test-slots-{pool}-{uuid.uuid4().hex[:8]}", count=2, concurrency=POOLS[pool])
+    try:
+        yield group.start()
+    finally:
+        group.stop()
+        _clean(store_client, group.prefix)
+        delete_queues(BROKER_URL, group.queues)
+
+
+def test_at_most_k_bodies_of_a_key_run_at_once_in_every_pool(slot_workers: WorkerGroup) -> None:
+    """2 workers with 4 (or 8) processes or threads each, 16 tasks of tenant a and 8 of b,
+    K=2 per tenant: never more than 2 of a tenant at once, and 2 they do run (the slots
+    are used), each task exactly once; the tasks of a queue wait off it, and when all
+    are done nothing is left held or waiting."""
+    group, label = slot_workers, new_label()
+    ids = [group.send("exporting", label, "a", 0.3) for _ in range(16)]
+    ids += [group.send("exporting", label, "b", 0.3) for _ in range(8)]
+    done = wait_spans(group, label, 24, timeout=60)
+    assert sorted(e["id"] for e in done) == sorted(ids)  # each ran, once
+    for tenant in ("a", "b"):
+        assert most_at_once([e for e in done if e["tenant"] == tenant]) == 2
+    client = group.records
+    for tenant in ("a", "b"):
+        holders, queue, messages = slot_keys(state_key(group.prefix, "export-api", tenant))
+        wait_for(lambda h=holders: client.zcard(h) == 0, 5, what="slots given back")
+        assert client.zcard(queue) == 0 and client.hlen(messages) == 0
+
+
+def test_tasks_waiting_for_a_slot_start_first_come_first_served(slot_workers: WorkerGroup) -> None:
+    """K=2, two long holders, then 6 tasks sent one by one: they start in the order they
+    came, each right after a holder ended (woken by it, not by a poll). (The holders end
+    0.15 s apart and each waiter runs 0.3 s, so that slots free one at a time: two woken
+    together would race each other through the broker.)"""
+    group, label = slot_workers, new_label()
+    tenant = f"fifo-{uuid.uuid4().hex[:6]}"
+    group.send("exporting", label, tenant, 1.0)
+    time.sleep(0.15)
+    group.send("exporting", label, tenant, 1.0)
+    wait_for(lambda: group.records.zcard(slot_keys(state_key(group.prefix, "export-api", tenant))[0]) == 2,
+             10, what="two holders")
+    order = []
+    for i in range(6):
+        order.append(group.send("exporting", label, tenant, 0.3))
+        time.sleep(0.05)  # (they reach the workers in this order)
+    done = wait_spans(group, label, 8, timeout=30)
+    waiting = sorted((e for e in done if e["id"] in order), key=lambda e: e["t0"])
+    assert [e["id"] for e in waiting] == order
+    assert most_at_once(done) == 2
+    # Each started within a moment of a slot freeing: no poll interval between them.
+    ends = sorted(e["t1"] for e in done)
+    for entry in waiting:
+        gap = min(entry["t0"] - t for t in ends if t <= entry["t0"] + 0.001)
+        assert gap < 0.5, f"started {gap:.2f}s after the last end before it"
+
+
+def test_a_slot_is_given_back_however_the_body_ends(group_with_lease: WorkerGroup) -> None:
+    """K=1: success, failure, Ignore, its own retry and a soft time limit, one after the
+    other; each next one starts at once (a slot not given back would hold it for the
+    whole lease, 30 s here)."""
+    group, label = group_with_lease(lease="30"), new_label()
+    hows = ["ok", "fail", "ignore", "retry", "soft", "ok"]
+    for how in hows:
+        group.send("ending", f"{label}-{how}", how)
+    wait_for(lambda: sum(len(began(group, f"{label}-{h}")) for h in set(hows)) >= len(hows) + 1, 20,
+             what="every ending (the retry twice)")
+    first = min(e["t"] for h in set(hows) for e in began(group, f"{label}-{h}"))
+    last = max(e["t"] for h in set(hows) for e in began(group, f"{label}-{h}"))
+    assert last - first < 10  # the soft limit takes 0.5 s, the retry 0.1 s: no lease waited out
+
+
+@pytest.fixture
+def group_with_lease(store_client: redis.Redis) -> Iterator:
+    groups: list[WorkerGroup] = []
+
+    def make(lease: str, count: int = 2, concurrency: int = 2, pool: str = "prefork") -> WorkerGroup:
+        group = _group(pool, f"ct-test-slots-{uuid.uuid4().hex[:8]}", count=count, concurrency=concurrency,
+                       env={"CT_SLOT_LEASE": lease})
+        groups.append(group)
+        return group.start()
+
+    yield make
+    for group in groups:
+        group.stop()
+        _clean(store_client, group.prefix)
+        delete_queues(BROKER_URL, group.queues)
+
+
+#: The lease the SIGKILL test runs with (s), and what reclaiming may take beyond it: the
+#: sweep's period (slots.SWEEP_EVERY_S) and a second of dispatch.
+KILL_LEASE_S = 3.0
+RECLAIM_SLACK_S = 5.0 + 1.0
+
+
+def test_a_slot_held_by_a_sigkilled_worker_is_reclaimed_within_its_lease(group_with_lease) -> None:
+    """A worker is SIGKILLed (with its pool) while its task holds the key's one slot; the
+    next task of the key, already waiting on the other worker, starts once the lease has
+    run out: within lease + sweep period, not never."""
+    group = group_with_lease(lease=str(KILL_LEASE_S), concurrency=1)
+    label, tenant = new_label(), f"kill-{uuid.uuid4().hex[:6]}"
+    group.send("long_holder", f"{label}-holder", tenant, 60)
+    holder = wait_for(lambda: began(group, f"{label}-holder"), 15, what="the holder's start")[0]
+    victim = next(i for i, proc in enumerate(group.procs) if proc and proc.pid == holder["ppid"])
+    group.send("long_holder", f"{label}-next", tenant, 0)  # waits for the slot on the other worker
+    time.sleep(1.0)
+    assert not began(group, f"{label}-next")
+    group.kill(victim)
+    killed_at = time.time()
+    nxt = wait_for(lambda: began(group, f"{label}-next"), KILL_LEASE_S + RECLAIM_SLACK_S + 10,
+                   what="the next task's start")[0]
+    assert nxt["t"] - killed_at <= KILL_LEASE_S + RECLAIM_SLACK_S
+    assert nxt["ppid"] != holder["ppid"]
+
+
+def test_a_flood_of_one_tenant_leaves_the_workers_to_the_others(group_with_lease) -> None:
+    """2 workers x 4 processes, K=2 per tenant: tenant a sends 60 tasks of 0.3 s, then b
+    sends 4. b's start at once (a's flood waits off the queue, holding 2 processes), and a
+    runs 2 at a time throughout."""
+    group = group_with_lease(lease="30", concurrency=4)
+    label = new_label()
+    for _ in range(60):
+        group.send("exporting", label, "a", 0.3)
+    time.sleep(0.5)
+    sent_b = time.time()
+    for _ in range(4):
+        group.send("exporting", label, "b", 0.3)
+    done = wait_spans(group, label, 64, timeout=60)
+    b_starts = sorted(e["t0"] - sent_b for e in done if e["tenant"] == "b")
+    assert b_starts[1] < 1.0, f"b's median start came {b_starts[1]:.2f}s after it was sent"
+    assert most_at_once([e for e in done if e["tenant"] == "a"]) == 2
+
+
+def test_rates_and_slots_both_hold(slot_workers: WorkerGroup) -> None:
+    """8/s and K=2 on one key: bodies of 0.4 s. Never more than 2 at once, never more than
+    8 starts in a second."""
+    from tests.helpers import max_in_window
+
+    group, label = slot_workers, new_label()
+    tenant = f"both-{uuid.uuid4().hex[:6]}"
+    for _ in range(12):
+        group.send("rated_slots", label, tenant, 0.4)
+    done = wait_spans(group, label, 12, timeout=60)
+    assert most_at_once(done) == 2
+    assert max_in_window([e["t0"] for e in done], 1.0) <= 8
