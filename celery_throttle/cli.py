@@ -57,7 +57,7 @@ def throttle() -> None:
 @click.pass_context
 def status(ctx: click.Context, scope: str | None, key: str | None, match: str, key_match: str | None, limit: int,
            as_json: bool) -> None:
-    """Show usage per rate, pauses and live limits, consuming nothing.
+    """Show usage per rate, concurrency slots, pauses and live limits, consuming nothing.
 
     Without SCOPE: every scope and key Redis holds a window, a pause or a live limit for
     (found by SCAN), and the parked tasks. Times are local, with their zone.
@@ -69,7 +69,7 @@ def status(ctx: click.Context, scope: str | None, key: str | None, match: str, k
         found, more = found_keys  # the scope's own row and every key of it
     else:
         found, more = [ctl.status(scope, key=key)], False
-        if not found[0].rates and found[0].paused_until is None and not found[0].live_limit:
+        if _empty(found[0]):
             known = ctl.known_scopes()
             if scope not in known and not as_json:
                 listed = ", ".join(known[:20]) + (", ..." if len(known) > 20 else "") or "none"
@@ -80,15 +80,28 @@ def status(ctx: click.Context, scope: str | None, key: str | None, match: str, k
         click.echo(json.dumps({"keys": [_as_dict(s) for s in found], "more": more,
                                "parked": dict(zip(("waiting", "in_flight", "dead"), parked))}, indent=2))
         return
-    if scope is not None and not found[0].rates and found[0].paused_until is None and not found[0].live_limit:
+    if scope is not None and _empty(found[0]):
         click.echo(f"{_target(scope, key)}: nothing counted")
         return
     _table(found, more, parked, scope is None)
 
 
+def _empty(status: Any) -> bool:
+    """Nothing counted, paused, limited, running or waiting."""
+    return not (status.rates or status.paused_until is not None or status.live_limit or status.running
+                or status.waiting)
+
+
 def _target(scope: str, key: str | None) -> str:
     """A scope and key as the CLI names them (quoted: user data, printed as it is)."""
     return f"scope {scope!r}" + ("" if key is None else f" key {key!r}")
+
+
+def _slots(status: Any) -> str:
+    """The slots cell of a row: "2/4 +10" (held of the limit, and tasks waiting)."""
+    if not (status.concurrency or status.running or status.waiting):
+        return ""
+    return f"{status.running}/{status.concurrency or '?'}" + (f" +{status.waiting}" if status.waiting else "")
 
 
 def _as_dict(status: Any) -> dict[str, Any]:
@@ -98,6 +111,7 @@ def _as_dict(status: Any) -> dict[str, Any]:
             "until resumed" if status.paused_until == float("inf") else _iso(status.paused_until)),
         "live_limit": [str(r) for r in status.live_limit] if status.live_limit else None,
         "held_at_publish": status.held_at_publish,
+        "running": status.running, "waiting": status.waiting, "concurrency": status.concurrency,
         "rates": [{"rate": str(r.rate), "algorithm": r.algorithm, "used": r.used, "remaining": r.remaining,
                    "reset_at": _iso(r.reset_at)} for r in status.rates],
     }
@@ -110,10 +124,14 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
 
     zone = dt.datetime.now().astimezone().strftime("%Z")
     table = Table(box=None, pad_edge=False, header_style="bold")
-    held = any(s.held_at_publish for s in found)  # (a column only when it says something: 80 columns)
+    # (Columns only when they say something: 80 columns.)
+    held = any(s.held_at_publish for s in found)
+    slots = any(s.concurrency or s.running or s.waiting for s in found)
+    shown = {"held": held, "slots": slots}
     for name, justify in (("scope", "left"), ("key", "left"), ("rate", "right"), ("used", "right"),
-                          ("left", "right"), (f"resets ({zone})", "right"), ("held", "right"), ("paused until", "left")):
-        if name != "held" or held:
+                          ("left", "right"), (f"resets ({zone})", "right"), ("held", "right"), ("slots", "right"),
+                          ("paused until", "left")):
+        if shown.get(name, True):
             table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for s in found:
         paused = "" if s.paused_until is None else (
@@ -128,7 +146,7 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
             # Scopes and keys are user data: Text, never read as rich markup ("[red]acme").
             table.add_row(Text(s.scope) if first else "", Text("-" if s.key is None else s.key) if first else "",
                           rate, used, left, resets, *([str(s.held_at_publish or "") if first else ""] if held else []),
-                          paused if first else "")
+                          *([_slots(s) if first else ""] if slots else []), paused if first else "")
     console = Console(width=None if Console().is_terminal else 80, soft_wrap=False)
     if found:
         console.print(table)
@@ -138,6 +156,8 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
         click.echo("... more not shown (narrow with --match, or raise --limit)")
     if held:
         click.echo("held: tasks held back at publish (by the window or a pause), lately")
+    if slots:
+        click.echo("slots: concurrency slots held (bodies running) of the limit, +tasks waiting for one")
     if listing:
         click.echo(f"parked: {parked[0]} waiting, {parked[1]} being released, {parked[2]} dead")
 
@@ -231,6 +251,7 @@ def why(ctx: click.Context, task_id: str, timeout: float, as_json: bool) -> None
 
 _WHERE = {
     "parked": "parked in the store, due {until}",
+    "slot": "waiting in the store for a concurrency slot",
     "releasing": "being sent back from the store (taken at {until})",
     "dead": "a dead letter since {until}: it could not be sent back (throttle parked --dead)",
     "delayed": "parked in the broker's delay queues, due in its queue at {until}",
@@ -249,6 +270,11 @@ def _whereabouts_lines(found: Any) -> list[str]:
                 "or unknown)")]
     until = "?" if found.until is None else f"{_when(found.until)} ({_from_now(found.until)})"
     lines = [f"{head}: {_WHERE[found.where].format(until=until, worker=found.worker)}"]
+    if found.where == "slot":
+        lines.append(f"{_target(found.scope or '?', found.key)}: place {found.place} of {found.waiting} waiting")
+        lines.append(f"held by: its concurrency limit ({found.running} of {found.concurrency or '?'} slots held); "
+                     "the next slot to free is handed to the task at the head of the queue")
+        return lines
     if found.scope is not None:
         start = "" if found.start is None else f": reserved start {_when(found.start)} ({_from_now(found.start)})"
         lines.append(f"{_target(found.scope, found.key)}{start}")
@@ -272,6 +298,8 @@ def _whereabouts_dict(found: Any) -> dict[str, Any]:
             "until resumed" if found.paused_until == float("inf") else _iso(found.paused_until)),
         "fullest_rate": None if r is None else {"rate": str(r.rate), "used": r.used, "remaining": r.remaining,
                                                 "reset_at": _iso(r.reset_at)},
+        "slot": None if found.where != "slot" else {"place": found.place, "waiting": found.waiting,
+                                                    "running": found.running, "concurrency": found.concurrency},
     }
 
 

@@ -17,9 +17,28 @@ from urllib.parse import quote, unquote
 
 from .errors import ConfigurationError
 
-__all__ = ["MAX_TOKEN", "PARKED_TAG_END", "broker_index_keys", "control_key", "dead_letter_keys", "decode", "encode", "glob_escape",
-           "held_count_key", "parked_patterns", "parking_keys", "scan_pattern", "slot_index_key", "slot_keys", "state_key", "state_of", "state_tag",
-           "target_matches", "wake_key"]
+__all__ = [
+    "MAX_TOKEN",
+    "PARKED_TAG_END",
+    "broker_index_keys",
+    "control_key",
+    "dead_letter_keys",
+    "decode",
+    "encode",
+    "glob_escape",
+    "held_count_key",
+    "parked_patterns",
+    "parking_keys",
+    "scan_pattern",
+    "slot_index_key",
+    "slot_keys",
+    "state_key",
+    "state_of",
+    "state_tag",
+    "target_matches",
+    "target_of",
+    "wake_key",
+]
 
 # Characters kept as they are; everything else is percent-encoded (":" "{" "}" "%" "#"
 # included), which makes the encoding injective and leaves ":" free as a separator.
@@ -95,9 +114,23 @@ def dead_letter_keys(prefix: str) -> tuple[str, str]:
 
 
 def scan_pattern(prefix: str) -> str:
-    """A SCAN MATCH pattern for every state hash under ``prefix`` (and a few other keys
-    that :func:`state_of` turns away)."""
-    return f"{glob_escape(prefix)}:{{*}}"
+    """A SCAN MATCH pattern for every state hash and concurrency slots' set under
+    ``prefix`` (and a few other keys that :func:`target_of` turns away)."""
+    return f"{glob_escape(prefix)}:{{*"
+
+
+#: The names of a state hash's companion keys that mean a scope and key exist: its slots'
+#: holders and queue (:func:`slot_keys`).
+_SLOT_SUFFIXES = (":slots", ":queue")
+
+
+def target_of(prefix: str, redis_key: str) -> tuple[str, str | None] | None:
+    """(scope, key) of a state hash, or of its slots' holders or queue; None for any
+    other key."""
+    for suffix in _SLOT_SUFFIXES:
+        if redis_key.endswith("}" + suffix):
+            return state_of(prefix, redis_key[: -len(suffix)])
+    return state_of(prefix, redis_key)
 
 
 def glob_escape(text: str) -> str:

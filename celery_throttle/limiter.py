@@ -17,7 +17,7 @@ from .config import ALGORITHMS, Settings, require_redis_url
 from .controls import FOREVER_US, control_target, limit_field, parse_controls, pause_field
 from .errors import ConfigurationError
 from .hints import Hints
-from .keys import parked_patterns, scan_pattern, state_key, state_of, target_matches
+from .keys import parked_patterns, scan_pattern, state_key, target_matches, target_of
 from .metrics import Metrics
 from .parking_store import ParkingStore
 from .protocol import ALGORITHM_TAGS, WindowCall, WindowReply
@@ -70,6 +70,11 @@ class Status:
     #: Tasks held back at publish (by the window or a pause), counted until a day passes
     #: without one (``ScriptPolicy.held_count_ttl_ms``).
     held_at_publish: int = 0
+    #: Concurrency slots held now (bodies that run), and tasks waiting for one.
+    running: int = 0
+    waiting: int = 0
+    #: The concurrency limit this app's tasks declare for the scope, or None.
+    concurrency: int | None = None
 
     @property
     def remaining(self) -> int | None:
@@ -211,7 +216,7 @@ class Throttle:
         pauses, limits = parse_controls(self.store.controls())
         found: dict[tuple[str, str | None], None] = {}
         more = False
-        named = (state_of(prefix, name) for name in self.store.scan(scan_pattern(prefix)))
+        named = (target_of(prefix, name) for name in self.store.scan(scan_pattern(prefix)))
         controlled = (control_target(field) for field in (*pauses, *limits))
         for target in itertools.chain(controlled, named):
             if (target is None or target in found or not target_matches(*target, match, key_match)
@@ -272,8 +277,10 @@ class Throttle:
             used = rate.limit - reply.remaining
             reset_at = (reply.clear_at_us or reply.now_us) / 1e6
             out.append(RateStatus(rate, algorithm, used, reply.remaining, reset_at))
+        running, waiting = self.slots.store.status(hash_key)
+        slot_limits = [spec.concurrency for known, spec in self._known_specs() if known == scope and spec.concurrency]
         return Status(scope, key, tuple(out), self._paused_until(pauses, scope, key), live_rates or None,
-                      self.store.held_count(hash_key))
+                      self.store.held_count(hash_key), running, waiting, max(slot_limits, default=None))
 
     def pause(self, scope: str, key: str | None = None, seconds: float | None = None) -> float:
         """Start nothing of ``scope`` (or of its ``key``) for ``seconds`` (None: until

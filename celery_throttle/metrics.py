@@ -37,7 +37,7 @@ _instruments: dict[str, Any] = {}
 _instruments_lock = threading.Lock()
 
 
-def _instrument(kind: str, name: str, documentation: str, labels: tuple[str, ...]) -> Any:
+def _instrument(kind: str, name: str, documentation: str, labels: tuple[str, ...], **options: Any) -> Any:
     """One instrument per name and label set in this process (the default registry
     refuses a second one of the same name)."""
     ident = f"{name}:{','.join(labels)}"
@@ -45,7 +45,7 @@ def _instrument(kind: str, name: str, documentation: str, labels: tuple[str, ...
         if ident not in _instruments:
             cls = getattr(prometheus_client, kind)
             try:
-                _instruments[ident] = cls(name, documentation, labels) if labels else cls(name, documentation)
+                _instruments[ident] = cls(name, documentation, labels, **options)
             except ValueError:  # registered by another app of this process with other labels
                 _instruments[ident] = None
         return _instruments[ident]
@@ -75,6 +75,11 @@ class Metrics:
                                      "Parked tasks found due with their message gone from the store", ())
             self._waiting = _instrument("Gauge", "celery_throttle_parked_waiting",
                                         "Tasks parked in Redis, waiting for their start", ())
+            # (Each process counts the slots it holds; with prefork's multiprocess mode the
+            # live processes' values are summed: the slots held on this host.)
+            self._running = _instrument("Gauge", "celery_throttle_slots_running",
+                                        "Concurrency slots held by bodies that run", labels,
+                                        multiprocess_mode="livesum")
         self._lock = threading.Lock()
         self._denials: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0, 0.0, 0])
         self._summary_at = time.monotonic()
@@ -117,6 +122,11 @@ class Metrics:
                     logger.exception("could not write the throttle summary")
 
         threading.Thread(target=loop, name="celery-throttle-summary", daemon=True).start()
+
+    def running(self, scope: str, key: str | None, change: int) -> None:
+        """A body took (1) or gave back (-1) a concurrency slot."""
+        if self.enabled and self._running is not None:
+            self._running.labels(*self._labels(scope, key)).inc(change)
 
     def lost(self, count: int = 1) -> None:
         if self.enabled and self._lost is not None:

@@ -133,6 +133,8 @@ class SlotCode(IntEnum):
     FULL = 2
     #: No slot free: the task is queued, its message kept, until a slot is handed to it.
     QUEUED = 3
+    #: At publish (enqueue): a slot is free and nobody waits; send the task.
+    FREE = 4
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -42,15 +43,16 @@ from .errors import StoreError, ThrottleError
 from .hints import Hints
 from .internals import registered_task
 from .keys import state_tag
+from .messages import encode_message
 from .parking import park
-from .protocol import HEADER, Code, header_value
+from .protocol import HEADER, Code, SlotCode, header_value
 from .spec import BoundCall, ThrottleSpec, declared_spec
 from .timing import PUBLISH_HINT_MAX, STORE_ERROR_PAUSE, shortest_us
 
 if TYPE_CHECKING:
     from .limiter import Throttle
 
-__all__ = ["Deferral", "Known", "admit", "throttle_of", "wrap_send_task"]
+__all__ = ["Deferral", "Known", "admit", "queue_for_slot", "throttle_of", "wrap_send_task"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -92,6 +94,9 @@ def wrap_send_task(ctl: Throttle) -> None:
         return
 
     def send_task(name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        queued = queue_for_slot(ctl, name, args, kwargs, options)
+        if queued is not None:
+            return queued
         deferral = admit(ctl, name, args, kwargs, options)
         if deferral is None:
             return send(name, args, kwargs, **options)
@@ -106,11 +111,7 @@ def wrap_send_task(ctl: Throttle) -> None:
             signals.task_throttled.send(sender=deferral.task, request=request, delay=deferral.delay,
                                         scope=call.scope, key=call.key, parked=deferral.park, reason="rate")
         if deferral.park and _park(ctl, name, deferral, args, kwargs, dict(options, task_id=task_id)):
-            result = (options.get("result_cls") or app.AsyncResult)(task_id)
-            parent = app.current_worker_task
-            if parent is not None and options.get("add_to_parent", True):
-                parent.add_trail(result)  # (as send_task does)
-            return result
+            return _result(app, task_id, options)
         return send(name, args, kwargs, task_id=task_id, countdown=deferral.delay or None, **options)
 
     send_task._throttle_admits = True  # type: ignore[attr-defined]
@@ -204,16 +205,78 @@ def admit(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Mapping[str
                     known.task if known.task is not None else name, held)
 
 
-def _park(ctl: Throttle, name: str, deferral: Deferral, args: Any, kwargs: Any,
-          options: Mapping[str, Any]) -> bool:
-    """Park a task whose wait is long instead of sending it; False if that failed (it is
-    then sent with its countdown, like any short wait)."""
-    app = ctl.app
+def _result(app: Any, task_id: str, options: Mapping[str, Any]) -> Any:
+    """The result of a task kept instead of sent, as ``send_task`` would return it."""
+    result = (options.get("result_cls") or app.AsyncResult)(task_id)
+    parent = app.current_worker_task
+    if parent is not None and options.get("add_to_parent", True):
+        parent.add_trail(result)  # (as send_task does)
+    return result
+
+
+def _kept_options(app: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of a send that its message keeps (parked, or queued for a slot)."""
     kept = {k: v for k, v in options.items() if k not in _SEND_ONLY and v is not None}
     parent = app.current_worker_task
     if parent is not None:  # what send_task would have set for a task sent from a task
         kept.setdefault("parent_id", parent.request.id)
         kept.setdefault("root_id", parent.request.root_id or parent.request.id)
+    return kept
+
+
+def queue_for_slot(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Mapping[str, Any]) -> Any:
+    """A task with a concurrency limit whose key has every slot taken (or tasks waiting)
+    is not sent: it is kept with the key's queue, as a worker would keep it, and sent when
+    a slot is handed to it. Returns its result then; None: send it (and check its rates)."""
+    headers = options.get("headers") or {}
+    if (options.get("countdown") is not None or options.get("eta") is not None
+            or not isinstance(headers, Mapping) or HEADER in headers or _breaker.open):
+        return None
+    settings, app = ctl.settings, ctl.app
+    if not (settings.enabled and settings.check_at_publish):
+        return None
+    slots = ctl.slots
+    try:
+        known = throttle_of(ctl, name, options.get("task_type"))
+        if known is None or not known.spec.concurrency:
+            return None
+        call = ctl.checker.bind_spec(name, known.spec, known.signature, args, kwargs, quick=True)
+        if slots.seen_free(call):
+            return None
+        task_id = options.get("task_id") or uuid()
+        state = {"w": int(time.time() * 1_000_000), "n": 1}
+
+        def message() -> bytes:
+            kept = _kept_options(app, options)
+            kept.update(task_id=task_id, headers={**headers, HEADER: header_value(state)})
+            return encode_message(app, app.signature(name, args, kwargs, **kept))
+
+        reply = slots.enqueue(call, task_id, message() if slots.looks_full(call) else b"")
+        if reply.code == SlotCode.FULL:
+            reply = slots.enqueue(call, task_id, message())
+    except StoreError as exc:
+        ctl.metrics.store_error("producer")
+        _breaker.trip()
+        logger.warning("throttle store unreachable at publish: tasks are sent unchecked for %.0fs "
+                       "(the workers check them): %s", STORE_ERROR_PAUSE, exc)
+        return None
+    except (ThrottleError, EncodeError, TypeError, ValueError):
+        return None  # bad arguments or an unserializable option: the worker's check reports it
+    if reply.code != SlotCode.QUEUED:
+        return None
+    ctl.metrics.denied(call.scope, call.key, 0.0, True)
+    request = Context(id=task_id, task=name, args=args, kwargs=kwargs, headers={HEADER: header_value(state)})
+    signals.task_throttled.send(sender=known.task if known.task is not None else name, request=request, delay=None,
+                                scope=call.scope, key=call.key, parked=True, reason="concurrency")
+    return _result(app, task_id, options)
+
+
+def _park(ctl: Throttle, name: str, deferral: Deferral, args: Any, kwargs: Any,
+          options: Mapping[str, Any]) -> bool:
+    """Park a task whose wait is long instead of sending it; False if that failed (it is
+    then sent with its countdown, like any short wait)."""
+    app = ctl.app
+    kept = _kept_options(app, options)
     try:
         park(ctl, app.signature(name, args, kwargs, **kept), due_us=deferral.now_us + int(deferral.delay * 1e6),
              tag=state_tag(deferral.call.scope, deferral.call.key) if deferral.held else None, now_us=deferral.now_us)

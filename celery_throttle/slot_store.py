@@ -50,6 +50,11 @@ class SlotStore:
         way go to the tasks ahead of it (``woken``)."""
         return self._run(state_key, "take", limit, lease_us, holder, message, str(first_wait_us))
 
+    def enqueue(self, state_key: str, task_id: str, limit: int, lease_us: int, message: bytes = b"") -> SlotReply:
+        """At publish: ``FREE`` if a slot is free and no task waits (nothing written: send
+        it); else ``FULL`` (``message`` not given) or ``QUEUED`` with ``message``."""
+        return self._run(state_key, "enqueue", limit, lease_us, task_id, message, "0")
+
     def release(self, state_key: str, holder: str, limit: int, lease_us: int) -> SlotReply:
         """Give ``holder``'s slot back (``LOST``: its lease had run out) and hand every
         free slot to the head of the queue (``woken``)."""
@@ -74,6 +79,22 @@ class SlotStore:
         """(slots held, tasks waiting) now."""
         reply = self._run(state_key, "peek", 0, 0, "")
         return reply.running, reply.waiting
+
+    def find(self, task_id: str) -> tuple[str, int, bytes | None] | None:
+        """(state key, place in its queue from 1, message) of a task waiting for a slot,
+        among the indexed keys (those with tasks waiting), or None."""
+        keys = list(self.indexed())
+        if not keys:
+            return None
+        with self.store.errors():
+            pipe = self.store.client.pipeline(transaction=False)
+            for state_key in keys:
+                pipe.zrank(slot_keys(state_key)[1], task_id)
+            ranks = pipe.execute()
+            for state_key, rank in zip(keys, ranks, strict=True):
+                if rank is not None:
+                    return state_key, int(rank) + 1, self.store.client.hget(slot_keys(state_key)[2], task_id)
+        return None
 
     # -- the index of keys with waiting tasks ---------------------------------------------
     def index(self, state_key: str, limit: int) -> None:

@@ -43,6 +43,11 @@ RENEWALS_PER_LEASE = 3
 #: sends its message with its first try for a slot (one round trip, not two, for a task
 #: that will wait).
 FULL_HINT_S = 1.0
+#: For this long (seconds) after a producer found a key with a slot free and nobody
+#: waiting, it sends that key's tasks unchecked: a producer of many tasks a second to a key
+#: far under its limit checks it at most 1/FREE_HINT_S times a second (the workers' own
+#: take counts every start anyway), and a flood is caught within this long.
+FREE_HINT_S = 0.1
 #: How often (seconds, at most) one worker's sweep visits the keys with waiting tasks;
 #: a lock in the store makes it one worker per round, whatever the number of workers.
 SWEEP_EVERY_S = 5.0
@@ -50,10 +55,12 @@ SWEEP_EVERY_S = 5.0
 
 @dataclass(frozen=True)
 class Held:
-    """A slot this process holds: its state key and the key's limit."""
+    """A slot this process holds: its state key, the key's limit, its scope and key."""
 
     state_key: str
     limit: int
+    scope: str
+    key: str | None
 
 
 class Owner(Protocol):
@@ -80,6 +87,7 @@ class Slots:
         self._lock = threading.Lock()
         self._held: dict[str, Held] = {}
         self._full_at: dict[str, float] = {}
+        self._free_at: dict[str, float] = {}
         self._pid = os.getpid()
         self._renewer: threading.Thread | None = None
         self._store: SlotStore | None = None
@@ -114,10 +122,32 @@ class Slots:
         reply = store.take(call.state_key, holder, call.concurrency, self.lease_us, message, first_wait_us)
         if reply.code == SlotCode.TAKEN:
             with self._lock:
-                self._held[holder] = Held(call.state_key, call.concurrency)
+                self._held[holder] = Held(call.state_key, call.concurrency, call.scope, call.key)
+            self.ctl.metrics.running(call.scope, call.key, 1)
             self._full_at.pop(call.state_key, None)
             self._start_renewer()
         else:
+            self._full_at[call.state_key] = time.monotonic()
+            if reply.code == SlotCode.QUEUED:
+                store.index(call.state_key, call.concurrency)
+        self.wake(reply)
+        return reply
+
+    def seen_free(self, call: BoundCall) -> bool:
+        """Whether this process found ``call``'s key free a moment ago (FREE_HINT_S)."""
+        return time.monotonic() - self._free_at.get(call.state_key, float("-inf")) < FREE_HINT_S
+
+    def enqueue(self, call: BoundCall, task_id: str, message: bytes = b"") -> SlotReply:
+        """At publish: ``FREE`` (send the task), else ``FULL`` or, with ``message``,
+        ``QUEUED`` (kept with the key's queue: not sent). Tasks that a freed slot was
+        handed to on the way are sent."""
+        store = self.store
+        reply = store.enqueue(call.state_key, task_id, call.concurrency, self.lease_us, message)
+        if reply.code == SlotCode.FREE:
+            self._free_at[call.state_key] = time.monotonic()
+            self._full_at.pop(call.state_key, None)
+        else:
+            self._free_at.pop(call.state_key, None)
             self._full_at[call.state_key] = time.monotonic()
             if reply.code == SlotCode.QUEUED:
                 store.index(call.state_key, call.concurrency)
@@ -136,6 +166,7 @@ class Slots:
             held = self._held.pop(holder, None)
         if held is None:
             return None
+        self.ctl.metrics.running(held.scope, held.key, -1)
         reply = self.store.release(held.state_key, holder, held.limit, self.lease_us)
         if reply.code == SlotCode.LOST:
             self._lost(held.state_key, holder)

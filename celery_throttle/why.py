@@ -38,8 +38,9 @@ class Whereabouts:
     """Where a task waits (``where``), and what is known of why."""
 
     task_id: str
-    #: ``parked`` | ``releasing`` | ``dead`` (the store), ``delayed`` | ``held`` (parked in
-    #: the broker), ``countdown`` | ``received`` | ``running`` (a worker), or ``unknown``.
+    #: ``parked`` | ``releasing`` | ``dead`` (the store), ``slot`` (waiting for a
+    #: concurrency slot, in the store), ``delayed`` | ``held`` (parked in the broker),
+    #: ``countdown`` | ``received`` | ``running`` (a worker), or ``unknown``.
     where: str
     name: str | None = None
     scope: str | None = None
@@ -58,6 +59,12 @@ class Whereabouts:
     fullest: RateStatus | None = None
     #: Workers that answered (for a task no store or worker holds).
     workers_asked: int = 0
+    #: Waiting for a concurrency slot (``where`` is ``slot``): its place in the key's
+    #: queue (1: next), the tasks waiting, the slots held and the limit.
+    place: int | None = None
+    waiting: int | None = None
+    running: int | None = None
+    concurrency: int | None = None
 
 
 def parked_call(ctl: Throttle, message: bytes | None) -> tuple[str, dict[str, Any]]:
@@ -79,6 +86,16 @@ def explain(ctl: Throttle, task_id: str, timeout: float = REPLY_TIMEOUT) -> Wher
                           held_by_pause=PARKED_TAG_END in parked_id)
         if message is None:
             out.name = "<message gone>"
+    elif (queued := ctl.slots.store.find(task_id)) is not None:
+        state_key, place, message = queued
+        name, state = parked_call(ctl, message)
+        out = Whereabouts(task_id, "slot", name, place=place)
+        named = state_of(ctl.settings.key_prefix, state_key)
+        if named is not None:
+            out.scope, out.key = named
+            status = ctl.status(*named)
+            out.running, out.waiting, out.concurrency = status.running, status.waiting, status.concurrency
+        return out
     elif (noted := ctl.parking.find_in_broker(task_id)) is not None:
         due_us, info = noted
         entry = json.loads(info)

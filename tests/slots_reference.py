@@ -1,5 +1,5 @@
 """A pure-Python reference model of ``celery_throttle/lua/slots.lua``: the concurrency
-slots of one key, operation by operation (take, release, renew, sweep, peek), with the
+slots of one key, operation by operation (take, enqueue, release, renew, sweep, peek), with the
 same state (holders by lease end, the FIFO queue by first wait, the waiting messages)
 and the same reply. ``tests/test_slots_model.py`` runs the real script against it.
 
@@ -89,6 +89,18 @@ class SlotsModel:
             return self._reply(SlotCode.FULL, now, woken)
         self.queue.setdefault(holder, first_wait if first_wait > 0 else now)
         self.messages[holder] = message
+        return self._reply(SlotCode.QUEUED, now, woken)
+
+    def enqueue(self, now: int, limit: int, lease: int, task: str, message: bytes = b"") -> SlotsModelReply:
+        self._reclaim(now)
+        woken: list[tuple[str, bytes | None]] = []
+        self._hand_over(now, limit, lease, woken, None)
+        if len(self.holders) < limit and not self.queue:
+            return self._reply(SlotCode.FREE, now, woken)
+        if not message:
+            return self._reply(SlotCode.FULL, now, woken)
+        self.queue.setdefault(task, now)
+        self.messages[task] = message
         return self._reply(SlotCode.QUEUED, now, woken)
 
     def release(self, now: int, limit: int, lease: int, holder: str) -> SlotsModelReply:

@@ -353,7 +353,10 @@ def span(label: str, seconds: float, **extra) -> None:
 
 def started(label: str, **extra) -> None:
     """Note that a body started (before it runs long: a test may kill it)."""
-    entry = {"label": label, "t": time.time(), "pid": os.getpid(), "ppid": os.getppid(), **extra}
+    from celery import current_task
+
+    entry = {"label": label, "id": current_task.request.id, "t": time.time(), "pid": os.getpid(),
+             "ppid": os.getppid(), **extra}
     _records_client().rpush(f"{PREFIX}:began", json.dumps(entry))
 
 

@@ -207,3 +207,54 @@ def test_rates_and_slots_both_hold(slot_workers: WorkerGroup) -> None:
     done = wait_spans(group, label, 12, timeout=60)
     assert most_at_once(done) == 2
     assert max_in_window([e["t0"] for e in done], 1.0) <= 8
+
+
+def test_status_cli_and_why_show_the_slots(group_with_lease) -> None:
+    """One holder of a K=1 key and three tasks waiting: the controller's status, the CLI's
+    table and JSON, and ``why`` for the last one say so."""
+    import celery_throttle
+    from tests.helpers import run_cli
+
+    group = group_with_lease(lease="30")
+    label, tenant = new_label(), f"ops-{uuid.uuid4().hex[:6]}"
+    group.send("long_holder", f"{label}-holder", tenant, 4)
+    wait_for(lambda: began(group, f"{label}-holder"), 15, what="the holder's start")
+    waiting = [group.send("long_holder", f"{label}-w", tenant, 0) for _ in range(3)]
+    _, queue, _ = slot_keys(state_key(group.prefix, "long-holder", tenant))
+    wait_for(lambda: group.records.zcard(queue) == 3, 10, what="three tasks waiting")
+    ctl = celery_throttle.Throttle(group.client, {"redis_url": STORE_URL, "key_prefix": group.prefix})
+    status = ctl.status("long-holder", tenant)
+    assert (status.running, status.waiting) == (1, 3)
+    table = run_cli(group, "status", "long-holder")
+    assert table.returncode == 0, table.stderr
+    row = next(line for line in table.stdout.splitlines() if tenant in line)
+    assert row.split()[-2:] == ["1/1", "+3"], table.stdout
+    as_json = json.loads(run_cli(group, "status", "long-holder", "--key", tenant, "--json").stdout)
+    assert (as_json["keys"][0]["running"], as_json["keys"][0]["waiting"]) == (1, 3)
+    why = run_cli(group, "why", waiting[-1])
+    assert why.returncode == 0, why.stderr
+    place = group.records.zrank(queue, waiting[-1]) + 1  # (two workers queued the three: in either order)
+    assert "waiting in the store for a concurrency slot" in why.stdout, why.stdout
+    assert f"place {place} of 3 waiting" in why.stdout, why.stdout
+    wait_for(lambda: len(began(group, f"{label}-w")) == 3, 20, what="the three waiting tasks' starts")
+
+
+def test_a_producer_keeps_tasks_that_would_wait_for_a_slot_out_of_the_queue(group_with_lease) -> None:
+    """A producer process (imports the tasks module, sends with .delay(), never finalizes
+    the app) sends 5 tasks of a key whose one slot is held: they are kept with the key's
+    queue at publish (the broker never sees them), then run one at a time, in the order
+    they were sent, each once."""
+    group = group_with_lease(lease="30")
+    label, tenant = new_label(), f"pub-{uuid.uuid4().hex[:6]}"
+    group.send("long_holder", f"{label}-holder", tenant, 3)
+    wait_for(lambda: began(group, f"{label}-holder"), 15, what="the holder's start")
+    out = group.produce({"how": "delay", "task": "long_holder", "args": [f"{label}-w", tenant, 0.2], "count": 5})
+    sent = out["sent"][0]
+    assert [d["id"] for d in out["denials"]] == sent  # each kept at publish
+    assert not out["finalized"]
+    _, queue, _ = slot_keys(state_key(group.prefix, "long-holder", tenant))
+    assert [m.decode() for m in group.records.zrange(queue, 0, -1)] == sent
+    wait_for(lambda: len(began(group, f"{label}-w")) == 5, 20, what="the five tasks' starts")
+    time.sleep(0.5)
+    ran = sorted(began(group, f"{label}-w"), key=lambda e: e["t"])
+    assert [e["id"] for e in ran] == sent

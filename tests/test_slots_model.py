@@ -86,6 +86,13 @@ def walk(slots: SlotStore, clock: Clock, key: str, seed: int, limit: int) -> dic
                 running.append(task)
             elif got.code == SlotCode.QUEUED:
                 first_waits.setdefault(task, clock.now)
+        elif roll < 0.42:
+            serial += 1
+            task = f"t{serial:04d}"  # sent by a producer: queued there if it would wait
+            kind = "enqueue"
+            message = b"" if rng.random() < 0.3 else f"msg-{task}".encode()
+            got = slots.enqueue(key, task, limit, LEASE_US, message)
+            want = model.enqueue(clock.now, limit, LEASE_US, task, message)
         elif roll < 0.6 and running:
             task = running.pop(rng.randrange(len(running)))
             kind = "release"
@@ -151,7 +158,7 @@ def test_walks_reach_every_operation(rig: tuple[SlotStore, Clock, str]) -> None:
         slots.store.client.delete(*slot_keys(key))
         for kind, count in walk(slots, clock, key, seed, 2).items():
             seen[kind] = seen.get(kind, 0) + count
-    assert {"take", "release", "die", "renew", "sweep", "peek", "evict", "time"} <= set(seen)
+    assert {"take", "enqueue", "release", "die", "renew", "sweep", "peek", "evict", "time"} <= set(seen)
     assert seen["woken"] > 10
 
 

@@ -15,18 +15,21 @@
 -- KEYS[2]  sorted set: waiting task -> when it first waited (µs): the queue, FIFO
 -- KEYS[3]  hash: waiting (or handed-over) task -> its serialized message
 -- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
--- ARGV[2]  op: 'take' | 'release' | 'renew' | 'sweep' | 'peek'
+-- ARGV[2]  op: 'take' | 'enqueue' | 'release' | 'renew' | 'sweep' | 'peek' ('enqueue', at
+--          publish: queue the task if it would wait, take nothing if it would not)
 -- ARGV[3]  limit: how many may hold a slot at once
 -- ARGV[4]  lease (µs): how long a slot stays held without a renewal
 -- ARGV[5]  the holder (task id); for 'renew': the first of the holders, ARGV[5..]
--- ARGV[6]  for 'take': the task's message, or '' (not given: a task that finds no slot is
---          told FULL, nothing written; given: it is queued)
+-- ARGV[6]  for 'take' and 'enqueue': the task's message, or '' (not given: a task that
+--          finds no slot is told FULL, nothing written; given: it is queued)
 -- ARGV[7]  for 'take': when the task first waited (µs), or 0: now. A task queued again
 --          keeps its place.
 --
 -- Returns {code, running, waiting, now, woken id 1, message 1, id 2, message 2, ...}:
 --   code   'take': TAKEN (the slot is the holder's), FULL (none free, not queued),
 --          QUEUED (none free, queued with its message)
+--          'enqueue': FREE (a slot is free and nobody waits: nothing written), else as
+--          'take' (FULL or QUEUED)
 --          'release': TAKEN if the holder held its slot, LOST if its lease had run out
 --          'renew': LOST if any of the holders' leases had run out (then their ids follow
 --          `now` in place of the woken), else TAKEN
@@ -117,6 +120,16 @@ local function take()
   return counts(QUEUED)
 end
 
+local function enqueue()
+  reclaim()
+  hand_over(nil)
+  if redis.call('ZCARD', slots) < limit and redis.call('ZCARD', queue) == 0 then return counts(FREE) end
+  if ARGV[6] == '' then return counts(FULL) end
+  redis.call('ZADD', queue, 'NX', now, holder)
+  redis.call('HSET', messages, holder, ARGV[6])
+  return counts(QUEUED)
+end
+
 local function release()
   local held = redis.call('ZREM', slots, holder) == 1
   reclaim()
@@ -154,6 +167,7 @@ local function peek()
 end
 
 if op == 'take' then return take()
+elseif op == 'enqueue' then return enqueue()
 elseif op == 'release' then return release()
 elseif op == 'renew' then return renew()
 elseif op == 'sweep' then return sweep()
