@@ -144,6 +144,13 @@ class TurnedAway:
         return self.task.signature_from_request(self.request, self.args, self.kwargs, headers=headers,
                                                 **kept_properties(self.request))
 
+    def hold_for_pause(self, now_us: int) -> None:
+        """Park it until the pause that holds its scope or key ends (or a resume sends
+        it): a call with no rates, whose window would otherwise have said so."""
+        end_us = self.ctl.checker.pause_end_us(self.call)
+        self.state["p"] = 1
+        self.send_back(max(end_us - now_us, 0) / 1e6, now_us, held=True)
+
     def slot_message(self) -> bytes:
         """Its message, to wait with its key's queue for a concurrency slot; the header
         says since when it waits (``w``, this host's clock in µs: its ``max_wait``)."""

@@ -221,9 +221,15 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
         return _check_rates(ctl, task, request, args, kwargs, spec, call, state)
     # A slot first: a task denied one consumes no rate; one its rates deny gives its
     # slot back at once (to the next task waiting for it).
-    if not _take_slot(ctl, task, request, args, kwargs, spec, call, state):
+    now_us = _take_slot(ctl, task, request, args, kwargs, spec, call, state)
+    if now_us is None:
         return False
     if not call.rates:
+        # (No window to say whether a pause holds it: this process's copy of the pauses.)
+        if now_us and ctl.checker.holds(call, now_us):
+            ctl.slots.release(request.id)
+            TurnedAway(ctl, task, request, args, kwargs, call, state).hold_for_pause(now_us)
+            return False
         _forget_header(request)
         ctl.metrics.admitted(call.scope, call.key)
         return True
@@ -237,9 +243,10 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
 
 
 def _take_slot(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, spec: ThrottleSpec,
-               call: BoundCall, state: dict[str, Any]) -> bool:
-    """Take a concurrency slot for the task (True), or leave it waiting for one, its
-    message kept with its key's queue (False)."""
+               call: BoundCall, state: dict[str, Any]) -> int | None:
+    """Take a concurrency slot for the task (the Redis clock's now, µs; 0 when the store
+    could not be reached and the policy runs it), or leave it waiting for one, its
+    message kept with its key's queue (None)."""
     slots = ctl.slots
     turned = TurnedAway(ctl, task, request, args, kwargs, call, state)
     try:
@@ -247,10 +254,10 @@ def _take_slot(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, s
         if reply.code == SlotCode.FULL:
             reply = slots.take(call, request.id, turned.slot_message())
     except StoreError as exc:
-        return turned.on_store_error(exc)
+        return 0 if turned.on_store_error(exc) else None
     if reply.code == SlotCode.QUEUED:
         turned.waits_for_slot(reply.running, reply.waiting)
-        return False
+        return None
     max_wait = ctl.checker.max_wait(spec)
     waited = time.time() - int(state["w"]) / 1e6 if state.get("w") else 0.0
     if max_wait and waited > max_wait:
@@ -262,7 +269,7 @@ def _take_slot(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, s
             f"{call.scope!r}{'' if call.key is None else f' key {call.key!r}'}: more than its max_wait of "
             f"{_seconds(max_wait)}"
         )
-    return True
+    return reply.now_us
 
 
 def _check_rates(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, spec: ThrottleSpec,

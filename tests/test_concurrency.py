@@ -258,3 +258,24 @@ def test_a_producer_keeps_tasks_that_would_wait_for_a_slot_out_of_the_queue(grou
     time.sleep(0.5)
     ran = sorted(began(group, f"{label}-w"), key=lambda e: e["t"])
     assert [e["id"] for e in ran] == sent
+
+
+def test_a_pause_holds_a_concurrency_limit_and_resume_lets_its_tasks_go(slot_workers: WorkerGroup) -> None:
+    """A key with a concurrency limit and no rate, paused: its tasks do not run (held, not
+    failed); resumed, they all run within a couple of seconds, two at a time."""
+    import celery_throttle
+
+    group, label = slot_workers, new_label()
+    tenant = f"paused-{uuid.uuid4().hex[:6]}"
+    ctl = celery_throttle.Throttle(group.client, {"redis_url": STORE_URL, "key_prefix": group.prefix})
+    ctl.pause("export-api", key=tenant, seconds=120)
+    time.sleep(1.5)  # (every worker has read the pause: controls.CONTROL_REFRESH)
+    for _ in range(4):
+        group.send("exporting", label, tenant, 0.1)
+    time.sleep(2.0)
+    assert spans(group, label) == []
+    resumed = time.time()
+    ctl.resume("export-api", key=tenant)
+    done = wait_spans(group, label, 4, timeout=20)
+    assert max(e["t0"] for e in done) - resumed < 3.0
+    assert most_at_once(done) <= 2
