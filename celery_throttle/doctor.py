@@ -61,7 +61,8 @@ def examine(client: Any, parks_in_broker: bool = False) -> StoreReport:
     if the server cannot be reached at all). ``parks_in_broker``: parked tasks are kept
     in the broker (broker_parking.py), so the store cannot lose them."""
     info = _one_node(client.info())
-    parked = "" if parks_in_broker else "parked tasks (they are lost) and "
+    # (Tasks waiting for a concurrency slot are kept in the store whatever the broker.)
+    parked = ("" if parks_in_broker else "parked tasks (they are lost), ") + "tasks waiting for a concurrency slot, "
     kept = " (parked tasks are kept in the broker)" if parks_in_broker else ""
     risks: list[str] = []
     unchecked: list[str] = []
