@@ -14,6 +14,7 @@ from .decorator import throttle
 from .errors import ConfigurationError, KeyBuildError, StoreError, ThrottleError, WaitTooLong
 from .limiter import Decision, RateStatus, Status, Throttle
 from .rates import Rate, parse_rate
+from .settle import charge
 from .worker import install
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "WaitTooLong",
     "__version__",
     "backoff_from",
+    "charge",
     "install",
     "parse_rate",
     "signals",

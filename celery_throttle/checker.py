@@ -24,7 +24,7 @@ from .controls import Controls
 from .errors import ThrottleError
 from .keys import encode
 from .lease import Leases, sent_at
-from .protocol import Code, Reservation, WindowCall, WindowReply, rate_field, rates_tag
+from .protocol import Code, Counted, Reservation, WindowCall, WindowReply, rate_field, rates_tag
 from .rates import Rate
 from .spec import BoundCall, ThrottleSpec
 from .store import RedisStore
@@ -182,6 +182,27 @@ class Checker:
         if reply.leased:
             self._leases.grant(leased_as, reply.leased - call.cost, max(span, request.slack_us), sent)
         return reply
+
+    def counted(self, call: BoundCall, reply: WindowReply, claim: Reservation | None) -> Counted | None:
+        """Where a call that :meth:`check` admitted is counted (None: not admitted): the
+        start it reserved, the span it was recorded in now, or (``start_us`` 0, the
+        span its slack) a lease of this process."""
+        if reply.code != Code.RUN:
+            return None
+        if not reply.now_us:
+            return Counted(0, self.slack_us(call.rates), call.cost, 0)
+        if claim is not None and reply.start_us:
+            return Counted(claim.start_us, claim.start_us + claim.grace_us, claim.cost, reply.epoch)
+        span = self.slack_us(call.rates)
+        if reply.leased:
+            span = max(self.lease_span_us(call.rates), span)
+        return Counted(reply.now_us, reply.now_us + span, call.cost, reply.epoch)
+
+    def settle(self, call: BoundCall, counted: Counted, delta: int) -> WindowReply:
+        """Count ``delta`` units more (a refund: fewer) for a call that started, counted
+        as ``counted`` (see :mod:`.settle`)."""
+        key, request = self._window_call(call, self.store, None)
+        return self.store.settle(key, request, counted, delta)
 
     def screen(self, call: BoundCall, *, max_wait: float | None = None) -> WindowReply:
         """The consumer's check of a message before it goes to the pool: as :meth:`check`

@@ -25,6 +25,7 @@ def throttle(
     max_wait: float | None = None,
     margin: float | None = None,
     concurrency: int | None = None,
+    cost_after: Callable[[Any], Any] | None = None,
 ) -> Callable[[Any], Any]:
     """Limit a task globally, across every worker, before its body runs.
 
@@ -45,11 +46,13 @@ def throttle(
     that requests made by the tasks still arrive a window apart at an API that limits
     them (default: ``throttle_margin``, 0). ``concurrency``: at most this many bodies of
     the scope and key run at once, across every worker (a slot, held from the body's
-    start to its end; with rates or without).
+    start to its end; with rates or without). ``cost_after``: a callable over the body's
+    result returning what the call really cost; the window then counts that instead of
+    ``cost`` (as :func:`celery_throttle.charge` in the body does).
     Mistakes raise :class:`~celery_throttle.errors.ConfigurationError` here.
     """
     spec = ThrottleSpec.declare(rates, key=key, scope=scope, cost=cost, algorithm=algorithm,
-                                max_wait=max_wait, margin=margin, concurrency=concurrency)
+                                max_wait=max_wait, margin=margin, concurrency=concurrency, cost_after=cost_after)
 
     def decorate(obj: Any) -> Any:
         if isinstance(obj, PromiseProxy):

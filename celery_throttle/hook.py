@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore
 
-from . import signals
+from . import settle, signals
 from .backoff import Backoff
 from .controller import controller
 from .deferral import TurnedAway
@@ -88,7 +88,7 @@ def _catching_backoff(run: Any, task: Any) -> Any:
         @functools.wraps(fun)
         def run_static(*args: Any, **kwargs: Any) -> Any:
             try:
-                return fun(*args, **kwargs)
+                return _settled(task, fun(*args, **kwargs))
             except Backoff as exc:
                 back_off(task, exc, args, kwargs)
 
@@ -97,11 +97,19 @@ def _catching_backoff(run: Any, task: Any) -> Any:
     @functools.wraps(run)
     def run_bound(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return run(self, *args, **kwargs)
+            return _settled(self, run(self, *args, **kwargs))
         except Backoff as exc:
             back_off(self, exc, args, kwargs)
 
     return run_bound
+
+
+def _settled(task: Any, result: Any) -> Any:
+    """``result`` of a body, its ``cost_after(result)`` charged first (see :mod:`.settle`)."""
+    cost_after = getattr(type(task)._throttle_spec, "cost_after", None)
+    if cost_after is not None and not (task.request.is_eager or task.request.called_directly):
+        settle.charge_after(cost_after, result, task)
+    return result
 
 
 def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
@@ -190,6 +198,7 @@ def _deciding(task: Any, tracer: Any) -> Any:
 def body_ended(task: Any, task_id: str) -> None:
     """The body of ``task_id`` ended (however it ended): give its concurrency slot back, if
     this process holds one for it. Never raises: the task's outcome stands."""
+    settle.ended(task_id)
     try:
         slots = controller(task.app).slots
         if slots.holds(task_id):
@@ -303,6 +312,7 @@ def _check_rates(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any,
     if reply.allowed:
         _forget_header(request)
         ctl.metrics.admitted(call.scope, call.key)
+        settle.started(request.id, call, ctl.checker.counted(call, reply, claim))
         return True
     if reply.code == Code.TOO_FAR:
         wait = reply.wait_us / 1e6

@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 from .rates import Rate
 
-__all__ = ["ALGORITHM_TAGS", "DEAD_LETTER_HEADERS", "HEADER", "HEADER_VERSION", "STATE_FORMAT", "STATE_LAYOUT", "Code", "Reservation", "SlotCode", "SlotReply",
-           "StateLayout", "WindowCall", "WindowReply", "header_value", "rate_field", "rates_tag", "read_state", "window_argv",
+__all__ = ["ALGORITHM_TAGS", "DEAD_LETTER_HEADERS", "HEADER", "HEADER_VERSION", "STATE_FORMAT", "STATE_LAYOUT", "Code", "Counted", "Reservation", "SlotCode", "SlotReply",
+           "StateLayout", "WindowCall", "WindowReply", "header_value", "rate_field", "rates_tag", "read_state", "window_argv", "window_argv_settle",
            "without_dead_letter_headers"]
 
 
@@ -120,6 +120,22 @@ class Code(IntEnum):
     #: Not now, and a start was reserved for it: ``start``, ``latest`` and ``grace``
     #: say which, ``wait`` until it.
     RESERVED = 4
+
+
+@dataclass(frozen=True)
+class Counted:
+    """Where a call that started is counted: ``units`` in the span ``[start_us,
+    latest_us]`` of the window state of ``epoch`` (what settling its real cost adjusts).
+    ``start_us`` 0: admitted from a lease, its own span unknown (see Checker.counted)."""
+
+    start_us: int
+    latest_us: int
+    units: int
+    epoch: int
+
+    def script_args(self, delta: int) -> list[int | str]:
+        """ARGV[7..12] of window.lua for a settle of ``delta`` units."""
+        return [self.start_us, self.latest_us, delta, 0, self.epoch, 0]
 
 
 class SlotCode(IntEnum):
@@ -231,6 +247,12 @@ def _window_argv(op: str, call: WindowCall, reserve: bool, claim_args: Sequence[
              call.pause_horizon_us or _FOREVER_HORIZON]
     args += _rate_args(call.algorithm, call.rates, call.fields)
     return args
+
+
+def window_argv_settle(now: str, call: WindowCall, counted: Counted, delta: int) -> list[int | str]:
+    """ARGV of window.lua for a settle: its cost (ARGV[4]) is not checked, the units it
+    reports are ``delta``."""
+    return [now, *_window_argv("settle", call, False, counted.script_args(delta), "0", 0, 0)]
 
 
 _NO_CLAIM = (0, 0, 0, 0, "", 0)

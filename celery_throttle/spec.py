@@ -21,7 +21,7 @@ from .rates import Rate, parse_rates
 __all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec", "declared_spec"]
 
 RateArg = str | Rate | Sequence[str | Rate] | Callable[..., Any]
-RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin", "concurrency")
+RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin", "concurrency", "cost_after")
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,9 @@ class ThrottleSpec:
     #: At most this many bodies of a scope and key run at once, across every worker
     #: process (None: no such limit).
     concurrency: int | None = None
+    #: A callable over the body's result returning what the call really cost (units):
+    #: charged when the body returns (see :mod:`.settle`).
+    cost_after: Callable[[Any], Any] | None = None
 
     @classmethod
     def declare(
@@ -70,7 +73,12 @@ class ThrottleSpec:
         max_wait: float | None = None,
         margin: float | None = None,
         concurrency: int | None = None,
+        cost_after: Callable[[Any], Any] | None = None,
     ) -> ThrottleSpec:
+        if cost_after is not None and not callable(cost_after):
+            raise ConfigurationError(f"cost_after must be a callable over the task's result, got {cost_after!r}")
+        if cost_after is not None and not rates:
+            raise ConfigurationError("cost_after settles what a rate counted: give the throttle a rate")
         if concurrency is not None:
             _check_cost(concurrency, "concurrency")
         if not rates and concurrency is None:
@@ -105,7 +113,7 @@ class ThrottleSpec:
                     )
         check_max_wait(max_wait, "max_wait")
         check_margin(margin, "margin")
-        return cls(parsed, key, scope, cost, algorithm, max_wait, margin, concurrency)
+        return cls(parsed, key, scope, cost, algorithm, max_wait, margin, concurrency, cost_after)
 
     @classmethod
     def from_rule(cls, pattern: str, options: Mapping[str, Any]) -> ThrottleSpec:
@@ -132,6 +140,7 @@ class ThrottleSpec:
                 max_wait=options.get("max_wait"),
                 margin=options.get("margin"),
                 concurrency=options.get("concurrency"),
+                cost_after=options.get("cost_after"),
             )
         except ConfigurationError as exc:
             raise ConfigurationError(f"throttle_rules[{pattern!r}]: {exc}") from None

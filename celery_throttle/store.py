@@ -31,11 +31,13 @@ from .protocol import (
     STATE_FORMAT,
     STATE_LAYOUT,
     Code,
+    Counted,
     Reservation,
     StateLayout,
     WindowCall,
     WindowReply,
     window_argv,
+    window_argv_settle,
 )
 from .timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 
@@ -192,6 +194,12 @@ class RedisStore:
         lifted since: give it back and check afresh, even before it."""
         return self._window(key, "claim", call, reserve=reserve, claim=reservation, marker=marker,
                             learn="2" if resumed else "1" if learn else "0")
+
+    def settle(self, key: str, call: WindowCall, counted: Counted, delta: int) -> WindowReply:
+        """A call that started, counted as ``counted``, reports its real cost: ``delta``
+        more units (negative: fewer) in the span it was counted in."""
+        args = window_argv_settle(self.now_arg(), call, counted, delta)
+        return WindowReply(*self.run(call.algorithm, [key], args))
 
     def peek(self, key: str, call: WindowCall) -> WindowReply:
         """Whether the call would fit now, and usage, recording nothing."""

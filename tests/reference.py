@@ -240,7 +240,7 @@ class FixedRate:
             k += 1
 
     def _add(self, k: int, units: int) -> None:
-        if self.in_full(k):
+        if self.in_full(k) or k < self.current:  # (a window that has passed counts nothing)
             return
         total = self.windows.get(k, 0) + units
         if total > 0:
@@ -382,6 +382,10 @@ class WindowModel:
     ) -> ModelReply:
         for r in self.rates:
             r.load(now)
+        if op == "settle":  # (its cost is what it reports: not checked)
+            call = _Call(now, cost, False, grace_us, slack_us, 0, 0, 0, 0, pause_horizon_us,
+                         min(r.period for r in self.rates))
+            return self._settle(call, claim)
         # The cost is checked here, once, for every operation.
         for r in self.rates:
             if cost > r.limit:
@@ -391,6 +395,8 @@ class WindowModel:
                      pause_horizon_us, min(r.period for r in self.rates))
         if op == "claim":
             return self._claim(call, claim, learn, resumed)
+        if op == "settle":
+            return self._settle(call, claim)
         operation = {"acquire": self._acquire, "screen": self._screen, "reserve": self._reserve,
                      "admit": self._admit, "peek": self._peek}[op]
         return operation(call)
@@ -517,6 +523,34 @@ class WindowModel:
         for r in self.rates:
             written = r.unrecord(c_start, claim.grace_us, claim.cost) or written
         return self._check(c, "record", c.reserve, max(c.now, c.not_before_us), 0, written)
+
+    def _settle(self, c: _Call, counted: Claim | None) -> ModelReply:
+        """A started call reports its real cost: ``counted.cost`` units (its report less
+        what was counted; negative, a refund) are added to the span it was counted in,
+        ``[counted.start_us, counted.latest_us]``, in the epoch it was counted in."""
+        if counted is None:
+            return self._reply(c, Code.RUN, 0, 0, 0)
+        at, latest, delta = counted.start_us, counted.latest_us, counted.cost
+        if at == 0:  # admitted from a lease: a refund stays counted, an overrun counts from now
+            if delta < 0:
+                return self._reply(c, Code.RUN, 0, 0, 0)
+            at, latest = c.now, c.now + latest
+        elif self.epoch is None or str(counted.epoch) != str(self.epoch):
+            return self._reply(c, Code.RUN, 0, 0, 0)
+        if delta == 0:
+            return self._reply(c, Code.RUN, 0, 0, 0)
+        touched = False
+        for r in self.rates:
+            if latest + r.period <= c.now:
+                continue  # (counted so long ago that nothing of it counts any more)
+            if delta > 0:
+                r.record(at, latest, delta)
+            else:
+                r.unrecord(at, latest - at, -delta)
+            touched = True
+        if touched:
+            self._written(c)
+        return self._reply(c, Code.RUN, 0, 0, 0)
 
     def _peek(self, c: _Call) -> ModelReply:
         x, _ = self._earliest(c, max(c.now, c.not_before_us))

@@ -394,3 +394,20 @@ def ending(self, label, how):
 def long_holder(label, tenant, seconds=60):
     started(label, tenant=tenant)
     time.sleep(seconds)
+
+
+# -- costs settled after the call -------------------------------------------------------
+@app.task
+@throttle("6/2s", key="{tenant}", cost=3)
+def estimated_high(label, tenant, used):
+    """Estimated at 3 units, reports ``used`` (a refund below 3)."""
+    record(label)
+    celery_throttle.charge(used)
+
+
+@app.task
+@throttle("4/2s", key="{tenant}", cost_after=lambda used: used)
+def estimated_low(label, tenant, used):
+    """Estimated at 1 unit, returns what it used: ``cost_after`` charges it."""
+    record(label)
+    return used

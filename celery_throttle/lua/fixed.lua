@@ -118,9 +118,9 @@ function ALGO.define()
   end
 
   -- Adds `units` (which may be negative) to window k; a window left with none is dropped.
-  -- A folded window already counts as full: nothing changes there.
+  -- A folded window already counts as full, a passed one as nothing: nothing changes there.
   local function add(r, k, units)
-    if in_full(r, k) then return end
+    if in_full(r, k) or k < r.current then return end  -- (a window that has passed counts nothing)
     local u = (r.units[k] or 0) + units
     if u > 0 then r.units[k] = u else r.units[k] = nil end
   end

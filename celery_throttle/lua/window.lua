@@ -6,7 +6,7 @@
 -- state format. (An error's line is told as this file's own: store.py, true_lines.)
 --
 -- Each operation (ARGV[2]) is a function of its own, at the end: acquire, screen,
--- reserve_start, admit, claim, peek, dispatched after the one check of the cost. They
+-- reserve_start, admit, claim, settle, peek, dispatched after the one check of the cost. They
 -- share `check`, the decision from the earliest start on (run now, reserve, or deny).
 -- Before them, a fast path answers an acquire or screen that fits now without building
 -- the general path's tables. tests/reference.py is the twin, function by function.
@@ -20,14 +20,15 @@
 --          For 'admit' and 'reserve' (at publish): a counter (same hash tag) of the tasks
 --          held back there, by the window or a pause (kept HELD_COUNT_TTL_MS after the last).
 -- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
--- ARGV[2]  op: 'acquire' | 'peek' | 'claim' | 'screen' | 'reserve' | 'admit' ('screen':
+-- ARGV[2]  op: 'acquire' | 'peek' | 'claim' | 'screen' | 'reserve' | 'admit' | 'settle' ('screen':
 --          like 'acquire', but a call that fits now is not recorded: the worker's pool
 --          will acquire it; 'reserve', at publish: a start is reserved even for a call
 --          that fits, no sooner than the key's learnt dispatch delay from now, and the
 --          worker claims it when the task arrives; 'admit', at publish: a call that fits
 --          now leaving every rate at most half full is not recorded (RUN, and `leased`
 --          says how many units calls of this key may take before a rate is half full),
---          any other is a 'reserve')
+--          any other is a 'reserve'; 'settle': a call that started reports what it
+--          really cost, and the window counts that instead of the estimate)
 -- ARGV[3]  '1' to reserve a future start when denied, '0' not to
 -- ARGV[4]  cost: units this call uses
 -- ARGV[5]  grace (µs): the least a reserved start may come late and still count as on
@@ -36,7 +37,10 @@
 -- ARGV[6]  slack (µs): how long after the check the body may start (a call admitted now
 --          counts as starting within it; a claim must leave it before its latest start)
 -- ARGV[7..12] for 'claim': the reservation's start, latest start, cost, grace, epoch,
---          and lead (how early it was sent back)
+--          and lead (how early it was sent back); for 'settle': the span a started call
+--          was counted in (ARGV[7], ARGV[8]), the units to add to it (ARGV[9]: its
+--          reported cost less what was counted; negative, a refund) and the epoch it was
+--          counted in (ARGV[11])
 -- ARGV[13] '1' if this claim is the task's arrival (learn its delay from it), '0' if not,
 --          '2' for an arrival whose start was reserved behind a pause that has since been
 --          lifted (resumed, or shortened): its units are given back and the call checked
@@ -407,13 +411,41 @@ local function claim()
   return check('record', reserve, unpaused, 0)
 end
 
+-- A call that started reports its real cost: the difference is added to (or, a refund,
+-- taken from) the span it was counted in, so later starts see what it really used. One
+-- counted in another epoch (the state was reset or lost since) has nothing left to settle.
+-- A call admitted from a lease (ARGV[7] '0': where in the lease's span it is counted is
+-- not known) keeps a refund counted, and counts an overrun from now, over ARGV[8] (its
+-- slack), whatever the epoch.
+local function settle()
+  local delta = tonumber(ARGV[9])
+  local at, latest = tonumber(ARGV[7]), tonumber(ARGV[8])
+  if at == 0 then
+    if delta < 0 then return reply(RUN, 0, 0, 0) end
+    at, latest = now, now + latest
+  elseif epoch ~= ARGV[11] then
+    return reply(RUN, 0, 0, 0)
+  end
+  if delta == 0 then return reply(RUN, 0, 0, 0) end
+  for _, r in ipairs(rates) do
+    -- (counted so long ago that nothing of it counts any more: nothing to settle)
+    if latest + r.period > now then
+      if delta > 0 then ALGO.record(r, at, latest, delta) else ALGO.unrecord(r, at, latest - at, -delta) end
+      r.dirty = true
+    end
+  end
+  write_back()
+  return reply(RUN, 0, 0, 0)
+end
+
 -- Whether the call would fit now, and usage, recording nothing.
 local function peek()
   local x = earliest(unpaused)
   return reply(x == now and RUN or DENIED, x - now, 0, 0)
 end
 
--- The cost is checked here, once, for every operation.
+-- The cost is checked here, once, for every operation (a settle's is what it reports).
+if op == 'settle' then return settle() end
 for _, r in ipairs(rates) do
   if cost > r.limit then return {TOO_COSTLY, 0, 0, 0, 0, 0, now, 0, -1, 0, 0} end
 end

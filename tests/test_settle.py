@@ -1,0 +1,50 @@
+"""Costs settled after the call, with real workers: a refund lets later starts in sooner, an
+overrun pushes them out, ``charge()`` and ``cost_after=`` alike; charge() outside a throttled
+body and a bad unit count fail clearly."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+import celery_throttle
+from celery_throttle import ThrottleError
+from tests.helpers import WorkerGroup, new_label
+
+
+def test_a_refund_lets_later_starts_in_sooner(workers: WorkerGroup) -> None:
+    """6/2s, estimated at 3 a call: two a window as estimated. Calls sent one after another
+    (0.2 s apart) each report 1: the window counts what was used, and those checked after
+    the reports start in the first window too. (Starts already reserved keep their place:
+    a burst sent at once is reserved on its estimates.)"""
+    refunded, kept = new_label(), new_label()
+    for label, used in ((refunded, 1), (kept, 3)):
+        tenant = f"t-{uuid.uuid4().hex[:6]}"
+        for _ in range(6):
+            workers.send("estimated_high", label, tenant, used)
+            time.sleep(0.2)
+    got = {label: sorted(e["t"] for e in workers.wait_starts(label, 6, timeout=30)) for label in (refunded, kept)}
+    first = {label: sum(1 for t in got[label] if t - got[label][0] < 1.9) for label in got}
+    assert first[kept] == 2  # the estimate: 6 units a window
+    assert first[refunded] >= 3, f"with refunds {first[refunded]} started in the first window"
+
+
+def test_an_overrun_pushes_later_starts_out(workers: WorkerGroup) -> None:
+    """4/2s, estimated at 1: the first call reports 4 (through cost_after); the next one,
+    sent after that report, waits for the window to clear instead of starting at once."""
+    label, tenant = new_label(), f"o-{uuid.uuid4().hex[:6]}"
+    workers.send("estimated_low", label, tenant, 4)
+    first = workers.wait_starts(label, 1, timeout=15, settle=0.5)[0]
+    workers.send("estimated_low", label, tenant, 1)
+    second = [e for e in workers.wait_starts(label, 2, timeout=15) if e["id"] != first["id"]][0]
+    assert second["t"] - first["t"] >= 2.0 - 0.05  # (0.05 s: the two clocks are one machine's)
+
+
+def test_charge_outside_a_throttled_body_and_bad_units_fail_clearly() -> None:
+    with pytest.raises(ThrottleError, match="in the body of a task with a @throttle"):
+        celery_throttle.charge(3)
+    for bad in (-1, 2.5, "3", True):
+        with pytest.raises(ThrottleError, match="integer >= 0"):
+            celery_throttle.charge(bad)  # type: ignore[arg-type]
