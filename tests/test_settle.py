@@ -13,6 +13,10 @@ import celery_throttle
 from celery_throttle import ThrottleError
 from tests.helpers import WorkerGroup, new_label
 
+#: How long after its admission the first body may note its start (a busy machine): the
+#: window is kept on admissions, the test reads the bodies' own start times.
+BODY_DELAY_S = 0.2
+
 
 def test_a_refund_lets_later_starts_in_sooner(workers: WorkerGroup) -> None:
     """6/2s, estimated at 3 a call: two a window as estimated. Calls sent one after another
@@ -38,8 +42,9 @@ def test_an_overrun_pushes_later_starts_out(workers: WorkerGroup) -> None:
     workers.send("estimated_low", label, tenant, 4)
     first = workers.wait_starts(label, 1, timeout=15, settle=0.5)[0]
     workers.send("estimated_low", label, tenant, 1)
-    second = [e for e in workers.wait_starts(label, 2, timeout=15) if e["id"] != first["id"]][0]
-    assert second["t"] - first["t"] >= 2.0 - 0.05  # (0.05 s: the two clocks are one machine's)
+    second = next(e for e in workers.wait_starts(label, 2, timeout=15) if e["id"] != first["id"])
+    # Without the overrun it would start about 0.5 s after the first (the settle above).
+    assert second["t"] - first["t"] >= 2.0 - BODY_DELAY_S
 
 
 def test_charge_outside_a_throttled_body_and_bad_units_fail_clearly() -> None:
