@@ -91,6 +91,8 @@ _MODULE_TIERS = {
     # (the CLI, the examples and the deployments run as subprocesses)
     "test_cli": "workers", "test_examples": "workers", "test_embedded": "workers",
     "test_deployments": "workers", "test_testing_example": "workers",
+    # (its workers come from fixtures of its own)
+    "test_concurrency": "workers",
 }
 #: Fixtures that start workers, and those that reach Redis.
 _WORKER_FIXTURES = {"workers", "pool_workers", "group_factory", "app", "idle_queue"}
