@@ -1098,8 +1098,9 @@ def test_admit_at_publish_records_nothing_for_a_key_with_room_and_reserves_near_
     assert store.peek(key, call).remaining == 4
 
 
-@pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("rate_set", ["one", "two", "three", "wide", "tiny-periods"])
+@pytest.mark.parametrize("seed", range(1 if QUICK else 2))
+@pytest.mark.parametrize("rate_set", ["one", "three", "tiny-periods"] if QUICK else
+                         ["one", "two", "three", "wide", "tiny-periods"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("overruns", [False, True], ids=["refunds", "refunds-and-overruns"])
 def test_settled_costs_match_the_model(store: RedisStore, clock: FakeClock, algorithm: str, rate_set: str,
