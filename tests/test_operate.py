@@ -217,11 +217,12 @@ def test_backoff_from_raises_on_429_and_503_only() -> None:
 
 
 def test_why_says_where_a_task_waits_until_when_and_what_holds_it(workers: WorkerGroup) -> None:
-    # Given 6 tasks of one tenant under 3/10s sent by a producer that parks long waits,
-    # and 6 of another by one that sends them with their countdown (park_after 60 s)
+    # Given 12 tasks of one tenant under 3/10s sent by a producer that parks long waits,
+    # and 12 of another by one that sends them with their countdown (park_after 60 s): the
+    # last of each waits 30 s, longer than the producers and the CLI take on a loaded machine
     label, parked_tenant, counted_tenant = new_label(), f"p-{new_label()}", f"c-{new_label()}"
-    parked = workers.produce({"how": "delay", "task": "pub_below", "args": [label, parked_tenant], "count": 6})
-    counted = workers.produce({"how": "delay", "task": "pub_below", "args": [label, counted_tenant], "count": 6},
+    parked = workers.produce({"how": "delay", "task": "pub_below", "args": [label, parked_tenant], "count": 12})
+    counted = workers.produce({"how": "delay", "task": "pub_below", "args": [label, counted_tenant], "count": 12},
                               CT_PARK_AFTER="60")
     parked_id = parked["denials"][-1]["id"]
     counted_id = counted["denials"][-1]["id"]

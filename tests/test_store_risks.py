@@ -90,6 +90,10 @@ def test_a_store_that_restarts_empty_is_noticed_by_the_running_worker() -> None:
         server.stop()
 
 
+#: Tasks the durability test sends.
+SENT = 15
+
+
 @pytest.mark.parametrize("held", [False, True], ids=["long waits", "held by a pause"])
 def test_with_a_rabbitmq_broker_a_store_restarted_empty_loses_no_parked_task(
         held: bool, store_client: redis.Redis) -> None:
@@ -107,10 +111,11 @@ def test_with_a_rabbitmq_broker_a_store_restarted_empty_loses_no_parked_task(
             ctl.pause("tests.taskapp.slow_quota", key=tenant, seconds=600)
             ctl.close()
             time.sleep(CONTROL_REFRESH + 0.2)
-        # When 9 tasks of one tenant under 3/4s are sent: 6 parked (their waits of 4 s and
-        # 8 s), or all 9 held by the pause
-        ids = [group.send("slow_quota", label, tenant) for _ in range(9)]
-        parked = 9 if held else 6
+        # When 15 tasks of one tenant under 3/4s are sent: 12 parked (their waits of 4 to
+        # 16 s: the last still wait while the CLI below runs on a loaded machine), or all 15
+        # held by the pause
+        ids = [group.send("slow_quota", label, tenant) for _ in range(SENT)]
+        parked = SENT if held else SENT - 3
         wait_for(lambda: sum(d["parked"] for d in group.denials() if d["id"] in ids) >= parked, 20, 0.1,
                  what=f"{parked} parked tasks")
         # (kept in the broker: the store holds none of them)
@@ -122,12 +127,12 @@ def test_with_a_rabbitmq_broker_a_store_restarted_empty_loses_no_parked_task(
             in why.stdout, (why.stdout, why.stderr)
         counts = re.search(r"in the broker: (\d+) in its delay queues \(of every app on it\), (\d+) held by a pause",
                            run_cli(group, "parked").stdout)
-        assert counts is not None and (int(counts[2]) == 9 if held else int(counts[1]) >= 6), counts
+        assert counts is not None and (int(counts[2]) == SENT if held else int(counts[1]) >= 6), counts
         # And the store is killed and started again, empty (its pause gone with it)
         server.kill()
         RedisServer.start(server)
         # Then every task runs, once
-        starts = group.wait_starts(label, 9, timeout=60)
+        starts = group.wait_starts(label, SENT, timeout=60)
         assert_each_ran_once(starts, ids)
         assert "could not park" not in group.log_text()
     finally:
