@@ -14,9 +14,16 @@ BASE_PYTHON ?= python3
 	$(BASE_PYTHON) -m venv .venv || { echo "could not make a virtualenv with $(BASE_PYTHON) -m venv" \
 	  "(on Debian or Ubuntu: apt-get install python3-venv), or activate one first" >&2; exit 1; }
 
-install: $(filter .venv/bin/python,$(PYTHON))
+# Installed once per virtualenv and again when pyproject.toml changes (an editable install:
+# the code itself needs none), so the inner loop does not wait on pip.
+STAMP = $(dir $(PYTHON)).celery-throttle-installed
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml $(filter .venv/bin/python,$(PYTHON))
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q -e '.[test,demo]'
+	touch $@
 
 demo: install
 	$(PYTHON) -m examples.demo
