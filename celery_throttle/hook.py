@@ -271,13 +271,7 @@ def _take_slot(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, s
     waited = time.time() - int(state["w"]) / 1e6 if state.get("w") else 0.0
     if max_wait and waited > max_wait:
         slots.release(request.id)
-        signals.task_wait_exceeded.send(sender=task, request=request, wait=waited, max_wait=max_wait,
-                                        scope=call.scope, key=call.key)
-        raise WaitTooLong(
-            f"task {task.name}[{request.id}] waited {_seconds(waited)} for a concurrency slot of scope "
-            f"{call.scope!r}{'' if call.key is None else f' key {call.key!r}'}: more than its max_wait of "
-            f"{_seconds(max_wait)}"
-        )
+        raise _too_long(task, request, call, waited, max_wait, "waited", "a concurrency slot of scope")
     return reply.now_us
 
 
@@ -315,14 +309,7 @@ def _check_rates(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any,
         settle.started(request.id, call, ctl.checker.counted(call, reply, claim))
         return True
     if reply.code == Code.TOO_FAR:
-        wait = reply.wait_us / 1e6
-        signals.task_wait_exceeded.send(sender=task, request=request, wait=wait, max_wait=max_wait,
-                                        scope=call.scope, key=call.key)
-        raise WaitTooLong(
-            f"task {task.name}[{request.id}] would wait {_seconds(wait)} for scope {call.scope!r}"
-            f"{'' if call.key is None else f' key {call.key!r}'}: more than its max_wait of "
-            f"{_seconds(max_wait or 0)}"
-        )
+        raise _too_long(task, request, call, reply.wait_us / 1e6, max_wait or 0, "would wait", "scope")
     if claim is not None and reply.code in (Code.DENIED, Code.RESERVED):
         # Its reserved start could not be used (it came too late, or the window state it
         # was made in is gone): it queues again behind every start reserved since.
@@ -330,6 +317,18 @@ def _check_rates(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any,
                     "reserving again", task.name, request.id, (reply.now_us - claim.start_us) / 1000)
     TurnedAway(ctl, task, request, args, kwargs, call, state).defer(reply, claim)
     return False
+
+
+def _too_long(task: Any, request: Any, call: BoundCall, wait: float, max_wait: float, verb: str,
+              what: str) -> WaitTooLong:
+    """The error of a task that waits (``verb``) longer than its max_wait for ``what``, its
+    signal sent."""
+    signals.task_wait_exceeded.send(sender=task, request=request, wait=wait, max_wait=max_wait,
+                                    scope=call.scope, key=call.key)
+    return WaitTooLong(
+        f"task {task.name}[{request.id}] {verb} {_seconds(wait)} for {what} {call.scope!r}"
+        f"{'' if call.key is None else f' key {call.key!r}'}: more than its max_wait of {_seconds(max_wait)}"
+    )
 
 
 def _seconds(value: float) -> str:

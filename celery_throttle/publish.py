@@ -94,10 +94,15 @@ def wrap_send_task(ctl: Throttle) -> None:
         return
 
     def send_task(name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        queued = queue_for_slot(ctl, name, args, kwargs, options)
-        if queued is not None:
-            return queued
-        deferral = admit(ctl, name, args, kwargs, options)
+        bound = _bound(ctl, name, args, kwargs, options)
+        if bound is None:
+            return send(name, args, kwargs, **options)
+        known, call = bound
+        if call.concurrency:
+            queued = queue_for_slot(ctl, name, args, kwargs, options, known, call)
+            if queued is not None:
+                return queued
+        deferral = admit(ctl, name, known, call) if call.rates and not _breaker.open else None
         if deferral is None:
             return send(name, args, kwargs, **options)
         options.pop("countdown", None)
@@ -155,8 +160,12 @@ def _signature(task: Any) -> inspect.Signature | None:
     return signature
 
 
-def admit(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Mapping[str, Any]) -> Deferral | None:
-    """Screen one send of task ``name``; None: send it as it is."""
+def _bound(ctl: Throttle, name: str, args: Any, kwargs: Any,
+           options: Mapping[str, Any]) -> tuple[Known, BoundCall] | None:
+    """The throttle of one send of task ``name``, bound to its arguments; None: send it as
+    it is (no throttle; not checked at publish; an ETA, a countdown or a reservation of its
+    own; checks paused after a store error; or arguments that do not bind: the worker's
+    check reports them, visibly)."""
     headers = options.get("headers") or {}
     if (options.get("countdown") is not None or options.get("eta") is not None
             or not isinstance(headers, Mapping) or HEADER in headers or _breaker.open):
@@ -168,10 +177,24 @@ def admit(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Mapping[str
         known = throttle_of(ctl, name, options.get("task_type"))
         if known is None:
             return None
-        spec = known.spec
-        call = ctl.checker.bind_spec(name, spec, known.signature, args, kwargs, quick=True)
-        if not call.rates:
-            return None  # a concurrency limit alone: the worker's check takes the slot
+        return known, ctl.checker.bind_spec(name, known.spec, known.signature, args, kwargs, quick=True)
+    except ThrottleError:
+        return None
+
+
+def _unreachable(ctl: Throttle, exc: StoreError) -> None:
+    """The store failed a check at publish: tasks go unchecked for a while."""
+    ctl.metrics.store_error("producer")
+    _breaker.trip()
+    logger.warning("throttle store unreachable at publish: tasks are sent unchecked for %.0fs "
+                   "(the workers check them): %s", STORE_ERROR_PAUSE, exc)
+
+
+def admit(ctl: Throttle, name: str, known: Known, call: BoundCall) -> Deferral | None:
+    """Check the rates of one send of task ``name`` (``call``, of a throttle with rates);
+    None: send it as it is."""
+    settings, spec = ctl.settings, known.spec
+    try:
         ident = call.state_key
         hint = ctl.hints.take(ident, call.cost)
         if hint == Hints.SEND:
@@ -182,10 +205,7 @@ def admit(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Mapping[str
         else:
             reply = ctl.checker.admit_at_publish(call, max_wait=max_wait)
     except StoreError as exc:
-        ctl.metrics.store_error("producer")
-        _breaker.trip()
-        logger.warning("throttle store unreachable at publish: tasks are sent unchecked for %.0fs "
-                       "(the workers check them): %s", STORE_ERROR_PAUSE, exc)
+        _unreachable(ctl, exc)
         return None
     except ThrottleError:
         return None  # bad arguments: the worker's check reports it, visibly
@@ -224,25 +244,17 @@ def _kept_options(app: Any, options: Mapping[str, Any]) -> dict[str, Any]:
     return kept
 
 
-def queue_for_slot(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Mapping[str, Any]) -> Any:
-    """A task with a concurrency limit whose key has every slot taken (or tasks waiting)
-    is not sent: it is kept with the key's queue, as a worker would keep it, and sent when
-    a slot is handed to it. Returns its result then; None: send it (and check its rates)."""
+def queue_for_slot(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Mapping[str, Any],
+                   known: Known, call: BoundCall) -> Any:
+    """A send whose throttle has a concurrency limit (``call``), when its key has every slot
+    taken (or tasks waiting), is not sent: the task is kept with the key's queue, as a
+    worker would keep it, and sent when a slot is handed to it. Returns its result then;
+    None: send it (and check its rates)."""
+    app, slots = ctl.app, ctl.slots
     headers = options.get("headers") or {}
-    if (options.get("countdown") is not None or options.get("eta") is not None
-            or not isinstance(headers, Mapping) or HEADER in headers or _breaker.open):
+    if slots.seen_free(call):
         return None
-    settings, app = ctl.settings, ctl.app
-    if not (settings.enabled and settings.check_at_publish):
-        return None
-    slots = ctl.slots
     try:
-        known = throttle_of(ctl, name, options.get("task_type"))
-        if known is None or not known.spec.concurrency:
-            return None
-        call = ctl.checker.bind_spec(name, known.spec, known.signature, args, kwargs, quick=True)
-        if slots.seen_free(call):
-            return None
         task_id = options.get("task_id") or uuid()
         state = {"w": int(time.time() * 1_000_000), "n": 1}
 
@@ -255,13 +267,10 @@ def queue_for_slot(ctl: Throttle, name: str, args: Any, kwargs: Any, options: Ma
         if reply.code == SlotCode.FULL:
             reply = slots.enqueue(call, task_id, message())
     except StoreError as exc:
-        ctl.metrics.store_error("producer")
-        _breaker.trip()
-        logger.warning("throttle store unreachable at publish: tasks are sent unchecked for %.0fs "
-                       "(the workers check them): %s", STORE_ERROR_PAUSE, exc)
+        _unreachable(ctl, exc)
         return None
-    except (ThrottleError, EncodeError, TypeError, ValueError):
-        return None  # bad arguments or an unserializable option: the worker's check reports it
+    except (EncodeError, TypeError, ValueError):
+        return None  # an unserializable argument or option: sent, and the worker's check reports it
     if reply.code != SlotCode.QUEUED:
         return None
     ctl.metrics.denied(call.scope, call.key, 0.0, True)

@@ -1,7 +1,7 @@
 """A pure-Python reference model of ``celery_throttle/lua/slots.lua``: the concurrency
 slots of one key, operation by operation (take, enqueue, release, renew, sweep, peek), with the
 same state (holders by lease end, the FIFO queue by first wait, the waiting messages)
-and the same reply. ``tests/test_slots_model.py`` runs the real script against it.
+and the same reply (a ``protocol.SlotReply``). ``tests/test_slots_model.py`` runs the real script against it.
 
 Redis orders a sorted set by score, then by member (bytes); ``_ranked`` does the same.
 Times are integer microseconds.
@@ -11,19 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from celery_throttle.protocol import SlotCode
+from celery_throttle.protocol import SlotCode, SlotReply
 
-__all__ = ["SlotsModel", "SlotsModelReply"]
-
-
-@dataclass(frozen=True)
-class SlotsModelReply:
-    code: SlotCode
-    running: int
-    waiting: int
-    now_us: int
-    woken: tuple[tuple[str, bytes | None], ...] = ()
-    lost: tuple[str, ...] = ()
+__all__ = ["SlotsModel"]
 
 
 def _ranked(zset: dict[str, int]) -> list[str]:
@@ -65,8 +55,8 @@ class SlotsModel:
         return False
 
     def _reply(self, code: SlotCode, now: int, woken: list[tuple[str, bytes | None]] = (),  # type: ignore[assignment]
-               lost: tuple[str, ...] = ()) -> SlotsModelReply:
-        return SlotsModelReply(code, len(self.holders), len(self.queue), now, tuple(woken), lost)
+               lost: tuple[str, ...] = ()) -> SlotReply:
+        return SlotReply(code, len(self.holders), len(self.queue), now, tuple(woken), lost)
 
     def _own(self, holder: str, now: int, lease: int) -> None:
         self.holders[holder] = now + lease
@@ -75,7 +65,7 @@ class SlotsModel:
 
     # -- the operations ----------------------------------------------------------------------
     def take(self, now: int, limit: int, lease: int, holder: str, message: bytes = b"",
-             first_wait: int = 0) -> SlotsModelReply:
+             first_wait: int = 0) -> SlotReply:
         self._reclaim(now)
         woken: list[tuple[str, bytes | None]] = []
         if holder in self.holders:
@@ -91,7 +81,7 @@ class SlotsModel:
         self.messages[holder] = message
         return self._reply(SlotCode.QUEUED, now, woken)
 
-    def enqueue(self, now: int, limit: int, lease: int, task: str, message: bytes = b"") -> SlotsModelReply:
+    def enqueue(self, now: int, limit: int, lease: int, task: str, message: bytes = b"") -> SlotReply:
         self._reclaim(now)
         woken: list[tuple[str, bytes | None]] = []
         self._hand_over(now, limit, lease, woken, None)
@@ -103,14 +93,14 @@ class SlotsModel:
         self.messages[task] = message
         return self._reply(SlotCode.QUEUED, now, woken)
 
-    def release(self, now: int, limit: int, lease: int, holder: str) -> SlotsModelReply:
+    def release(self, now: int, limit: int, lease: int, holder: str) -> SlotReply:
         held = self.holders.pop(holder, None) is not None
         self._reclaim(now)
         woken: list[tuple[str, bytes | None]] = []
         self._hand_over(now, limit, lease, woken, None)
         return self._reply(SlotCode.TAKEN if held else SlotCode.LOST, now, woken)
 
-    def renew(self, now: int, lease: int, holders: list[str]) -> SlotsModelReply:
+    def renew(self, now: int, lease: int, holders: list[str]) -> SlotReply:
         lost = []
         for holder in holders:
             end = self.holders.get(holder)
@@ -121,15 +111,15 @@ class SlotsModel:
                 lost.append(holder)
         return self._reply(SlotCode.LOST if lost else SlotCode.TAKEN, now, lost=tuple(lost))
 
-    def sweep(self, now: int, limit: int, lease: int) -> SlotsModelReply:
+    def sweep(self, now: int, limit: int, lease: int) -> SlotReply:
         self._reclaim(now)
         woken: list[tuple[str, bytes | None]] = []
         self._hand_over(now, limit, lease, woken, None)
         return self._reply(SlotCode.TAKEN, now, woken)
 
-    def peek(self, now: int) -> SlotsModelReply:
+    def peek(self, now: int) -> SlotReply:
         running = sum(1 for end in self.holders.values() if end > now)
-        return SlotsModelReply(SlotCode.TAKEN, running, len(self.queue), now)
+        return SlotReply(SlotCode.TAKEN, running, len(self.queue), now)
 
     def running(self, now: int) -> int:
         """Leases that still count at ``now``."""

@@ -19,7 +19,7 @@ from celery_throttle.keys import slot_keys, state_key
 from celery_throttle.protocol import SlotCode
 from celery_throttle.slot_store import SlotStore
 from celery_throttle.store import RedisStore
-from tests.helpers import QUICK, STORE_URL, redis_or_skip
+from tests.helpers import QUICK, STORE_URL
 from tests.slots_reference import SlotsModel
 
 BASE_US = 1_700_000_000_000_000
@@ -35,21 +35,14 @@ class Clock:
         return self.now
 
 
-@pytest.fixture(scope="module")
-def redis_client() -> Iterator[redis.Redis]:
-    client = redis_or_skip(STORE_URL)
-    yield client
-    client.close()
-
-
 @pytest.fixture
-def rig(redis_client: redis.Redis) -> Iterator[tuple[SlotStore, Clock, str]]:
+def rig(store_client: redis.Redis) -> Iterator[tuple[SlotStore, Clock, str]]:
     prefix = f"ct-test-{uuid.uuid4().hex[:12]}"
     clock = Clock()
     store = RedisStore(STORE_URL, prefix, clock=clock)
     yield SlotStore(store), clock, state_key(prefix, "export", "acme")
-    for key in redis_client.scan_iter(match=f"{prefix}:*", count=1000):
-        redis_client.delete(key)
+    for key in store_client.scan_iter(match=f"{prefix}:*", count=1000):
+        store_client.delete(key)
     store.close()
 
 
