@@ -48,6 +48,9 @@ FULL_HINT_S = 1.0
 #: far under its limit checks it at most 1/FREE_HINT_S times a second (the workers' own
 #: take counts every start anyway), and a flood is caught within this long.
 FREE_HINT_S = 0.1
+#: Keys whose full or free hint a process keeps; past this the hints start afresh (a
+#: producer of many tenants must not grow without bound).
+HINT_KEYS = 10_000
 #: How often (seconds, at most) one worker's sweep visits the keys with waiting tasks;
 #: a lock in the store makes it one worker per round, whatever the number of workers.
 SWEEP_EVERY_S = 5.0
@@ -127,7 +130,7 @@ class Slots:
             self._full_at.pop(call.state_key, None)
             self._start_renewer()
         else:
-            self._full_at[call.state_key] = time.monotonic()
+            _note(self._full_at, call.state_key)
             if reply.code == SlotCode.QUEUED:
                 store.index(call.state_key, call.concurrency)
         self.wake(reply)
@@ -144,11 +147,11 @@ class Slots:
         store = self.store
         reply = store.enqueue(call.state_key, task_id, call.concurrency, self.lease_us, message)
         if reply.code == SlotCode.FREE:
-            self._free_at[call.state_key] = time.monotonic()
+            _note(self._free_at, call.state_key)
             self._full_at.pop(call.state_key, None)
         else:
             self._free_at.pop(call.state_key, None)
-            self._full_at[call.state_key] = time.monotonic()
+            _note(self._full_at, call.state_key)
             if reply.code == SlotCode.QUEUED:
                 store.index(call.state_key, call.concurrency)
         self.wake(reply)
@@ -247,3 +250,10 @@ class Slots:
                 if store.status(state_key)[1]:
                     store.index(state_key, limit)
         return woken
+
+
+def _note(hints: dict[str, float], state_key: str) -> None:
+    """Note now as the time of ``state_key``'s hint (HINT_KEYS at most)."""
+    if len(hints) >= HINT_KEYS and state_key not in hints:
+        hints.clear()
+    hints[state_key] = time.monotonic()
