@@ -24,9 +24,9 @@ from .controls import Controls
 from .errors import ThrottleError
 from .keys import encode
 from .lease import Leases, sent_at
-from .protocol import Code, Counted, Reservation, WindowCall, WindowReply, rate_field, rates_tag
+from .protocol import Code, Cost, Counted, Reservation, WindowCall, WindowReply, rate_field, rates_tag
 from .rates import Rate
-from .spec import BoundCall, ThrottleSpec
+from .spec import BoundCall, ThrottleSpec, rate_costs
 from .store import RedisStore
 
 __all__ = ["Checker"]
@@ -144,7 +144,8 @@ class Checker:
         override = self.controls.limits_for(self.quick_store if quick else self.store, call.scope, call.key)
         if override is None or override == call.rates:
             return call
-        return replace(call, rates=override, fields=_live_fields(call.algorithm, call.rates, override))
+        cost = rate_costs(override, call.unit_costs) if call.unit_costs else call.cost
+        return replace(call, rates=override, cost=cost, fields=_live_fields(call.algorithm, call.rates, override))
 
     def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
               claimant: str | None = None, learn: bool = True, lease: bool = False,
@@ -168,7 +169,9 @@ class Checker:
             marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claimant else None
             return self.store.claim(key, request, claim, marker=marker, learn=learn, reserve=reserve,
                                     resumed=resumed)
-        if not lease or request.not_before_us:  # (a lease would start in a pause)
+        if not lease or request.not_before_us or not isinstance(call.cost, int):
+            # (A lease would start in a pause; and it holds units of one count for every
+            # rate: a call of rates costing differently, requests and tokens, takes none.)
             return self.store.acquire(key, request, reserve=reserve)
         # A lease holds units of these very rates: a call of the same key under other
         # rates (a callable rate that changed) does not use it.
@@ -198,7 +201,7 @@ class Checker:
             span = max(self.lease_span_us(call.rates), span)
         return Counted(reply.now_us, reply.now_us + span, call.cost, reply.epoch)
 
-    def settle(self, call: BoundCall, counted: Counted, delta: int) -> WindowReply:
+    def settle(self, call: BoundCall, counted: Counted, delta: Cost) -> WindowReply:
         """Count ``delta`` units more (a refund: fewer) for a call that started, counted
         as ``counted`` (see :mod:`.settle`)."""
         key, request = self._window_call(call, self.store, None)
@@ -237,10 +240,11 @@ class Checker:
         shape = (call.algorithm, call.rates, call.cost, call.fields, max_wait, not_before, min_grace_us, far_us)
         request = self._requests.get(shape)
         if request is None:
-            tightest = _tightest_limit(call.rates)
-            if call.cost > tightest:
+            too_costly = _too_costly(call.rates, call.cost)
+            if too_costly is not None:
+                units, rate = too_costly
                 raise ThrottleError(
-                    f"cost {call.cost} of scope {call.scope!r} exceeds the limit {tightest} of one of its rates"
+                    f"cost {units} of scope {call.scope!r} exceeds the limit of its rate {rate}: it can never run"
                 )
             request = WindowCall(
                 call.algorithm, call.rates, call.cost, call.fields,
@@ -282,9 +286,13 @@ class Checker:
 _REQUEST_SHAPES = 1024
 
 
-@lru_cache(maxsize=1024)
-def _tightest_limit(rates: tuple[Rate, ...]) -> int:
-    return min(r.limit for r in rates)
+def _too_costly(rates: tuple[Rate, ...], cost: Cost) -> tuple[int, Rate] | None:
+    """(units, rate) of a rate that ``cost`` never fits in, or None."""
+    for i, rate in enumerate(rates):
+        units = cost if isinstance(cost, int) else cost[i]
+        if units > rate.limit:
+            return units, rate
+    return None
 
 
 @lru_cache(maxsize=1024)
@@ -292,12 +300,12 @@ def _widened(rates: tuple[Rate, ...], margin_us: int) -> tuple[Rate, ...]:
     """Each rate's window made ``margin_us`` longer (a window of its own in the state);
     -1: by the default margin of its length (:func:`.timing.default_margin_us`)."""
     return tuple(Rate(r.limit, (r.period_us + (margin_us if margin_us >= 0 else timing.default_margin_us(r.period_us)))
-                      / 1_000_000) for r in rates)
+                      / 1_000_000, r.unit) for r in rates)
 
 
 @lru_cache(maxsize=1024)
 def _live_fields(algorithm: str, declared: tuple[Rate, ...], live: tuple[Rate, ...]) -> tuple[str, ...]:
-    """The state field of each live rate: the declared rate's of the same window length,
-    else its own."""
-    by_period = {r.period_us: r for r in declared}
-    return tuple(rate_field(algorithm, by_period.get(r.period_us, r)) for r in live)
+    """The state field of each live rate: the declared rate's of the same window length
+    and unit, else its own."""
+    by_period = {(r.period_us, r.unit): r for r in declared}
+    return tuple(rate_field(algorithm, by_period.get((r.period_us, r.unit), r)) for r in live)

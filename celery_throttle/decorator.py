@@ -11,7 +11,7 @@ from celery.local import PromiseProxy, Proxy
 from .errors import ConfigurationError
 from .hook import attach
 from .internals import proxied_function
-from .spec import RateArg, ThrottleSpec, declared_spec
+from .spec import CostArg, RateArg, ThrottleSpec, declared_spec
 
 __all__ = ["throttle"]
 
@@ -20,7 +20,7 @@ def throttle(
     *rates: RateArg,
     key: str | Callable[..., Any] | None = None,
     scope: str | None = None,
-    cost: int | Callable[..., Any] = 1,
+    cost: CostArg = 1,
     algorithm: str | None = None,
     max_wait: float | None = None,
     margin: float | None = None,
@@ -38,7 +38,9 @@ def throttle(
     ``rates``: one or more rate strings (all must admit a call), or one callable over
     the task's arguments returning them. ``key``: a format string over the task's
     arguments, or a callable returning a string. ``scope``: the name the limit is stored
-    under (default: the task's name). ``cost``: units per call (int or callable).
+    under (default: the task's name). ``cost``: units per call (int or callable); for
+    rates of named units (``"30000 tokens/m"``), by unit: ``cost={"tokens": estimate}``
+    (a unit not named costs 1).
     ``algorithm``: ``"sliding"`` or ``"fixed"`` (default: ``throttle_default_algorithm``).
     ``max_wait``: seconds; a denied call whose start would be further away fails with
     :class:`~celery_throttle.errors.WaitTooLong` instead of waiting (default:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from typing import Any
 
+from .protocol import Cost
 from .timing import PUBLISH_HINTS_KEPT
 
 __all__ = ["Hints"]
@@ -23,6 +25,9 @@ class Hints:
     counted yet, so a queue that fills while no worker runs holds at most half a window's
     limit of a key per producer and hint. Only fairness rests on it: every start is still
     checked by the worker, so no window is broken whatever a hint says.
+
+    A call whose rates count different units (requests and tokens) has a budget per rate:
+    a send is taken from each (:data:`.protocol.Cost`), and fits while each has room.
     """
 
     #: What :meth:`take` answers.
@@ -31,28 +36,36 @@ class Hints:
     def __init__(self, kept: int = PUBLISH_HINTS_KEPT) -> None:
         self._lock = threading.Lock()
         self._kept = kept
-        #: state key -> [deadline (monotonic seconds), units left]
-        self._hints: OrderedDict[str, list[float]] = OrderedDict()
+        #: state key -> [deadline (monotonic seconds), units left: of every rate, or per rate]
+        self._hints: OrderedDict[str, list[Any]] = OrderedDict()
 
-    def take(self, key: str, cost: int) -> str:
+    def take(self, key: str, cost: Cost) -> str:
         """SEND: ``cost`` units taken from the key's budget. RESERVE: the budget ran out
-        in this hint. ASK: no hint (or an old one): check."""
+        in this hint. ASK: no hint (an old one, or one of calls costing otherwise): check."""
         with self._lock:
             hint = self._hints.get(key)
             if hint is None:
                 return self.ASK
-            if hint[0] <= time.monotonic():
+            deadline, left = hint
+            if deadline <= time.monotonic() or _shape(left) != _shape(cost):
                 del self._hints[key]
                 return self.ASK
-            if hint[1] >= cost:
-                hint[1] -= cost
+            if isinstance(left, int) and isinstance(cost, int):
+                if left < cost:
+                    return self.RESERVE
+                hint[1] = left - cost
                 return self.SEND
-            return self.RESERVE
+            if any(room < units for room, units in zip(left, cost)):  # type: ignore[arg-type]
+                return self.RESERVE
+            hint[1] = tuple(room - units for room, units in zip(left, cost))  # type: ignore[arg-type]
+            return self.SEND
 
-    def open(self, key: str, units: int, seconds: float) -> None:
-        """The key may take ``units`` more unchecked sends within ``seconds``."""
+    def open(self, key: str, units: Cost, seconds: float) -> None:
+        """The key may take ``units`` (of every rate, or per rate) more unchecked sends
+        within ``seconds``."""
+        left = max(units, 0) if isinstance(units, int) else tuple(max(u, 0) for u in units)
         with self._lock:
-            self._hints[key] = [time.monotonic() + seconds, float(max(units, 0))]
+            self._hints[key] = [time.monotonic() + seconds, left]
             self._hints.move_to_end(key)
             while len(self._hints) > self._kept:
                 self._hints.popitem(last=False)
@@ -60,3 +73,8 @@ class Hints:
     def clear(self) -> None:
         with self._lock:
             self._hints.clear()
+
+
+def _shape(cost: Cost) -> int:
+    """0 for units of every rate, else the number of rates counted one by one."""
+    return 0 if isinstance(cost, int) else len(cost)

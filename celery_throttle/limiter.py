@@ -20,15 +20,13 @@ from .hints import Hints
 from .keys import parked_patterns, scan_pattern, state_key, target_matches, target_of
 from .metrics import Metrics
 from .parking_store import ParkingStore
-from .protocol import ALGORITHM_TAGS, WindowCall, WindowReply
-from .rates import Rate, parse_rates
+from .protocol import WindowCall, WindowReply, rate_of_field
+from .rates import UNIT_NAME, Rate, parse_rates
 from .slots import Slots
-from .spec import BoundCall, ThrottleSpec, declared_spec
+from .spec import BoundCall, ThrottleSpec, declared_spec, rate_costs
 from .store import RedisStore
 
 __all__ = ["Decision", "RateStatus", "Status", "Throttle"]
-
-_ALGORITHM_OF_TAG = {tag: algorithm for algorithm, tag in ALGORITHM_TAGS.items()}
 
 logger = logging.getLogger("celery_throttle")
 
@@ -190,10 +188,12 @@ class Throttle:
         scope: str,
         key: str | None = None,
         rates: str | Sequence[str] = (),
-        cost: int = 1,
+        cost: int | Mapping[str, int] = 1,
         algorithm: str | None = None,
     ) -> Decision:
-        """Consume ``cost`` units of ``scope`` (and ``key``) now if every rate admits it.
+        """Consume ``cost`` units of ``scope`` (and ``key``) now if every rate admits it;
+        for rates of named units, a cost by unit: ``cost={"tokens": 1200}`` (a unit not
+        named: 1).
 
         A denial consumes nothing. ``retry_after`` says when the same call would fit.
         """
@@ -256,21 +256,20 @@ class Throttle:
                 limits: Mapping[str, tuple[Rate, ...]]) -> Status:
         hash_key = state_key(self.settings.key_prefix, scope, key)
         live_rates = (key is not None and limits.get(limit_field(scope, key))) or limits.get(limit_field(scope, None))
-        live = {r.period_us: r for r in live_rates or ()}
+        live = {(r.period_us, r.unit): r for r in live_rates or ()}
         seen: set[tuple[str, Rate, Rate, str]] = set()
         declared = self._declared_periods(scope, live_rates or ())
         for field in self.store.read(hash_key):
-            algorithm = _ALGORITHM_OF_TAG.get(field[:1])
-            limit, _, period_us = field[1:].partition("/")
-            if algorithm and limit.isdigit() and period_us.isdigit():
+            named = rate_of_field(field)
+            if named is not None:
+                algorithm, limit, stored_us, unit = named
                 # Shown as declared (a window with the default margin as the rate without
                 # it), counted over the window stored. The limit in force: the live one
-                # of this window length, if set.
-                stored_us = int(period_us)
+                # of this window length and unit, if set.
                 declared_us = next((d for d in declared if d + timing.default_margin_us(d) == stored_us
                                     and algorithm == "sliding"), stored_us)
-                rate = live.get(declared_us) or Rate(int(limit), declared_us / 1_000_000)
-                seen.add((algorithm, rate, Rate(rate.limit, stored_us / 1_000_000), field))
+                rate = live.get((declared_us, unit)) or Rate(limit, declared_us / 1_000_000, unit)
+                seen.add((algorithm, rate, Rate(rate.limit, stored_us / 1_000_000, unit), field))
         out = []
         for algorithm, rate, counted, field in sorted(seen):
             reply = self.store.peek(hash_key, WindowCall(algorithm, (counted,), fields=(field,)))
@@ -359,7 +358,8 @@ class Throttle:
         """Forget every window of ``scope``/``key``. True if there was anything."""
         return self.store.delete(state_key(self.settings.key_prefix, scope, key)) > 0
 
-    def _direct_call(self, scope: str, key: str | None, rates: Any, cost: int, algorithm: str | None) -> BoundCall:
+    def _direct_call(self, scope: str, key: str | None, rates: Any, cost: int | Mapping[str, int],
+                     algorithm: str | None) -> BoundCall:
         if not isinstance(scope, str) or not scope:
             raise ConfigurationError(f"scope must be a non-empty string, got {scope!r}")
         if key is not None and not isinstance(key, str):
@@ -368,9 +368,18 @@ class Throttle:
         if algorithm not in ALGORITHMS:
             raise ConfigurationError(f"unknown algorithm {algorithm!r}: use one of {ALGORITHMS}")
         parsed = parse_rates(rates)
-        if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
-            raise ConfigurationError(f"cost must be a positive integer, got {cost!r}")
-        return BoundCall(scope, key, parsed, cost, algorithm, state_key(self.settings.key_prefix, scope, key))
+        by_unit = dict(cost) if isinstance(cost, Mapping) else {"": cost}
+        for unit, units in by_unit.items():
+            if isinstance(units, bool) or not isinstance(units, int) or units <= 0:
+                raise ConfigurationError(f"cost must be a positive integer, got {units!r}")
+            if unit and not (isinstance(unit, str) and UNIT_NAME.match(unit) and any(r.unit == unit for r in parsed)):
+                raise ConfigurationError(f"cost names unit {unit!r}, which none of the rates "
+                                         f"{[str(r) for r in parsed]} counts")
+        if not isinstance(cost, Mapping):
+            return BoundCall(scope, key, parsed, cost, algorithm, state_key(self.settings.key_prefix, scope, key))
+        unit_costs = tuple(sorted(by_unit.items()))
+        return BoundCall(scope, key, parsed, rate_costs(parsed, unit_costs), algorithm,
+                         state_key(self.settings.key_prefix, scope, key), unit_costs=unit_costs)
 
 
 def _unix(until_us: int) -> float:

@@ -21,9 +21,31 @@ from typing import Any, NamedTuple
 
 from .rates import Rate
 
-__all__ = ["ALGORITHM_TAGS", "DEAD_LETTER_HEADERS", "HEADER", "HEADER_VERSION", "STATE_FORMAT", "STATE_LAYOUT", "Code", "Counted", "Reservation", "SlotCode", "SlotReply",
-           "StateLayout", "WindowCall", "WindowReply", "header_value", "rate_field", "rates_tag", "read_state", "window_argv", "window_argv_settle",
+__all__ = ["ALGORITHM_TAGS", "DEAD_LETTER_HEADERS", "HEADER", "HEADER_VERSION", "STATE_FORMAT", "STATE_LAYOUT", "Code", "Cost", "Counted", "Reservation", "SlotCode", "SlotReply",
+           "StateLayout", "WindowCall", "WindowReply", "cost_arg", "header_value", "rate_field", "rate_of_field", "rates_tag", "read_state", "window_argv", "window_argv_settle",
            "without_dead_letter_headers"]
+
+
+#: What a call costs: units of every one of its rates (an int), or one count per rate, in
+#: the rates' order (a tuple), when its rates count different units (``"500/m"`` and
+#: ``"30000 tokens/m"``).
+Cost = int | tuple[int, ...]
+
+
+def cost_arg(cost: Cost) -> int | str:
+    """A cost as the window script reads it: a number, or a count per rate, comma-separated."""
+    return cost if isinstance(cost, int) else ",".join(map(str, cost))
+
+
+def _header_cost(value: Any) -> bool:
+    """Whether ``value`` is a cost as a header carries it: an int, or a list of them."""
+    if isinstance(value, list):
+        return len(value) >= 2 and all(_header_int(v) and v > 0 for v in value)
+    return _header_int(value) and value > 0
+
+
+def _header_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53
 
 
 @dataclass(frozen=True)
@@ -38,29 +60,30 @@ class Reservation:
 
     start_us: int
     latest_us: int
-    cost: int
+    cost: Cost
     grace_us: int
     epoch: int
     lead_us: int = 0
     rates_tag: int = 0
 
-    def to_header(self) -> list[int]:
-        return [self.start_us, self.latest_us, self.cost, self.grace_us, self.epoch, self.lead_us,
-                self.rates_tag]
+    def to_header(self) -> list[Any]:
+        cost = self.cost if isinstance(self.cost, int) else list(self.cost)
+        return [self.start_us, self.latest_us, cost, self.grace_us, self.epoch, self.lead_us, self.rates_tag]
 
-    def script_args(self) -> list[int]:
+    def script_args(self) -> list[int | str]:
         """ARGV[7..12] of window.lua for a claim of it."""
-        return [self.start_us, self.latest_us, self.cost, self.grace_us, self.epoch, self.lead_us]
+        return [self.start_us, self.latest_us, cost_arg(self.cost), self.grace_us, self.epoch, self.lead_us]
 
     @classmethod
     def from_header(cls, value: Any) -> Reservation | None:
         """The reservation a header holds, or None for anything else (6 fields: written
-        before rates were tagged)."""
+        before rates were tagged; a cost that is a list: one per rate, header format 2)."""
         if not isinstance(value, (list, tuple)) or len(value) not in (6, 7):
             return None
-        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**53 for v in value):
+        if not (_header_cost(value[2]) and all(_header_int(v) for i, v in enumerate(value) if i != 2)):
             return None
-        return cls(*value) if value[2] > 0 else None
+        cost = value[2] if isinstance(value[2], int) else tuple(value[2])
+        return cls(value[0], value[1], cost, *value[3:])
 
 
 @lru_cache(maxsize=1024)
@@ -130,12 +153,13 @@ class Counted:
 
     start_us: int
     latest_us: int
-    units: int
+    units: Cost
     epoch: int
 
-    def script_args(self, delta: int) -> list[int | str]:
-        """ARGV[7..12] of window.lua for a settle of ``delta`` units."""
-        return [self.start_us, self.latest_us, delta, 0, self.epoch, 0]
+    def script_args(self, delta: Cost) -> list[int | str]:
+        """ARGV[7..12] of window.lua for a settle of ``delta`` units (a count per rate, for
+        rates of different units)."""
+        return [self.start_us, self.latest_us, cost_arg(delta), 0, self.epoch, 0]
 
 
 class SlotCode(IntEnum):
@@ -173,7 +197,8 @@ class WindowCall:
 
     algorithm: str
     rates: tuple[Rate, ...]
-    cost: int = 1
+    #: Units the call counts: of every rate, or one count per rate (:data:`Cost`).
+    cost: Cost = 1
     #: The state's field per rate, when not the rate's own name (a live limit).
     fields: tuple[str, ...] | None = None
     #: How long after its reserved start a call may still use it.
@@ -217,6 +242,9 @@ class WindowReply(NamedTuple):
     grace_us: int
     #: Units granted as a lease, this call's own included (0 if none).
     leased: int = 0
+    #: For an 'admit' of a call whose rates count different units, that fits: the room
+    #: left in each rate (in the rates' order) before it is half full.
+    rooms: tuple[int, ...] | list[int] = ()
 
     @property
     def allowed(self) -> bool:
@@ -241,7 +269,7 @@ def window_argv(now: str, op: str, call: WindowCall, *, reserve: bool = False,
 def _window_argv(op: str, call: WindowCall, reserve: bool, claim_args: Sequence[int | str], learn: str,
                  lease: int, lease_span_us: int) -> list[int | str]:
     """ARGV[2..] of window.lua."""
-    args: list[int | str] = [op, "1" if reserve else "0", call.cost, call.grace_us, call.slack_us]
+    args: list[int | str] = [op, "1" if reserve else "0", cost_arg(call.cost), call.grace_us, call.slack_us]
     args += claim_args
     args += [learn, lease, lease_span_us, call.max_wait_us, call.not_before_us,
              call.pause_horizon_us or _FOREVER_HORIZON]
@@ -249,7 +277,7 @@ def _window_argv(op: str, call: WindowCall, reserve: bool, claim_args: Sequence[
     return args
 
 
-def window_argv_settle(now: str, call: WindowCall, counted: Counted, delta: int) -> list[int | str]:
+def window_argv_settle(now: str, call: WindowCall, counted: Counted, delta: Cost) -> list[int | str]:
     """ARGV of window.lua for a settle: its cost (ARGV[4]) is not checked, the units it
     reports are ``delta``."""
     return [now, *_window_argv("settle", call, False, counted.script_args(delta), "0", 0, 0)]
@@ -264,7 +292,24 @@ ALGORITHM_TAGS = {"sliding": "s", "fixed": "f"}
 
 
 def rate_field(algorithm: str, rate: Rate) -> str:
-    return f"{ALGORITHM_TAGS[algorithm]}{rate.limit}/{rate.period_us}"
+    """The state hash's field of ``rate``: "s25/1000000" holds sliding "25/s", and
+    "s30000/60000000.tokens" sliding "30000 tokens/m"."""
+    unit = f".{rate.unit}" if rate.unit else ""
+    return f"{ALGORITHM_TAGS[algorithm]}{rate.limit}/{rate.period_us}{unit}"
+
+
+def rate_of_field(field: str) -> tuple[str, int, int, str] | None:
+    """(algorithm, limit, period in µs, unit) of a field :func:`rate_field` named, or None
+    for any other field."""
+    algorithm = _ALGORITHM_OF_TAG.get(field[:1])
+    limit, _, rest = field[1:].partition("/")
+    period_us, _, unit = rest.partition(".")
+    if algorithm is None or not (limit.isdigit() and period_us.isdigit()) or (unit and not unit.isidentifier()):
+        return None
+    return algorithm, int(limit), int(period_us), unit
+
+
+_ALGORITHM_OF_TAG = {tag: algorithm for algorithm, tag in ALGORITHM_TAGS.items()}
 
 
 @lru_cache(maxsize=1024)
@@ -287,8 +332,9 @@ HEADER = "celery_throttle"
 #: before the field existed, in format 1. One from a later format (a deploy rolled back
 #: while such messages wait) is read as absent: the task is checked afresh, which may
 #: count it twice in its window but never lets it run unchecked. CHANGELOG.md records
-#: each format.
-HEADER_VERSION = 1
+#: each format. A header is written in the oldest format that holds it (2 only for a
+#: reservation with a cost per rate), so a deploy rolled back still reads the others.
+HEADER_VERSION = 2
 
 
 #: Headers RabbitMQ adds to a message it dead-letters, as the delay topology of broker
@@ -333,4 +379,6 @@ def read_state(value: Any) -> dict[str, Any]:
 
 def header_value(state: dict[str, Any]) -> dict[str, Any]:
     """The header to send for ``state`` (as :func:`read_state` returns it, updated)."""
-    return {**state, "v": HEADER_VERSION}
+    reservation = state.get("r")
+    per_rate = isinstance(reservation, list) and len(reservation) > 2 and isinstance(reservation[2], list)
+    return {**state, "v": 2 if per_rate else 1}

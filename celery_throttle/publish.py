@@ -45,7 +45,7 @@ from .internals import registered_task
 from .keys import state_tag
 from .messages import encode_message
 from .parking import park
-from .protocol import HEADER, Code, SlotCode, header_value
+from .protocol import HEADER, Code, Cost, SlotCode, header_value
 from .spec import BoundCall, ThrottleSpec, declared_spec
 from .timing import PUBLISH_HINT_MAX, STORE_ERROR_PAUSE, shortest_us
 
@@ -210,7 +210,9 @@ def admit(ctl: Throttle, name: str, known: Known, call: BoundCall) -> Deferral |
     except ThrottleError:
         return None  # bad arguments: the worker's check reports it, visibly
     if reply.code == Code.RUN:  # room: this one and `leased - cost` more go unchecked
-        ctl.hints.open(ident, reply.leased - call.cost, min(shortest_us(call.rates) / 1e6, PUBLISH_HINT_MAX))
+        room: Cost = reply.leased - call.cost if isinstance(call.cost, int) else tuple(
+            left - units for left, units in zip(reply.rooms, call.cost))
+        ctl.hints.open(ident, room, min(shortest_us(call.rates) / 1e6, PUBLISH_HINT_MAX))
         return None
     held = ctl.checker.holds(call, reply.now_us)
     if not (reply.code == Code.RESERVED or (reply.code == Code.DENIED and held)):

@@ -10,6 +10,10 @@ window, estimates standing in until the report. A call admitted from a process's
 (a busy key far under its limit) keeps a refund counted (where in the lease it counts is
 not known) and counts an overrun from the report.
 
+A throttle whose rates count different units (``"500/m"`` and ``"30000 tokens/m"``)
+is charged by unit: ``charge(tokens=1234)`` settles the rates counting tokens, and the
+others keep what they counted.
+
 The hook notes, in the thread (or greenlet) that runs the body, where the call was
 counted; :func:`charge` reads it there.
 """
@@ -25,7 +29,7 @@ from celery import current_task
 
 from .controller import controller
 from .errors import StoreError, ThrottleError
-from .protocol import Counted
+from .protocol import Cost, Counted
 from .spec import BoundCall
 
 __all__ = ["charge"]
@@ -38,8 +42,8 @@ class _Running:
     task_id: str
     call: BoundCall
     counted: Counted
-    #: The units the window counts the call with now.
-    units: int
+    #: The units the window counts the call with now (of every rate, or per rate).
+    units: Cost
 
 
 class _Bodies(threading.local):
@@ -62,23 +66,32 @@ def ended(task_id: str) -> None:
     _bodies.running.pop(task_id, None)
 
 
-def charge(units: int) -> None:
+def charge(units: int | None = None, /, **by_unit: int) -> None:
     """Report what this throttled body really used: ``units`` replace the estimate its
-    ``cost`` was counted with (call it again to correct it; the last report stands).
+    ``cost`` was counted with (call it again to correct it; the last report stands). For
+    rates of named units, by name: ``charge(tokens=1234)`` settles the rates that count
+    tokens (a rate of a unit not named keeps its count); ``charge(n)`` is for a throttle
+    whose rates all count one unit.
 
     Raises :class:`~celery_throttle.errors.ThrottleError` outside the body of a
-    throttled task, or for a unit count that is not an integer >= 0. A store that cannot
-    be reached is logged, not raised: the body's own outcome stands.
+    throttled task, for a unit count that is not an integer >= 0, or a unit its rates
+    do not count. A store that cannot be reached is logged, not raised: the body's own
+    outcome stands.
     """
-    if isinstance(units, bool) or not isinstance(units, int) or units < 0:
-        raise ThrottleError(f"charge() takes the units used, an integer >= 0, got {units!r}")
+    for name, value in ((None, units), *by_unit.items()):
+        if (name is not None or value is not None) and (isinstance(value, bool) or not isinstance(value, int)
+                                                         or value < 0):
+            raise ThrottleError(f"charge() takes the units used, each an integer >= 0, got {name or 'units'}={value!r}")
+    if (units is None) == (not by_unit):
+        raise ThrottleError("charge() takes the units used: charge(1234), or by unit, charge(tokens=1234)")
     request = getattr(current_task, "request", None)
     task_id = getattr(request, "id", None)
     running = _bodies.running.get(task_id) if task_id else None
     if running is None:
         raise ThrottleError("charge() is called in the body of a task with a @throttle (or a rule), "
                             "while it runs; this is not one")
-    delta = units - running.units
+    reported = _reported(running.call, running.units, units, by_unit)
+    delta = _difference(reported, running.units)
     if delta == 0:
         return
     ctl = controller(current_task.app)
@@ -86,10 +99,43 @@ def charge(units: int) -> None:
         ctl.checker.settle(running.call, running.counted, delta)
     except StoreError as exc:
         ctl.metrics.store_error("settle")
-        logger.warning("could not settle the cost of %s[%s] (%d units, estimated %d): %s", current_task.name,
-                       task_id, units, running.units, exc)
+        logger.warning("could not settle the cost of %s[%s] (%s units, estimated %s): %s", current_task.name,
+                       task_id, units if units is not None else by_unit, running.units, exc)
         return
-    running.units = units
+    running.units = reported
+
+
+def _reported(call: BoundCall, counted: Cost, units: int | None, by_unit: dict[str, int]) -> Cost:
+    """What a call of ``call``'s rates now counts in each, after a report of ``units`` (of
+    every rate) or ``by_unit``; ``counted``: what each counted before."""
+    named = {rate.unit for rate in call.rates}
+    if units is not None:
+        if len(named) > 1:
+            example = max(named)
+            raise ThrottleError(f"this throttle's rates count several units ({', '.join(u or 'calls' for u in sorted(named))}): "
+                                f"charge them by name, e.g. charge({example}=1234)")
+        return units
+    unknown = sorted(set(by_unit) - named)
+    if unknown:
+        counts = ", ".join(sorted(u for u in named if u)) or "no named unit"
+        raise ThrottleError(f"charge() names unit(s) {unknown} that this throttle's rates do not count "
+                            f"(they count: {counts}; a rate counts a unit when it names it, \"30000 tokens/m\")")
+    before = counted if isinstance(counted, tuple) else (counted,) * len(call.rates)
+    after = tuple(by_unit.get(rate.unit, old) for rate, old in zip(call.rates, before))
+    return after[0] if after and all(a == after[0] for a in after) else after
+
+
+def _difference(reported: Cost, counted: Cost) -> Cost:
+    """``reported`` less ``counted``: one number if it is the same for every rate."""
+    if isinstance(reported, int) and isinstance(counted, int):
+        return reported - counted
+    n = len(reported) if isinstance(reported, tuple) else len(counted)  # type: ignore[arg-type]
+    pairs = zip(reported if isinstance(reported, tuple) else (reported,) * n,
+                counted if isinstance(counted, tuple) else (counted,) * n)
+    deltas = tuple(r - c for r, c in pairs)
+    if all(d == 0 for d in deltas):
+        return 0
+    return deltas
 
 
 def charge_after(spec_cost_after: Any, result: Any, task: Any) -> None:
@@ -97,7 +143,10 @@ def charge_after(spec_cost_after: Any, result: Any, task: Any) -> None:
     or answers something else is logged (the task's result stands)."""
     try:
         units = spec_cost_after(result)
-        charge(units)
+        if isinstance(units, dict):
+            charge(**units)
+        else:
+            charge(units)
     except Exception as exc:  # noqa: BLE001 - the result stands; the estimate stays counted
         logger.warning("cost_after of %s[%s] failed (%r): its estimate stays counted", task.name,
                        getattr(task.request, "id", None), exc)

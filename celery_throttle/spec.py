@@ -16,11 +16,15 @@ from typing import Any
 from .config import ALGORITHMS, check_margin, check_max_wait
 from .errors import ConfigurationError, KeyBuildError
 from .keys import state_key
-from .rates import Rate, parse_rates
+from .protocol import Cost
+from .rates import UNIT_NAME, Rate, parse_rates
 
-__all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec", "declared_spec"]
+__all__ = ["RULE_OPTIONS", "BoundCall", "CostArg", "ThrottleSpec", "declared_spec", "rate_costs"]
 
 RateArg = str | Rate | Sequence[str | Rate] | Callable[..., Any]
+#: A declared cost: units of every rate (an int, or a callable over the task's arguments),
+#: or a cost per unit its rates name, ``{"tokens": estimate}`` (any other unit: 1).
+CostArg = int | Callable[..., Any] | Mapping[str, int | Callable[..., Any]]
 RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin", "concurrency", "cost_after")
 
 
@@ -31,7 +35,9 @@ class BoundCall:
     scope: str
     key: str | None
     rates: tuple[Rate, ...]
-    cost: int
+    #: Units of every rate, or (rates of different units, costing differently) one count
+    #: per rate: :func:`rate_costs`.
+    cost: Cost
     algorithm: str
     #: The Redis key of the window state of this scope and key (:func:`.keys.state_key`).
     state_key: str
@@ -40,6 +46,17 @@ class BoundCall:
     fields: tuple[str, ...] | None = None
     #: At most this many bodies of this scope and key run at once (0: no such limit).
     concurrency: int = 0
+    #: The cost of each unit, when declared by unit (``cost={"tokens": ...}``): what
+    #: :attr:`cost` is made from again under other rates (a live limit).
+    unit_costs: tuple[tuple[str, int], ...] = ()
+
+
+def rate_costs(rates: Sequence[Rate], unit_costs: Sequence[tuple[str, int]]) -> Cost:
+    """What a call costing ``unit_costs`` (by unit; a unit not named: 1) counts in each of
+    ``rates``: one int when that is the same for every rate, else a count per rate."""
+    table = dict(unit_costs)
+    costs = tuple(table.get(r.unit, 1) for r in rates)
+    return costs[0] if costs and all(c == costs[0] for c in costs) else (costs or 1)
 
 
 @dataclass(frozen=True)
@@ -49,7 +66,8 @@ class ThrottleSpec:
     rates: tuple[Rate, ...] | Callable[..., Any]
     key: str | Callable[..., Any] | None = None
     scope: str | None = None
-    cost: int | Callable[..., Any] = 1
+    #: Units of every rate (an int or a callable), or by unit: ((unit, int or callable), ...).
+    cost: int | Callable[..., Any] | tuple[tuple[str, int | Callable[..., Any]], ...] = 1
     algorithm: str | None = None
     #: Seconds a denied call may wait for its start at most (None: the setting's).
     max_wait: float | None = None
@@ -68,7 +86,7 @@ class ThrottleSpec:
         rates: Sequence[RateArg],
         key: str | Callable[..., Any] | None = None,
         scope: str | None = None,
-        cost: int | Callable[..., Any] = 1,
+        cost: CostArg = 1,
         algorithm: str | None = None,
         max_wait: float | None = None,
         margin: float | None = None,
@@ -103,17 +121,18 @@ class ThrottleSpec:
             _template_fields(key)
         if scope is not None and (not isinstance(scope, str) or not scope):
             raise ConfigurationError(f"scope must be a non-empty string, got {scope!r}")
-        if not callable(cost):
-            _check_cost(cost, "cost")
-            if isinstance(parsed, tuple) and parsed:
-                tightest = min(parsed, key=lambda r: r.limit)
-                if cost > tightest.limit:
+        declared = _declared_cost(cost, parsed)
+        if isinstance(parsed, tuple):
+            fixed = dict(declared) if isinstance(declared, tuple) else None
+            for rate in parsed:
+                units = declared if isinstance(declared, int) else fixed.get(rate.unit, 1) if fixed else None
+                if isinstance(units, int) and units > rate.limit:
                     raise ConfigurationError(
-                        f"cost {cost} can never fit in rate {tightest}: a call would wait forever"
+                        f"cost {units} can never fit in rate {rate}: a call would wait forever"
                     )
         check_max_wait(max_wait, "max_wait")
         check_margin(margin, "margin")
-        return cls(parsed, key, scope, cost, algorithm, max_wait, margin, concurrency, cost_after)
+        return cls(parsed, key, scope, declared, algorithm, max_wait, margin, concurrency, cost_after)
 
     @classmethod
     def from_rule(cls, pattern: str, options: Mapping[str, Any]) -> ThrottleSpec:
@@ -183,16 +202,29 @@ class ThrottleSpec:
                 rates = parse_rates(value)
             except ConfigurationError as exc:
                 raise KeyBuildError(f"task {task_name}: the rate callable returned {value!r}: {exc}") from None
-        cost = self.cost
-        if callable(cost):
-            cost = _call(cost, task_name, "cost", args, kwargs)
-            try:
-                _check_cost(cost, "cost")
-            except ConfigurationError as exc:
-                raise KeyBuildError(f"task {task_name}: {exc}") from None
+        unit_costs: tuple[tuple[str, int], ...] = ()
+        if isinstance(self.cost, tuple):
+            unit_costs = tuple((unit, self._units(task_name, c, args, kwargs, f"cost of {unit!r}"))
+                               for unit, c in self.cost)
+            cost = rate_costs(rates, unit_costs)
+        else:
+            cost = self._units(task_name, self.cost, args, kwargs, "cost")
         key = self._key(task_name, signature, args, kwargs)
-        return BoundCall(scope, key, rates, int(cost), algorithm, state_key(prefix, scope, key),
-                         concurrency=self.concurrency or 0)
+        return BoundCall(scope, key, rates, cost, algorithm, state_key(prefix, scope, key),
+                         concurrency=self.concurrency or 0, unit_costs=unit_costs)
+
+    @staticmethod
+    def _units(task_name: str, cost: int | Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+               what: str) -> int:
+        """A declared cost of one call: the int, or what its callable answers (checked)."""
+        if not callable(cost):
+            return cost
+        value = _call(cost, task_name, what, args, kwargs)
+        try:
+            _check_cost(value, what)
+        except ConfigurationError as exc:
+            raise KeyBuildError(f"task {task_name}: {exc}") from None
+        return int(value)
 
     def _key(
         self,
@@ -257,6 +289,35 @@ def _template_fields(template: str) -> tuple[str, ...]:
             )
         names.append(base)
     return tuple(names)
+
+
+def _declared_cost(cost: Any, rates: tuple[Rate, ...] | Callable[..., Any]
+                   ) -> int | Callable[..., Any] | tuple[tuple[str, int | Callable[..., Any]], ...]:
+    """``cost`` as a spec keeps it, checked: an int, a callable, or by unit."""
+    if callable(cost):
+        return cost  # (a class too: what it answers is checked per call)
+    if not isinstance(cost, Mapping):
+        _check_cost(cost, "cost")
+        return int(cost)
+    if not cost:
+        raise ConfigurationError('cost by unit names at least one unit, e.g. cost={"tokens": 500}')
+    by_unit = []
+    for unit, units in cost.items():
+        if not isinstance(unit, str) or not UNIT_NAME.match(unit):
+            raise ConfigurationError(f"cost names units by their rates' names, such as 'tokens' in "
+                                     f"\"30000 tokens/m\"; got {unit!r}")
+        if not callable(units):
+            _check_cost(units, f"cost of {unit!r}")
+        by_unit.append((unit, units))
+    if isinstance(rates, tuple):
+        counted = {r.unit for r in rates}
+        unknown = [unit for unit, _ in by_unit if unit not in counted]
+        if unknown:
+            raise ConfigurationError(
+                f"cost names unit(s) {unknown} that no rate counts; rates: {[str(r) for r in rates]} "
+                '(a rate counts a unit when it names it: "30000 tokens/m")'
+            )
+    return tuple(sorted(by_unit, key=lambda pair: pair[0]))
 
 
 def _check_cost(cost: Any, what: str) -> None:

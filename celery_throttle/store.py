@@ -31,6 +31,7 @@ from .protocol import (
     STATE_FORMAT,
     STATE_LAYOUT,
     Code,
+    Cost,
     Counted,
     Reservation,
     StateLayout,
@@ -195,7 +196,7 @@ class RedisStore:
         return self._window(key, "claim", call, reserve=reserve, claim=reservation, marker=marker,
                             learn="2" if resumed else "1" if learn else "0")
 
-    def settle(self, key: str, call: WindowCall, counted: Counted, delta: int) -> WindowReply:
+    def settle(self, key: str, call: WindowCall, counted: Counted, delta: Cost) -> WindowReply:
         """A call that started, counted as ``counted``, reports its real cost: ``delta``
         more units (negative: fewer) in the span it was counted in."""
         args = window_argv_settle(self.now_arg(), call, counted, delta)

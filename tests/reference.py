@@ -41,6 +41,7 @@ __all__ = [
     "WindowModel",
     "max_units_in_any_interval",
     "max_units_per_aligned_window",
+    "per_rate",
 ]
 
 #: Buckets per period of a sliding window, as the scripts are loaded with it by default
@@ -54,10 +55,16 @@ class Claim(Protocol):
 
     start_us: int
     latest_us: int
-    cost: int
+    #: Units of every rate, or one count per rate (its rates count different units).
+    cost: int | tuple[int, ...]
     grace_us: int
     epoch: int
     lead_us: int
+
+
+def per_rate(cost: int | tuple[int, ...], n: int) -> tuple[int, ...]:
+    """A call's cost as a count per rate (one number counts in every rate)."""
+    return (cost,) * n if isinstance(cost, int) else tuple(cost)
 
 
 @dataclass(frozen=True)
@@ -75,10 +82,12 @@ class ModelReply:
     lead_us: int
     grace_us: int
     leased: int = 0
+    #: An admit that fits, of a call with a cost per rate: each rate's room.
+    rooms: list[int] | tuple[()] = ()
 
-    def as_tuple(self) -> tuple[int, ...]:
+    def as_tuple(self) -> tuple[int | list[int] | tuple[()], ...]:
         return (self.code, self.wait_us, self.remaining, self.clear_at_us, self.start_us,
-                self.latest_us, self.now_us, self.epoch, self.lead_us, self.grace_us, self.leased)
+                self.latest_us, self.now_us, self.epoch, self.lead_us, self.grace_us, self.leased, self.rooms)
 
 
 # -- sliding ------------------------------------------------------------------------------
@@ -95,12 +104,13 @@ class SlidingRate:
 
     tag = "s"
 
-    def __init__(self, limit: int, period_us: int, layout: StateLayout = STATE_LAYOUT) -> None:
+    def __init__(self, limit: int, period_us: int, layout: StateLayout = STATE_LAYOUT, unit: str = "") -> None:
         self.limit = limit
         self.period = period_us
         self.layout = layout
+        self.unit = unit
         self.slot = max(math.ceil(period_us / layout.slots), 1000)
-        self.field = f"{self.tag}{limit}/{period_us}"
+        self.field = f"{self.tag}{limit}/{period_us}" + (f".{unit}" if unit else "")
         self.buckets: dict[int, Bucket] = {}
 
     def bucket_of(self, latest: int) -> int:
@@ -195,11 +205,12 @@ class FixedRate:
 
     tag = "f"
 
-    def __init__(self, limit: int, period_us: int, layout: StateLayout = STATE_LAYOUT) -> None:
+    def __init__(self, limit: int, period_us: int, layout: StateLayout = STATE_LAYOUT, unit: str = "") -> None:
         self.limit = limit
         self.period = period_us
         self.layout = layout
-        self.field = f"{self.tag}{limit}/{period_us}"
+        self.unit = unit
+        self.field = f"{self.tag}{limit}/{period_us}" + (f".{unit}" if unit else "")
         self.windows: dict[int, int] = {}
         self.full: tuple[int, int] | None = None
         self.current = 0
@@ -320,7 +331,10 @@ class _Call:
     """What window.lua is told about one call (its ARGV, decoded)."""
 
     now: int
-    cost: int
+    #: The units of each rate (a call of one cost: the same for every rate).
+    costs: tuple[int, ...]
+    #: Whether its cost was one number for every rate (only such a call takes a lease).
+    uniform: bool
     reserve: bool
     grace_us: int
     slack_us: int
@@ -336,9 +350,10 @@ class _Call:
 class WindowModel:
     """The state of one hash (one scope and key) for one algorithm and set of rates."""
 
-    def __init__(self, algorithm: str, rates: Sequence[tuple[int, int]], *, fold: bool = True,
-                 policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> None:
-        """``rates``: (limit, period in µs) pairs, in the order they are sent to Redis.
+    def __init__(self, algorithm: str, rates: Sequence[tuple[int, int] | tuple[int, int, str]], *,
+                 fold: bool = True, policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> None:
+        """``rates``: (limit, period in µs) pairs, or (limit, period, unit) for a rate that
+        counts a unit of its own, in the order they are sent to Redis.
         ``fold=False``: never fold a deep backlog (not what the scripts do: the exact
         state that folding summarises, to compare decisions with). ``policy``: the
         timing policy the scripts were loaded with; ``layout``, their state layout."""
@@ -347,7 +362,7 @@ class WindowModel:
         self.folds = fold
         self.policy = policy
         self.layout = layout
-        self.rates: list[SlidingRate | FixedRate] = [cls(limit, period, layout) for limit, period in rates]
+        self.rates: list[SlidingRate | FixedRate] = [cls(r[0], r[1], layout, *r[2:]) for r in rates]
         #: The hash's field "e": the time it was first written; None while it does not
         #: exist. A claim made in another epoch is neither honoured nor given back.
         self.epoch: int | None = None
@@ -357,7 +372,7 @@ class WindowModel:
 
     def reset(self) -> None:
         """The hash is gone (deleted, expired, lost): a new epoch starts with its next write."""
-        self.rates = [type(r)(r.limit, r.period, self.layout) for r in self.rates]
+        self.rates = [type(r)(r.limit, r.period, self.layout, r.unit) for r in self.rates]
         self.epoch = None
         self.delay = self.jitter = None
 
@@ -366,7 +381,7 @@ class WindowModel:
         self,
         now: int,
         op: str,
-        cost: int,
+        cost: int | tuple[int, ...],
         *,
         reserve: bool = False,
         grace_us: int = 0,
@@ -382,16 +397,17 @@ class WindowModel:
     ) -> ModelReply:
         for r in self.rates:
             r.load(now)
+        costs, uniform = per_rate(cost, len(self.rates)), isinstance(cost, int)
         if op == "settle":  # (its cost is what it reports: not checked)
-            call = _Call(now, cost, False, grace_us, slack_us, 0, 0, 0, 0, pause_horizon_us,
+            call = _Call(now, costs, uniform, False, grace_us, slack_us, 0, 0, 0, 0, pause_horizon_us,
                          min(r.period for r in self.rates))
             return self._settle(call, claim)
         # The cost is checked here, once, for every operation.
-        for r in self.rates:
-            if cost > r.limit:
+        for r, units in zip(self.rates, costs):
+            if units > r.limit:
                 return ModelReply(Code.TOO_COSTLY, 0, 0, 0, 0, 0, now, 0, -1, 0, 0)
-        call = _Call(now, cost, reserve, grace_us, slack_us, lease, lease_span_us, max_wait_us,
-                     not_before_us if not_before_us > now else 0,  # a pause that is over changes nothing
+        call = _Call(now, costs, uniform, reserve, grace_us, slack_us, lease if uniform else 0, lease_span_us,
+                     max_wait_us, not_before_us if not_before_us > now else 0,  # a pause that is over changes nothing
                      pause_horizon_us, min(r.period for r in self.rates))
         if op == "claim":
             return self._claim(call, claim, learn, resumed)
@@ -403,9 +419,9 @@ class WindowModel:
 
     # -- what every operation shares
     def _reply(self, c: _Call, code: int, wait: int, start: int, latest: int, grace: int = 0,
-               leased: int = 0) -> ModelReply:
+               leased: int = 0, rooms: list[int] | tuple[()] = ()) -> ModelReply:
         return ModelReply(code, wait, self.remaining(c.now), self.clear_at(), start, latest, c.now,
-                          self.epoch or 0, self.lead(), grace, leased)
+                          self.epoch or 0, self.lead(), grace, leased, rooms)
 
     def _written(self, c: _Call) -> None:
         """write_back() set a field: the deep backlog folds, and a new hash gets its epoch."""
@@ -419,17 +435,19 @@ class WindowModel:
         x, settled = start, False
         for _ in range(self.policy.settle_rounds):
             settled = True
-            for r in self.rates:
-                e = r.earliest(x, c.cost, c.slack_us)
+            for r, units in zip(self.rates, c.costs):
+                e = r.earliest(x, units, c.slack_us)
                 if e > x:
                     x, settled = e, False
             if settled:
                 break
         return x, settled
 
-    def _lease_fits(self, c: _Call, units: int, span: int) -> bool:
-        return all(2 * (max(r.usage(c.now), r.usage(c.now + span)) + units) <= r.limit
-                   and r.earliest(c.now, units, span) == c.now for r in self.rates)
+    def _lease_fits(self, c: _Call, units: tuple[int, ...], span: int) -> bool:
+        """Whether ``units`` (of each rate) started anywhere in [now, now + span] fit, every
+        rate staying at most half full."""
+        return all(2 * (max(r.usage(c.now), r.usage(c.now + span)) + u) <= r.limit
+                   and r.earliest(c.now, u, span) == c.now for r, u in zip(self.rates, units))
 
     def _record_reserved(self, c: _Call, x: int) -> tuple[int, int]:
         """(latest start, grace given) of a start reserved at x."""
@@ -437,7 +455,7 @@ class WindowModel:
         if self.jitter is not None:  # (what is learnt is capped; the caller's least grace is not)
             grace = max(grace, min(p.grace_jitters * self.jitter + p.grace_slacks * c.slack_us,
                                    math.floor(c.shortest / p.learnt_cap_parts)))
-        return min(r.record(x, x + grace, c.cost) for r in self.rates), grace
+        return min(r.record(x, x + grace, units) for r, units in zip(self.rates, c.costs)), grace
 
     def _check(self, c: _Call, runs: str | None, reserving: bool, start_from: int, lease: int,
                written: bool = False) -> ModelReply:
@@ -452,15 +470,15 @@ class WindowModel:
             code = Code.RUN  # fits now: recorded by the acquire that follows, not here
         elif settled and x == c.now and runs == "record":
             code = Code.RUN
-            units, span = c.cost, c.slack_us
-            if lease > c.cost:
+            units, span = c.costs, c.slack_us
+            if c.uniform and lease > c.costs[0]:
                 # A lease: `lease` units over [now, now + span], only while every rate
                 # stays at most half full with them.
                 wide = max(c.lease_span_us, c.slack_us)
-                if self._lease_fits(c, lease, wide):
-                    units, span, leased = lease, wide, lease
-            for r in self.rates:
-                r.record(c.now, c.now + span, units)
+                if self._lease_fits(c, (lease,) * len(self.rates), wide):
+                    units, span, leased = (lease,) * len(self.rates), wide, lease
+            for r, u in zip(self.rates, units):
+                r.record(c.now, c.now + span, u)
             written = True
         elif settled and reserving and c.max_wait_us > 0 and x - max(c.now, c.not_before_us) > c.max_wait_us:
             code = Code.TOO_FAR  # further than the caller will wait: nothing reserved
@@ -488,9 +506,9 @@ class WindowModel:
     def _admit(self, c: _Call) -> ModelReply:
         # At publish: fits, every rate at most half full: not recorded
         half = [math.floor(r.limit / 2) - max(r.usage(c.now), r.usage(c.now + c.slack_us)) for r in self.rates]
-        if not c.not_before_us and all(h >= c.cost and r.earliest(c.now, c.cost, c.slack_us) == c.now
-                                       for h, r in zip(half, self.rates)):
-            return self._reply(c, Code.RUN, 0, 0, 0, 0, min(half))
+        if not c.not_before_us and all(h >= units and r.earliest(c.now, units, c.slack_us) == c.now
+                                       for h, r, units in zip(half, self.rates, c.costs)):
+            return self._reply(c, Code.RUN, 0, 0, 0, 0, min(half), () if c.uniform else half)
         return self._reserve(c)
 
     def _claim(self, c: _Call, claim: Claim | None, learn: bool, resumed: bool) -> ModelReply:
@@ -520,8 +538,8 @@ class WindowModel:
             return self._reply(c, Code.RUN, 0, c_start, c_latest)
         # Late: give the reserved units back, then try afresh.
         written = False
-        for r in self.rates:
-            written = r.unrecord(c_start, claim.grace_us, claim.cost) or written
+        for r, units in zip(self.rates, per_rate(claim.cost, len(self.rates))):
+            written = r.unrecord(c_start, claim.grace_us, units) or written
         return self._check(c, "record", c.reserve, max(c.now, c.not_before_us), 0, written)
 
     def _settle(self, c: _Call, counted: Claim | None) -> ModelReply:
@@ -530,17 +548,16 @@ class WindowModel:
         ``[counted.start_us, counted.latest_us]``, in the epoch it was counted in."""
         if counted is None:
             return self._reply(c, Code.RUN, 0, 0, 0)
-        at, latest, delta = counted.start_us, counted.latest_us, counted.cost
-        if at == 0:  # admitted from a lease: a refund stays counted, an overrun counts from now
-            if delta < 0:
-                return self._reply(c, Code.RUN, 0, 0, 0)
+        at, latest = counted.start_us, counted.latest_us
+        from_lease = at == 0
+        if from_lease:  # admitted from a lease: a refund stays counted, an overrun counts from now
             at, latest = c.now, c.now + latest
         elif self.epoch is None or str(counted.epoch) != str(self.epoch):
             return self._reply(c, Code.RUN, 0, 0, 0)
-        if delta == 0:
-            return self._reply(c, Code.RUN, 0, 0, 0)
         touched = False
-        for r in self.rates:
+        for r, delta in zip(self.rates, per_rate(counted.cost, len(self.rates))):
+            if delta == 0 or (from_lease and delta < 0):
+                continue
             if latest + r.period <= c.now:
                 continue  # (counted so long ago that nothing of it counts any more)
             if delta > 0:

@@ -411,3 +411,21 @@ def estimated_low(label, tenant, used):
     """Estimated at 1 unit, returns what it used: ``cost_after`` charges it."""
     record(label)
     return used
+
+
+@app.task
+@throttle("20/10s", "8 tokens/10s", key="{tenant}", cost={"tokens": 4})
+def tokens_estimated(label, tenant, used):
+    """20 requests and 8 tokens per 10 s (an LLM API's two limits), a call estimated at 4
+    tokens; reports the ``used`` tokens by unit."""
+    record(label)
+    celery_throttle.charge(tokens=used)
+
+
+@app.task
+@throttle("20/10s", "8 tokens/10s", key="{tenant}", cost={"tokens": 1},
+          cost_after=lambda used: {"tokens": used})
+def tokens_after(label, tenant, used):
+    """As tokens_estimated, estimated at 1 token: ``cost_after`` reports ``used`` by unit."""
+    record(label)
+    return used

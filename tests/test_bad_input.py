@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_throttle.keys import parking_keys
-from celery_throttle.protocol import HEADER, Reservation, read_state
+from celery_throttle.protocol import HEADER, Reservation, header_value, read_state
 from tests.helpers import WorkerGroup, max_in_window
 
 #: What a JSON (or msgpack, or pickle-less YAML) body can carry.
@@ -41,6 +41,24 @@ def test_a_header_we_wrote_reads_back_the_same(fields: list[int], key: str, coun
     fields[2] = max(fields[2], 1)  # a cost
     written = {"k": key, "r": Reservation(*fields).to_header(), "n": count}
     assert read_state(written) == written
+
+
+@given(st.lists(st.integers(0, 2**53 - 1), min_size=6, max_size=6), st.lists(st.integers(1, 10**6), min_size=2,
+                                                                             max_size=5))
+def test_a_reservation_with_a_cost_per_rate_reads_back_and_is_written_as_format_2(fields: list[int],
+                                                                                 costs: list[int]) -> None:
+    # Given a reservation of a call whose rates count different units (a cost per rate)
+    per_rate = Reservation(fields[0], fields[1], tuple(costs), *fields[3:])
+    # When it is written in a header, and read back
+    written = header_value({"k": "key", "r": per_rate.to_header()})
+    # Then it reads back as it was, in format 2 (one with one cost stays format 1, which
+    # a deploy rolled back reads too)
+    assert written["v"] == 2 and Reservation.from_header(read_state(written)["r"]) == per_rate
+    one = Reservation(fields[0], fields[1], costs[0], *fields[3:])
+    assert header_value({"r": one.to_header()})["v"] == 1
+    # and a list that is not a cost per rate (a single one, a zero, a float) is no reservation
+    for bad in ([costs[0]], [*costs[:1], 0], [*costs[:1], 1.5]):
+        assert Reservation.from_header([fields[0], fields[1], bad, *fields[3:]]) is None
 
 
 def test_messages_with_a_garbled_header_run_throttled_and_no_worker_falls(workers: WorkerGroup) -> None:

@@ -54,6 +54,47 @@ def test_cost_uses_several_units(ctl: celery_throttle.Throttle) -> None:
     assert ctl.acquire("bulk", rates="10/m", cost=3).allowed
 
 
+def test_rates_of_different_units_count_each_its_own_and_a_denial_consumes_none(
+        ctl: celery_throttle.Throttle) -> None:
+    # Given an API that allows 2 requests and 10 tokens a minute
+    rates = ["2/m", "10 tokens/m"]
+    # When calls of 6, then 5, tokens come: the second does not fit the tokens
+    assert ctl.acquire("llm", rates=rates, cost={"tokens": 6}).allowed
+    denied = ctl.acquire("llm", rates=rates, cost={"tokens": 5})
+    # Then it is denied, and counts no request either; a call of 4 tokens fits
+    assert not denied.allowed and denied.retry_after > 50
+    assert {str(r.rate): r.used for r in ctl.status("llm").rates} == {"2/m": 1, "10 tokens/m": 6}
+    assert ctl.acquire("llm", rates=rates, cost={"tokens": 4}).allowed
+    assert {str(r.rate): r.used for r in ctl.status("llm").rates} == {"2/m": 2, "10 tokens/m": 10}
+    # And a key whose requests are spent denies a call of 1 token, with tokens to spare
+    assert [ctl.acquire("llm", key="b", rates=rates, cost={"tokens": 1}).allowed for _ in range(3)] == [True, True,
+                                                                                                         False]
+
+
+def test_a_cost_by_unit_is_checked_against_the_rates_that_count_it(ctl: celery_throttle.Throttle) -> None:
+    with pytest.raises(ConfigurationError, match="none of the rates"):
+        ctl.acquire("llm", rates=["3/m"], cost={"tokens": 2})
+    with pytest.raises(ConfigurationError, match="positive integer"):
+        ctl.acquire("llm", rates=["3/m", "10 tokens/m"], cost={"tokens": 0})
+    with pytest.raises(celery_throttle.ThrottleError, match="exceeds the limit of its rate 10 tokens/m"):
+        ctl.acquire("llm", rates=["3/m", "10 tokens/m"], cost={"tokens": 11})
+
+
+def test_a_live_limit_of_named_units_keeps_each_units_count(prefix: str) -> None:
+    ctl = celery_throttle.install(Celery(f"live-units-{prefix}", set_as_current=False),
+                                  redis_url=STORE_URL, key_prefix=prefix)
+    rates, cost = ["5/m", "100 tokens/m"], {"tokens": 40}
+    assert ctl.acquire("llm", rates=rates, cost=cost).allowed
+    # A live limit of the same windows: each keeps what its unit counted (1 request, 40 tokens)
+    assert ctl.set_limit("llm", ["2/m", "60 tokens/m"]) == tuple(celery_throttle.parse_rate(r)
+                                                                for r in ["2/m", "60 tokens/m"])
+    denied = ctl.acquire("llm", rates=rates, cost=cost)
+    assert not denied.allowed
+    assert {str(r.rate): r.used for r in ctl.status("llm").rates} == {"2/m": 1, "60 tokens/m": 40}
+    assert ctl.acquire("llm", rates=rates, cost={"tokens": 20}).allowed
+    assert not ctl.acquire("llm", rates=rates, cost={"tokens": 1}).allowed  # 2 requests of 2
+
+
 def test_keys_partition_the_limit(ctl: celery_throttle.Throttle) -> None:
     assert ctl.acquire("export", key="a", rates="1/m").allowed
     assert ctl.acquire("export", key="b", rates="1/m").allowed
@@ -171,6 +212,12 @@ def test_bad_rules_stop_the_worker_at_start() -> None:
         (("10/s",), {"cost": 0}, "positive integer"),
         (("10/s",), {"cost": True}, "positive integer"),
         (("10/s",), {"cost": 11}, "can never fit"),
+        (("10/s", "100 tokens/m"), {"cost": {"tokens": 101}}, "can never fit in rate 100 tokens/m"),
+        (("10/s", "100 tokens/m"), {"cost": {"token": 5}}, r"unit\(s\) \['token'\] that no rate counts"),
+        (("10/s", "100 tokens/m"), {"cost": {"tokens": 0}}, "cost of 'tokens' must be a positive integer"),
+        (("10/s", "100 tokens/m"), {"cost": {}}, "names at least one unit"),
+        (("10/s", "100 tokens/m"), {"cost": {"Tokens!": 3}}, "names units by their rates' names"),
+        (("10 tokens per/s",), {}, "bad rate"),
         (("10/s",), {"key": "{0}"}, "must name arguments"),
         ((), {}, "a rate, a concurrency, or both"),
         ((), {"concurrency": 0}, "concurrency must be a positive integer"),

@@ -31,7 +31,7 @@ KNOWN_UNITS = {u for names in SPELLINGS.values() for u in names} | {"ms"}
 
 
 def names_what_is_accepted(message: str) -> bool:
-    return '"10/s"' in message and '"5/10s"' in message and "units: ms, s, m, h, d" in message
+    return '"10/s"' in message and '"5/10s"' in message and "periods: ms, s, m, h, d" in message and "30000 tokens/m" in message
 
 
 # -- rates ---------------------------------------------------------------------------------
@@ -82,6 +82,19 @@ def test_a_rate_round_trips_through_str(limit: int, unit: str, count: int) -> No
     period = count * SECONDS[unit]
     assert printed_unit == next(u for u in "dhms" if period % SECONDS[u] == 0)
     assert printed_count * SECONDS[printed_unit] == period
+
+
+@given(st.integers(1, 10**6), st.from_regex(r"[a-z_][a-z0-9_]{0,15}", fullmatch=True), st.integers(1, 5000),
+       st.sampled_from(sorted(SECONDS)))
+def test_a_rate_of_a_named_unit_round_trips_and_differs_from_the_calls_rate(
+        limit: int, unit: str, count: int, period: str) -> None:
+    # Given "N tokens/<count><period>"
+    rate = parse_rate(f"{limit} {unit}/{count}{period}")
+    # Then it counts that unit, prints as it was written (canonically), and reads back
+    assert rate.unit == unit and rate.limit == limit
+    assert parse_rate(str(rate)) == rate and str(rate).startswith(f"{limit} {unit}/")
+    # and is another rate than the same one of the call's own units
+    assert rate != parse_rate(f"{limit}/{count}{period}")
 
 
 @pytest.mark.parametrize("text", ["1/4007ms", "1/4015ms", "1/1.001s", "1/2.5ms"])
@@ -366,6 +379,23 @@ def test_declaring_a_cost_above_the_tightest_limit_is_refused(limits: list[int],
         assert str(min(parse_rates(rates), key=lambda r: r.limit)) in str(info.value)
     else:
         assert ThrottleSpec.declare(rates, cost=cost).cost == cost
+
+
+def test_a_cost_by_unit_binds_to_a_count_per_rate_each_of_its_unit() -> None:
+    # Given requests and tokens of one API, the tokens estimated from the prompt
+    spec = ThrottleSpec.declare(["500/m", "30000 tokens/m", "1000000 tokens/d"],
+                                cost={"tokens": lambda prompt: len(prompt.split())})
+    sig = inspect.signature(lambda prompt: None)
+    # When a call binds
+    call = spec.bind("llm", sig, ("a b c",), {}, "sliding", "t")
+    # Then each rate counts its own unit's cost, in the rates' order (requests: 1)
+    assert [str(r) for r in call.rates] == ["500/m", "30000 tokens/m", "1000000 tokens/d"]
+    assert call.cost == (1, 3, 3) and call.unit_costs == (("tokens", 3),)
+    # and a call costing the same in every rate is one count, as a one-unit call's
+    assert spec.bind("llm", sig, ("one",), {}, "sliding", "t").cost == 1
+    # A unit the callable prices badly fails that call, naming it
+    with pytest.raises(KeyBuildError, match="cost of 'tokens' must be a positive integer"):
+        spec.bind("llm", sig, ("",), {}, "sliding", "t")
 
 
 def test_declaring_a_callable_rate_with_other_rates_is_refused() -> None:

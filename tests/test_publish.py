@@ -97,6 +97,25 @@ def test_every_way_of_sending_from_a_producer_that_never_finalizes_is_admitted_a
     assert [k["held_at_publish"] for k in json.loads(done.stdout)["keys"]] == [8], done.stdout
 
 
+def test_a_producer_holds_back_calls_by_the_unit_that_runs_out(idle_queue: dict[str, str],
+                                                               store_client: redis.Redis) -> None:
+    # Given a task of 20 requests and 8 tokens per 10 s, each call estimated at 4 tokens,
+    # and no worker running
+    label, tenant = new_label(), f"t-{new_label()}"
+    env = {**os.environ, **idle_queue}
+    # When a producer sends 12 calls of one tenant
+    out = run_producer(env, {"how": "delay", "task": "tokens_estimated", "args": [label, tenant, 1], "count": 12})
+    # Then the tokens hold them back, not the requests: the first is sent on the key's room
+    # (half the tokens), the next two reserve the 8 tokens of the window, and the other 9
+    # are parked for the windows after (each waits 10 s or more)
+    denials = out["denials"]
+    assert len(denials) == 9 and all(d["parked"] and d["key"] == tenant for d in denials), denials
+    broker = redis.Redis.from_url(BROKER_URL)
+    assert broker.llen(idle_queue["CT_QUEUE"]) == 3
+    broker.close()
+    assert store_client.zcard(f"{idle_queue['CT_PREFIX']}:{{parked}}:due") == 9
+
+
 def test_a_flood_of_one_tenant_waits_outside_the_queue_and_other_tenants_start_at_once(
     workers: WorkerGroup,
 ) -> None:

@@ -4,6 +4,7 @@ body and a bad unit count fail clearly."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -11,7 +12,7 @@ import pytest
 
 import celery_throttle
 from celery_throttle import ThrottleError
-from tests.helpers import WorkerGroup, new_label
+from tests.helpers import WorkerGroup, new_label, run_cli
 
 #: How long after its admission the first body may note its start (a busy machine): the
 #: window is kept on admissions, the test reads the bodies' own start times.
@@ -47,9 +48,47 @@ def test_an_overrun_pushes_later_starts_out(workers: WorkerGroup) -> None:
     assert second["t"] - first["t"] >= 2.0 - BODY_DELAY_S
 
 
+def test_tokens_settled_by_unit_let_later_calls_in_and_requests_keep_their_count(workers: WorkerGroup) -> None:
+    """20 requests and 8 tokens per 10 s, each call estimated at 4 tokens: two a window as
+    estimated. Calls sent 0.3 s apart that each report 1 token all start in the first
+    window; the requests rate counts one per call, the tokens rate what was reported."""
+    refunded, kept = new_label(), new_label()
+    tenants = {label: f"u-{uuid.uuid4().hex[:6]}" for label in (refunded, kept)}
+    for _ in range(5):
+        for label, used in ((refunded, 1), (kept, 4)):
+            workers.send("tokens_estimated", label, tenants[label], used)
+        time.sleep(0.3)
+    got = sorted(e["t"] for e in workers.wait_starts(refunded, 5, timeout=30))
+    assert got[-1] - got[0] < 9, f"refunded calls spread over {got[-1] - got[0]:.1f}s: the refunds did not count"
+    kept_early = [e for e in workers.starts(kept) if e["t"] - got[0] < 8]
+    assert len(kept_early) == 2, "4 tokens a call: 2 a window of 8 tokens"
+    done = run_cli(workers, "status", "tests.taskapp.tokens_estimated", "--key", tenants[refunded], "--json")
+    assert done.returncode == 0, done.stderr
+    (status,) = json.loads(done.stdout)["keys"]
+    used = {r["rate"]: r["used"] for r in status["rates"]}
+    assert used == {"20/10s": 5, "8 tokens/10s": 5}, used
+
+
+def test_tokens_reported_through_cost_after_push_later_starts_out(workers: WorkerGroup) -> None:
+    """8 tokens per 10 s, estimated at 1: the first call returns 8 (cost_after, by unit);
+    the next, sent after that report, waits for the window to clear."""
+    label, tenant = new_label(), f"v-{uuid.uuid4().hex[:6]}"
+    workers.send("tokens_after", label, tenant, 8)
+    first = workers.wait_starts(label, 1, timeout=15, settle=0.5)[0]
+    workers.send("tokens_after", label, tenant, 1)
+    second = next(e for e in workers.wait_starts(label, 2, timeout=25) if e["id"] != first["id"])
+    # Without the overrun it would start about 0.5 s after the first (the settle above).
+    assert second["t"] - first["t"] >= 10.0 - BODY_DELAY_S
+
+
 def test_charge_outside_a_throttled_body_and_bad_units_fail_clearly() -> None:
     with pytest.raises(ThrottleError, match="in the body of a task with a @throttle"):
         celery_throttle.charge(3)
     for bad in (-1, 2.5, "3", True):
         with pytest.raises(ThrottleError, match="integer >= 0"):
             celery_throttle.charge(bad)  # type: ignore[arg-type]
+        with pytest.raises(ThrottleError, match="integer >= 0, got tokens="):
+            celery_throttle.charge(tokens=bad)  # type: ignore[arg-type]
+    for neither_or_both in ((), (3,)):
+        with pytest.raises(ThrottleError, match=r"charge\(1234\), or by unit, charge\(tokens=1234\)"):
+            celery_throttle.charge(*neither_or_both, **({"tokens": 2} if neither_or_both else {}))

@@ -30,17 +30,21 @@
 --          any other is a 'reserve'; 'settle': a call that started reports what it
 --          really cost, and the window counts that instead of the estimate)
 -- ARGV[3]  '1' to reserve a future start when denied, '0' not to
--- ARGV[4]  cost: units this call uses
+-- ARGV[4]  cost: units this call uses, of every rate (a number), or one count per rate in
+--          their order, comma-separated ('1,500'), when its rates count different units
+--          (requests and tokens): each rate then counts its own. Such a call takes no
+--          lease (ARGV[14] is not read), and an 'admit' that fits answers the room of
+--          each rate (the reply's `rooms`)
 -- ARGV[5]  grace (µs): the least a reserved start may come late and still count as on
 --          time (it grows with the dispatch jitter learnt below, that growth up to
 --          1/LEARNT_CAP_PARTS of the shortest window)
 -- ARGV[6]  slack (µs): how long after the check the body may start (a call admitted now
 --          counts as starting within it; a claim must leave it before its latest start)
--- ARGV[7..12] for 'claim': the reservation's start, latest start, cost, grace, epoch,
---          and lead (how early it was sent back); for 'settle': the span a started call
---          was counted in (ARGV[7], ARGV[8]), the units to add to it (ARGV[9]: its
---          reported cost less what was counted; negative, a refund) and the epoch it was
---          counted in (ARGV[11])
+-- ARGV[7..12] for 'claim': the reservation's start, latest start, cost (as ARGV[4]),
+--          grace, epoch, and lead (how early it was sent back); for 'settle': the span a
+--          started call was counted in (ARGV[7], ARGV[8]), the units to add to it
+--          (ARGV[9], as ARGV[4]: its reported cost less what was counted; negative, a
+--          refund) and the epoch it was counted in (ARGV[11])
 -- ARGV[13] '1' if this claim is the task's arrival (learn its delay from it), '0' if not,
 --          '2' for an arrival whose start was reserved behind a pause that has since been
 --          lifted (resumed, or shortened): its units are given back and the call checked
@@ -76,7 +80,7 @@
 -- for far fewer voided reservations), idle ones keep it tight.
 --
 -- Returns {code, wait, remaining, clear_at, start, latest, now, epoch, lead, grace, leased}
--- (times in µs):
+-- and, for an 'admit' of a call with a cost per rate that fits, `rooms` (times in µs):
 --   code  (constants set before the script from celery_throttle.protocol.Code)
 --          RUN run now
 --          DENIED not now, and no start reserved
@@ -92,6 +96,7 @@
 --   grace  the grace given to the start reserved by this call (0 if none)
 --   leased  units granted as a lease, this call's own included (0 if none); for an
 --          'admit' that fits: the units the key may take before a rate is half full
+--   rooms  (a cost per rate) the units each rate may take before it is half full
 local key = KEYS[1]
 local now
 if ARGV[1] ~= '' then
@@ -100,13 +105,21 @@ else
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
-local op, reserve, cost = ARGV[2], ARGV[3] == '1', tonumber(ARGV[4])
+local op, reserve = ARGV[2], ARGV[3] == '1'
 local grace, slack = tonumber(ARGV[5]), tonumber(ARGV[6])
 local lease, lease_span, max_wait = tonumber(ARGV[14]), tonumber(ARGV[15]), tonumber(ARGV[16])
 local not_before, pause_horizon = tonumber(ARGV[17]), tonumber(ARGV[18])
 if not_before <= now then not_before = 0 end  -- a pause that is over changes nothing
-
 local n_rates, fields = tonumber(ARGV[19]), {'e', 'd', 'v', 'f'}
+-- The cost: `cost` of every rate, or (rates of different units) `costs[i]` of rate i.
+local cost, costs = tonumber(ARGV[4]), nil
+if cost == nil then
+  costs = {}
+  for c in string.gmatch(ARGV[4], '%-?%d+') do costs[#costs + 1] = tonumber(c) end
+  if #costs ~= n_rates then return redis.error_reply('window.lua: ' .. n_rates .. ' rates, costs ' .. ARGV[4]) end
+  lease = 0
+end
+
 for i = 1, n_rates do fields[4 + i] = ARGV[19 + 3 * i] end
 local stored = redis.call('HMGET', key, unpack(fields))
 if stored[1] and stored[4] and tonumber(stored[4]) ~= STATE_FORMAT then
@@ -143,17 +156,18 @@ end
 -- a closure of every function expression on every call): a few µs of a check whose
 -- script takes 15. A state or call it does not take (a denial, a bucket leaving the
 -- window, a fold due, ...) goes on to the general path, nothing written.
-if n_rates > 0 and not_before == 0 and (op == 'screen' or (op == 'acquire' and lease <= cost)) then
+if n_rates > 0 and not_before == 0 and (op == 'screen' or (op == 'acquire' and (costs or lease <= cost))) then
   local record = op == 'acquire'
   local free, clear, shortest, half_pace, sets = nil, 0, nil, nil, {}
   for i = 1, n_rates do
     local limit, period = tonumber(ARGV[17 + 3 * i]), tonumber(ARGV[18 + 3 * i])
+    local c = costs and costs[i] or cost
     local used, clear_at, value = nil, nil, nil
-    if cost <= limit then  -- (else TOO_COSTLY, below)
-      used, clear_at, value = ALGO.fit(stored[4 + i] or nil, now, limit, period, cost, now + slack, record)
+    if c <= limit then  -- (else TOO_COSTLY, below)
+      used, clear_at, value = ALGO.fit(stored[4 + i] or nil, now, limit, period, c, now + slack, record)
     end
     if used == nil then sets = nil break end
-    local f = limit - used - (record and cost or 0)
+    local f = limit - used - (record and c or 0)
     if free == nil or f < free then free = f end
     if clear_at > clear then clear = clear_at end
     if shortest == nil or period < shortest then shortest = period end
@@ -185,7 +199,7 @@ local rates = {}
 local shortest, half_pace = nil, nil
 for i = 1, n_rates do
   local r = {limit = tonumber(ARGV[17 + 3 * i]), period = tonumber(ARGV[18 + 3 * i]),
-             field = fields[4 + i], dirty = false}
+             field = fields[4 + i], cost = costs and costs[i] or cost, dirty = false}
   if shortest == nil or r.period < shortest then shortest = r.period end
   local pace = math.floor(r.period / r.limit / 2)
   if half_pace == nil or pace < half_pace then half_pace = pace end
@@ -234,19 +248,29 @@ local function write_back()
   keep_until(clear_at(), shortest)
 end
 
-local function reply(code, wait, start, latest, given_grace, leased)
+local function reply(code, wait, start, latest, given_grace, leased, rooms)
   return {code, wait, remaining(now), clear_at(), start, latest, now, tonumber(epoch or '0'),
-          lead(half_pace), given_grace or 0, leased or 0}
+          lead(half_pace), given_grace or 0, leased or 0, rooms}
 end
 
--- Whether `units` started anywhere in [now, now + span] fit, leaving every rate at most
--- half full.
+-- A count of every rate (a number) or one per rate ('3,-500', as ARGV[4]): rate i's is
+-- the result's [i].
+local function per_rate(text)
+  local out, one = {}, tonumber(text)
+  for v in string.gmatch(text, '%-?%d+') do out[#out + 1] = tonumber(v) end
+  if one then for i = 1, n_rates do out[i] = one end end
+  return out
+end
+
+-- Whether `units` of every rate (nil: each rate's cost) started anywhere in [now, now +
+-- span] fit, leaving every rate at most half full.
 local function lease_fits(units, span)
   for _, r in ipairs(rates) do
+    local u = units or r.cost
     local used = math.max(ALGO.usage(r, now), ALGO.usage(r, now + span))
-    if 2 * (used + units) > r.limit then return false end
-    -- (only now: earliest() looks for room however far ahead, and `units` fit a window)
-    if ALGO.earliest(r, now, units, span) ~= now then return false end
+    if 2 * (used + u) > r.limit then return false end
+    -- (only now: earliest() looks for room however far ahead, and `u` fit a window)
+    if ALGO.earliest(r, now, u, span) ~= now then return false end
   end
   return true
 end
@@ -266,7 +290,7 @@ local function earliest(from)
   for _ = 1, SETTLE_ROUNDS do
     settled = true
     for _, r in ipairs(rates) do
-      local e = ALGO.earliest(r, x, cost, slack)
+      local e = ALGO.earliest(r, x, r.cost, slack)
       if e > x then x, settled = e, false end
     end
     if settled then break end
@@ -288,7 +312,7 @@ local function record_reserved(x)
   end
   local latest = nil
   for _, r in ipairs(rates) do
-    local until_ = ALGO.record(r, x, x + given, cost)
+    local until_ = ALGO.record(r, x, x + given, r.cost)
     r.dirty = true
     if latest == nil or until_ < latest then latest = until_ end
   end
@@ -312,13 +336,13 @@ local function check(runs, reserving, from, lease_units)
     code = RUN
   elseif settled and x == now and runs == 'record' then
     code = RUN
-    local units, span = cost, slack
-    if lease_units > cost then
+    local units, span = nil, slack  -- (nil: each rate's cost)
+    if costs == nil and lease_units > cost then
       span = math.max(lease_span, slack)
       if lease_fits(lease_units, span) then units, leased = lease_units, lease_units else span = slack end
     end
     for _, r in ipairs(rates) do
-      ALGO.record(r, now, now + span, units)
+      ALGO.record(r, now, now + span, units or r.cost)
       r.dirty = true
     end
   elseif settled and reserving and max_wait > 0 and x - unpaused > max_wait then
@@ -354,17 +378,19 @@ local function reserve_start()
 end
 
 -- At publish: a call that fits now, leaving every rate at most half full, is not
--- recorded (RUN, `leased` the room left before a rate is half full); any other reserves.
+-- recorded (RUN, `leased` the room left before a rate is half full, and with a cost per
+-- rate `rooms`, each rate's); any other reserves.
 local function admit()
-  if not_before == 0 and lease_fits(cost, slack) then
+  if not_before == 0 and lease_fits(nil, slack) then
     -- (lease_fits: at most half of each rate used with this call, so the room is >= cost)
-    local room = nil
-    for _, r in ipairs(rates) do
+    local room, rooms = nil, costs and {} or nil
+    for i, r in ipairs(rates) do
       local used = math.max(ALGO.usage(r, now), ALGO.usage(r, now + slack))
       local free = math.floor(r.limit / 2) - used
       if room == nil or free < room then room = free end
+      if rooms then rooms[i] = free end
     end
-    return reply(RUN, 0, 0, 0, 0, room)
+    return reply(RUN, 0, 0, 0, 0, room, rooms)
   end
   return reserve_start()
 end
@@ -375,7 +401,7 @@ end
 local function claim()
   if epoch ~= ARGV[11] or (KEYS[2] and redis.call('EXISTS', KEYS[2]) == 1) then return acquire() end
   local c_start, c_latest = tonumber(ARGV[7]), tonumber(ARGV[8])
-  local c_cost, c_grace, c_lead = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[12])
+  local c_grace, c_lead = tonumber(ARGV[10]), tonumber(ARGV[12])
   -- (A trip back longer than LEARN_OUTLIER_MS is not a dispatch delay: no worker ran,
   -- or the releaser stopped, while the task waited. It is not learnt.)
   local trip = now - (c_start - c_lead)
@@ -404,8 +430,9 @@ local function claim()
   if now + slack <= c_latest and not paused then return reply(RUN, 0, c_start, c_latest) end
   -- Too late to use the reserved start without breaking the window for whoever was
   -- placed after it: give it back and try afresh.
-  for _, r in ipairs(rates) do
-    ALGO.unrecord(r, c_start, c_grace, c_cost)
+  local c_costs = per_rate(ARGV[9])
+  for i, r in ipairs(rates) do
+    ALGO.unrecord(r, c_start, c_grace, c_costs[i])
     r.dirty = true
   end
   return check('record', reserve, unpaused, 0)
@@ -418,18 +445,19 @@ end
 -- not known) keeps a refund counted, and counts an overrun from now, over ARGV[8] (its
 -- slack), whatever the epoch.
 local function settle()
-  local delta = tonumber(ARGV[9])
+  local deltas = per_rate(ARGV[9])
   local at, latest = tonumber(ARGV[7]), tonumber(ARGV[8])
-  if at == 0 then
-    if delta < 0 then return reply(RUN, 0, 0, 0) end
+  local from_lease = at == 0
+  if from_lease then
     at, latest = now, now + latest
   elseif epoch ~= ARGV[11] then
     return reply(RUN, 0, 0, 0)
   end
-  if delta == 0 then return reply(RUN, 0, 0, 0) end
-  for _, r in ipairs(rates) do
-    -- (counted so long ago that nothing of it counts any more: nothing to settle)
-    if latest + r.period > now then
+  for i, r in ipairs(rates) do
+    local delta = deltas[i]
+    -- (counted so long ago that nothing of it counts any more: nothing to settle; and
+    -- a refund of a call admitted from a lease stays counted)
+    if delta ~= 0 and latest + r.period > now and not (from_lease and delta < 0) then
       if delta > 0 then ALGO.record(r, at, latest, delta) else ALGO.unrecord(r, at, latest - at, -delta) end
       r.dirty = true
     end
@@ -447,7 +475,7 @@ end
 -- The cost is checked here, once, for every operation (a settle's is what it reports).
 if op == 'settle' then return settle() end
 for _, r in ipairs(rates) do
-  if cost > r.limit then return {TOO_COSTLY, 0, 0, 0, 0, 0, now, 0, -1, 0, 0} end
+  if r.cost > r.limit then return {TOO_COSTLY, 0, 0, 0, 0, 0, now, 0, -1, 0, 0} end
 end
 if op == 'acquire' then return acquire()
 elseif op == 'screen' then return screen()
