@@ -136,12 +136,17 @@ class Checker:
         return call
 
     def live(self, call: BoundCall, *, quick: bool = False) -> BoundCall:
-        """``call`` under the live limit of its key, else of its scope, if one is set.
+        """``call`` under the live limit of its key, else of its scope, if one is set (rates,
+        concurrency, or both).
 
         A live rate of the same window length as a declared one keeps that one's state
         (what was counted and reserved still counts, under the new limit); a window of
         another length starts empty."""
-        override = self.controls.limits_for(self.quick_store if quick else self.store, call.scope, call.key)
+        store = self.quick_store if quick else self.store
+        concurrency = self.controls.concurrency_for(store, call.scope, call.key)
+        if concurrency is not None and concurrency != call.concurrency:
+            call = replace(call, concurrency=concurrency)
+        override = self.controls.limits_for(store, call.scope, call.key)
         if override is None or override == call.rates:
             return call
         cost = rate_costs(override, call.unit_costs) if call.unit_costs else call.cost

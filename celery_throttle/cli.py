@@ -88,8 +88,8 @@ def status(ctx: click.Context, scope: str | None, key: str | None, match: str, k
 
 def _empty(status: Any) -> bool:
     """Nothing counted, paused, limited, running or waiting."""
-    return not (status.rates or status.paused_until is not None or status.live_limit or status.running
-                or status.waiting)
+    return not (status.rates or status.paused_until is not None or status.live_limit or status.live_concurrency
+                or status.running or status.waiting)
 
 
 def _target(scope: str, key: str | None) -> str:
@@ -98,10 +98,12 @@ def _target(scope: str, key: str | None) -> str:
 
 
 def _slots(status: Any) -> str:
-    """The slots cell of a row: "2/4 +10" (held of the limit, and tasks waiting)."""
+    """The slots cell of a row: "2/4 +10" (held of the limit, and tasks waiting; "(live)"
+    when a live limit sets it)."""
     if not (status.concurrency or status.running or status.waiting):
         return ""
-    return f"{status.running}/{status.concurrency or '?'}" + (f" +{status.waiting}" if status.waiting else "")
+    return (f"{status.running}/{status.concurrency or '?'}" + (f" +{status.waiting}" if status.waiting else "")
+            + (" (live)" if status.live_concurrency else ""))
 
 
 def _as_dict(status: Any) -> dict[str, Any]:
@@ -112,6 +114,7 @@ def _as_dict(status: Any) -> dict[str, Any]:
         "live_limit": [str(r) for r in status.live_limit] if status.live_limit else None,
         "held_at_publish": status.held_at_publish,
         "running": status.running, "waiting": status.waiting, "concurrency": status.concurrency,
+        "live_concurrency": status.live_concurrency,
         "rates": [{"rate": str(r.rate), "algorithm": r.algorithm, "used": r.used, "remaining": r.remaining,
                    "reset_at": _iso(r.reset_at)} for r in status.rates],
     }
@@ -164,17 +167,26 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
 
 @throttle.command(name="set")
 @click.argument("scope")
-@click.argument("rates", nargs=-1, required=True)
+@click.argument("rates", nargs=-1)
 @click.option("--key", default=None, help="Set it for this key only (e.g. a tenant id); default: the whole scope.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=None, metavar="K",
+              help="At most K bodies of the scope (or key) run at once.")
 @click.pass_context
-def set_limit(ctx: click.Context, scope: str, rates: tuple[str, ...], key: str | None) -> None:
-    """Limit SCOPE (or its KEY) to RATES, e.g. 5/s 1000/h, instead of the code's rates.
+def set_limit(ctx: click.Context, scope: str, rates: tuple[str, ...], key: str | None,
+              concurrency: int | None) -> None:
+    """Limit SCOPE (or its KEY) to RATES, e.g. 5/s "30000 tokens/m", and (--concurrency)
+    to K running at once, instead of what the code declares.
 
     Every worker obeys within a second, until `throttle unset`. Without --key it applies
-    to every key of the scope that has no limit of its own.
+    to every key of the scope that has no limit of its own. A raised K sends tasks
+    waiting for a slot at once.
     """
-    parsed = _controller(ctx).set_limit(scope, list(rates), key=key)
-    click.echo(f"{_target(scope, key)}: limit set to {', '.join(map(str, parsed))}")
+    if not rates and concurrency is None:
+        raise click.UsageError("give RATES, --concurrency K, or both")
+    parsed = _controller(ctx).set_limit(scope, list(rates) if rates else None, key=key, concurrency=concurrency)
+    parts = ([f"limit set to {', '.join(map(str, parsed))}"] if rates else []) + (
+        [f"concurrency set to {concurrency}"] if concurrency is not None else [])
+    click.echo(f"{_target(scope, key)}: {'; '.join(parts)}")
 
 
 @throttle.command(name="unset")
@@ -182,9 +194,10 @@ def set_limit(ctx: click.Context, scope: str, rates: tuple[str, ...], key: str |
 @click.option("--key", default=None, help="The key whose own limit to remove.")
 @click.pass_context
 def unset_limit(ctx: click.Context, scope: str, key: str | None) -> None:
-    """Remove the live limit of SCOPE (or its KEY): back to the rates in the code."""
+    """Remove the live limit of SCOPE (or its KEY): back to the rates and concurrency in
+    the code."""
     found = _controller(ctx).clear_limit(scope, key=key)
-    click.echo(f"{_target(scope, key)}: " + ("back to the code's rates" if found else "no live limit set"))
+    click.echo(f"{_target(scope, key)}: " + ("back to the code's limits" if found else "no live limit set"))
 
 
 @throttle.command()

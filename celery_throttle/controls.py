@@ -4,7 +4,8 @@ pauses and live limits.
 One hash per app, ``<prefix>:control``. A field per paused scope (``pause:<scope>``) or
 key (``pause:<scope>:<key>``, both encoded as in state keys) holds the end of the pause
 in µs of the Redis clock (``FOREVER_US``: until resumed); a field per live limit
-(``limit:<scope>`` or ``limit:<scope>:<key>``) holds its rates (``"10/s,5000/h"``). Each
+(``limit:<scope>`` or ``limit:<scope>:<key>``) holds its rates (``"10/s,5000/h"``), and
+one per live concurrency limit (``slots:<scope>`` or ``slots:<scope>:<key>``) its K. Each
 process reads the whole hash at most every ``CONTROL_REFRESH`` seconds: a control set
 anywhere holds on every worker within that time, and the process that sets it obeys it
 at once.
@@ -17,14 +18,15 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import ConfigurationError, StoreError
 from .keys import decode, encode
 from .rates import Rate, parse_rates
 from .timing import CONTROL_REFRESH, RTT_COUNTS_FROM_US, STORE_TIMEOUT
 
-__all__ = ["CONTROL_REFRESH", "FOREVER_US", "Controls", "control_target", "limit_field", "pause_field"]
+__all__ = ["CONTROL_REFRESH", "FOREVER_US", "ControlSet", "Controls", "control_target", "limit_field", "pause_field",
+           "slots_field"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -42,7 +44,7 @@ def _field(kind: str, scope: str, key: str | None) -> str:
 def control_target(field: str) -> tuple[str, str | None] | None:
     """(scope, key) a control field names, or None for a field we do not write."""
     kind, _, rest = field.partition(":")
-    if kind not in ("pause", "limit") or not rest:
+    if kind not in ("pause", "limit", "slots") or not rest:
         return None
     scope, sep, key = rest.partition(":")
     return decode(scope), (decode(key) if sep else None)
@@ -56,12 +58,49 @@ def limit_field(scope: str, key: str | None) -> str:
     return _field("limit", scope, key)
 
 
+def slots_field(scope: str, key: str | None) -> str:
+    return _field("slots", scope, key)
+
+
+class ControlSet(NamedTuple):
+    """The controls set: pauses (field to end, µs), live limits (field to rates) and live
+    concurrency limits (field to K)."""
+
+    pauses: dict[str, int]
+    limits: dict[str, tuple[Rate, ...]]
+    slots: dict[str, int]
+
+    def fields(self) -> list[str]:
+        return [*self.pauses, *self.limits, *self.slots]
+
+    def paused_until(self, scope: str, key: str | None) -> int:
+        """The end of the pause (µs, Redis clock) covering ``scope``/``key``, or 0."""
+        pauses = self.pauses
+        if not pauses:
+            return 0
+        until = pauses.get(pause_field(scope, None), 0)
+        return max(until, pauses.get(pause_field(scope, key), 0)) if key is not None else until
+
+    def limit_of(self, scope: str, key: str | None) -> tuple[Rate, ...] | None:
+        """The live limit of ``scope``/``key`` (the key's own first), or None."""
+        limits = self.limits
+        if not limits:
+            return None
+        return (key is not None and limits.get(limit_field(scope, key))) or limits.get(limit_field(scope, None))
+
+    def concurrency_of(self, scope: str, key: str | None) -> int | None:
+        """The live concurrency limit of ``scope``/``key`` (the key's own first), or None."""
+        slots = self.slots
+        if not slots:
+            return None
+        return (key is not None and slots.get(slots_field(scope, key))) or slots.get(slots_field(scope, None))
+
+
 class Controls:
     """This process's copy of the controls, read again every CONTROL_REFRESH seconds."""
 
     def __init__(self) -> None:
-        self._pauses: dict[str, int] = {}
-        self._limits: dict[str, tuple[Rate, ...]] = {}
+        self._set = ControlSet({}, {}, {})
         self._read_at = float("-inf")
         self._lock = threading.Lock()
         #: (pid, since when) of the thread reading the controls, if one is.
@@ -70,24 +109,22 @@ class Controls:
     def paused_until(self, store: Any, scope: str, key: str | None) -> int:
         """The end of the pause (µs, Redis clock) covering ``scope``/``key``, or 0."""
         self._maybe_refresh(store)
-        pauses = self._pauses
-        if not pauses:
-            return 0
-        until = pauses.get(pause_field(scope, None), 0)
-        return max(until, pauses.get(pause_field(scope, key), 0)) if key is not None else until
+        return self._set.paused_until(scope, key)
 
     def pauses(self, store: Any) -> dict[str, int]:
         """Every pause: field to end (µs, Redis clock)."""
         self._maybe_refresh(store)
-        return dict(self._pauses)
+        return dict(self._set.pauses)
 
     def limits_for(self, store: Any, scope: str, key: str | None) -> tuple[Rate, ...] | None:
         """The live limit of ``scope``/``key`` (the key's own first), or None."""
         self._maybe_refresh(store)
-        limits = self._limits
-        if not limits:
-            return None
-        return (key is not None and limits.get(limit_field(scope, key))) or limits.get(limit_field(scope, None))
+        return self._set.limit_of(scope, key)
+
+    def concurrency_for(self, store: Any, scope: str, key: str | None) -> int | None:
+        """The live concurrency limit of ``scope``/``key`` (the key's own first), or None."""
+        self._maybe_refresh(store)
+        return self._set.concurrency_of(scope, key)
 
     def refresh(self, store: Any) -> None:
         """Read the controls now, whatever the age of this copy."""
@@ -126,38 +163,45 @@ class Controls:
             controls = None  # the check that follows meets the same store and says so
         with self._lock:
             if controls is not None:
-                self._pauses, self._limits = controls
+                self._set = controls
             self._read_at = time.monotonic()
             self._reader = None
 
     def note(self, field: str, value: str | None) -> None:
         """A control (or, with None, its removal) this process just wrote: obeyed at once."""
         with self._lock:
-            raw = {**{k: str(v) for k, v in self._pauses.items()},
-                   **{k: ",".join(map(str, v)) for k, v in self._limits.items()}}
+            current = self._set
+            raw = {**{k: str(v) for k, v in current.pauses.items()},
+                   **{k: ",".join(map(str, v)) for k, v in current.limits.items()},
+                   **{k: str(v) for k, v in current.slots.items()}}
             if value is None:
                 raw.pop(field, None)
             else:
                 raw[field] = value
-            self._pauses, self._limits = parse_controls(raw)
+            self._set = parse_controls(raw)
 
 
-def parse_controls(raw: Mapping[str, str]) -> tuple[dict[str, int], dict[str, tuple[Rate, ...]]]:
-    """(pauses, live limits) from the control hash; a value that does not read is skipped
-    (with a log line), never fatal: the hash is written by hand too, through redis-cli."""
-    pauses: dict[str, int] = {}
-    limits: dict[str, tuple[Rate, ...]] = {}
+def parse_controls(raw: Mapping[str, str]) -> ControlSet:
+    """(pauses, live limits, live concurrency limits) from the control hash; a value that
+    does not read is skipped (with a log line), never fatal: the hash is written by hand
+    too, through redis-cli."""
+    controls = ControlSet({}, {}, {})
     for field, value in raw.items():
         try:
             if field.startswith("pause:"):
-                pauses[field] = int(value)
+                controls.pauses[field] = int(value)
             elif field.startswith("limit:"):
-                limits[field] = parse_rates(value.split(","))
+                controls.limits[field] = parse_rates(value.split(","))
+            elif field.startswith("slots:"):
+                concurrency = int(value)
+                if concurrency < 1:
+                    raise ValueError(f"a concurrency limit is at least 1, got {concurrency}")
+                controls.slots[field] = concurrency
         except (ValueError, ConfigurationError) as exc:
             if (field, value) not in _warned:
                 _warned.add((field, value))
                 logger.warning("celery_throttle: ignoring control %s=%r: %s", field, value, exc)
-    return pauses, limits
+    return controls
 
 
 _warned: set[tuple[str, str]] = set()  # (each bad control is logged once per process)

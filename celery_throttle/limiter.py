@@ -14,7 +14,15 @@ from typing import Any
 from . import timing
 from .checker import Checker
 from .config import ALGORITHMS, Settings, require_redis_url
-from .controls import FOREVER_US, control_target, limit_field, parse_controls, pause_field
+from .controls import (
+    FOREVER_US,
+    ControlSet,
+    control_target,
+    limit_field,
+    parse_controls,
+    pause_field,
+    slots_field,
+)
 from .errors import ConfigurationError
 from .hints import Hints
 from .keys import parked_patterns, scan_pattern, state_key, target_matches, target_of
@@ -71,8 +79,11 @@ class Status:
     #: Concurrency slots held now (bodies that run), and tasks waiting for one.
     running: int = 0
     waiting: int = 0
-    #: The concurrency limit this app's tasks declare for the scope, or None.
+    #: The concurrency limit in force: the live one if set, else the one this app's tasks
+    #: declare for the scope; or None.
     concurrency: int | None = None
+    #: The live concurrency limit (``set_limit(..., concurrency=K)``), or None.
+    live_concurrency: int | None = None
 
     @property
     def remaining(self) -> int | None:
@@ -203,8 +214,7 @@ class Throttle:
 
     def status(self, scope: str, key: str | None = None) -> Status:
         """Usage of every rate stored for ``scope``/``key``, consuming nothing."""
-        pauses, limits = parse_controls(self.store.controls())
-        return self._status(scope, key, pauses, limits)
+        return self._status(scope, key, parse_controls(self.store.controls()))
 
     def statuses(self, match: str = "*", limit: int = 200, scope: str | None = None,
                  key_match: str | None = None) -> tuple[list[Status], bool]:
@@ -213,11 +223,11 @@ class Throttle:
         (:func:`.keys.target_matches`; and, if given, whose scope is ``scope``); found by
         SCAN, never KEYS. At most ``limit`` of them; the flag is True if more were left."""
         prefix = self.settings.key_prefix
-        pauses, limits = parse_controls(self.store.controls())
+        controls = parse_controls(self.store.controls())
         found: dict[tuple[str, str | None], None] = {}
         more = False
         named = (target_of(prefix, name) for name in self.store.scan(scan_pattern(prefix)))
-        controlled = (control_target(field) for field in (*pauses, *limits))
+        controlled = (control_target(field) for field in controls.fields())
         for target in itertools.chain(controlled, named):
             if (target is None or target in found or not target_matches(*target, match, key_match)
                     or (scope is not None and target[0] != scope)):
@@ -227,7 +237,7 @@ class Throttle:
                 break
             found[target] = None
         ordered = sorted(found, key=lambda t: (t[0], t[1] is not None, t[1] or ""))
-        return [self._status(scope, key, pauses, limits) for scope, key in ordered], more
+        return [self._status(scope, key, controls) for scope, key in ordered], more
 
     def known_scopes(self) -> list[str]:
         """The scopes this app's throttled tasks use (declared or by rule; a scope that
@@ -252,10 +262,9 @@ class Throttle:
                 periods.update(r.period_us for r in spec.rates)
         return periods
 
-    def _status(self, scope: str, key: str | None, pauses: Mapping[str, int],
-                limits: Mapping[str, tuple[Rate, ...]]) -> Status:
+    def _status(self, scope: str, key: str | None, controls: ControlSet) -> Status:
         hash_key = state_key(self.settings.key_prefix, scope, key)
-        live_rates = (key is not None and limits.get(limit_field(scope, key))) or limits.get(limit_field(scope, None))
+        live_rates = controls.limit_of(scope, key)
         live = {(r.period_us, r.unit): r for r in live_rates or ()}
         seen: set[tuple[str, Rate, Rate, str]] = set()
         declared = self._declared_periods(scope, live_rates or ())
@@ -278,8 +287,10 @@ class Throttle:
             out.append(RateStatus(rate, algorithm, used, reply.remaining, reset_at))
         running, waiting = self.slots.store.status(hash_key)
         slot_limits = [spec.concurrency for known, spec in self._known_specs() if known == scope and spec.concurrency]
-        return Status(scope, key, tuple(out), self._paused_until(pauses, scope, key), live_rates or None,
-                      self.store.held_count(hash_key), running, waiting, max(slot_limits, default=None))
+        live_slots = controls.concurrency_of(scope, key)
+        return Status(scope, key, tuple(out), self._paused_until(controls, scope, key), live_rates or None,
+                      self.store.held_count(hash_key), running, waiting,
+                      live_slots or max(slot_limits, default=None), live_slots)
 
     def pause(self, scope: str, key: str | None = None, seconds: float | None = None) -> float:
         """Start nothing of ``scope`` (or of its ``key``) for ``seconds`` (None: until
@@ -317,42 +328,66 @@ class Throttle:
                            "" if key is None else f" key {key!r}", due)
         return found
 
-    def set_limit(self, scope: str, rates: str | Sequence[str], key: str | None = None) -> tuple[Rate, ...]:
+    def set_limit(self, scope: str, rates: str | Sequence[str] | None = None, key: str | None = None, *,
+                  concurrency: int | None = None) -> tuple[Rate, ...]:
         """Limit ``scope`` (every key of it that has no limit of its own, or only ``key``)
-        to ``rates`` instead of what the code declares, on every worker within
-        CONTROL_REFRESH, until :meth:`clear_limit`. Starts already reserved keep their
-        time if they still fit; those that do not under the new rates (a lowered limit)
-        are reserved again when their task arrives. Returns the rates set."""
-        parsed = self._direct_call(scope, key, rates, 1, None).rates
-        field, value = limit_field(scope, key), ",".join(map(str, parsed))
-        self.store.set_control(field, value)
-        self.checker.controls.note(field, value)
-        logger.warning("live limit of scope %r%s set to %s", scope, "" if key is None else f" key {key!r}", value)
-        return parsed
+        to ``rates``, and (``concurrency``) to K bodies running at once, instead of what
+        the code declares, on every worker within CONTROL_REFRESH, until
+        :meth:`clear_limit`. Starts already reserved keep their time if they still fit;
+        those that do not under the new rates (a lowered limit) are reserved again when
+        their task arrives. A raised K hands its slots to tasks waiting now; a lowered one
+        lets the bodies running end, and starts no more until fewer than K run. Returns
+        the rates set (empty with ``concurrency`` alone)."""
+        if rates is None and concurrency is None:
+            raise ConfigurationError("set_limit takes rates, a concurrency, or both")
+        if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
+                                        or concurrency < 1):
+            raise ConfigurationError(f"concurrency must be a positive integer, got {concurrency!r}")
+        parsed = self._direct_call(scope, key, "1/s" if rates is None else rates, 1, None).rates
+        target = f"scope {scope!r}" + ("" if key is None else f" key {key!r}")
+        if rates is not None:
+            field, value = limit_field(scope, key), ",".join(map(str, parsed))
+            self.store.set_control(field, value)
+            self.checker.controls.note(field, value)
+            logger.warning("live limit of %s set to %s", target, value)
+        if concurrency is not None:
+            field = slots_field(scope, key)
+            self.store.set_control(field, str(concurrency))
+            self.checker.controls.note(field, str(concurrency))
+            woken = self.slots.apply_limit(scope, key)
+            logger.warning("live concurrency limit of %s set to %d%s", target, concurrency,
+                           f": {woken} task(s) waiting for a slot sent" if woken else "")
+        return parsed if rates is not None else ()
 
     def clear_limit(self, scope: str, key: str | None = None) -> bool:
-        """Back to the rates in the code for ``scope`` (or ``key``). True if one was set."""
+        """Back to the rates and the concurrency in the code for ``scope`` (or ``key``).
+        True if a live limit was set."""
         self._direct_call(scope, key, "1/s", 1, None)
-        field = limit_field(scope, key)
-        self.checker.controls.note(field, None)
-        return self.store.clear_control(field)
+        found = False
+        for field in (limit_field(scope, key), slots_field(scope, key)):
+            self.checker.controls.note(field, None)
+            found = self.store.clear_control(field) or found
+        self.slots.apply_limit(scope, key)  # (the code's K may be higher: tasks waiting go now)
+        return found
 
     def live_limit(self, scope: str, key: str | None = None) -> tuple[Rate, ...] | None:
         """The live limit set for exactly ``scope``/``key`` (read now), or None."""
-        _, limits = parse_controls(self.store.controls())
-        return limits.get(limit_field(scope, key))
+        return parse_controls(self.store.controls()).limits.get(limit_field(scope, key))
 
     def paused_until(self, scope: str, key: str | None = None) -> float | None:
         """When the pause covering ``scope``/``key`` ends (Unix time), or None."""
-        pauses, _ = parse_controls(self.store.controls())
-        return self._paused_until(pauses, scope, key)
+        return self._paused_until(parse_controls(self.store.controls()), scope, key)
 
-    def _paused_until(self, pauses: Mapping[str, int], scope: str, key: str | None) -> float | None:
-        until = max(pauses.get(pause_field(scope, None), 0),
-                    pauses.get(pause_field(scope, key), 0) if key is not None else 0)
+    def _paused_until(self, controls: ControlSet, scope: str, key: str | None) -> float | None:
+        until = controls.paused_until(scope, key)
         if not until or until < self.store.now_us():
             return None
         return _unix(until)
+
+    def live_concurrency(self, scope: str, key: str | None) -> int | None:
+        """The live concurrency limit of ``scope``/``key`` as this process last read the
+        controls (within CONTROL_REFRESH), or None."""
+        return self.checker.controls.concurrency_for(self.store, scope, key)
 
     def reset(self, scope: str, key: str | None = None) -> bool:
         """Forget every window of ``scope``/``key``. True if there was anything."""

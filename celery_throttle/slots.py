@@ -11,6 +11,10 @@ the slot first. A worker that dies holding slots stops renewing them: the next c
 the key, or a worker's sweep (:meth:`Slots.sweep`, from the releaser thread), reclaims
 them once their lease has run out.
 
+A live limit (``set_limit(scope, concurrency=K)``) replaces the declared K wherever a
+slot is taken, given back or swept; a raised K hands its new slots to the tasks waiting
+at once (:meth:`Slots.apply_limit`).
+
 Threads: the table of held slots is the process's, shared by a threads or gevent pool's
 threads, under a lock held for dict operations only.
 """
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .config import Settings
+from .keys import target_of
 from .messages import resend
 from .metrics import Metrics
 from .protocol import SlotCode, SlotReply
@@ -80,6 +85,9 @@ class Owner(Protocol):
 
     @property
     def metrics(self) -> Metrics: ...
+
+    def live_concurrency(self, scope: str, key: str | None) -> int | None:
+        """The live concurrency limit of ``scope``/``key`` (this process's copy), or None."""
 
 
 class Slots:
@@ -170,7 +178,8 @@ class Slots:
         if held is None:
             return None
         self.ctl.metrics.running(held.scope, held.key, -1)
-        reply = self.store.release(held.state_key, holder, held.limit, self.lease_us)
+        limit = self.ctl.live_concurrency(held.scope, held.key) or held.limit
+        reply = self.store.release(held.state_key, holder, limit, self.lease_us)
         if reply.code == SlotCode.LOST:
             self._lost(held.state_key, holder)
         self.wake(reply)
@@ -239,8 +248,24 @@ class Slots:
         store = self.store
         if not store.lock_sweep(int(SWEEP_EVERY_S * 1000 * 0.8)):
             return 0
-        woken = 0
-        for state_key, limit in store.indexed().items():
+        return self._sweep(store.indexed())
+
+    def apply_limit(self, scope: str, key: str | None) -> int:
+        """A live concurrency limit of ``scope`` (or its ``key``) was set or cleared: hand
+        the slots a higher limit frees to the tasks waiting on its keys, now. Returns how
+        many were woken (sent from this process)."""
+        prefix = self.ctl.settings.key_prefix
+        return self._sweep({state_key: limit for state_key, limit in self.store.indexed().items()
+                            if (target := target_of(prefix, state_key)) is not None and target[0] == scope
+                            and (key is None or target[1] == key)})
+
+    def _sweep(self, indexed: dict[str, int]) -> int:
+        """Reclaim, and hand free slots over on, each of ``indexed`` (state key to the limit
+        its tasks were queued under; a live limit wins)."""
+        store, prefix, woken = self.store, self.ctl.settings.key_prefix, 0
+        for state_key, queued_under in indexed.items():
+            target = target_of(prefix, state_key)
+            limit = (target and self.ctl.live_concurrency(*target)) or queued_under
             reply = store.sweep(state_key, limit, self.lease_us)
             self.wake(reply)
             woken += len(reply.woken)

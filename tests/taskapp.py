@@ -340,10 +340,11 @@ def unowned_pub(label, tenant):  # throttled by a rule
 
 # -- concurrency slots -----------------------------------------------------------------
 def span(label: str, seconds: float, **extra) -> None:
-    """A body that runs ``seconds``: its start and end (worker clock) are noted, for the
-    test to count how many ran at once."""
+    """A body that runs ``seconds``: its start (as it begins, and with its end, worker
+    clock) is noted, for the test to count how many ran at once."""
     from celery import current_task
 
+    started(label, **extra)
     start = time.time()
     time.sleep(seconds)
     entry = {"label": label, "id": current_task.request.id, "t0": start, "t1": time.time(), "pid": os.getpid(),

@@ -111,10 +111,22 @@ def test_set_and_unset_a_live_limit_from_the_command_line(prefix: str) -> None:
     out = _celery(prefix, "status", "github-api")
     # What was counted under the declared 10/m still counts under the live 4/m
     assert _row(out, "github-api", "-", "4/m", "(live)") == ["3", "1"]
-    assert "back to the code's rates" in _celery(prefix, "unset", "github-api")
+    assert "back to the code's limits" in _celery(prefix, "unset", "github-api")
     assert "no live limit set" in _celery(prefix, "unset", "github-api")
     bad = _run(prefix, "set", "github-api", "fast")
     assert bad.returncode != 0 and "bad rate 'fast'" in bad.stderr and "Traceback" not in bad.stderr
+    # Rates of named units and a concurrency limit, together or alone
+    both = _celery(prefix, "set", "llm", "500/m", "30000 tokens/m", "--concurrency", "3")
+    assert both.strip() == "scope 'llm': limit set to 500/m, 30000 tokens/m; concurrency set to 3"
+    as_json = json.loads(_celery(prefix, "status", "llm", "--json"))["keys"][0]
+    assert as_json["live_limit"] == ["500/m", "30000 tokens/m"] and as_json["live_concurrency"] == 3
+    assert _celery(prefix, "set", "llm", "--key", "acme", "--concurrency", "1").strip() == \
+        "scope 'llm' key 'acme': concurrency set to 1"
+    assert "back to the code's limits" in _celery(prefix, "unset", "llm", "--key", "acme")
+    assert "back to the code's limits" in _celery(prefix, "unset", "llm")
+    for args in (("set", "llm"), ("set", "llm", "--concurrency", "0")):
+        refused = _run(prefix, *args)
+        assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr
 
 
 def test_parked_tasks_by_scope_and_key_with_due_times_and_a_purge(prefix: str) -> None:

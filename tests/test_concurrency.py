@@ -288,3 +288,42 @@ def test_a_pause_holds_a_concurrency_limit_and_resume_lets_its_tasks_go(slot_wor
     done = wait_spans(group, label, 4, timeout=20)
     assert max(e["t0"] for e in done) - resumed < 3.0
     assert most_at_once(done) <= 2
+
+
+#: How soon a task a raised live concurrency limit frees a slot for starts (s): the set
+#: sends it from the operator's process, the broker and a worker take it (a loaded
+#: machine's dispatch included).
+RAISED_START_S = 2.0
+
+
+def test_a_live_concurrency_limit_raises_and_lowers_k_on_every_worker(group_with_lease) -> None:
+    """``export-api`` declares K=2. Six bodies of 3 s of one key: two run, four wait. `throttle
+    set --concurrency 4` sends two of those at once; ``set_limit(..., concurrency=1)`` then
+    starts nothing more until none runs, and the last two run one at a time."""
+    import celery_throttle
+    from tests.helpers import run_cli
+
+    group = group_with_lease(lease="30")
+    label, tenant = new_label(), f"live-{uuid.uuid4().hex[:6]}"
+    for _ in range(6):
+        group.send("exporting", label, tenant, 3.0)
+    _, queue, _ = slot_keys(state_key(group.prefix, "export-api", tenant))
+    wait_for(lambda: len(began(group, label)) == 2 and group.records.zcard(queue) == 4, 15,
+             what="two running and four waiting")
+    # When K is raised to 4 from the CLI: two of the waiting start at once
+    raised = time.time()
+    done = run_cli(group, "set", "export-api", "--key", tenant, "--concurrency", "4")
+    assert done.returncode == 0 and "concurrency set to 4" in done.stdout, done.stdout + done.stderr
+    wait_for(lambda: len(began(group, label)) == 4, RAISED_START_S + 2, what="two more started")
+    assert max(e["t"] for e in began(group, label)) - raised < RAISED_START_S
+    # When K is lowered to 1 with the API, while four run
+    ctl = celery_throttle.Throttle(group.client, {"redis_url": STORE_URL, "key_prefix": group.prefix})
+    ctl.set_limit("export-api", key=tenant, concurrency=1)
+    assert (ctl.status("export-api", tenant).concurrency, ctl.status("export-api", tenant).live_concurrency) == (1, 1)
+    # Then the last two start only once every body before them ended, one at a time
+    runs = sorted(wait_spans(group, label, 6, timeout=30), key=lambda e: e["t0"])
+    first_four, last_two = runs[:4], runs[4:]
+    assert last_two[0]["t0"] >= max(e["t1"] for e in first_four) - 0.05, runs
+    assert most_at_once(last_two) == 1, runs
+    assert ctl.clear_limit("export-api", key=tenant)
+    assert ctl.status("export-api", tenant).live_concurrency is None

@@ -326,6 +326,31 @@ def test_a_live_limit_applies_to_every_key_without_its_own_and_keeps_what_was_co
         ctl.set_limit("api", ["fast"])
 
 
+def test_a_live_concurrency_limit_is_set_read_and_cleared_and_bad_ones_are_refused(prefix: str,
+                                                                                    store_client: redis.Redis) -> None:
+    ctl = celery_throttle.install(Celery(f"live-k-{prefix}", set_as_current=False),
+                                  redis_url=STORE_URL, key_prefix=prefix)
+    # A K for the scope, and one of its own for a key; rates left as the code has them
+    assert ctl.set_limit("export-api", concurrency=4) == ()
+    ctl.set_limit("export-api", key="acme", concurrency=1)
+    assert (ctl.status("export-api").concurrency, ctl.status("export-api", "acme").concurrency,
+            ctl.status("export-api", "other").live_concurrency) == (4, 1, 4)
+    assert ctl.live_limit("export-api") is None  # (no live rates)
+    # A bind of a call of that scope takes it, with rates or without
+    assert ctl.checker.live(ctl._direct_call("export-api", "acme", "5/s", 1, None)).concurrency == 1
+    # Cleared, the code's K is back
+    assert ctl.clear_limit("export-api", key="acme") and ctl.status("export-api", "acme").live_concurrency == 4
+    assert ctl.clear_limit("export-api") and ctl.status("export-api").live_concurrency is None
+    for bad in (0, -2, True, "4", 2.5):
+        with pytest.raises(ConfigurationError, match="concurrency must be a positive integer"):
+            ctl.set_limit("export-api", concurrency=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="rates, a concurrency, or both"):
+        ctl.set_limit("export-api")
+    # A K written by hand that does not read is skipped, not fatal
+    store_client.hset(f"{prefix}:control", "slots:export-api", "many")
+    assert ctl.status("export-api").live_concurrency is None
+
+
 def test_a_margin_is_checked_where_it_is_declared() -> None:
     for bad in (-1, 61, "50ms", True):
         with pytest.raises(ConfigurationError, match="margin"):
