@@ -155,6 +155,29 @@ class RedisStore:
         self.rtt_us = min(samples)
         return self.rtt_us
 
+    def warm(self, connections: int) -> None:
+        """Open ``connections`` connections to the store side by side, kept in the pool for
+        the calls to come (see timing.FAR_WARM_CONNECTIONS): each PING is sent by a thread
+        of its own at once, so each needs a connection of its own."""
+        client = self.client
+        start = threading.Barrier(connections)
+        failed: list[BaseException] = []
+
+        def ping() -> None:
+            try:
+                start.wait()
+                client.ping()
+            except (RedisError, threading.BrokenBarrierError) as exc:
+                failed.append(exc)
+
+        threads = [threading.Thread(target=ping, name="celery_throttle warm") for _ in range(connections)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failed:
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {failed[0]}")
+
     def now_arg(self) -> str:
         """ARGV[1] of a script that reads the clock: '' (Redis TIME) but under a test clock."""
         return "" if self._clock is None else str(int(self._clock()))

@@ -83,6 +83,11 @@ RTT_COUNTS_FROM_US, RTT_STEP_US = 5_000, 10_000
 #: trip, and a window's starts come due together). At most 1/FAR_GRACE_CAP_PARTS of the
 #: shortest window: each window of a saturated key is stretched by its grace.
 FAR_GRACE_TRIPS, FAR_GRACE_CAP_PARTS = 2, 4
+#: Connections a pool process opens to a store far away as it starts (its checks', and
+#: a second for the controls read in the background): a connection made on demand costs
+#: redis-py's handshake, several round trips (0.3-0.7 s at 100 ms), and the first check
+#: that meets another thread using the only one would wait that long, mid-burst.
+FAR_WARM_CONNECTIONS = 2
 #: The consumer screens no message when the store is at least this far (µs): it screens
 #: one message at a time, so a store 100 ms away would let it take at most 10 messages a
 #: second, whatever the pool could do. The pool's processes check in parallel instead.

@@ -22,7 +22,7 @@ from typing import Any
 from billiard.exceptions import WorkerLostError
 from celery import bootsteps
 from celery.exceptions import TimeLimitExceeded
-from celery.signals import task_failure, task_revoked, worker_init, worker_shutdown
+from celery.signals import task_failure, task_revoked, worker_init, worker_process_init, worker_shutdown
 
 from .broker_parking import broker_parking
 from .connection import safe_url
@@ -35,6 +35,7 @@ from .parking import Releaser
 from .publish import wrap_send_task
 from .screen import ScreenStep, screen_strategies
 from .spec import declared_spec
+from .timing import FAR_WARM_CONNECTIONS, RTT_COUNTS_FROM_US
 from .why import throttle_why as _why_command  # noqa: F401 - registers the remote control command
 
 __all__ = ["ThrottleStep", "attach_to_running_workers", "install", "patch_tasks"]
@@ -43,6 +44,9 @@ logger = logging.getLogger("celery_throttle")
 
 #: Workers built in this process, to find the ones an install() comes too late for.
 _workers: weakref.WeakSet[Any] = weakref.WeakSet()
+#: The controllers of the throttle steps built in this process (a prefork child warms
+#: their stores' connections as it starts).
+_stepped: weakref.WeakSet[Throttle] = weakref.WeakSet()
 
 
 class ThrottleStep(bootsteps.StartStopStep):
@@ -69,6 +73,11 @@ class ThrottleStep(bootsteps.StartStopStep):
             # client connects lazily: a Redis that is down is not an error here).
             _ = self.controller.store.client
             _say_what_is_throttled(self.controller)
+            _stepped.add(self.controller)
+            if not getattr(worker.pool_cls, "__module__", "").endswith("prefork"):
+                # (Threads or greenlets of this process check: a connection each. A prefork
+                # pool's children warm their own as they start: _warm_child.)
+                _warm(self.controller, min(int(getattr(worker, "concurrency", 1) or 1), 64) + 1)
 
     def start(self, worker: Any) -> None:
         self.releaser = _start_releaser(self.controller)
@@ -103,6 +112,25 @@ def _say_what_is_throttled(ctl: Throttle) -> None:
     for risk in report.risks:
         logger.warning("celery_throttle: the throttle store %s: %s", safe_url(store.url), risk)
     ctl.store_run_id = report.run_id
+
+
+def _warm(ctl: Throttle, connections: int) -> None:
+    """A store far away: open ``connections`` to it now, and read the controls, so that no
+    check of a burst waits for a new connection's handshake or the first read."""
+    if ctl.store.rtt_us < RTT_COUNTS_FROM_US:
+        return
+    try:
+        ctl.store.warm(connections)
+        ctl.checker.refresh_controls()
+    except StoreError as exc:
+        logger.warning("celery_throttle: could not open connections to the store ahead: %s", exc)
+
+
+@worker_process_init.connect(weak=False)
+def _warm_child(**_: Any) -> None:
+    """A prefork pool process starts: warm its own connections (a fork keeps none)."""
+    for ctl in list(_stepped):
+        _warm(ctl, FAR_WARM_CONNECTIONS)
 
 
 def _start_releaser(ctl: Any) -> Any:

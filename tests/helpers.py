@@ -191,6 +191,8 @@ class SlowProxy:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(5)
+        if self.proc and self.proc.stdout:
+            self.proc.stdout.close()  # (the pipe it said "ready" on)
 
 
 def _pings(client: redis.Redis) -> bool:

@@ -24,6 +24,7 @@ import celery_throttle
 from celery_throttle import StoreError
 from celery_throttle.keys import parking_keys
 from celery_throttle.parking import Releaser
+from celery_throttle.store import RedisStore
 from tests.conftest import BROKER_URL, RABBITMQ_URL, STORE_URL, _clean
 from tests.helpers import (
     RedisServer,
@@ -448,6 +449,34 @@ def test_a_parked_task_whose_message_was_evicted_is_logged_and_kept_as_a_dead_le
     assert [(i, body) for i, _, _, body in ctl.parking.dead_letters()] == [(f"tag|task-{i}:abc", None) for i in range(3)]
     assert ctl.parking.parked_count() == (0, 0, 3)
     ctl.close()
+
+
+def test_connections_opened_ahead_to_a_store_far_away_spare_a_check_the_handshake() -> None:
+    # Given a store 100 ms away, where redis-py's handshake of a new connection costs
+    # several round trips
+    proxy = SlowProxy(STORE_URL, 100).start()
+    store = RedisStore(proxy.url, _prefix())
+    try:
+        # When two connections are opened ahead (as a far store's pool process does)
+        store.warm(2)
+        # Then two threads that use the store at once each take one round trip, not a
+        # handshake's several
+        took: list[float] = []
+
+        def ping() -> None:
+            sent = time.perf_counter()
+            store.client.ping()
+            took.append(time.perf_counter() - sent)
+
+        threads = [threading.Thread(target=ping) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(took) == 2 and max(took) < 0.25, took
+    finally:
+        store.close()
+        proxy.stop()
 
 
 def test_a_store_100_ms_away_keeps_the_limit_and_loses_nothing(group_factory) -> None:
