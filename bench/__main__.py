@@ -6,7 +6,8 @@ chart), ``cost`` (5 check cost), ``overhead`` (6), ``memory`` (7), ``long`` (8 l
 neighbour), ``api429`` (11 429s from a real rate-limited API: Flask-Limiter under gunicorn),
 ``rpt`` (12 Redis per task, from usual producers, each run on a redis-server of its own),
 ``slow`` (13 a store 100 ms away, behind a delaying proxy), ``concurrency`` (14 slots: a
-tenant's flood beside another, Redis per task, a SIGKILLed holder's slot reclaimed).
+tenant's flood beside another, Redis per task, a SIGKILLed holder's slot reclaimed), ``llm``
+(15 an LLM-style API limiting requests and tokens: estimates, settling, Celery's rate_limit).
 Starts its own workers against the local Redis (dbs 10 and 11, which it owns; not touched
 when only ``rpt`` runs), prints a table, writes bench/out/ (results.md, results.json,
 chart.png, worker logs). A full run also writes bench/results.md and bench/chart.png, to
@@ -27,17 +28,18 @@ from typing import Any
 from bench.common import BENCH_DIR, OUT_DIR, Results, broker_client, delete_prefix, new_prefix, store_client
 
 SECTIONS = ("burst", "cost", "overhead", "memory", "long", "backlog", "neighbour", "api429", "rpt", "slow",
-            "concurrency")
+            "concurrency", "llm")
 #: Sections that use only servers of their own: a run of these alone leaves the local
 #: Redis's databases 10 and 11 alone.
-OWN_SERVERS = frozenset({"rpt", "concurrency"})
+OWN_SERVERS = frozenset({"rpt", "concurrency", "llm"})
 ALIASES = {"1": "burst", "2": "burst", "3": "burst", "4": "burst", "violation": "burst",
            "makespan": "burst", "resends": "burst", "naive": "burst", "chart": "burst",
            "5": "cost", "checks": "cost", "6": "overhead", "7": "memory", "8": "long",
            "long-waits": "long", "9": "backlog", "deep-backlog": "backlog", "10": "neighbour",
            "neighbor": "neighbour", "noisy-neighbour": "neighbour", "11": "api429", "api": "api429",
            "429": "api429", "429s": "api429", "12": "rpt", "redis-per-task": "rpt", "per-task": "rpt",
-           "13": "slow", "slow-store": "slow", "14": "concurrency", "slots": "concurrency"}
+           "13": "slow", "slow-store": "slow", "14": "concurrency", "slots": "concurrency", "15": "llm",
+           "tokens": "llm"}
 
 
 @dataclass(frozen=True)
@@ -70,30 +72,33 @@ class Scale:
     api_cold: tuple[str, ...]
     #: Tenant a's floods in the concurrency section.
     slot_floods: tuple[int, ...]
+    #: Calls sent at once per client in the LLM section.
+    llm_calls: int
 
 
 FULL = Scale("25/s", 250, 700, 5, 0.5, 6, (10, 1000, 100000), 100000, 20000, 150,
              backlog_depths=(1, 1000, 10000, 100000), fit_calls=15000, fit_rounds=3,
              backlog_tasks=3000, floods=(1000, 10000, 100000), api_tasks=150,
-             api_margins=(0.0, 0.05, 0.1), api_cold=("moving", "fixed", "jitter"), slot_floods=(200, 2000))
+             api_margins=(0.0, 0.05, 0.1), api_cold=("moving", "fixed", "jitter"), slot_floods=(200, 2000),
+             llm_calls=100)
 QUICK = Scale("20/s", 100, 400, 2, 0.25, 2, (10, 1000, 10000), 10000, 2000, 20,
               backlog_depths=(1, 1000, 10000), fit_calls=5000, fit_rounds=2,
               backlog_tasks=1000, floods=(1000, 10000), api_tasks=50, api_margins=(0.05,),
-              api_cold=("moving",), slot_floods=(200,))
+              api_cold=("moving",), slot_floods=(200,), llm_calls=60)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small scale, 1-2 minutes")
     p.add_argument("--only", action="append", default=[], metavar="NAME",
-                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-14")
+                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-15")
     args = p.parse_args(argv)
     chosen = []
     for item in args.only:
         for name in item.split(","):
             name = ALIASES.get(name.strip().lower(), name.strip().lower())
             if name not in SECTIONS:
-                p.error(f"unknown section {name!r}: use one of {', '.join(SECTIONS)} or 1-14")
+                p.error(f"unknown section {name!r}: use one of {', '.join(SECTIONS)} or 1-15")
             chosen.append(name)
     args.sections = [s for s in SECTIONS if s in chosen] if chosen else list(SECTIONS)
     return args
@@ -206,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
             print("concurrency: K=4 per tenant, 2 workers x 4 processes, a redis-server of its own per run ...",
                   flush=True)
             _guard(res, SLOTS_SEC, run_concurrency, res, prefix, scale.slot_floods)
+        if "llm" in args.sections:
+            from bench.llm import SEC as LLM_SEC
+            from bench.llm import run_llm
+
+            print(f"LLM API: {scale.llm_calls} calls at once per client against 60 requests and 10 000 tokens "
+                  "a minute, the clients side by side, a redis-server of its own each ...", flush=True)
+            _guard(res, LLM_SEC, run_llm, res, prefix, scale.llm_calls)
     except KeyboardInterrupt:
         res.notes.append("interrupted")
     finally:

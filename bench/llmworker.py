@@ -1,0 +1,111 @@
+"""The Celery app of section 15 (``celery -A bench.llmworker worker``): calls to the fake LLM
+API of bench/llmapi.py, 60 requests and 10 000 tokens per minute per account.
+
+Every task makes one call (CB_API_URL) and, on a 429, retries itself with
+``self.retry(countdown=Retry-After)``, as a user's task would. They differ only in how
+the client limits itself, keyed by the API account as the API's limit is:
+
+* ``estimate``: ``@throttle("60/m", "10000 tokens/m", cost={"tokens": 250})``, the mean
+  of the draw, never settled;
+* ``estimate_max``: the same at 450 tokens, the most a call can use, never settled;
+* ``settled``: estimated at 450, then ``charge(tokens=n)`` with the tokens the API
+  reported (0 for a 429: the API counted none);
+* ``builtin``: Celery's ``rate_limit="30/m"``, per worker: two workers send 60/m, as a
+  user dividing the API's limit by the workers would; it knows nothing of tokens.
+
+Configured from the environment: CB_BROKER (the run's own redis-server: broker and
+throttle store), CB_PREFIX (key prefix), CB_QUEUE, CB_API_URL. The producer
+(bench/llm_producer.py) imports this module configured the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from celery import Celery
+
+import celery_throttle
+from celery_throttle import throttle
+
+BROKER = os.environ.get("CB_BROKER", "redis://127.0.0.1:6379/0")
+PREFIX = os.environ.get("CB_PREFIX", "ct-llm")
+API_URL = os.environ.get("CB_API_URL", "http://127.0.0.1:8000")
+RATES = ("60/m", "10000 tokens/m")
+MEAN, MOST = 250, 450
+
+app = Celery("benchllm", broker=BROKER)
+app.conf.update(
+    task_default_queue=os.environ.get("CB_QUEUE", f"{PREFIX}-q"),
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    task_ignore_result=True,
+    throttle_redis_url=BROKER,
+    throttle_key_prefix=PREFIX,
+)
+celery_throttle.install(app)
+
+
+class RateLimited(Exception):
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"429, retry after {retry_after:g} s")
+        self.retry_after = retry_after
+
+
+def complete(task: Any, label: str, account: str, i: int) -> int:
+    """One call to the API; the tokens it reports, or :class:`RateLimited`."""
+    query = urllib.parse.urlencode({"account": account, "label": label, "i": i, "id": task.request.id})
+    try:
+        with urllib.request.urlopen(f"{API_URL}/v1/complete?{query}", timeout=30) as reply:
+            return int(json.load(reply)["tokens"])
+    except urllib.error.HTTPError as exc:
+        if exc.code != 429:
+            raise
+        try:
+            wait = max(float(exc.headers.get("Retry-After", "1")), 1.0)
+        except ValueError:
+            wait = 1.0
+        raise RateLimited(wait) from None
+
+
+# max_retries=None on each task: a task retries on 429s as long as it takes.
+
+@app.task(bind=True, max_retries=None)
+@throttle(*RATES, key="{account}", cost={"tokens": MEAN})
+def estimate(self, label, account, i):
+    try:
+        complete(self, label, account, i)
+    except RateLimited as exc:
+        raise self.retry(countdown=exc.retry_after) from None
+
+
+@app.task(bind=True, max_retries=None)
+@throttle(*RATES, key="{account}", cost={"tokens": MOST})
+def estimate_max(self, label, account, i):
+    try:
+        complete(self, label, account, i)
+    except RateLimited as exc:
+        raise self.retry(countdown=exc.retry_after) from None
+
+
+@app.task(bind=True, max_retries=None)
+@throttle(*RATES, key="{account}", cost={"tokens": MOST})
+def settled(self, label, account, i):
+    try:
+        used = complete(self, label, account, i)
+    except RateLimited as exc:
+        celery_throttle.charge(tokens=0)
+        raise self.retry(countdown=exc.retry_after) from None
+    celery_throttle.charge(tokens=used)
+
+
+@app.task(bind=True, max_retries=None, rate_limit="30/m")
+def builtin(self, label, account, i):
+    try:
+        complete(self, label, account, i)
+    except RateLimited as exc:
+        raise self.retry(countdown=exc.retry_after) from None
