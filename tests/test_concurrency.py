@@ -303,7 +303,9 @@ def test_a_live_concurrency_limit_raises_and_lowers_k_on_every_worker(group_with
     import celery_throttle
     from tests.helpers import run_cli
 
-    group = group_with_lease(lease="30")
+    # (4 processes a worker: a worker whose two processes ran the two bodies could not
+    # take the messages it prefetched, and they would not wait in the store's queue yet)
+    group = group_with_lease(lease="30", concurrency=4)
     label, tenant = new_label(), f"live-{uuid.uuid4().hex[:6]}"
     for _ in range(6):
         group.send("exporting", label, tenant, 3.0)
