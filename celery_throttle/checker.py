@@ -154,7 +154,7 @@ class Checker:
 
     def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
               claimant: str | None = None, learn: bool = True, lease: bool = False,
-              max_wait: float | None = None, resumed: bool = False) -> WindowReply:
+              max_wait: float | None = None, resumed: bool = False, early_us: int = 0) -> WindowReply:
         """The worker's check of one bound call: admit it now, or deny it and (if
         ``reserve``) reserve a future start.
 
@@ -163,6 +163,8 @@ class Checker:
         a fresh call may be admitted from, or take, a lease (see :mod:`.lease`).
         ``max_wait`` (seconds): reserve no start further away (the reply's code is then
         ``TOO_FAR``). ``resumed``: ``claim`` was reserved behind a pause lifted since.
+        ``early_us``: a claim that comes at most this long before its start is granted
+        it (``Code.RUN_AT``: the caller waits for it, then runs).
         """
         key, request = self._window_call(call, self.store, max_wait)
         if claim is not None:
@@ -173,7 +175,7 @@ class Checker:
                 claim = replace(claim, latest_us=claim.start_us - 1)
             marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claimant else None
             return self.store.claim(key, request, claim, marker=marker, learn=learn, reserve=reserve,
-                                    resumed=resumed)
+                                    resumed=resumed, early_us=early_us)
         if not lease or request.not_before_us or not isinstance(call.cost, int):
             # (A lease would start in a pause; and it holds units of one count for every
             # rate: a call of rates costing differently, requests and tokens, takes none.)
@@ -195,7 +197,7 @@ class Checker:
         """Where a call that :meth:`check` admitted is counted (None: not admitted): the
         start it reserved, the span it was recorded in now, or (``start_us`` 0, the
         span its slack) a lease of this process."""
-        if reply.code != Code.RUN:
+        if reply.code not in (Code.RUN, Code.RUN_AT):
             return None
         if not reply.now_us:
             return Counted(0, self.slack_us(call.rates), call.cost, 0)

@@ -41,12 +41,6 @@ __all__ = ["HEADER", "attach", "declared_spec"]
 
 logger = logging.getLogger("celery_throttle")
 
-#: Times an early arrival waits for its start in the worker at most: a claim that the
-#: round trip's jitter brought a little early waits again rather than going back through
-#: the broker.
-WAIT_HERE_TRIES = 3
-
-
 def attach(task: Any, spec: ThrottleSpec) -> None:
     """Make ``task`` check ``spec`` before its body runs (idempotent)."""
     cls = type(task)
@@ -287,23 +281,19 @@ def _check_rates(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any,
         ctl.checker.refresh_controls()
         resumed = claim is not None and not ctl.checker.pause_end_us(call)
     try:
+        # (Sent back a little early on purpose, dispatch takes a while: a claim that comes
+        # at most that early is granted its start, and waits for it here, rather than a
+        # round trip through the broker or a second call.)
         reply = ctl.checker.check(call, reserve=True, claim=claim, claimant=request.id, lease=True, max_wait=max_wait,
-                          resumed=resumed)
-        for _ in range(WAIT_HERE_TRIES):
-            if not (reply.code == Code.EARLY and claim and reply.wait_us <= _wait_here_us(ctl, call, claim)):
-                break
-            # Sent back a little early on purpose (dispatch takes a while): wait here
-            # for the reserved start rather than a round trip through the broker. The
-            # reply took half a round trip to come, the claim takes the other half to
-            # get there: it leaves a round trip early (a store far away is not late).
-            # (An Event, not time.sleep: libfaketime, with which the clock-skew test
-            # runs workers, breaks time.sleep's clock_nanosleep.)
-            threading.Event().wait(max(reply.wait_us - ctl.store.rtt_us, 0) / 1e6)
-            reply = ctl.checker.check(call, reserve=True, claim=claim, claimant=request.id, learn=False,
-                              max_wait=max_wait)
+                                  resumed=resumed, early_us=_wait_here_us(ctl, call, claim) if claim else 0)
     except StoreError as exc:
         return TurnedAway(ctl, task, request, args, kwargs, call, state).on_store_error(exc)
-    if reply.allowed:
+    if reply.code == Code.RUN_AT:
+        # Its start is its own: wait for it (the wait is counted from the script's now, so
+        # the body starts no sooner). An Event, not time.sleep: libfaketime, with which the
+        # clock-skew test runs workers, breaks time.sleep's clock_nanosleep.
+        threading.Event().wait(reply.wait_us / 1e6)
+    if reply.allowed or reply.code == Code.RUN_AT:
         _forget_header(request)
         ctl.metrics.admitted(call.scope, call.key)
         settle.started(request.id, call, ctl.checker.counted(call, reply, claim))

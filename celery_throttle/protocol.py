@@ -143,6 +143,9 @@ class Code(IntEnum):
     #: Not now, and a start was reserved for it: ``start``, ``latest`` and ``grace``
     #: say which, ``wait`` until it.
     RESERVED = 4
+    #: A claim that came a little before its reserved start (at most the caller's
+    #: ``early``): the start is the caller's, to run at when ``wait`` has passed.
+    RUN_AT = 5
 
 
 @dataclass(frozen=True)
@@ -253,26 +256,27 @@ class WindowReply(NamedTuple):
 
 def window_argv(now: str, op: str, call: WindowCall, *, reserve: bool = False,
                 claim: Reservation | None = None, learn: str = "1", lease: int = 0,
-                lease_span_us: int = 0) -> list[int | str]:
+                lease_span_us: int = 0, early_us: int = 0) -> list[int | str]:
     """ARGV of window.lua, in the order its header documents (``tests/test_script_format.py``
-    holds the two together)."""
+    holds the two together). ``early_us``: for a claim, how early it may come and still be
+    granted its start (``Code.RUN_AT``)."""
     if claim is None:
         shape = (op, reserve, learn, lease, lease_span_us)
         tail = call.argv_tails.get(shape)
         if tail is None:
             tail = call.argv_tails[shape] = tuple(_window_argv(op, call, reserve, _NO_CLAIM, learn, lease,
-                                                               lease_span_us))
+                                                               lease_span_us, 0))
         return [now, *tail]
-    return [now, *_window_argv(op, call, reserve, claim.script_args(), learn, lease, lease_span_us)]
+    return [now, *_window_argv(op, call, reserve, claim.script_args(), learn, lease, lease_span_us, early_us)]
 
 
 def _window_argv(op: str, call: WindowCall, reserve: bool, claim_args: Sequence[int | str], learn: str,
-                 lease: int, lease_span_us: int) -> list[int | str]:
+                 lease: int, lease_span_us: int, early_us: int) -> list[int | str]:
     """ARGV[2..] of window.lua."""
     args: list[int | str] = [op, "1" if reserve else "0", cost_arg(call.cost), call.grace_us, call.slack_us]
     args += claim_args
     args += [learn, lease, lease_span_us, call.max_wait_us, call.not_before_us,
-             call.pause_horizon_us or _FOREVER_HORIZON]
+             call.pause_horizon_us or _FOREVER_HORIZON, early_us]
     args += _rate_args(call.algorithm, call.rates, call.fields)
     return args
 
@@ -280,7 +284,7 @@ def _window_argv(op: str, call: WindowCall, reserve: bool, claim_args: Sequence[
 def window_argv_settle(now: str, call: WindowCall, counted: Counted, delta: Cost) -> list[int | str]:
     """ARGV of window.lua for a settle: its cost (ARGV[4]) is not checked, the units it
     reports are ``delta``."""
-    return [now, *_window_argv("settle", call, False, counted.script_args(delta), "0", 0, 0)]
+    return [now, *_window_argv("settle", call, False, counted.script_args(delta), "0", 0, 0, 0)]
 
 
 _NO_CLAIM = (0, 0, 0, 0, "", 0)

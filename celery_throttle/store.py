@@ -209,15 +209,16 @@ class RedisStore:
         return self._window(key, "admit", call)
 
     def claim(self, key: str, call: WindowCall, reservation: Reservation, *, marker: str | None = None,
-              learn: bool = True, reserve: bool = False, resumed: bool = False) -> WindowReply:
-        """Use a start reserved earlier: run if on time, wait if early (``Code.EARLY``),
-        give it back and check afresh (as :meth:`acquire`) if late. ``marker`` (a key in
+              learn: bool = True, reserve: bool = False, resumed: bool = False, early_us: int = 0) -> WindowReply:
+        """Use a start reserved earlier: run if on time, run at the start if at most
+        ``early_us`` early (``Code.RUN_AT``), wait if earlier (``Code.EARLY``), give it
+        back and check afresh (as :meth:`acquire`) if late. ``marker`` (a key in
         the same hash tag) makes it single-use; ``learn=False`` for a second claim of the
         same arrival (after waiting out an early one), so the delay estimate sees each
         arrival once. ``resumed``: the start was reserved behind a pause that has been
         lifted since: give it back and check afresh, even before it."""
         return self._window(key, "claim", call, reserve=reserve, claim=reservation, marker=marker,
-                            learn="2" if resumed else "1" if learn else "0")
+                            learn="2" if resumed else "1" if learn else "0", early_us=early_us)
 
     def settle(self, key: str, call: WindowCall, counted: Counted, delta: Cost) -> WindowReply:
         """A call that started, counted as ``counted``, reports its real cost: ``delta``
@@ -231,9 +232,9 @@ class RedisStore:
 
     def _window(self, key: str, op: str, call: WindowCall, *, reserve: bool = False,
                 claim: Reservation | None = None, marker: str | None = None, learn: str = "1",
-                lease: int = 0, lease_span_us: int = 0) -> WindowReply:
+                lease: int = 0, lease_span_us: int = 0, early_us: int = 0) -> WindowReply:
         args = window_argv(self.now_arg(), op, call, reserve=reserve, claim=claim, learn=learn, lease=lease,
-                           lease_span_us=lease_span_us)
+                           lease_span_us=lease_span_us, early_us=early_us)
         if claim is not None:
             keys = [key, marker] if marker else [key]
         else:

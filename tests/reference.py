@@ -394,6 +394,7 @@ class WindowModel:
         max_wait_us: int = 0,
         not_before_us: int = 0,
         pause_horizon_us: int = 2**53,
+        early_us: int = 0,
     ) -> ModelReply:
         for r in self.rates:
             r.load(now)
@@ -410,7 +411,7 @@ class WindowModel:
                      max_wait_us, not_before_us if not_before_us > now else 0,  # a pause that is over changes nothing
                      pause_horizon_us, min(r.period for r in self.rates))
         if op == "claim":
-            return self._claim(call, claim, learn, resumed)
+            return self._claim(call, claim, learn, resumed, early_us)
         if op == "settle":
             return self._settle(call, claim)
         operation = {"acquire": self._acquire, "screen": self._screen, "reserve": self._reserve,
@@ -511,7 +512,7 @@ class WindowModel:
             return self._reply(c, Code.RUN, 0, 0, 0, 0, min(half), () if c.uniform else half)
         return self._reserve(c)
 
-    def _claim(self, c: _Call, claim: Claim | None, learn: bool, resumed: bool) -> ModelReply:
+    def _claim(self, c: _Call, claim: Claim | None, learn: bool, resumed: bool, early_us: int) -> ModelReply:
         # A reservation made in another epoch (or none: RedisStore sends '' without a
         # claim) is not honoured and gives nothing back: the call is an acquire.
         if claim is None or self.epoch is None or str(claim.epoch) != str(self.epoch):
@@ -530,8 +531,13 @@ class WindowModel:
         # A pause now covers its start, or the pause it was reserved behind was lifted
         # since: give it back and check again
         paused = c_start < c.not_before_us or resumed
-        if c.now < c_start and not paused:
+        # A little early (at most early_us), and its start leaves the slack: granted, to
+        # start at its start
+        granted = c.now < c_start and c_start - c.now <= early_us and c_start + c.slack_us <= c_latest
+        if c.now < c_start and not paused and not granted:
             return self._reply(c, Code.EARLY, c_start - c.now, c_start, c_latest)
+        if granted and not paused:
+            return self._reply(c, Code.RUN_AT, c_start - c.now, c_start, c_latest)
         # On time only if the body, starting within `slack` of now, stays inside the
         # reserved span.
         if c.now + c.slack_us <= c_latest and not paused:

@@ -133,11 +133,11 @@ def rates_of(names: Sequence[str]) -> tuple[Rate, ...]:
 
 def by_op(store: RedisStore, key: str, op: str, call: WindowCall, *, reserve: bool = False,
           claim: Reservation | None = None, lease: int = 0, lease_span_us: int = 0,
-          resumed: bool = False) -> WindowReply:
+          resumed: bool = False, early_us: int = 0) -> WindowReply:
     """The store's method for ``op`` (the walks pick operations at random)."""
     if op == "claim":
         assert claim is not None
-        return store.claim(key, call, claim, reserve=reserve, resumed=resumed)
+        return store.claim(key, call, claim, reserve=reserve, resumed=resumed, early_us=early_us)
     if op == "acquire":
         return store.acquire(key, call, reserve=reserve, lease=lease, lease_span_us=lease_span_us)
     if op == "screen":
@@ -237,19 +237,20 @@ class Harness:
         lease_span_us: int = 0,
         max_wait_us: int = 0,
         resumed: bool = False,
+        early_us: int = 0,
     ) -> WindowReply:
         now = self.clock.now
         paused = self.paused_until
         call = WindowCall(self.algorithm, self.rates, cost, grace_us=grace_us, slack_us=slack_us,
                           max_wait_us=max_wait_us, not_before_us=paused, pause_horizon_us=self.pause_horizon)
         got = by_op(self.store, self.key, op, call, reserve=reserve, claim=claim, lease=lease,
-                    lease_span_us=lease_span_us, resumed=resumed)
+                    lease_span_us=lease_span_us, resumed=resumed, early_us=early_us)
         want = self.model.window(now, op, cost, reserve=reserve, grace_us=grace_us, slack_us=slack_us,
                                  claim=claim, resumed=resumed, lease=lease, lease_span_us=lease_span_us,
                                  max_wait_us=max_wait_us, not_before_us=paused,
-                                 pause_horizon_us=self.pause_horizon)
+                                 pause_horizon_us=self.pause_horizon, early_us=early_us)
         self.history.append(
-            f"{op} cost={cost} reserve={reserve} resumed={resumed} grace={grace_us} slack={slack_us} "
+            f"{op} cost={cost} reserve={reserve} resumed={resumed} early={early_us} grace={grace_us} slack={slack_us} "
             f"claim={claim and claim.to_header()} lease={lease}/{lease_span_us} max_wait={max_wait_us} "
             f"not_before={paused} at now={now} "
             f"-> {tuple(got)}"
@@ -285,15 +286,18 @@ class Harness:
             self.pending.remove(claim)
         if op == "peek" or (op in ("screen", "admit") and got.code == Code.RUN):
             return  # nothing recorded: the pool's acquire comes next
-        if got.code == Code.RUN:
-            self.eras[-1].append((now, got.leased or cost))
+        if got.code in (Code.RUN, Code.RUN_AT):
+            # (Granted a little early, RUN_AT: it starts at its start, after its wait.)
+            at = now + got.wait_us if got.code == Code.RUN_AT else now
+            self.eras[-1].append((at, got.leased or cost))
             # The body may start up to `slack` later: the script promises that for an
-            # on-time claim (now + slack <= latest) and for an immediate admission
-            # (a sliding window records [now, now + slack]; a fixed one counts it in
-            # every window that span touches). A lease's units start anywhere in its span.
+            # on-time claim (now + slack <= latest), for one granted early (start + slack
+            # <= latest) and for an immediate admission (a sliding window records [now,
+            # now + slack]; a fixed one counts it in every window that span touches). A
+            # lease's units start anywhere in its span.
             for _ in range(got.leased or 1):
                 units = 1 if got.leased else cost
-                self.jittered_eras[-1].append((now + self.rng.randint(0, slack_us), units))
+                self.jittered_eras[-1].append((at + self.rng.randint(0, slack_us), units))
             # (Where its entries are in the truth's lists: a settle changes them there.)
             at = (len(self.eras) - 1, len(self.eras[-1]) - 1, len(self.jittered_eras[-1]) - 1)
             if claim is not None and got.start_us:
@@ -428,6 +432,12 @@ class Harness:
         """Mostly no cap; sometimes one that a deep enough wait passes."""
         return self.rng.choice([0, 0, 0, 1, self.min_period // 2, self.max_period, 3 * self.max_period])
 
+    def random_early(self) -> int:
+        """How early a claim may come and be granted its start: mostly not at all, or by a
+        share of the shortest window (a worker's wait-here distance)."""
+        p = self.min_period
+        return self.rng.choice([0, 0, 1, p // 20, p // 5, self.rng.randint(0, p)])
+
     def random_slack(self) -> int:
         p = self.min_period
         return self.rng.choice([0, 1, min(2000, p // 100), self.rng.randint(0, p // 10 + 1)])
@@ -490,7 +500,7 @@ class Harness:
             claim = self.rng.choice(self.pending)
             self.run("claim", claim.cost, reserve=self.rng.random() < 0.8, claim=claim,
                      grace_us=self.random_grace(), slack_us=self.random_slack(),
-                     resumed=self.rng.random() < 0.1)
+                     resumed=self.rng.random() < 0.1, early_us=self.random_early())
         else:
             self.run("acquire", self.random_cost(), reserve=True, grace_us=self.random_grace())
 
@@ -697,11 +707,12 @@ class WindowMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.h is not None and self.h.pending)
     @rule(index=st.integers(0, 10**6), reserve=st.booleans(),
-          grace=st.sampled_from([0, 10_000, 20_000]), slack=st.sampled_from([0, 2000]))
-    def claim(self, index: int, reserve: bool, grace: int, slack: int) -> None:
+          grace=st.sampled_from([0, 10_000, 20_000]), slack=st.sampled_from([0, 2000]),
+          early=st.sampled_from([0, 1, 50_000, 10**6]))
+    def claim(self, index: int, reserve: bool, grace: int, slack: int, early: int) -> None:
         assert self.h is not None
         c = self.h.pending[index % len(self.h.pending)]
-        self.h.run("claim", c.cost, reserve=reserve, grace_us=grace, slack_us=slack, claim=c)
+        self.h.run("claim", c.cost, reserve=reserve, grace_us=grace, slack_us=slack, claim=c, early_us=early)
 
     @invariant()
     def no_window_overfilled(self) -> None:
@@ -1003,16 +1014,19 @@ def _deep_walk(h: Harness, cost_of: Callable[[], int], depth: int) -> int:
         if not h.pending:
             break  # (a shallow walk's backlog can be used up by its on-time claims)
         first = min(h.pending, key=lambda r: r.start_us)
-        roll = rng.random()
-        if roll < 0.85:  # on time, somewhere in its grace
+        roll, early = rng.random(), 0
+        if roll < 0.75:  # on time, somewhere in its grace
             h.advance(max(first.start_us + rng.randint(0, max(first.latest_us - first.start_us - slack, 0))
                           - h.clock.now, 0))
+        elif roll < 0.85:  # a little early, and granted its start (a worker's wait here)
+            early = rng.randint(1, max(h.min_period // 20, 1))
+            h.advance(max(first.start_us - rng.randint(0, early) - h.clock.now, 0))
         elif roll < 0.95:  # too late: given back, queued again
             h.advance(max(first.latest_us + 1 - h.clock.now, 0))
         else:  # a fresh call arrives first
             h.run("acquire", cost_of(), reserve=True, grace_us=grace, slack_us=slack)
             continue
-        h.run("claim", first.cost, reserve=True, claim=first, grace_us=grace, slack_us=slack)
+        h.run("claim", first.cost, reserve=True, claim=first, grace_us=grace, slack_us=slack, early_us=early)
         if i % 50 == 49:
             worst = max(worst, _state_bytes(h))
     return worst
@@ -1131,6 +1145,41 @@ def test_a_reservation_claimed_long_after_its_start_teaches_no_dispatch_delay(
     assert claim_after(60_000_000) == learnt
     # While a trip under SCRIPT_POLICY.learn_outlier_ms still is
     assert claim_after(SCRIPT_POLICY.learn_outlier_ms * 1000 - 1) != learnt
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_claim_a_little_early_is_granted_its_start_once_and_only_with_its_slack_inside_its_span(
+    store: RedisStore, clock: FakeClock, algorithm: str
+) -> None:
+    # Given a key at its limit, and two starts reserved behind it: one open 5 ms, one
+    # open 1 µs (shorter than the 2 ms a body may take to start)
+    rates = rates_of(["2/s"])
+    key = state_key(store.prefix, "early", algorithm)
+    full = WindowCall(algorithm, rates, 1, slack_us=2000)
+    while store.acquire(key, full).allowed:
+        pass
+    wide = store.acquire(key, WindowCall(algorithm, rates, 1, grace_us=5000, slack_us=2000), reserve=True)
+    narrow = store.acquire(key, WindowCall(algorithm, rates, 1, grace_us=1, slack_us=2000), reserve=True)
+    assert wide.code == narrow.code == Code.RESERVED
+    # When each is claimed 10 ms before its start, by a worker that waits up to 20 ms here
+    first = Reservation(wide.start_us, wide.latest_us, 1, wide.grace_us, wide.epoch)
+    second = Reservation(narrow.start_us, narrow.latest_us, 1, narrow.grace_us, narrow.epoch)
+    marker = f"{key}:claimed:t1:{first.start_us}"
+    clock.now = first.start_us - 10_000
+    granted = store.claim(key, full, first, marker=marker, early_us=20_000)
+    # Then the first is granted its start (it waits 10 ms, then runs, with no second call)
+    assert (granted.code, granted.wait_us, granted.start_us) == (Code.RUN_AT, 10_000, first.start_us)
+    # and only once: its marker is set, a second claim of it is checked afresh
+    clock.now = first.start_us
+    assert store.claim(key, full, first, marker=marker, early_us=20_000).code not in (Code.RUN, Code.RUN_AT)
+    # while the second, whose span cannot hold the slack, is told to wait for its start
+    # (a fixed window's span runs to the window's end: it holds it)
+    clock.now = second.start_us - 10_000
+    assert store.claim(key, full, second, early_us=20_000).code == (Code.EARLY if algorithm == "sliding"
+                                                                     else Code.RUN_AT)
+    # and one further ahead than the worker waits is told so too
+    clock.now = first.start_us - 30_000
+    assert store.claim(key, full, first, early_us=20_000).code == Code.EARLY
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

@@ -29,7 +29,7 @@ DOCUMENTED = {
     1: "now in microseconds", 2: "op:", 3: "'1' to reserve", 4: "cost:", 5: "grace", 6: "slack",
     7: "for 'claim': the reservation's start", 13: "'1' if this claim is the task's arrival",
     14: "lease:", 15: "lease span", 16: "max wait", 17: "not before", 18: "pause horizon",
-    19: "number of rates",
+    19: "early (µs), for 'claim'", 20: "number of rates",
 }
 
 
@@ -47,13 +47,14 @@ def test_every_argument_sits_where_window_lua_documents_it() -> None:
     rates = (Rate(10, 1.0), Rate(500, 3600.0))
     call = WindowCall("sliding", rates, 104, grace_us=105, slack_us=106, max_wait_us=116, not_before_us=117,
                       pause_horizon_us=118)
-    argv = window_argv("101", "claim", call, reserve=True, claim=claim, learn="0", lease=114, lease_span_us=115)
+    argv = window_argv("101", "claim", call, reserve=True, claim=claim, learn="0", lease=114, lease_span_us=115,
+                       early_us=119)
     placed = {1: "101", 2: "claim", 3: "1", 4: 104, 5: 105, 6: 106, 7: 701, 8: 702, 9: 703, 10: 704,
-              11: 705, 12: 706, 13: "0", 14: 114, 15: 115, 16: 116, 17: 117, 18: 118, 19: 2}
+              11: 705, 12: 706, 13: "0", 14: 114, 15: 115, 16: 116, 17: 117, 18: 118, 19: 119, 20: 2}
     assert {slot: argv[slot - 1] for slot in placed} == placed
-    assert argv[19:] == [10, 1_000_000, rate_field("sliding", rates[0]), 500, 3_600_000_000,
+    assert argv[20:] == [10, 1_000_000, rate_field("sliding", rates[0]), 500, 3_600_000_000,
                          rate_field("sliding", rates[1])]
-    assert "then ARGV[20..]: limit, period (µs) and field name per rate" in header[19]
+    assert "then ARGV[21..]: limit, period (µs) and field name per rate" in header[20]
 
 
 def test_reply_codes_match_the_script() -> None:
@@ -62,10 +63,11 @@ def test_reply_codes_match_the_script() -> None:
     for code, meaning in ((Code.RUN, "run now"), (Code.DENIED, "not now, and no start reserved"),
                           (Code.RESERVED, "not now, and a start was reserved"),
                           (Code.EARLY, "a claim that came before"), (Code.TOO_FAR, "denied, and the earliest start"),
-                          (Code.TOO_COSTLY, "the cost exceeds the limit")):
+                          (Code.TOO_COSTLY, "the cost exceeds the limit"),
+                          (Code.RUN_AT, "a claim that came at most ARGV[19] before its reserved start")):
         assert f"{code.name} {meaning}" in header, f"code {code.name} is not documented as {meaning!r}"
-    assert [c.value for c in (Code.RUN, Code.DENIED, Code.RESERVED, Code.EARLY, Code.TOO_FAR, Code.TOO_COSTLY)] == \
-        [1, 0, 4, 2, 3, -1]
+    assert [c.value for c in (Code.RUN, Code.DENIED, Code.RESERVED, Code.EARLY, Code.TOO_FAR, Code.TOO_COSTLY,
+                              Code.RUN_AT)] == [1, 0, 4, 2, 3, -1, 5]
 
 
 #: The layout constants of the other algorithm: given to each script, read by one.

@@ -58,7 +58,10 @@
 -- ARGV[18] pause horizon (µs): a pause ending further away reserves nothing (a resume
 --          must be able to let its tasks go): the reply is a denial without a start,
 --          whose wait is this horizon (check again then)
--- ARGV[19] number of rates, then ARGV[20..]: limit, period (µs) and field name per rate
+-- ARGV[19] early (µs), for 'claim': a claim that comes at most this long before its
+--          reserved start is granted at once (RUN_AT: it starts at that start, after the
+--          caller's wait, with no second call); further ahead, EARLY (0: never granted)
+-- ARGV[20] number of rates, then ARGV[21..]: limit, period (µs) and field name per rate
 --
 -- A lease is granted only while every rate stays at most half full with it: the leased
 -- units are recorded as one span [now, now + lease span], so every start made with them
@@ -86,6 +89,9 @@
 --          DENIED not now, and no start reserved
 --          RESERVED not now, and a start was reserved: start, latest, grace
 --          EARLY a claim that came before its reserved start
+--          RUN_AT a claim that came at most ARGV[19] before its reserved start: it is the
+--            caller's, to start when `wait` has passed (used: a second claim of it is
+--            checked afresh)
 --          TOO_FAR denied, and the earliest start (in `wait`) is further than the max
 --            wait (a pause's own length not counted): nothing reserved
 --          TOO_COSTLY the cost exceeds the limit of one of the rates (nothing else set)
@@ -110,7 +116,7 @@ local grace, slack = tonumber(ARGV[5]), tonumber(ARGV[6])
 local lease, lease_span, max_wait = tonumber(ARGV[14]), tonumber(ARGV[15]), tonumber(ARGV[16])
 local not_before, pause_horizon = tonumber(ARGV[17]), tonumber(ARGV[18])
 if not_before <= now then not_before = 0 end  -- a pause that is over changes nothing
-local n_rates, fields = tonumber(ARGV[19]), {'e', 'd', 'v', 'f'}
+local n_rates, fields = tonumber(ARGV[20]), {'e', 'd', 'v', 'f'}
 -- The cost: `cost` of every rate, or (rates of different units) `costs[i]` of rate i.
 local cost, costs = tonumber(ARGV[4]), nil
 if cost == nil then
@@ -120,7 +126,7 @@ if cost == nil then
   lease = 0
 end
 
-for i = 1, n_rates do fields[4 + i] = ARGV[19 + 3 * i] end
+for i = 1, n_rates do fields[4 + i] = ARGV[20 + 3 * i] end
 local stored = redis.call('HMGET', key, unpack(fields))
 if stored[1] and stored[4] and tonumber(stored[4]) ~= STATE_FORMAT then
   -- Written in another format (a later version's, and the deploy rolled back): not read
@@ -160,7 +166,7 @@ if n_rates > 0 and not_before == 0 and (op == 'screen' or (op == 'acquire' and (
   local record = op == 'acquire'
   local free, clear, shortest, half_pace, sets = nil, 0, nil, nil, {}
   for i = 1, n_rates do
-    local limit, period = tonumber(ARGV[17 + 3 * i]), tonumber(ARGV[18 + 3 * i])
+    local limit, period = tonumber(ARGV[18 + 3 * i]), tonumber(ARGV[19 + 3 * i])
     local c = costs and costs[i] or cost
     local used, clear_at, value = nil, nil, nil
     if c <= limit then  -- (else TOO_COSTLY, below)
@@ -198,7 +204,7 @@ ALGO.define()  -- (the algorithm's general functions: see its ALGO.define)
 local rates = {}
 local shortest, half_pace = nil, nil
 for i = 1, n_rates do
-  local r = {limit = tonumber(ARGV[17 + 3 * i]), period = tonumber(ARGV[18 + 3 * i]),
+  local r = {limit = tonumber(ARGV[18 + 3 * i]), period = tonumber(ARGV[19 + 3 * i]),
              field = fields[4 + i], cost = costs and costs[i] or cost, dirty = false}
   if shortest == nil or r.period < shortest then shortest = r.period end
   local pace = math.floor(r.period / r.limit / 2)
@@ -395,9 +401,10 @@ local function admit()
   return reserve_start()
 end
 
--- Use a start reserved earlier: learn the trip back, run if on time, wait if early, give
--- it back and check afresh if late. A reservation of another epoch, or used already (its
--- marker, KEYS[2], is set), is neither honoured nor given back: the call is an acquire.
+-- Use a start reserved earlier: learn the trip back, run if on time, run at the start if
+-- a little early (ARGV[19]), wait if earlier, give it back and check afresh if late. A
+-- reservation of another epoch, or used already (its marker, KEYS[2], is set), is neither
+-- honoured nor given back: the call is an acquire.
 local function claim()
   if epoch ~= ARGV[11] or (KEYS[2] and redis.call('EXISTS', KEYS[2]) == 1) then return acquire() end
   local c_start, c_latest = tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -418,7 +425,9 @@ local function claim()
   end
   -- Reserved before a pause that now covers its start: given back below, reserved again.
   local paused = c_start < not_before or ARGV[13] == '2'
-  if now < c_start and not paused then return reply(EARLY, c_start - now, c_start, c_latest) end
+  -- (Granted early, it starts at its start: it must leave the slack there.)
+  local granted = now < c_start and c_start - now <= tonumber(ARGV[19]) and c_start + slack <= c_latest
+  if now < c_start and not paused and not granted then return reply(EARLY, c_start - now, c_start, c_latest) end
   if KEYS[2] then
     -- Remember the use until its units have surely left every window.
     local longest = 0
@@ -426,6 +435,7 @@ local function claim()
     local ttl = math.ceil((math.max(c_latest - now, 0) + longest) / 1000) + STATE_TTL_PAD_MS
     redis.call('SET', KEYS[2], '1', 'PX', ttl)
   end
+  if granted and not paused then return reply(RUN_AT, c_start - now, c_start, c_latest) end
   -- On time: the body starts within `slack` of now, still inside the reserved span.
   if now + slack <= c_latest and not paused then return reply(RUN, 0, c_start, c_latest) end
   -- Too late to use the reserved start without breaking the window for whoever was
