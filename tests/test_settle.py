@@ -36,16 +36,20 @@ def test_a_refund_lets_later_starts_in_sooner(workers: WorkerGroup) -> None:
     assert first[refunded] >= 3, f"with refunds {first[refunded]} started in the first window"
 
 
-def test_an_overrun_pushes_later_starts_out(workers: WorkerGroup) -> None:
-    """4/2s, estimated at 1: the first call reports 4 (through cost_after); the next one,
-    sent after that report, waits for the window to clear instead of starting at once."""
+@pytest.mark.parametrize(("task", "overrun", "window"), [("estimated_low", 4, 2.0), ("tokens_after", 8, 10.0)],
+                         ids=["one unit", "tokens, by unit"])
+def test_an_overrun_pushes_later_starts_out(workers: WorkerGroup, task: str, overrun: int, window: float) -> None:
+    """Estimated at 1 unit (4/2s; or 8 tokens per 10 s, beside 20 requests): the first call
+    reports its window's whole limit through cost_after (a count, or a dict by unit); the
+    next one, sent after that report, waits for the window to clear instead of starting at
+    once."""
     label, tenant = new_label(), f"o-{uuid.uuid4().hex[:6]}"
-    workers.send("estimated_low", label, tenant, 4)
+    workers.send(task, label, tenant, overrun)
     first = workers.wait_starts(label, 1, timeout=15, settle=0.5)[0]
-    workers.send("estimated_low", label, tenant, 1)
-    second = next(e for e in workers.wait_starts(label, 2, timeout=15) if e["id"] != first["id"])
+    workers.send(task, label, tenant, 1)
+    second = next(e for e in workers.wait_starts(label, 2, timeout=window + 15) if e["id"] != first["id"])
     # Without the overrun it would start about 0.5 s after the first (the settle above).
-    assert second["t"] - first["t"] >= 2.0 - BODY_DELAY_S
+    assert second["t"] - first["t"] >= window - BODY_DELAY_S
 
 
 def test_tokens_settled_by_unit_let_later_calls_in_and_requests_keep_their_count(workers: WorkerGroup) -> None:
@@ -67,18 +71,6 @@ def test_tokens_settled_by_unit_let_later_calls_in_and_requests_keep_their_count
     (status,) = json.loads(done.stdout)["keys"]
     used = {r["rate"]: r["used"] for r in status["rates"]}
     assert used == {"20/10s": 5, "8 tokens/10s": 5}, used
-
-
-def test_tokens_reported_through_cost_after_push_later_starts_out(workers: WorkerGroup) -> None:
-    """8 tokens per 10 s, estimated at 1: the first call returns 8 (cost_after, by unit);
-    the next, sent after that report, waits for the window to clear."""
-    label, tenant = new_label(), f"v-{uuid.uuid4().hex[:6]}"
-    workers.send("tokens_after", label, tenant, 8)
-    first = workers.wait_starts(label, 1, timeout=15, settle=0.5)[0]
-    workers.send("tokens_after", label, tenant, 1)
-    second = next(e for e in workers.wait_starts(label, 2, timeout=25) if e["id"] != first["id"])
-    # Without the overrun it would start about 0.5 s after the first (the settle above).
-    assert second["t"] - first["t"] >= 10.0 - BODY_DELAY_S
 
 
 def test_charge_outside_a_throttled_body_and_bad_units_fail_clearly() -> None:
