@@ -24,7 +24,17 @@ from .controls import Controls
 from .errors import ThrottleError
 from .keys import encode
 from .lease import Leases, sent_at
-from .protocol import Code, Cost, Counted, Reservation, WindowCall, WindowReply, rate_field, rates_tag
+from .protocol import (
+    Code,
+    Cost,
+    Counted,
+    Reservation,
+    WindowCall,
+    WindowReply,
+    per_rate,
+    rate_field,
+    rates_tag,
+)
 from .rates import Rate
 from .spec import BoundCall, ThrottleSpec, rate_costs
 from .store import RedisStore
@@ -295,8 +305,7 @@ _REQUEST_SHAPES = 1024
 
 def _too_costly(rates: tuple[Rate, ...], cost: Cost) -> tuple[int, Rate] | None:
     """(units, rate) of a rate that ``cost`` never fits in, or None."""
-    for i, rate in enumerate(rates):
-        units = cost if isinstance(cost, int) else cost[i]
+    for rate, units in zip(rates, per_rate(cost, len(rates))):
         if units > rate.limit:
             return units, rate
     return None

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from .rates import Rate
 
 __all__ = ["ALGORITHM_TAGS", "DEAD_LETTER_HEADERS", "HEADER", "HEADER_VERSION", "STATE_FORMAT", "STATE_LAYOUT", "Code", "Cost", "Counted", "Reservation", "SlotCode", "SlotReply",
-           "StateLayout", "WindowCall", "WindowReply", "cost_arg", "header_value", "rate_field", "rate_of_field", "rates_tag", "read_state", "window_argv", "window_argv_settle",
+           "StateLayout", "WindowCall", "WindowReply", "cost_arg", "header_value", "one_cost", "per_rate", "rate_field", "rate_of_field", "rates_tag", "read_state", "window_argv", "window_argv_settle",
            "without_dead_letter_headers"]
 
 
@@ -35,6 +35,16 @@ Cost = int | tuple[int, ...]
 def cost_arg(cost: Cost) -> int | str:
     """A cost as the window script reads it: a number, or a count per rate, comma-separated."""
     return cost if isinstance(cost, int) else ",".join(map(str, cost))
+
+
+def per_rate(cost: Cost, rates: int) -> tuple[int, ...]:
+    """``cost`` as a count for each of ``rates`` rates."""
+    return (cost,) * rates if isinstance(cost, int) else tuple(cost)
+
+
+def one_cost(counts: Sequence[int]) -> Cost:
+    """A count per rate as a :data:`Cost`: one number when it is the same for every rate."""
+    return counts[0] if counts and all(c == counts[0] for c in counts) else tuple(counts)
 
 
 def _header_cost(value: Any) -> bool:

@@ -29,7 +29,7 @@ from celery import current_task
 
 from .controller import controller
 from .errors import StoreError, ThrottleError
-from .protocol import Cost, Counted
+from .protocol import Cost, Counted, one_cost, per_rate
 from .spec import BoundCall
 
 __all__ = ["charge"]
@@ -78,12 +78,11 @@ def charge(units: int | None = None, /, **by_unit: int) -> None:
     do not count. A store that cannot be reached is logged, not raised: the body's own
     outcome stands.
     """
-    for name, value in ((None, units), *by_unit.items()):
-        if (name is not None or value is not None) and (isinstance(value, bool) or not isinstance(value, int)
-                                                         or value < 0):
-            raise ThrottleError(f"charge() takes the units used, each an integer >= 0, got {name or 'units'}={value!r}")
     if (units is None) == (not by_unit):
         raise ThrottleError("charge() takes the units used: charge(1234), or by unit, charge(tokens=1234)")
+    for name, value in by_unit.items() if units is None else (("units", units),):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ThrottleError(f"charge() takes the units used, each an integer >= 0, got {name}={value!r}")
     request = getattr(current_task, "request", None)
     task_id = getattr(request, "id", None)
     running = _bodies.running.get(task_id) if task_id else None
@@ -91,7 +90,8 @@ def charge(units: int | None = None, /, **by_unit: int) -> None:
         raise ThrottleError("charge() is called in the body of a task with a @throttle (or a rule), "
                             "while it runs; this is not one")
     reported = _reported(running.call, running.units, units, by_unit)
-    delta = _difference(reported, running.units)
+    n = len(running.call.rates)
+    delta = one_cost([r - c for r, c in zip(per_rate(reported, n), per_rate(running.units, n))])
     if delta == 0:
         return
     ctl = controller(current_task.app)
@@ -120,22 +120,8 @@ def _reported(call: BoundCall, counted: Cost, units: int | None, by_unit: dict[s
         counts = ", ".join(sorted(u for u in named if u)) or "no named unit"
         raise ThrottleError(f"charge() names unit(s) {unknown} that this throttle's rates do not count "
                             f"(they count: {counts}; a rate counts a unit when it names it, \"30000 tokens/m\")")
-    before = counted if isinstance(counted, tuple) else (counted,) * len(call.rates)
-    after = tuple(by_unit.get(rate.unit, old) for rate, old in zip(call.rates, before))
-    return after[0] if after and all(a == after[0] for a in after) else after
-
-
-def _difference(reported: Cost, counted: Cost) -> Cost:
-    """``reported`` less ``counted``: one number if it is the same for every rate."""
-    if isinstance(reported, int) and isinstance(counted, int):
-        return reported - counted
-    n = len(reported) if isinstance(reported, tuple) else len(counted)  # type: ignore[arg-type]
-    pairs = zip(reported if isinstance(reported, tuple) else (reported,) * n,
-                counted if isinstance(counted, tuple) else (counted,) * n)
-    deltas = tuple(r - c for r, c in pairs)
-    if all(d == 0 for d in deltas):
-        return 0
-    return deltas
+    before = per_rate(counted, len(call.rates))
+    return one_cost([by_unit.get(rate.unit, old) for rate, old in zip(call.rates, before)])
 
 
 def charge_after(spec_cost_after: Any, result: Any, task: Any) -> None:

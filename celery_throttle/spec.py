@@ -16,7 +16,7 @@ from typing import Any
 from .config import ALGORITHMS, check_margin, check_max_wait
 from .errors import ConfigurationError, KeyBuildError
 from .keys import state_key
-from .protocol import Cost
+from .protocol import Cost, one_cost
 from .rates import UNIT_NAME, Rate, parse_rates
 
 __all__ = ["RULE_OPTIONS", "BoundCall", "CostArg", "ThrottleSpec", "declared_spec", "rate_costs"]
@@ -55,8 +55,7 @@ def rate_costs(rates: Sequence[Rate], unit_costs: Sequence[tuple[str, int]]) -> 
     """What a call costing ``unit_costs`` (by unit; a unit not named: 1) counts in each of
     ``rates``: one int when that is the same for every rate, else a count per rate."""
     table = dict(unit_costs)
-    costs = tuple(table.get(r.unit, 1) for r in rates)
-    return costs[0] if costs and all(c == costs[0] for c in costs) else (costs or 1)
+    return one_cost([table.get(r.unit, 1) for r in rates]) if rates else 1
 
 
 @dataclass(frozen=True)
