@@ -8,8 +8,8 @@ index alone, so every variant faces the same calls, and T, the tokens of the N c
 known in advance.
 
 Clients (bench/llmworker.py): ``@throttle("60/m", "10000 tokens/m")`` estimating each call
-at the mean (250) or at the most (450), not settled; estimating the most and settling
-with ``charge(tokens=n)`` once the API reported n; Celery's ``rate_limit="30/m"`` per
+at the mean (250) or at the most (450), not settled; estimating the most, or the mean,
+and settling with ``charge(tokens=n)`` once the API reported n; Celery's ``rate_limit="30/m"`` per
 worker (two workers: 60/m). Each retries a 429 with ``self.retry(countdown=Retry-After)``.
 
 The variants run at the same time, each on a redis-server of its own (broker and throttle
@@ -75,6 +75,8 @@ VARIANTS = (
     Variant('cost={"tokens": 250} (the mean), not settled', "estimate"),
     Variant('cost={"tokens": 450} (the most), not settled', "estimate_max", no_429=True),
     Variant('cost={"tokens": 450}, charge(tokens=n)', "settled", no_429=True),
+    # What a user would most likely write: the mean, settled (0 on a 429, as above).
+    Variant('cost={"tokens": 250} (the mean), charge(tokens=n)', "estimate_settled"),
     Variant('Celery rate_limit="30/m" per worker', "builtin"),
     # A burst sent at once is reserved on its estimates (settling moves no start already
     # reserved): the same two clients, their calls sent one a second, show what settling

@@ -2,14 +2,15 @@
 API of bench/llmapi.py, 60 requests and 10 000 tokens per minute per account.
 
 Every task makes one call (CB_API_URL) and, on a 429, retries itself with
-``self.retry(countdown=Retry-After)``, as a user's task would. They differ only in how
-the client limits itself, keyed by the API account as the API's limit is:
+``self.retry(countdown=Retry-After)``, as a user's task would (one body, :func:`call`). They
+differ only in how the client limits itself, keyed by the API account as the API's limit is:
 
 * ``estimate``: ``@throttle("60/m", "10000 tokens/m", cost={"tokens": 250})``, the mean
   of the draw, never settled;
 * ``estimate_max``: the same at 450 tokens, the most a call can use, never settled;
 * ``settled``: estimated at 450, then ``charge(tokens=n)`` with the tokens the API
   reported (0 for a 429: the API counted none);
+* ``estimate_settled``: estimated at the mean (250), then settled as ``settled`` is;
 * ``builtin``: Celery's ``rate_limit="30/m"``, per worker: two workers send 60/m, as a
   user dividing the API's limit by the workers would; it knows nothing of tokens.
 
@@ -72,40 +73,46 @@ def complete(task: Any, label: str, account: str, i: int) -> int:
         raise RateLimited(wait) from None
 
 
-# max_retries=None on each task: a task retries on 429s as long as it takes.
+def call(task: Any, label: str, account: str, i: int, settle: bool = False) -> None:
+    """The body of every task: one call, a 429 retried ``Retry-After`` later. ``settle``:
+    report the tokens the API counted with ``charge(tokens=n)`` (0 for a 429)."""
+    try:
+        used = complete(task, label, account, i)
+    except RateLimited as exc:
+        if settle:
+            celery_throttle.charge(tokens=0)
+        raise task.retry(countdown=exc.retry_after) from None
+    if settle:
+        celery_throttle.charge(tokens=used)
+
+
+# The tasks differ only in how they limit themselves (the decorators); max_retries=None on
+# each: a task retries on 429s as long as it takes.
 
 @app.task(bind=True, max_retries=None)
 @throttle(*RATES, key="{account}", cost={"tokens": MEAN})
 def estimate(self, label, account, i):
-    try:
-        complete(self, label, account, i)
-    except RateLimited as exc:
-        raise self.retry(countdown=exc.retry_after) from None
+    call(self, label, account, i)
 
 
 @app.task(bind=True, max_retries=None)
 @throttle(*RATES, key="{account}", cost={"tokens": MOST})
 def estimate_max(self, label, account, i):
-    try:
-        complete(self, label, account, i)
-    except RateLimited as exc:
-        raise self.retry(countdown=exc.retry_after) from None
+    call(self, label, account, i)
 
 
 @app.task(bind=True, max_retries=None)
 @throttle(*RATES, key="{account}", cost={"tokens": MOST})
 def settled(self, label, account, i):
-    try:
-        used = complete(self, label, account, i)
-    except RateLimited as exc:
-        celery_throttle.charge(tokens=0)
-        raise self.retry(countdown=exc.retry_after) from None
-    celery_throttle.charge(tokens=used)
+    call(self, label, account, i, settle=True)
+
+
+@app.task(bind=True, max_retries=None)
+@throttle(*RATES, key="{account}", cost={"tokens": MEAN})
+def estimate_settled(self, label, account, i):
+    call(self, label, account, i, settle=True)
 
 
 @app.task(bind=True, max_retries=None, rate_limit="30/m")
 def builtin(self, label, account, i):
-    try:
-        complete(self, label, account, i)
-    except RateLimited as exc:
-        raise self.retry(countdown=exc.retry_after) from None
+    call(self, label, account, i)
