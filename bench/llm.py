@@ -64,11 +64,14 @@ class Variant:
     pace: float = 0.0
     #: Seconds the API takes to answer a call it accepts.
     latency: float = 0.0
+    #: ``throttle_start_grace`` of its workers and producer (seconds; None: the default).
+    start_grace: float | None = None
 
     @property
     def slug(self) -> str:
         return self.task + (f"-paced{self.pace:g}" if self.pace else "") + (
-            f"-slow{self.latency:g}" if self.latency else "")
+            f"-slow{self.latency:g}" if self.latency else "") + (
+            f"-grace{self.start_grace:g}" if self.start_grace is not None else "")
 
 
 VARIANTS = (
@@ -87,6 +90,11 @@ VARIANTS = (
     # start reserved for it.
     Variant('cost={"tokens": 450}, charge(tokens=n), API answers in 0.5 s', "settled", no_429=True,
             latency=0.5),
+    # The same with a grace a window's worth of such calls can start in on 4 processes
+    # (throttle_start_grace), and what that grace costs calls that answer at once.
+    Variant('cost={"tokens": 450}, charge(tokens=n), API answers in 0.5 s, start grace 4 s', "settled",
+            no_429=True, latency=0.5, start_grace=4.0),
+    Variant('cost={"tokens": 450}, charge(tokens=n), start grace 4 s', "settled", no_429=True, start_grace=4.0),
 )
 
 
@@ -158,6 +166,8 @@ def _start(stack: ExitStack, prefix: str, api_url: str, variant: Variant, calls:
     server = stack.enter_context(dedicated_redis(f"llm-{variant.slug}", redis_binary()))
     run = f"{prefix}-llm-{variant.slug}"
     env = {"CB_BROKER": server.url, "CB_PREFIX": run, "CB_QUEUE": f"{run}-q", "CB_API_URL": api_url}
+    if variant.start_grace is not None:
+        env["CB_START_GRACE"] = str(variant.start_grace)
     group = WorkerGroup(run, f"llm-{variant.slug}", count=2, concurrency=2, env=env, app=APP)
     group.queue = env["CB_QUEUE"]
     stack.callback(group.stop)  # (before start: a group that fails to start is stopped too)

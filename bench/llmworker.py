@@ -48,6 +48,8 @@ app.conf.update(
     throttle_redis_url=BROKER,
     throttle_key_prefix=PREFIX,
 )
+if os.environ.get("CB_START_GRACE"):  # (how late a reserved start may still be used)
+    app.conf.throttle_start_grace = float(os.environ["CB_START_GRACE"])
 celery_throttle.install(app)
 
 
