@@ -137,12 +137,18 @@ class Checker:
         """As :meth:`bind`, for task ``name`` throttled by ``spec``, whose arguments bind
         to ``signature`` (None: unknown, a key is built from keyword arguments only)."""
         settings = self.settings
-        call = self.live(spec.bind(name, signature, args or (), kwargs or {}, settings.default_algorithm,
-                                   settings.key_prefix), quick=quick)
+        declared = spec.bind(name, signature, args or (), kwargs or {}, settings.default_algorithm,
+                             settings.key_prefix)
+        call = self.live(declared, quick=quick)
         margin = spec.margin if spec.margin is not None else settings.margin
         if call.algorithm == "sliding" and margin != 0:
             margin_us = -1 if margin is None else round(margin * 1_000_000)  # -1: the default, per rate
-            call = replace(call, rates=_widened(call.rates, margin_us), fields=None)
+            rates = _widened(call.rates, margin_us)
+            # (A live rate keeps the state of the declared one of its window and unit, both
+            # widened alike.)
+            fields = None if call.fields is None else _live_fields(call.algorithm, _widened(declared.rates, margin_us),
+                                                                   rates)
+            call = replace(call, rates=rates, fields=fields)
         return call
 
     def live(self, call: BoundCall, *, quick: bool = False) -> BoundCall:
@@ -181,8 +187,10 @@ class Checker:
             if claim.rates_tag and claim.rates_tag != rates_tag(call.rates):
                 # Reserved under other rates (a live limit set or cleared since): its start
                 # is given back and the call checked afresh under the rates of now (the
-                # script does that for a claim past its latest start).
-                claim = replace(claim, latest_us=claim.start_us - 1)
+                # script does that for a claim past its latest start). What it gives back
+                # is the call's cost under the rates of now, rate by rate (a count per rate
+                # of the old rates would not line up with them).
+                claim = replace(claim, latest_us=claim.start_us - 1, cost=call.cost)
             marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claimant else None
             return self.store.claim(key, request, claim, marker=marker, learn=learn, reserve=reserve,
                                     resumed=resumed, early_us=early_us)

@@ -20,6 +20,7 @@ import inspect
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore
@@ -216,11 +217,15 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
         return True  # direct and eager calls are not task executions: never throttled
     ctl = controller(task.app)
     if not ctl.settings.enabled:
+        if _header(request).get("w"):
+            _take_handed_slot(ctl, task, args, kwargs, request.id)
         return True
     spec: ThrottleSpec = type(task)._throttle_spec
     call = ctl.checker.bind(task, args, kwargs)
     state = _header(request)
-    if not call.concurrency:
+    if not call.concurrency and not state.get("w"):
+        # (A task that waited for a slot takes the one it was handed even where no K is
+        # in force any more, a live K cleared: its kept message is deleted with it.)
         return _check_rates(ctl, task, request, args, kwargs, spec, call, state)
     # A slot first: a task denied one consumes no rate; one its rates deny gives its
     # slot back at once (to the next task waiting for it).
@@ -243,6 +248,17 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
         if not runs:
             ctl.slots.release(request.id)
     return runs
+
+
+def _take_handed_slot(ctl: Throttle, task: Any, args: Any, kwargs: Any, task_id: str) -> None:
+    """Throttling is off, and this task waited for a concurrency slot: it takes the one it
+    was handed (given back when its body ends), so that its kept message is deleted and
+    not woken again when that slot's lease runs out. Never raises: the task runs."""
+    try:
+        ctl.slots.take(replace(ctl.checker.bind(task, args, kwargs), concurrency=0), task_id)
+    except Exception as exc:  # noqa: BLE001 - logged; at worst the task is woken again
+        logger.warning("could not take the concurrency slot %s[%s] was handed (throttling is off): %r",
+                       task.name, task_id, exc)
 
 
 def _take_slot(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, spec: ThrottleSpec,

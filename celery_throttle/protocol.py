@@ -38,8 +38,13 @@ def cost_arg(cost: Cost) -> int | str:
 
 
 def per_rate(cost: Cost, rates: int) -> tuple[int, ...]:
-    """``cost`` as a count for each of ``rates`` rates."""
-    return (cost,) * rates if isinstance(cost, int) else tuple(cost)
+    """``cost`` as a count for each of ``rates`` rates (a count per rate of another number
+    of rates is a ValueError: it would not line up with them)."""
+    if isinstance(cost, int):
+        return (cost,) * rates
+    if len(cost) != rates:
+        raise ValueError(f"{rates} rates, but a count for {len(cost)}: {cost}")
+    return tuple(cost)
 
 
 def one_cost(counts: Sequence[int]) -> Cost:
@@ -339,8 +344,9 @@ def _rate_args(algorithm: str, rates: tuple[Rate, ...], fields: tuple[str, ...] 
 #: Message header carrying a deferred task's reservation and counters:
 #: ``k`` the state key it was reserved under, ``r`` the reservation
 #: (:meth:`Reservation.to_header`), ``n`` deferrals so far, ``e`` store errors in a row,
-#: ``p`` 1 if a pause held it (it was parked, for a resume to send it at once), ``v``
-#: the format's version (:data:`HEADER_VERSION`).
+#: ``p`` 1 if a pause held it (it was parked, for a resume to send it at once), ``w``
+#: since when it waits for a concurrency slot (µs, the host's clock), ``v`` the format's
+#: version (:data:`HEADER_VERSION`).
 HEADER = "celery_throttle"
 #: The header's format as this version writes it. A header without ``v`` was written
 #: before the field existed, in format 1. One from a later format (a deploy rolled back
@@ -388,6 +394,8 @@ def read_state(value: Any) -> dict[str, Any]:
         number = value.get(counter)
         if isinstance(number, int) and not isinstance(number, bool) and 0 <= number < 2**31:
             state[counter] = number
+    if _header_int(value.get("w")):  # (since when it waits for a slot, µs)
+        state["w"] = value["w"]
     return state
 
 

@@ -66,12 +66,12 @@ def ended(task_id: str) -> None:
     _bodies.running.pop(task_id, None)
 
 
-def charge(units: int | None = None, /, **by_unit: int) -> None:
+def charge(units: int | None = None, **by_unit: int) -> None:
     """Report what this throttled body really used: ``units`` replace the estimate its
     ``cost`` was counted with (call it again to correct it; the last report stands). For
     rates of named units, by name: ``charge(tokens=1234)`` settles the rates that count
-    tokens (a rate of a unit not named keeps its count); ``charge(n)`` is for a throttle
-    whose rates all count one unit.
+    tokens (a rate of a unit not named keeps its count); ``charge(n)`` (or ``units=n``) is
+    for a throttle whose rates all count one unit.
 
     Raises :class:`~celery_throttle.errors.ThrottleError` outside the body of a
     throttled task, for a unit count that is not an integer >= 0, or a unit its rates

@@ -97,12 +97,13 @@ class SlotStore:
         return None
 
     # -- the index of keys with waiting tasks ---------------------------------------------
-    def index(self, state_key: str, limit: int) -> None:
+    def index(self, state_key: str, declared: int) -> None:
         with self.store.errors():
-            self.store.client.hset(slot_index_key(self.store.prefix), state_key, limit)
+            self.store.client.hset(slot_index_key(self.store.prefix), state_key, declared)
 
     def indexed(self) -> dict[str, int]:
-        """State key to limit, of every key that had tasks waiting for a slot."""
+        """State key to the K its code declares (0: none), of every key that had tasks
+        waiting for a slot."""
         with self.store.errors():
             raw = self.store.client.hgetall(slot_index_key(self.store.prefix))
         return {_text(k): int(v) for k, v in raw.items() if v.isdigit()}

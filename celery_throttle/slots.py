@@ -13,7 +13,10 @@ them once their lease has run out.
 
 A live limit (``set_limit(scope, concurrency=K)``) replaces the declared K wherever a
 slot is taken, given back or swept; a raised K hands its new slots to the tasks waiting
-at once (:meth:`Slots.apply_limit`).
+at once (:meth:`Slots.apply_limit`). Cleared, the declared K is back; where the code
+declares none (a live K gave a rates-only throttle its slots), every task still waiting
+is handed a slot (:data:`UNLIMITED`), and a task that waited takes the slot it was handed
+whatever the K of now, so that its kept message is not woken again.
 
 Threads: the table of held slots is the process's, shared by a threads or gevent pool's
 threads, under a lock held for dict operations only.
@@ -37,7 +40,7 @@ from .slot_store import SlotStore
 from .spec import BoundCall
 from .store import RedisStore
 
-__all__ = ["FULL_HINT_S", "RENEWALS_PER_LEASE", "Slots"]
+__all__ = ["FULL_HINT_S", "RENEWALS_PER_LEASE", "UNLIMITED", "Slots", "in_force"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -59,14 +62,23 @@ HINT_KEYS = 10_000
 #: How often (seconds, at most) one worker's sweep visits the keys with waiting tasks;
 #: a lock in the store makes it one worker per round, whatever the number of workers.
 SWEEP_EVERY_S = 5.0
+#: The limit slots are taken, given back and swept under where no K is in force (a live
+#: K cleared on a throttle that declares none): a slot for every task that waited.
+UNLIMITED = 2**31
+
+
+def in_force(limit: int) -> int:
+    """The limit slots.lua is given for a K of ``limit`` (0: none in force)."""
+    return limit or UNLIMITED
 
 
 @dataclass(frozen=True)
 class Held:
-    """A slot this process holds: its state key, the key's limit, its scope and key."""
+    """A slot this process holds: its state key, the K its code declares (0: none), its
+    scope and key."""
 
     state_key: str
-    limit: int
+    declared: int
     scope: str
     key: str | None
 
@@ -130,17 +142,17 @@ class Slots:
         free. Tasks that a freed slot was handed to on the way are sent."""
         self._forked()
         store = self.store
-        reply = store.take(call.state_key, holder, call.concurrency, self.lease_us, message, first_wait_us)
+        reply = store.take(call.state_key, holder, in_force(call.concurrency), self.lease_us, message, first_wait_us)
         if reply.code == SlotCode.TAKEN:
             with self._lock:
-                self._held[holder] = Held(call.state_key, call.concurrency, call.scope, call.key)
+                self._held[holder] = Held(call.state_key, call.declared_concurrency, call.scope, call.key)
             self.ctl.metrics.running(call.scope, call.key, 1)
             self._full_at.pop(call.state_key, None)
             self._start_renewer()
         else:
             _note(self._full_at, call.state_key)
             if reply.code == SlotCode.QUEUED:
-                store.index(call.state_key, call.concurrency)
+                store.index(call.state_key, call.declared_concurrency)
         self.wake(reply)
         return reply
 
@@ -153,7 +165,7 @@ class Slots:
         ``QUEUED`` (kept with the key's queue: not sent). Tasks that a freed slot was
         handed to on the way are sent."""
         store = self.store
-        reply = store.enqueue(call.state_key, task_id, call.concurrency, self.lease_us, message)
+        reply = store.enqueue(call.state_key, task_id, in_force(call.concurrency), self.lease_us, message)
         if reply.code == SlotCode.FREE:
             _note(self._free_at, call.state_key)
             self._full_at.pop(call.state_key, None)
@@ -161,7 +173,7 @@ class Slots:
             self._free_at.pop(call.state_key, None)
             _note(self._full_at, call.state_key)
             if reply.code == SlotCode.QUEUED:
-                store.index(call.state_key, call.concurrency)
+                store.index(call.state_key, call.declared_concurrency)
         self.wake(reply)
         return reply
 
@@ -178,7 +190,7 @@ class Slots:
         if held is None:
             return None
         self.ctl.metrics.running(held.scope, held.key, -1)
-        limit = self.ctl.live_concurrency(held.scope, held.key) or held.limit
+        limit = in_force(self.ctl.live_concurrency(held.scope, held.key) or held.declared)
         reply = self.store.release(held.state_key, holder, limit, self.lease_us)
         if reply.code == SlotCode.LOST:
             self._lost(held.state_key, holder)
@@ -188,7 +200,7 @@ class Slots:
     def release_for(self, call: BoundCall, holder: str) -> None:
         """Give back a slot held by ``holder`` in another process of this worker, one that
         cannot (a pool process killed by a hard time limit, or terminated)."""
-        self.wake(self.store.release(call.state_key, holder, call.concurrency, self.lease_us))
+        self.wake(self.store.release(call.state_key, holder, in_force(call.concurrency), self.lease_us))
 
     def wake(self, reply: SlotReply) -> None:
         """Send each task a slot was handed to back to the broker."""
@@ -260,12 +272,12 @@ class Slots:
                             and (key is None or target[1] == key)})
 
     def _sweep(self, indexed: dict[str, int]) -> int:
-        """Reclaim, and hand free slots over on, each of ``indexed`` (state key to the limit
-        its tasks were queued under; a live limit wins)."""
+        """Reclaim, and hand free slots over on, each of ``indexed`` (state key to the K the
+        code declares for it; a live limit wins)."""
         store, prefix, woken = self.store, self.ctl.settings.key_prefix, 0
-        for state_key, queued_under in indexed.items():
+        for state_key, declared in indexed.items():
             target = target_of(prefix, state_key)
-            limit = (target and self.ctl.live_concurrency(*target)) or queued_under
+            limit = in_force((target and self.ctl.live_concurrency(*target)) or declared)
             reply = store.sweep(state_key, limit, self.lease_us)
             self.wake(reply)
             woken += len(reply.woken)
@@ -273,7 +285,7 @@ class Slots:
                 store.unindex(state_key)
                 # (A task queued between the sweep and the unindex: index it again.)
                 if store.status(state_key)[1]:
-                    store.index(state_key, limit)
+                    store.index(state_key, declared)
         return woken
 
 

@@ -44,11 +44,15 @@ class BoundCall:
     #: The state's field name per rate, when not the rate's own: a live limit keeps the
     #: declared rate's window of the same length (see ``Checker.live``).
     fields: tuple[str, ...] | None = None
-    #: At most this many bodies of this scope and key run at once (0: no such limit).
+    #: At most this many bodies of this scope and key run at once (0: no such limit): the
+    #: live K if one is set, else the declared one.
     concurrency: int = 0
     #: The cost of each unit, when declared by unit (``cost={"tokens": ...}``): what
     #: :attr:`cost` is made from again under other rates (a live limit).
     unit_costs: tuple[tuple[str, int], ...] = ()
+    #: The K the code declares (0: none): what a slot falls back to when a live K is
+    #: cleared (see :mod:`.slots`).
+    declared_concurrency: int = 0
 
 
 def rate_costs(rates: Sequence[Rate], unit_costs: Sequence[tuple[str, int]]) -> Cost:
@@ -210,7 +214,8 @@ class ThrottleSpec:
             cost = self._units(task_name, self.cost, args, kwargs, "cost")
         key = self._key(task_name, signature, args, kwargs)
         return BoundCall(scope, key, rates, cost, algorithm, state_key(prefix, scope, key),
-                         concurrency=self.concurrency or 0, unit_costs=unit_costs)
+                         concurrency=self.concurrency or 0, unit_costs=unit_costs,
+                         declared_concurrency=self.concurrency or 0)
 
     @staticmethod
     def _units(task_name: str, cost: int | Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],

@@ -21,6 +21,7 @@ from typing import Any
 
 from billiard.exceptions import WorkerLostError
 from celery import bootsteps
+from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.exceptions import TimeLimitExceeded
 from celery.signals import task_failure, task_revoked, worker_init, worker_process_init, worker_shutdown
 
@@ -74,7 +75,7 @@ class ThrottleStep(bootsteps.StartStopStep):
             _ = self.controller.store.client
             _say_what_is_throttled(self.controller)
             _stepped.add(self.controller)
-            if not getattr(worker.pool_cls, "__module__", "").endswith("prefork"):
+            if not (isinstance(worker.pool_cls, type) and issubclass(worker.pool_cls, PreforkPool)):
                 # (Threads or greenlets of this process check: a connection each. A prefork
                 # pool's children warm their own as they start: _warm_child.)
                 _warm(self.controller, min(int(getattr(worker, "concurrency", 1) or 1), 64) + 1)
@@ -220,8 +221,8 @@ def _on_task_revoked(sender: Any = None, request: Any = None, terminated: bool =
 def _give_back_for(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
     """Give back the concurrency slot a task held in a pool process that was killed."""
     spec = getattr(type(task), "_throttle_spec", None) if task is not None else None
-    if spec is None or not spec.concurrency:
-        return
+    if spec is None:
+        return  # (a throttle without a K of its own may hold one: a live K, set or cleared since)
     try:
         ctl = controller(task.app)
         ctl.slots.release_for(ctl.checker.bind(task, args or (), kwargs or {}), task_id)

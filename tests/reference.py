@@ -63,8 +63,13 @@ class Claim(Protocol):
 
 
 def per_rate(cost: int | tuple[int, ...], n: int) -> tuple[int, ...]:
-    """A call's cost as a count per rate (one number counts in every rate)."""
-    return (cost,) * n if isinstance(cost, int) else tuple(cost)
+    """A call's cost as a count per rate (one number counts in every rate); a count per
+    rate of another length is refused, as the script refuses it."""
+    if isinstance(cost, int):
+        return (cost,) * n
+    if len(cost) != n:
+        raise ValueError(f"{n} rates, counts {cost}")
+    return tuple(cost)
 
 
 @dataclass(frozen=True)

@@ -391,6 +391,21 @@ def ending(self, label, how):
 
 
 @app.task
+@throttle(concurrency=1, scope="capped-slot", key="{tenant}", max_wait=2)
+def capped_slot(label, tenant, seconds=0.0):
+    """One at a time per tenant, waiting 2 s for a slot at most."""
+    started(label, tenant=tenant)
+    time.sleep(seconds)
+
+
+@app.task
+@throttle("100/s", scope="live-slotted", key="{tenant}")
+def rated_only(label, tenant, seconds=2.0):
+    """A rates-only throttle, for a live concurrency limit to give slots to."""
+    span(label, seconds, tenant=tenant)
+
+
+@app.task
 @throttle(concurrency=1, scope="long-holder", key="{tenant}")
 def long_holder(label, tenant, seconds=60):
     started(label, tenant=tenant)

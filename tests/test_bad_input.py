@@ -25,13 +25,13 @@ def test_any_header_value_reads_as_a_state_or_as_nothing(value: Any) -> None:
     # When any value stands where our header goes
     state = read_state(value)
     # Then it reads, without raising, as known fields of the right types only
-    assert set(state) <= {"k", "r", "n", "e"}
+    assert set(state) <= {"k", "r", "n", "e", "p", "w"}
     assert isinstance(state.get("k", ""), str)
     assert "r" not in state or Reservation.from_header(state["r"]) is not None
-    assert all(isinstance(state[c], int) and state[c] >= 0 for c in ("n", "e") if c in state)
+    assert all(isinstance(state[c], int) and state[c] >= 0 for c in ("n", "e", "p", "w") if c in state)
 
 
-@given(st.dictionaries(st.sampled_from(["k", "r", "n", "e", "x"]), JSONISH, max_size=5))
+@given(st.dictionaries(st.sampled_from(["k", "r", "n", "e", "p", "w", "x"]), JSONISH, max_size=7))
 def test_a_header_with_our_keys_and_any_values_never_raises(value: dict[str, Any]) -> None:
     read_state(value)
 
@@ -39,7 +39,7 @@ def test_a_header_with_our_keys_and_any_values_never_raises(value: dict[str, Any
 @given(st.lists(st.integers(0, 2**53 - 1), min_size=6, max_size=6), st.text(min_size=1), st.integers(0, 99))
 def test_a_header_we_wrote_reads_back_the_same(fields: list[int], key: str, count: int) -> None:
     fields[2] = max(fields[2], 1)  # a cost
-    written = {"k": key, "r": Reservation(*fields).to_header(), "n": count}
+    written = {"k": key, "r": Reservation(*fields).to_header(), "n": count, "w": fields[0]}
     assert read_state(written) == written
 
 

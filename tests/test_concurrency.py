@@ -329,3 +329,29 @@ def test_a_live_concurrency_limit_raises_and_lowers_k_on_every_worker(group_with
     assert most_at_once(last_two) == 1, runs
     assert ctl.clear_limit("export-api", key=tenant)
     assert ctl.status("export-api", tenant).live_concurrency is None
+
+
+def test_a_live_k_cleared_on_a_throttle_without_one_sends_every_task_waiting_once(group_with_lease) -> None:
+    """A rates-only throttle given K=1 live: of four bodies of 2 s, one runs and three wait.
+    Cleared, the three start at once, each once: none is woken again when the lease of the
+    slot it was handed runs out (3 s here), and nothing is left held or waiting."""
+    import celery_throttle
+
+    group = group_with_lease(lease="3", concurrency=4)
+    label, tenant = new_label(), f"cleared-{uuid.uuid4().hex[:6]}"
+    ctl = celery_throttle.Throttle(group.client, {"redis_url": STORE_URL, "key_prefix": group.prefix})
+    ctl.set_limit("live-slotted", key=tenant, concurrency=1)
+    time.sleep(1.5)  # (every worker has read it: controls.CONTROL_REFRESH)
+    ids = [group.send("rated_only", label, tenant, 2.0) for _ in range(4)]
+    slots, queue, _ = slot_keys(state_key(group.prefix, "live-slotted", tenant))
+    wait_for(lambda: len(began(group, label)) == 1 and group.records.zcard(queue) == 3, 15,
+             what="one running and three waiting")
+    cleared = time.time()
+    assert ctl.clear_limit("live-slotted", key=tenant)
+    wait_for(lambda: len(began(group, label)) == 4, RAISED_START_S + 2, what="the three waiting started")
+    assert max(e["t"] for e in began(group, label)) - cleared < RAISED_START_S
+    # Two leases and a sweep later, each ran once, and nothing is held or waiting
+    time.sleep(2 * 3 + 5)
+    assert sorted(e["id"] for e in began(group, label)) == sorted(ids)
+    assert group.records.zcard(queue) == 0 and group.records.zcard(slots) == 0, (
+        group.records.zrange(slots, 0, -1, withscores=True), ids, time.time(), group.log_text()[-3000:])

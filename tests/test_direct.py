@@ -15,6 +15,8 @@ from celery import Celery, shared_task
 import celery_throttle
 from celery_throttle import ConfigurationError, throttle
 from celery_throttle.keys import state_key
+from celery_throttle.protocol import Code, Reservation, rates_tag
+from celery_throttle.spec import ThrottleSpec
 from celery_throttle.worker import ThrottleStep
 from tests.helpers import STORE_URL
 
@@ -69,6 +71,33 @@ def test_rates_of_different_units_count_each_its_own_and_a_denial_consumes_none(
     # And a key whose requests are spent denies a call of 1 token, with tokens to spare
     assert [ctl.acquire("llm", key="b", rates=rates, cost={"tokens": 1}).allowed for _ in range(3)] == [True, True,
                                                                                                          False]
+
+
+@pytest.mark.parametrize("live", [["2/s", "1000 tokens/m", "100000 tokens/d"], ["1500/s", "1000 tokens/m"]],
+                         ids=["a rate more", "rates in another order"])
+def test_a_start_reserved_per_rate_is_given_back_rate_by_rate_under_a_live_limit(prefix: str, live: list[str]) -> None:
+    # Given a start reserved for a call of 1 request and 400 tokens under 2/s and 1000 tokens/m
+    # (a test clock: the claim comes at its start)
+    clock = [1_700_000_000_000_000]
+    ctl = celery_throttle.Throttle(Celery(f"live-claim-{prefix}", set_as_current=False),
+                                   {"redis_url": STORE_URL, "key_prefix": prefix, "default_algorithm": "fixed"},
+                                   clock=lambda: clock[0])
+    declared = ctl._direct_call("llm", None, ["2/s", "1000 tokens/m"], {"tokens": 400}, None)
+    for _ in range(2):
+        assert ctl.checker.check(declared, reserve=True).allowed
+    reply = ctl.checker.check(declared, reserve=True)
+    assert reply.code == Code.RESERVED and declared.cost == (1, 400)
+    claim = Reservation(reply.start_us, reply.latest_us, declared.cost, reply.grace_us, reply.epoch, 0,
+                        rates_tag(declared.rates))
+    # When a live limit changes the rates (one more, or another order) before it is claimed
+    ctl.set_limit("llm", live)
+    now = ctl.checker.live(declared)
+    clock[0] = claim.start_us
+    # Then the claim gives back, rate by rate, what the call costs under the rates of now,
+    # and is checked afresh (no error, no unit taken from the wrong rate)
+    again = ctl.checker.check(now, reserve=True, claim=claim)
+    used = {str(r.rate): r.used for r in ctl.status("llm").rates}
+    assert again.code == Code.RUN and used["1000 tokens/m"] == 400, (again, used)
 
 
 def test_a_cost_by_unit_is_checked_against_the_rates_that_count_it(ctl: celery_throttle.Throttle) -> None:
@@ -349,6 +378,23 @@ def test_a_live_concurrency_limit_is_set_read_and_cleared_and_bad_ones_are_refus
     # A K written by hand that does not read is skipped, not fatal
     store_client.hset(f"{prefix}:control", "slots:export-api", "many")
     assert ctl.status("export-api").live_concurrency is None
+
+
+def test_a_live_limit_keeps_what_the_declared_sliding_rate_counted_in_the_workers_check(prefix: str) -> None:
+    # Given a sliding 10/s task (the default margin widens its window), 3 of whose calls ran
+    # through the check a worker makes
+    ctl = celery_throttle.install(Celery(f"live-bind-{prefix}", set_as_current=False),
+                                  redis_url=STORE_URL, key_prefix=prefix)
+    spec = ThrottleSpec.declare(["10/s"], scope="api")
+
+    def check() -> bool:
+        return ctl.checker.check(ctl.checker.bind_spec("t", spec, None, (), {}), reserve=False).allowed
+
+    assert all(check() for _ in range(3))
+    # When a live limit of the same window lowers it to 4/s
+    ctl.set_limit("api", ["4/s"])
+    # Then what was counted still counts under it: one more fits, not four
+    assert [check() for _ in range(2)] == [True, False]
 
 
 def test_a_margin_is_checked_where_it_is_declared() -> None:

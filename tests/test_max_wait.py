@@ -48,6 +48,28 @@ def test_a_task_that_would_wait_past_its_max_wait_fails_naming_scope_key_and_wai
         result.forget()
 
 
+def test_a_task_that_waited_for_a_slot_past_its_max_wait_fails_when_it_gets_one(workers: WorkerGroup) -> None:
+    # Given one slot per tenant, whose tasks wait 2 s for it at most, held for 5 s
+    label, tenant = uuid.uuid4().hex[:10], f"slot-{uuid.uuid4().hex[:8]}"
+    workers.send("capped_slot", f"{label}-holder", tenant, 5.0)
+    wait_for(lambda: workers.records.llen(f"{workers.prefix}:began") and any(
+        json.loads(x)["label"] == f"{label}-holder" for x in workers.records.lrange(f"{workers.prefix}:began", 0, -1)),
+        15, what="the holder's start")
+    # When a second task of the tenant waits for the slot
+    waiter = workers.send("capped_slot", label, tenant)
+    # Then, handed the slot when the holder ends, it has waited past its max_wait: it fails
+    # with WaitTooLong instead of running, and the signal says how long it waited
+    result = AsyncResult(waiter, app=workers.client)
+    wait_for(lambda: result.state == "FAILURE", 30, what="the waiter's failure")
+    assert isinstance(result.result, WaitTooLong) and "max_wait of 2.0s" in str(result.result), result.result
+    gave_up = [json.loads(x) for x in workers.records.lrange(f"{workers.prefix}:gave-up", 0, -1)]
+    mine = [g for g in gave_up if g["id"] == waiter]
+    assert mine and mine[0]["wait"] > 2 and mine[0]["max_wait"] == 2, mine
+    assert not [json.loads(x) for x in workers.records.lrange(f"{workers.prefix}:began", 0, -1)
+                if json.loads(x)["label"] == label]
+    result.forget()
+
+
 def test_max_wait_is_checked_where_it_is_declared() -> None:
     # Given bad values in the decorator, a rule and the setting, Then each is refused there
     with pytest.raises(ConfigurationError, match="max_wait must be a positive number"):

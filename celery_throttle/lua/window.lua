@@ -265,6 +265,7 @@ local function per_rate(text)
   local out, one = {}, tonumber(text)
   for v in string.gmatch(text, '%-?%d+') do out[#out + 1] = tonumber(v) end
   if one then for i = 1, n_rates do out[i] = one end end
+  if #out ~= n_rates then error('window.lua: ' .. n_rates .. ' rates, counts ' .. text) end
   return out
 end
 
