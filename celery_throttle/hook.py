@@ -282,6 +282,9 @@ def _take_slot(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, s
     if max_wait and waited > max_wait:
         slots.release(request.id)
         raise _too_long(task, request, call, waited, max_wait, "waited", "a concurrency slot of scope")
+    # Its wait for a slot is over: if its rates send it back, the wait that follows is
+    # theirs, held to max_wait by the reservation.
+    state.pop("w", None)
     return reply.now_us
 
 
