@@ -100,6 +100,18 @@ def sliding(self, label):
     record(label, self.request.id)
 
 
+#: A second rate, of tokens, beside RATE (a call costs TOKENS_COST of them): rates of two
+#: units, which take no lease (bench.units_calls measures what that costs).
+TOKENS_RATE = os.environ.get("CB_TOKENS_RATE", "1000000000 tokens/s")
+TOKENS_COST = 5
+
+
+@app.task(bind=True)
+@throttle(RATE, TOKENS_RATE, key="{label}", cost={"tokens": TOKENS_COST})
+def sliding_tokens(self, label):
+    record(label, self.request.id)
+
+
 @app.task(bind=True)
 @throttle(RATE, key="{label}", algorithm="fixed")
 def fixed(self, label):

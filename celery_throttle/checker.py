@@ -194,21 +194,23 @@ class Checker:
             marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claimant else None
             return self.store.claim(key, request, claim, marker=marker, learn=learn, reserve=reserve,
                                     resumed=resumed, early_us=early_us)
-        if not lease or request.not_before_us or not isinstance(call.cost, int):
-            # (A lease would start in a pause; and it holds units of one count for every
-            # rate: a call of rates costing differently, requests and tokens, takes none.)
+        if not lease or request.not_before_us:  # (a lease would start in a pause)
             return self.store.acquire(key, request, reserve=reserve)
         # A lease holds units of these very rates: a call of the same key under other
-        # rates (a callable rate that changed) does not use it.
-        leased_as = (key, call.algorithm, call.rates)
-        if self._leases.take(leased_as, call.cost, request.slack_us):
+        # rates (a callable rate that changed) does not use it. Of rates counting
+        # different units it holds calls of one cost per rate, which a call of that very
+        # cost uses, one a call (window.lua: a lease of calls).
+        of_units = isinstance(call.cost, int)
+        leased_as = (key, call.algorithm, call.rates) if of_units else (key, call.algorithm, call.rates, call.cost)
+        unit = call.cost if isinstance(call.cost, int) else 1
+        if self._leases.take(leased_as, unit, request.slack_us):
             return WindowReply(Code.RUN, 0, -1, 0, 0, 0, 0, 0, -1, 0)
         span = self.lease_span_us(call.rates)
-        units = self._leases.wanted(leased_as, call.cost, span)
+        units = self._leases.wanted(leased_as, unit, span)
         sent = sent_at()
         reply = self.store.acquire(key, request, reserve=reserve, lease=units, lease_span_us=span)
         if reply.leased:
-            self._leases.grant(leased_as, reply.leased - call.cost, max(span, request.slack_us), sent)
+            self._leases.grant(leased_as, reply.leased - unit, max(span, request.slack_us), sent)
         return reply
 
     def counted(self, call: BoundCall, reply: WindowReply, claim: Reservation | None) -> Counted | None:

@@ -412,7 +412,7 @@ class WindowModel:
         for r, units in zip(self.rates, costs):
             if units > r.limit:
                 return ModelReply(Code.TOO_COSTLY, 0, 0, 0, 0, 0, now, 0, -1, 0, 0)
-        call = _Call(now, costs, uniform, reserve, grace_us, slack_us, lease if uniform else 0, lease_span_us,
+        call = _Call(now, costs, uniform, reserve, grace_us, slack_us, lease, lease_span_us,
                      max_wait_us, not_before_us if not_before_us > now else 0,  # a pause that is over changes nothing
                      pause_horizon_us, min(r.period for r in self.rates))
         if op == "claim":
@@ -477,12 +477,14 @@ class WindowModel:
         elif settled and x == c.now and runs == "record":
             code = Code.RUN
             units, span = c.costs, c.slack_us
-            if c.uniform and lease > c.costs[0]:
-                # A lease: `lease` units over [now, now + span], only while every rate
-                # stays at most half full with them.
+            if lease > (c.costs[0] if c.uniform else 1):
+                # A lease over [now, now + span], only while every rate stays at most half
+                # full with it: `lease` units of every rate (a call of one cost), or
+                # `lease` calls like this one (a cost per rate)
                 wide = max(c.lease_span_us, c.slack_us)
-                if self._lease_fits(c, (lease,) * len(self.rates), wide):
-                    units, span, leased = (lease,) * len(self.rates), wide, lease
+                leased_units = (lease,) * len(self.rates) if c.uniform else tuple(lease * u for u in c.costs)
+                if self._lease_fits(c, leased_units, wide):
+                    units, span, leased = leased_units, wide, lease
             for r, u in zip(self.rates, units):
                 r.record(c.now, c.now + span, u)
             written = True

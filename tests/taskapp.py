@@ -152,6 +152,13 @@ def busy(label):
     record(label)
 
 
+@app.task
+@throttle("300/s", "6000 tokens/s", cost={"tokens": 5})
+def busy_tokens(label):
+    """As busy, with tokens beside (a cost per rate: leases of calls)."""
+    record(label)
+
+
 # -- decorator above @app.task, fixed window, key template -----------------------------
 @throttle("4/s", key="{tenant}", algorithm="fixed")
 @app.task

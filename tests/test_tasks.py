@@ -10,6 +10,7 @@ import time
 import uuid
 from collections import Counter
 
+import pytest
 import redis
 from celery.result import AsyncResult
 
@@ -42,8 +43,9 @@ def _script_calls(client: redis.Redis) -> int:
     return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
+@pytest.mark.parametrize("task", ["busy", "busy_tokens"], ids=["one unit", "requests and tokens"])
 def test_busy_key_far_below_its_limit_is_admitted_from_leases_and_still_held(
-    broker_url: str, store_client: redis.Redis
+    broker_url: str, store_client: redis.Redis, task: str
 ) -> None:
     # Given a sliding 300/s limit and 4 pool processes, whose store is a Redis of this
     # test's own (its script calls are counted there: tests running beside it on the
@@ -57,7 +59,7 @@ def test_busy_key_far_below_its_limit_is_admitted_from_leases_and_still_held(
         # When 120 tasks are sent at once (at most 40% of the limit)
         counted = redis.Redis(port=server.port)
         before = _script_calls(counted)
-        ids = [workers.send("busy", label) for _ in range(120)]
+        ids = [workers.send(task, label) for _ in range(120)]
         starts = workers.wait_starts(label, 120, timeout=30, settle=0.2)
         # Then each ran once, and the pool took most starts from leases: fewer script calls
         # than tasks (without leases every start is one, plus the consumer's screening)
@@ -67,7 +69,7 @@ def test_busy_key_far_below_its_limit_is_admitted_from_leases_and_still_held(
         # And when 700 more follow at once, far past the limit, no 1 s ever holds more than
         # 300 starts (leases stop at half the limit; every start is then checked alone)
         more = f"{label}-more"
-        ids = [workers.send("busy", more) for _ in range(700)]
+        ids = [workers.send(task, more) for _ in range(700)]
         burst = workers.wait_starts(more, 700, timeout=60)
         assert_each_ran_once(burst, ids)
         assert max_in_window(sorted(e["t"] for e in starts + burst), 1.0) <= 300

@@ -32,8 +32,8 @@
 -- ARGV[3]  '1' to reserve a future start when denied, '0' not to
 -- ARGV[4]  cost: units this call uses, of every rate (a number), or one count per rate in
 --          their order, comma-separated ('1,500'), when its rates count different units
---          (requests and tokens): each rate then counts its own. Such a call takes no
---          lease (ARGV[14] is not read), and an 'admit' that fits answers the room of
+--          (requests and tokens): each rate then counts its own. Such a call's lease
+--          (ARGV[14]) is of calls like it, and an 'admit' that fits answers the room of
 --          each rate (the reply's `rooms`)
 -- ARGV[5]  grace (µs): the least a reserved start may come late and still count as on
 --          time (it grows with the dispatch jitter learnt below, that growth up to
@@ -49,7 +49,9 @@
 --          '2' for an arrival whose start was reserved behind a pause that has since been
 --          lifted (resumed, or shortened): its units are given back and the call checked
 --          afresh, even before that start (and its trip is not learnt)
--- ARGV[14] lease: units an 'acquire' that fits may take at once for calls to come (0: none)
+-- ARGV[14] lease: units of every rate an 'acquire' that fits may take at once for calls to
+--          come (0: none); with a cost per rate, calls like this one (each rate then
+--          takes that many times its own count; 1 or 0: none)
 -- ARGV[15] lease span (µs): those calls start within it
 -- ARGV[16] max wait (µs): a start further away than this is not reserved (0: no cap)
 -- ARGV[17] not before (µs, Redis clock; 0: none): the scope or key is paused until then.
@@ -100,7 +102,8 @@
 --   clear_at  when every counted unit has left its window
 --   lead  d plus the margin above (-1 while nothing is learnt): send reserved tasks that early
 --   grace  the grace given to the start reserved by this call (0 if none)
---   leased  units granted as a lease, this call's own included (0 if none); for an
+--   leased  units granted as a lease (with a cost per rate: calls), this call's own
+--          included (0 if none); for an
 --          'admit' that fits: the units the key may take before a rate is half full
 --   rooms  (a cost per rate) the units each rate may take before it is half full
 local key = KEYS[1]
@@ -123,7 +126,6 @@ if cost == nil then
   costs = {}
   for c in string.gmatch(ARGV[4], '%-?%d+') do costs[#costs + 1] = tonumber(c) end
   if #costs ~= n_rates then return redis.error_reply('window.lua: ' .. n_rates .. ' rates, costs ' .. ARGV[4]) end
-  lease = 0
 end
 
 for i = 1, n_rates do fields[4 + i] = ARGV[20 + 3 * i] end
@@ -162,7 +164,7 @@ end
 -- a closure of every function expression on every call): a few µs of a check whose
 -- script takes 15. A state or call it does not take (a denial, a bucket leaving the
 -- window, a fold due, ...) goes on to the general path, nothing written.
-if n_rates > 0 and not_before == 0 and (op == 'screen' or (op == 'acquire' and (costs or lease <= cost))) then
+if n_rates > 0 and not_before == 0 and (op == 'screen' or (op == 'acquire' and lease <= (costs and 1 or cost))) then
   local record = op == 'acquire'
   local free, clear, shortest, half_pace, sets = nil, 0, nil, nil, {}
   for i = 1, n_rates do
@@ -269,11 +271,17 @@ local function per_rate(text)
   return out
 end
 
--- Whether `units` of every rate (nil: each rate's cost) started anywhere in [now, now +
--- span] fit, leaving every rate at most half full.
-local function lease_fits(units, span)
+-- The units of rate `r` a lease of `n` takes: n of every rate (a call of one cost), or n
+-- calls like this one (a cost per rate).
+local function lease_units(r, n)
+  return costs and n * r.cost or n
+end
+
+-- Whether a lease of `n` (nil: this call alone) started anywhere in [now, now + span]
+-- fits, leaving every rate at most half full.
+local function lease_fits(n, span)
   for _, r in ipairs(rates) do
-    local u = units or r.cost
+    local u = n and lease_units(r, n) or r.cost
     local used = math.max(ALGO.usage(r, now), ALGO.usage(r, now + span))
     if 2 * (used + u) > r.limit then return false end
     -- (only now: earliest() looks for room however far ahead, and `u` fit a window)
@@ -327,10 +335,10 @@ local function record_reserved(x)
 end
 
 -- The decision of a check, from the earliest start on or after `from`: run now if it is
--- now (`runs`: 'record' records the start, with a lease of `lease_units` if they fit;
+-- now (`runs`: 'record' records the start, with a lease of `lease_n` if it fits;
 -- 'screen' records nothing, the pool's acquire will; nil: never now), else reserve that
 -- start if `reserving` (unless further than the max wait), else deny.
-local function check(runs, reserving, from, lease_units)
+local function check(runs, reserving, from, lease_n)
   if not_before - now > pause_horizon then
     -- A pause too long to reserve behind (a resume must let its tasks go): check later.
     write_back()  -- (a claim's units given back)
@@ -343,13 +351,13 @@ local function check(runs, reserving, from, lease_units)
     code = RUN
   elseif settled and x == now and runs == 'record' then
     code = RUN
-    local units, span = nil, slack  -- (nil: each rate's cost)
-    if costs == nil and lease_units > cost then
+    local n, span = nil, slack  -- (nil: this call alone)
+    if lease_n > (costs and 1 or cost) then
       span = math.max(lease_span, slack)
-      if lease_fits(lease_units, span) then units, leased = lease_units, lease_units else span = slack end
+      if lease_fits(lease_n, span) then n, leased = lease_n, lease_n else span = slack end
     end
     for _, r in ipairs(rates) do
-      ALGO.record(r, now, now + span, units or r.cost)
+      ALGO.record(r, now, now + span, n and lease_units(r, n) or r.cost)
       r.dirty = true
     end
   elseif settled and reserving and max_wait > 0 and x - unpaused > max_wait then
