@@ -101,7 +101,7 @@ def sliding(self, label):
 
 
 #: A second rate, of tokens, beside RATE (a call costs TOKENS_COST of them): rates of two
-#: units, which take no lease (bench.units_calls measures what that costs).
+#: units, whose lease is of calls (bench.units_calls measures what a task costs).
 TOKENS_RATE = os.environ.get("CB_TOKENS_RATE", "1000000000 tokens/s")
 TOKENS_COST = 5
 
