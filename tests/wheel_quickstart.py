@@ -114,7 +114,8 @@ def main() -> int:
         for key in store.scan_iter(match=f"{env['QS_PREFIX']}*", count=1000):
             store.delete(key)
         broker = redis.Redis.from_url(env["QS_BROKER"])
-        broker.delete(env["QS_QUEUE"], f"_kombu.binding.{env['QS_QUEUE']}")
+        broker.delete(env["QS_QUEUE"], f"_kombu.binding.{env['QS_QUEUE']}",
+                      f"_kombu.binding_permanent.{env['QS_QUEUE']}")  # (kombu 5.5 keeps both)
         drop_bindings(broker, lambda queue: f"qs-{tag}@" in queue)  # (its pidbox's)
         broker.close()
         store.close()
