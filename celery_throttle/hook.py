@@ -305,13 +305,15 @@ def _check_rates(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any,
         # round trip through the broker or a second call.)
         reply = ctl.checker.check(call, reserve=True, claim=claim, claimant=request.id, lease=True, max_wait=max_wait,
                                   resumed=resumed, early_us=_wait_here_us(ctl, call, claim) if claim else 0)
+        if reply.code == Code.RUN_AT and not _waited_for_start(ctl, call, reply):
+            # Woken past what its start allows (a loaded machine): that start is used up
+            # (its units still count, a window at most), and the call is checked afresh.
+            logger.info("throttled %s[%s] woke too late for the start granted to it; checking again", task.name,
+                        request.id)
+            claim = None
+            reply = ctl.checker.check(call, reserve=True, max_wait=max_wait)
     except StoreError as exc:
         return TurnedAway(ctl, task, request, args, kwargs, call, state).on_store_error(exc)
-    if reply.code == Code.RUN_AT:
-        # Its start is its own: wait for it (the wait is counted from the script's now, so
-        # the body starts no sooner). An Event, not time.sleep: libfaketime, with which the
-        # clock-skew test runs workers, breaks time.sleep's clock_nanosleep.
-        threading.Event().wait(reply.wait_us / 1e6)
     if reply.allowed or reply.code == Code.RUN_AT:
         _forget_header(request)
         ctl.metrics.admitted(call.scope, call.key)
@@ -326,6 +328,20 @@ def _check_rates(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any,
                     "reserving again", task.name, request.id, (reply.now_us - claim.start_us) / 1000)
     TurnedAway(ctl, task, request, args, kwargs, call, state).defer(reply, claim)
     return False
+
+
+def _waited_for_start(ctl: Throttle, call: BoundCall, reply: Any) -> bool:
+    """Wait for the start a claim was granted early (``Code.RUN_AT``); False if the process
+    woke too late for it: the body would start past its latest start less the slack (the
+    wait counts from the script's now, so it never starts before its start). An Event, not
+    time.sleep: libfaketime, with which the clock-skew test runs workers, breaks
+    time.sleep's clock_nanosleep."""
+    replied = time.monotonic()
+    threading.Event().wait(reply.wait_us / 1e6)
+    overslept_us = int((time.monotonic() - replied) * 1e6) - reply.wait_us
+    # (The reply took half a round trip to come: the start began that much before it.)
+    late_us = overslept_us + ctl.store.rtt_us // 2
+    return reply.start_us + late_us + ctl.checker.slack_us(call.rates) <= reply.latest_us
 
 
 def _too_long(task: Any, request: Any, call: BoundCall, wait: float, max_wait: float, verb: str,

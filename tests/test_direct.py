@@ -397,6 +397,23 @@ def test_a_live_limit_keeps_what_the_declared_sliding_rate_counted_in_the_worker
     assert [check() for _ in range(2)] == [True, False]
 
 
+def test_a_start_granted_early_is_used_only_if_the_process_wakes_in_time(ctl: celery_throttle.Throttle) -> None:
+    from celery_throttle.hook import _waited_for_start
+    from celery_throttle.protocol import WindowReply
+
+    call = ctl._direct_call("api", None, "10/s", 1, None)
+    slack = ctl.checker.slack_us(call.rates)
+
+    def granted(wait_us: int, open_us: int) -> WindowReply:
+        start = 1_700_000_000_000_000
+        return WindowReply(Code.RUN_AT, wait_us, 0, 0, start, start + open_us, start - wait_us, 1, -1, 0)
+
+    # A start open 50 ms beyond the slack: a process that waits 5 ms for it is in time
+    assert _waited_for_start(ctl, call, granted(5_000, slack + 50_000))
+    # One whose span leaves no room past the slack: any waking is too late to use it
+    assert not _waited_for_start(ctl, call, granted(5_000, slack - 1))
+
+
 def test_a_margin_is_checked_where_it_is_declared() -> None:
     for bad in (-1, 61, "50ms", True):
         with pytest.raises(ConfigurationError, match="margin"):
