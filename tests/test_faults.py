@@ -178,6 +178,11 @@ def test_parked_tasks_survive_the_death_of_every_worker(group_factory) -> None:
     assert group.records.zcard(parked_key) == 0
 
 
+#: How long each racing releaser pauses between its batches (seconds): 43 batches each, so
+#: the race lasts about 0.2 s, longer than a loaded machine keeps a thread off its core.
+RELEASE_PAUSE_S = 0.005
+
+
 def test_two_releasers_take_each_parked_task_exactly_once(prefix: str) -> None:
     # Given 300 parked messages, all due
     app = Celery("release", broker="memory://", set_as_current=False)
@@ -186,18 +191,24 @@ def test_two_releasers_take_each_parked_task_exactly_once(prefix: str) -> None:
     for i in range(300):
         ctl.parking.park(f"id-{i}", now - 1000, b"x")
     taken: list[list[str]] = [[], []]
+    together = threading.Barrier(2)
 
     def drain(slot: int) -> None:
         from celery_throttle.parking_store import ParkingStore
         from celery_throttle.store import RedisStore
 
         store = ParkingStore(RedisStore(STORE_URL, prefix))  # each releaser has its own connection
+        store.store.client.ping()  # (connected before the race)
+        together.wait()
         while True:
             _, items = store.release(0, 7, 60_000_000, 5)
             if not items:
                 return
             taken[slot] += [i for i, _, _ in items]
             store.ack([i for i, _, _ in items])
+            # (A batch takes a fraction of a millisecond: on a loaded machine one thread
+            # could drain all 300 before the other is scheduled, and race with nobody.)
+            time.sleep(RELEASE_PAUSE_S)
 
     # When two releasers race for them
     threads = [threading.Thread(target=drain, args=(n,)) for n in (0, 1)]
