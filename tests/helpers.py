@@ -99,7 +99,13 @@ def delete_queues(broker_url: str, queues: Sequence[str]) -> None:
                     channel = conn.channel()  # amqp closes the channel on an unknown queue
         channel.close()
     if broker_url.startswith("redis"):
+        from kombu.transport.redis import Channel
+
         client = redis.Redis.from_url(broker_url)
+        # (A channel deletes only the queues it declared itself: the lists, and those of
+        # each priority, go by name. A message a stopped worker sent last, a task woken for
+        # the slot its body gave back, would otherwise stay behind.)
+        client.delete(*queues, *(f"{queue}{Channel.sep}{step}" for queue in queues for step in Channel.priority_steps))
         drop_bindings(client, queues)
         client.close()
 
