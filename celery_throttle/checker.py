@@ -1,6 +1,6 @@
-"""The checks of one call, for the paths that check: the pool's hook (:meth:`Checker.check`),
-the consumer's screen (:meth:`Checker.screen`) and publish (:meth:`Checker.admit_at_publish`,
-:meth:`Checker.reserve_at_publish`).
+"""The checks of one call, for the paths that check: the pool's hook (:meth:`Checker.acquire`,
+:meth:`Checker.claim`), the consumer's screen (:meth:`Checker.screen`), publish
+(:meth:`Checker.admit`), and what a line needs done (release, settle, a slot's end).
 
 A :class:`Checker` binds a task's throttle to one call's arguments (under the live
 limits and pauses this process has read), tells the store's window operations what
@@ -16,30 +16,20 @@ import inspect
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from . import timing
 from .config import Settings
 from .controls import Controls
 from .errors import ThrottleError
-from .keys import encode
+from .internals import registered_task
 from .lease import Leases, sent_at
-from .protocol import (
-    Code,
-    Cost,
-    Counted,
-    Reservation,
-    WindowCall,
-    WindowReply,
-    per_rate,
-    rate_field,
-    rates_tag,
-)
+from .protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowReply, per_rate, rate_field
 from .rates import Rate
-from .spec import BoundCall, ThrottleSpec, rate_costs
+from .spec import BoundCall, ThrottleSpec, declared_spec, rate_costs
 from .store import RedisStore
 
-__all__ = ["Checker"]
+__all__ = ["Checker", "Known"]
 
 
 class Stores(Protocol):
@@ -100,21 +90,21 @@ class Checker:
                 return spec
         return None
 
+    def known(self, app: Any, name: str, task: Any) -> Known | None:
+        """The throttle ``app`` knows for task ``name`` (``task``: its task, if the caller
+        has it): a ``@throttle`` on its task, else a rule; None if it has none."""
+        if task is None:
+            task = registered_task(app, name)
+        spec = declared_spec(task) if task is not None else None
+        if spec is None:
+            spec = self.rule_for(name) if not name.startswith("celery.") else None
+        if spec is None:
+            return None
+        return Known(spec, _call_signature(task) if task is not None else None, task)
+
     def rule_pattern(self, task_name: str) -> str | None:
         """The glob of the first rule matching ``task_name``, or None."""
         return next((p for p in self.settings.rules if fnmatch.fnmatchcase(task_name, p)), None)
-
-    def grace_us(self, rates: Sequence[Rate]) -> int:
-        """How long after its reserved start a deferred task may still use it (µs); see
-        :func:`.timing.grace_us`."""
-        return timing.grace_us(tuple(rates), self.settings.start_grace)
-
-    def lead_us(self, rates: Sequence[Rate], learnt: int = -1) -> int:
-        """How early a reserved task is sent back (µs); see :func:`.timing.lead_us`. Half
-        a round trip to the store more when it is far: its claim must reach the store
-        before the start (and every µs earlier holds a pool process)."""
-        return (timing.lead_us(rates, self.grace_us(rates), learnt)
-                + timing.round_trip_allowance_us(self.store.rtt_us) // 2)
 
     @staticmethod
     def slack_us(rates: Sequence[Rate]) -> int:
@@ -139,8 +129,14 @@ class Checker:
         settings = self.settings
         declared = spec.bind(name, signature, args or (), kwargs or {}, settings.default_algorithm,
                              settings.key_prefix)
+        return self.finish_bind(declared, spec.margin, quick=quick)
+
+    def finish_bind(self, declared: BoundCall, margin: float | None, *, quick: bool = False) -> BoundCall:
+        """A call bound as declared, under the live limits, each sliding window widened by
+        ``margin`` (None: ``throttle_margin``): a task's call and a direct ``acquire`` of the
+        same scope and rates count in the same fields."""
         call = self.live(declared, quick=quick)
-        margin = spec.margin if spec.margin is not None else settings.margin
+        margin = margin if margin is not None else self.settings.margin
         if call.algorithm == "sliding" and margin != 0:
             margin_us = -1 if margin is None else round(margin * 1_000_000)  # -1: the default, per rate
             rates = _widened(call.rates, margin_us)
@@ -168,34 +164,23 @@ class Checker:
         cost = rate_costs(override, call.unit_costs) if call.unit_costs else call.cost
         return replace(call, rates=override, cost=cost, fields=_live_fields(call.algorithm, call.rates, override))
 
-    def check(self, call: BoundCall, *, reserve: bool, claim: Reservation | None = None,
-              claimant: str | None = None, learn: bool = True, lease: bool = False,
-              max_wait: float | None = None, resumed: bool = False, early_us: int = 0) -> WindowReply:
-        """The worker's check of one bound call: admit it now, or deny it and (if
-        ``reserve``) reserve a future start.
+    def with_live_concurrency(self, call: BoundCall) -> BoundCall:
+        """``call`` under the concurrency limit in force now (a live K set or cleared since
+        it was bound)."""
+        live = self.controls.concurrency_for(self.store, call.scope, call.key)
+        concurrency = call.declared_concurrency if live is None else live
+        return call if concurrency == call.concurrency else replace(call, concurrency=concurrency)
 
-        ``claim``: a reservation this call made earlier; ``claimant`` (the task id) makes
-        using it single-use; ``learn=False`` for a second claim of one arrival. ``lease``:
-        a fresh call may be admitted from, or take, a lease (see :mod:`.lease`).
-        ``max_wait`` (seconds): reserve no start further away (the reply's code is then
-        ``TOO_FAR``). ``resumed``: ``claim`` was reserved behind a pause lifted since.
-        ``early_us``: a claim that comes at most this long before its start is granted
-        it (``Code.RUN_AT``: the caller waits for it, then runs).
-        """
-        key, request = self._window_call(call, self.store, max_wait)
-        if claim is not None:
-            if claim.rates_tag and claim.rates_tag != rates_tag(call.rates):
-                # Reserved under other rates (a live limit set or cleared since): its start
-                # is given back and the call checked afresh under the rates of now (the
-                # script does that for a claim past its latest start). What it gives back
-                # is the call's cost under the rates of now, rate by rate (a count per rate
-                # of the old rates would not line up with them).
-                claim = replace(claim, latest_us=claim.start_us - 1, cost=call.cost)
-            marker = f"{key}:claimed:{encode(claimant)}:{claim.start_us}" if claimant else None
-            return self.store.claim(key, request, claim, marker=marker, learn=learn, reserve=reserve,
-                                    resumed=resumed, early_us=early_us)
-        if not lease or request.not_before_us:  # (a lease would start in a pause)
-            return self.store.acquire(key, request, reserve=reserve)
+    def acquire(self, call: BoundCall, *, holder: str = "", entry: Entry = NO_ENTRY, lease: bool = False,
+                store: RedisStore | None = None) -> WindowReply:
+        """A fresh call: run it now if nobody waits and it fits (``RUN``), else it waits in
+        its key's line with ``entry``'s message (``QUEUED``; ``DENIED`` without one).
+        ``holder``: the delivery that takes a slot, with a concurrency limit. ``lease``: a
+        call that fits may be admitted from, or take, a lease (see :mod:`.lease`)."""
+        store = store or self.store
+        key, request = self._window_call(call, store)
+        if not lease or request.not_before_us or request.concurrency or not call.rates:
+            return store.acquire(key, request, holder=holder, entry=entry)
         # A lease holds units of these very rates: a call of the same key under other
         # rates (a callable rate that changed) does not use it. Of rates counting
         # different units it holds calls of one cost per rate, which a call of that very
@@ -204,25 +189,36 @@ class Checker:
         leased_as = (key, call.algorithm, call.rates) if of_units else (key, call.algorithm, call.rates, call.cost)
         unit = call.cost if isinstance(call.cost, int) else 1
         if self._leases.take(leased_as, unit, request.slack_us):
-            return WindowReply(Code.RUN, 0, -1, 0, 0, 0, 0, 0, -1, 0)
+            return WindowReply(Code.RUN, 0, -1, 0, 0, 0)
         span = self.lease_span_us(call.rates)
         units = self._leases.wanted(leased_as, unit, span)
         sent = sent_at()
-        reply = self.store.acquire(key, request, reserve=reserve, lease=units, lease_span_us=span)
+        reply = store.acquire(key, request, lease=units, lease_span_us=span, holder=holder, entry=entry)
         if reply.leased:
             self._leases.grant(leased_as, reply.leased - unit, max(span, request.slack_us), sent)
         return reply
 
-    def counted(self, call: BoundCall, reply: WindowReply, claim: Reservation | None) -> Counted | None:
-        """Where a call that :meth:`check` admitted is counted (None: not admitted): the
-        start it reserved, the span it was recorded in now, or (``start_us`` 0, the
-        span its slack) a lease of this process."""
+    def claim(self, call: BoundCall, ticket: str, *, holder: str = "", entry: Entry = NO_ENTRY,
+              granted_us: int = 0) -> WindowReply:
+        """A released task arrives with its ``ticket``: ``RUN``; ``RUN_AT`` a little early
+        (the caller waits for its start, then runs); back in its place in the line
+        (``QUEUED``) when the room it was released into is gone; ``WAITED`` past its max
+        wait. An unknown ticket is a fresh call (``holder``, ``entry``). ``granted_us``:
+        the start granted to this process before, which it woke too late for."""
+        key, request = self._window_call(call, self.store)
+        return self.store.claim(key, request, ticket, early_us=timing.WAIT_HERE_MAX_US, holder=holder,
+                                granted_us=granted_us, entry=entry)
+
+    def counted(self, call: BoundCall, reply: WindowReply) -> Counted | None:
+        """Where a call that :meth:`acquire` or :meth:`claim` admitted is counted (None: not
+        admitted): the start it was given, the span it was recorded in now, or (``start_us``
+        0, the span its slack) a lease of this process."""
         if reply.code not in (Code.RUN, Code.RUN_AT):
             return None
         if not reply.now_us:
             return Counted(0, self.slack_us(call.rates), call.cost, 0)
-        if claim is not None and reply.start_us:
-            return Counted(claim.start_us, claim.start_us + claim.grace_us, claim.cost, reply.epoch)
+        if reply.start_us:
+            return Counted(reply.start_us, reply.latest_us, call.cost, reply.epoch)
         span = self.slack_us(call.rates)
         if reply.leased:
             span = max(self.lease_span_us(call.rates), span)
@@ -231,40 +227,65 @@ class Checker:
     def settle(self, call: BoundCall, counted: Counted, delta: Cost) -> WindowReply:
         """Count ``delta`` units more (a refund: fewer) for a call that started, counted
         as ``counted`` (see :mod:`.settle`)."""
-        key, request = self._window_call(call, self.store, None)
-        return self.store.settle(key, request, counted, delta)
+        key, request = self._window_call(call, self.store)
+        return self.store.settle(key, request, counted, delta, timing.WORKER_BATCH)
 
-    def screen(self, call: BoundCall, *, max_wait: float | None = None) -> WindowReply:
-        """The consumer's check of a message before it goes to the pool: as :meth:`check`
-        with ``reserve``, but a call that fits now is not recorded (the pool's check
-        does that). On a connection of its own with a short timeout."""
-        key, request = self._window_call(call, self.quick_store, max_wait)
-        return self.quick_store.screen(key, request, reserve=True)
+    def screen(self, call: BoundCall, entry: Entry = NO_ENTRY) -> WindowReply:
+        """The consumer's check of a message before it goes to the pool: as :meth:`acquire`,
+        but a call that fits is not recorded (the pool's check does that). On a
+        connection of its own with a short timeout."""
+        key, request = self._window_call(call, self.quick_store)
+        return self.quick_store.screen(key, request, entry)
 
-    def admit_at_publish(self, call: BoundCall, *, max_wait: float | None = None) -> WindowReply:
+    def admit(self, call: BoundCall, entry: Entry) -> WindowReply:
         """The producer's check of a task about to be sent: ``RUN`` (nothing recorded) if
-        the key has room, with the room left in ``leased`` (see :mod:`.publish`), else as
-        :meth:`reserve_at_publish`. Quick, like :meth:`screen`."""
-        key, request = self._window_call(call, self.quick_store, max_wait, timing.PUBLISH_GRACE_US)
-        return self.quick_store.admit(key, request)
+        nothing waits and every rate stays at most half full (the room in ``leased``, see
+        :mod:`.publish`); ``RELEASED`` if it fits now (send it with ``entry.id`` as its
+        ticket); else as :meth:`acquire`. Quick, like :meth:`screen`."""
+        key, request = self._window_call(call, self.quick_store)
+        return self.quick_store.admit(key, request, entry)
 
-    def reserve_at_publish(self, call: BoundCall, *, max_wait: float | None = None) -> WindowReply:
-        """The producer's check of a task about to be sent: a start is reserved even if
-        the call fits now (the worker claims it). Quick, like :meth:`screen`."""
-        key, request = self._window_call(call, self.quick_store, max_wait, timing.PUBLISH_GRACE_US)
-        return self.quick_store.reserve(key, request)
+    def front(self, call: BoundCall, entry: Entry) -> WindowReply:
+        """``entry`` joins its key's line before everyone (a task that backs off)."""
+        key, request = self._window_call(call, self.store)
+        return self.store.front(key, request, entry)
 
-    def _window_call(self, call: BoundCall, store: RedisStore, max_wait: float | None,
-                     min_grace_us: int = 0) -> tuple[str, WindowCall]:
-        """The state key of ``call`` and what the script is told about it (``min_grace_us``:
-        the least grace its reservation gets)."""
+    def release(self, call: BoundCall, batch: int, *, drain: bool = False) -> WindowReply:
+        """Release the heads of ``call``'s line that fit (``drain``: whatever the room)."""
+        key, request = self._window_call(call, self.store)
+        return (self.store.drain if drain else self.store.release)(key, request, batch)
+
+    def ack(self, call: BoundCall, tickets: Sequence[str]) -> WindowReply:
+        key, request = self._window_call(call, self.store)
+        return self.store.ack(key, request, tickets)
+
+    def give_back(self, call: BoundCall, ticket: str) -> WindowReply:
+        """The task released with ``ticket`` will not start (expired, revoked)."""
+        key, request = self._window_call(call, self.store)
+        return self.store.give_back(key, request, ticket, timing.WORKER_BATCH)
+
+    def ended(self, call: BoundCall, holder: str) -> WindowReply:
+        """``holder``'s body ended: its slot goes to the line's head."""
+        key, request = self._window_call(call, self.store)
+        return self.store.ended(key, request, holder, timing.WORKER_BATCH)
+
+    def renew(self, call: BoundCall, holders: Sequence[str]) -> WindowReply:
+        key, request = self._window_call(call, self.store)
+        return self.store.renew(key, request, holders)
+
+    def peek(self, call: BoundCall) -> WindowReply:
+        key, request = self._window_call(call, self.store)
+        return self.store.peek(key, request)
+
+    def _window_call(self, call: BoundCall, store: RedisStore) -> tuple[str, WindowCall]:
+        """The state key of ``call`` and what the script is told about it."""
         not_before = self.controls.paused_until(store, call.scope, call.key)
-        # (A store far away: a reserved start must stay open round trips longer, the claim
-        # travels to it, however little the window's share.)
+        # (A store far away: tasks are released a round trip earlier, the reply and the
+        # claim each travel half of one.)
         far_us = timing.round_trip_allowance_us(store.rtt_us)
         # The same few shapes come again and again: their WindowCall (and with it the
-        # ARGV window_argv builds from it) is made once, not on every check.
-        shape = (call.algorithm, call.rates, call.cost, call.fields, max_wait, not_before, min_grace_us, far_us)
+        # ARGV head it builds) is made once, not on every check.
+        shape = (call.algorithm, call.rates, call.cost, call.fields, call.concurrency, not_before, far_us)
         request = self._requests.get(shape)
         if request is None:
             too_costly = _too_costly(call.rates, call.cost)
@@ -274,26 +295,15 @@ class Checker:
                     f"cost {units} of scope {call.scope!r} exceeds the limit of its rate {rate}: it can never run"
                 )
             request = WindowCall(
-                call.algorithm, call.rates, call.cost, call.fields,
-                grace_us=timing.reservation_grace_us(call.rates, self.settings.start_grace, min_grace_us, far_us),
-                slack_us=self.slack_us(call.rates), max_wait_us=int(max_wait * 1_000_000) if max_wait else 0,
-                not_before_us=not_before, pause_horizon_us=int(self.settings.park_after * 1_000_000),
+                call.algorithm, call.rates, call.cost, call.fields, slack_us=self.slack_us(call.rates),
+                not_before_us=not_before, concurrency=call.concurrency,
+                slot_lease_us=int(self.settings.concurrency_lease * 1_000_000),
+                lead_us=timing.release_lead_us(call.rates, far_us),
             )
             if len(self._requests) >= _REQUEST_SHAPES:
                 self._requests.clear()  # (callable rates or costs without end: start over)
             self._requests[shape] = request
         return call.state_key, request
-
-    def holds(self, call: BoundCall, now_us: int) -> bool:
-        """Whether a pause holds ``call`` at ``now_us`` (this process's copy of the
-        controls). A task it holds is parked, however short the wait, so that a resume
-        can send it at once."""
-        return self.pause_end_us(call) > now_us
-
-    def pause_end_us(self, call: BoundCall) -> int:
-        """When the pause covering ``call`` ends (µs, Redis clock; this process's copy of
-        the controls), or 0."""
-        return self.controls.paused_until(self.store, call.scope, call.key)
 
     def pause_end_of(self, scope: str, key: str | None) -> int:
         """When the pause covering ``scope``/``key`` ends (µs, Redis clock; this process's
@@ -307,6 +317,29 @@ class Checker:
     def refresh_controls(self) -> None:
         """Read pauses and live limits now (a task held by a pause arrives: is it over?)."""
         self.controls.refresh(self.store)
+
+
+class Known(NamedTuple):
+    """The throttle an app knows for a task name."""
+
+    spec: ThrottleSpec
+    #: What its arguments bind to (None: this process does not have the task).
+    signature: inspect.Signature | None
+    #: The task, or None.
+    task: Any
+
+
+def _call_signature(task: Any) -> inspect.Signature | None:
+    """What the arguments of a call of ``task`` bind to: its ``run`` as the task calls it
+    (for ``bind=True``, without ``self``), once per task class."""
+    cls = type(task)
+    if "_throttle_call_signature" not in cls.__dict__:
+        try:
+            cls._throttle_call_signature = inspect.signature(task.run)
+        except (TypeError, ValueError):
+            cls._throttle_call_signature = None
+    signature: inspect.Signature | None = cls._throttle_call_signature
+    return signature
 
 
 #: Call shapes whose WindowCall a Checker keeps (rates, cost, max wait, pause end).

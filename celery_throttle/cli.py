@@ -397,8 +397,8 @@ def _dead_letters(ctl: Any, requeue: bool, drop: bool, yes: bool) -> None:
 def _parked_task(ctl: Any, message: bytes | None) -> tuple[str, str, str | None]:
     """(task name, scope, key) of a parked message; its scope from the reservation it
     carries, else "?"."""
-    name, state = parked_call(ctl, message)
-    named = state_of(ctl.settings.key_prefix, state["k"]) if "k" in state else None
+    name, header = parked_call(ctl, message)
+    named = state_of(ctl.settings.key_prefix, header.key) if header.key else None
     return name, *(named or ("?", None))
 
 

@@ -1,11 +1,11 @@
-"""The task side: decides before Celery's trace starts; a denied task is turned away
-(:mod:`.deferral` sends it back).
+"""The task side: decides before Celery's trace starts; a task that cannot start now
+waits in its key's line (:mod:`.deferral` puts it there).
 
 Every execution in a worker, in any pool, goes through the task's ``__trace__`` (the
 tracer Celery builds per task, in the consumer and again in each pool child). A hooked
 task's class turns that attribute into a property that wraps each tracer it is given:
-the wrapper checks the window first, and a denied task is deferred and handed back to
-the pool as Celery's own ``Ignore`` would be (acked, nothing stored, nothing logged)
+the wrapper checks first, and a task that must wait is put in its key's line and handed
+back to the pool as Celery's own ``Ignore`` would be (acked, nothing stored, nothing logged)
 without the trace ever running. So ``task_prerun``/``task_postrun`` see real executions
 only. An outcome the trace must report (``WaitTooLong``, a store error under ``fail``, a
 re-send the broker refused) is raised from ``before_start``, inside the trace, where
@@ -20,7 +20,6 @@ import inspect
 import logging
 import threading
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore
@@ -28,12 +27,11 @@ from celery.exceptions import Ignore
 from . import settle, signals
 from .backoff import Backoff
 from .controller import controller
-from .deferral import TurnedAway
+from .deferral import TurnedAway, holder_id
 from .errors import StoreError, WaitTooLong
 from .internals import build_task_tracer, deferred_trace_result, has_own, trace_context
-from .protocol import HEADER, Code, Reservation, SlotCode, read_state
+from .protocol import HEADER, Code, Header
 from .spec import BoundCall, ThrottleSpec, declared_spec
-from .timing import wait_here_us
 
 if TYPE_CHECKING:
     from .limiter import Throttle
@@ -108,9 +106,9 @@ def _settled(task: Any, result: Any) -> Any:
 
 
 def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
-    """Pause the task's scope (and key) for every worker, and send the task back to run
-    after the pause, its retries untouched. Raises Ignore (or ``exc`` for a call that is
-    not a task execution: eager, direct)."""
+    """Pause the task's scope (and key) for every worker, and put the task at the front of
+    its key's line, to run when the pause is over, its retries untouched. Raises Ignore
+    (or ``exc`` for a call that is not a task execution: eager, direct)."""
     request = task.request
     if request.is_eager or request.called_directly:
         raise exc
@@ -123,10 +121,17 @@ def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
         logger.warning("could not pause scope %r for %s[%s]: %s", call.scope, task.name, request.id, error)
     logger.warning("%s[%s] backs off: scope %r%s paused for %.1fs on every worker", task.name, request.id,
                    call.scope, "" if key is None else f" key {key!r}", exc.seconds)
-    if guard(task, args, kwargs):
-        # Not deferred by the check (throttling switched off, or the pause could not be
-        # written): sent back for the pause all the same.
-        TurnedAway(ctl, task, request, args, kwargs, call, {}).send_back(exc.seconds, None, may_park=False)
+    turned = TurnedAway(ctl, task, request, args, kwargs, call, _header(request))
+    try:
+        reply = ctl.checker.front(call, turned.entry(with_message=True))
+    except StoreError as error:
+        # Not kept in its line: sent back for the pause all the same.
+        logger.warning("could not put %s[%s] back in its line (%s): it is sent back for the pause", task.name,
+                       request.id, error)
+        turned.send_back(exc.seconds)
+        raise Ignore() from None
+    ctl.lines.handle(call, reply)
+    turned.waits(reply.wait_us, reason="backoff")
     raise Ignore()
 
 
@@ -194,13 +199,27 @@ def body_ended(task: Any, task_id: str) -> None:
     """The body of ``task_id`` ended (however it ended): give its concurrency slot back, if
     this process holds one for it. Never raises: the task's outcome stands."""
     settle.ended(task_id)
+    holder = _holders.running.pop(task_id, None)
+    if holder is None:
+        return
     try:
-        slots = controller(task.app).slots
-        if slots.holds(task_id):
-            slots.release(task_id)
+        controller(task.app).slots.release(holder)
     except Exception as exc:  # noqa: BLE001 - its lease runs out, and the slot is reclaimed
         logger.warning("could not give back the concurrency slot of %s[%s]: %r; it is reclaimed when its lease "
                        "runs out", task.name, task_id, exc)
+
+
+class _Holders(threading.local):
+    """The delivery that holds a concurrency slot, by task id, of the bodies this thread
+    (or greenlet) runs."""
+
+    running: dict[str, str]
+
+    def __init__(self) -> None:
+        self.running = {}
+
+
+_holders = _Holders()
 
 
 def _signature(task: Any) -> inspect.Signature | None:
@@ -211,127 +230,77 @@ def _signature(task: Any) -> inspect.Signature | None:
 
 
 def guard(task: Any, args: Any, kwargs: Any) -> bool:
-    """True: run the body now. False: the task was deferred (re-sent or parked)."""
+    """True: run the body now. False: it waits in its key's line (or was sent back)."""
     request = task.request
     if request.is_eager or request.called_directly:
         return True  # direct and eager calls are not task executions: never throttled
     ctl = controller(task.app)
     if not ctl.settings.enabled:
-        if _header(request).get("w"):
-            _take_handed_slot(ctl, task, args, kwargs, request.id)
         return True
     spec: ThrottleSpec = type(task)._throttle_spec
     call = ctl.checker.bind(task, args, kwargs)
-    state = _header(request)
-    if not call.concurrency and not state.get("w"):
-        # (A task that waited for a slot takes the one it was handed even where no K is
-        # in force any more, a live K cleared: its kept message is deleted with it.)
-        return _check_rates(ctl, task, request, args, kwargs, spec, call, state)
-    # A slot first: a task denied one consumes no rate; one its rates deny gives its
-    # slot back at once (to the next task waiting for it).
-    now_us = _take_slot(ctl, task, request, args, kwargs, spec, call, state)
-    if now_us is None:
-        return False
-    if not call.rates:
-        # (No window to say whether a pause holds it: this process's copy of the pauses.)
-        if now_us and ctl.checker.holds(call, now_us):
-            ctl.slots.release(request.id)
-            TurnedAway(ctl, task, request, args, kwargs, call, state).hold_for_pause(now_us)
-            return False
-        _forget_header(request)
-        ctl.metrics.admitted(call.scope, call.key)
-        return True
-    runs = False
-    try:
-        runs = _check_rates(ctl, task, request, args, kwargs, spec, call, state)
-    finally:
-        if not runs:
-            ctl.slots.release(request.id)
-    return runs
-
-
-def _take_handed_slot(ctl: Throttle, task: Any, args: Any, kwargs: Any, task_id: str) -> None:
-    """Throttling is off, and this task waited for a concurrency slot: it takes the one it
-    was handed (given back when its body ends), so that its kept message is deleted and
-    not woken again when that slot's lease runs out. Never raises: the task runs."""
-    try:
-        ctl.slots.take(replace(ctl.checker.bind(task, args, kwargs), concurrency=0), task_id)
-    except Exception as exc:  # noqa: BLE001 - logged; at worst the task is woken again
-        logger.warning("could not take the concurrency slot %s[%s] was handed (throttling is off): %r",
-                       task.name, task_id, exc)
-
-
-def _take_slot(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, spec: ThrottleSpec,
-               call: BoundCall, state: dict[str, Any]) -> int | None:
-    """Take a concurrency slot for the task (the Redis clock's now, µs; 0 when the store
-    could not be reached and the policy runs it), or leave it waiting for one, its
-    message kept with its key's queue (None)."""
-    slots = ctl.slots
-    turned = TurnedAway(ctl, task, request, args, kwargs, call, state)
-    try:
-        reply = slots.take(call, request.id, turned.slot_message() if slots.looks_full(call) else b"")
-        if reply.code == SlotCode.FULL:
-            reply = slots.take(call, request.id, turned.slot_message())
-    except StoreError as exc:
-        return 0 if turned.on_store_error(exc) else None
-    if reply.code == SlotCode.QUEUED:
-        turned.waits_for_slot(reply.running, reply.waiting)
-        return None
+    header = _header(request)
     max_wait = ctl.checker.max_wait(spec)
-    waited = time.time() - int(state["w"]) / 1e6 if state.get("w") else 0.0
-    if max_wait and waited > max_wait:
-        slots.release(request.id)
-        raise _too_long(task, request, call, waited, max_wait, "waited", "a concurrency slot of scope")
-    # Its wait for a slot is over: if its rates send it back, the wait that follows is
-    # theirs, held to max_wait by the reservation.
-    state.pop("w", None)
-    return reply.now_us
-
-
-def _check_rates(ctl: Throttle, task: Any, request: Any, args: Any, kwargs: Any, spec: ThrottleSpec,
-                 call: BoundCall, state: dict[str, Any]) -> bool:
-    """The rates' check of a call: True, run now; False, deferred to its reserved start."""
-    ident = call.state_key
-    claim = Reservation.from_header(state.get("r")) if state.get("k") == ident else None
-    max_wait = ctl.checker.max_wait(spec)
-    resumed = False
-    if state.get("p"):
-        # A pause held it: is the pause over (resumed: nothing waits for its end)?
-        ctl.checker.refresh_controls()
-        resumed = claim is not None and not ctl.checker.pause_end_us(call)
+    turned = TurnedAway(ctl, task, request, args, kwargs, call, header,
+                        max_wait_us=int(max_wait * 1_000_000) if max_wait else 0)
+    holder = holder_id(request.id)
+    ticket = header.ticket if header.key == call.state_key else ""
     try:
-        # (Sent back a little early on purpose, dispatch takes a while: a claim that comes
-        # at most that early is granted its start, and waits for it here, rather than a
-        # round trip through the broker or a second call.)
-        reply = ctl.checker.check(call, reserve=True, claim=claim, claimant=request.id, lease=True, max_wait=max_wait,
-                                  resumed=resumed, early_us=_wait_here_us(ctl, call, claim) if claim else 0)
+        reply = _check(ctl, call, turned, holder, ticket)
         if reply.code == Code.RUN_AT and not _waited_for_start(ctl, call, reply):
-            # Woken past what its start allows (a loaded machine): that start is used up
-            # (its units still count, a window at most), and the call is checked afresh.
+            # Woken past what its start allows (a loaded machine): that start is given back,
+            # and it is checked again as the task it was released as.
             logger.info("throttled %s[%s] woke too late for the start granted to it; checking again", task.name,
                         request.id)
-            claim = None
-            reply = ctl.checker.check(call, reserve=True, max_wait=max_wait)
+            reply = ctl.checker.claim(call, ticket or turned.entry_id, holder=holder, granted_us=reply.start_us,
+                                      entry=turned.entry(with_message=True))
+            ctl.lines.handle(call, reply)
     except StoreError as exc:
-        return TurnedAway(ctl, task, request, args, kwargs, call, state).on_store_error(exc)
-    if reply.allowed or reply.code == Code.RUN_AT:
+        return turned.on_store_error(exc)
+    if reply.code in (Code.RUN, Code.RUN_AT):
         _forget_header(request)
         ctl.metrics.admitted(call.scope, call.key)
-        settle.started(request.id, call, ctl.checker.counted(call, reply, claim))
+        settle.started(request.id, call, ctl.checker.counted(call, reply))
+        if reply.held:
+            _holders.running[request.id] = holder
+            ctl.slots.took(holder, call)
         return True
+    if reply.code == Code.QUEUED:
+        turned.waits(reply.wait_us, reason="concurrency" if call.concurrency and not call.rates else "rate")
+        return False
     if reply.code == Code.TOO_FAR:
         raise _too_long(task, request, call, reply.wait_us / 1e6, max_wait or 0, "would wait", "scope")
-    if claim is not None and reply.code in (Code.DENIED, Code.RESERVED):
-        # Its reserved start could not be used (it came too late, or the window state it
-        # was made in is gone): it queues again behind every start reserved since.
-        logger.info("throttled %s[%s] could not use its reserved start (now %+.1f ms from it); "
-                    "reserving again", task.name, request.id, (reply.now_us - claim.start_us) / 1000)
-    TurnedAway(ctl, task, request, args, kwargs, call, state).defer(reply, claim)
+    if reply.code == Code.WAITED:
+        raise _too_long(task, request, call, reply.waited_us / 1e6, max_wait or 0, "waited",
+                        "its turn in the line of scope")
+    # (DENIED with its message given: nothing could keep it. Sent back for a moment.)
+    logger.warning("throttled %s[%s] could not join its line; sent back for a second", task.name, request.id)
+    turned.send_back(1.0)
     return False
 
 
+def _check(ctl: Throttle, call: BoundCall, turned: TurnedAway, holder: str, ticket: str) -> Any:
+    """The call's check: its claim (a released task, with its ``ticket``) or a fresh
+    acquire. Its message goes with the first try when its key was full a moment ago,
+    else with a second call only if it must wait."""
+    checker, lines = ctl.checker, ctl.lines
+    with_message = lines.looks_full(call)
+    for attempt in (with_message, True):
+        entry = turned.entry(attempt)
+        if ticket:
+            reply = checker.claim(call, ticket, holder=holder, entry=entry)
+        else:
+            reply = checker.acquire(call, holder=holder, entry=entry, lease=True)
+        lines.handle(call, reply)
+        if reply.code in (Code.QUEUED, Code.DENIED):
+            lines.full(call)
+        if reply.code != Code.DENIED or attempt:
+            return reply
+    return reply
+
+
 def _waited_for_start(ctl: Throttle, call: BoundCall, reply: Any) -> bool:
-    """Wait for the start a claim was granted early (``Code.RUN_AT``); False if the process
+    """Wait for the start a released task was granted early (``Code.RUN_AT``); False if the process
     woke too late for it: the body would start past its latest start less the slack (the
     wait counts from the script's now, so it never starts before its start). An Event, not
     time.sleep: libfaketime, with which the clock-skew test runs workers, breaks
@@ -366,19 +335,14 @@ def _seconds(value: float) -> str:
     return f"{minutes // 60}h {minutes % 60}m"
 
 
-def _wait_here_us(ctl: Throttle, call: BoundCall, claim: Reservation) -> int:
-    """How early an arrival may be and still wait in the worker instead of going back."""
-    return wait_here_us(claim.lead_us, ctl.checker.slack_us(call.rates))
-
-
-def _header(request: Any) -> dict[str, Any]:
+def _header(request: Any) -> Header:
     headers = request.headers if isinstance(request.headers, dict) else {}
-    return read_state(headers.get(HEADER) or getattr(request, HEADER, None))
+    return Header.read(headers.get(HEADER) or getattr(request, HEADER, None))
 
 
 def _forget_header(request: Any) -> None:
-    """A task that runs is done with its reservation: its own ``self.retry()`` (which
-    copies the request's headers) is a new call, checked afresh, not a late claim."""
+    """A task that runs is done with its ticket: its own ``self.retry()`` (which copies the
+    request's headers) is a new call, checked afresh."""
     _forget_header_of(request.__dict__)
 
 

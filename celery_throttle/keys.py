@@ -26,18 +26,19 @@ __all__ = [
     "decode",
     "encode",
     "glob_escape",
-    "held_count_key",
+    "legacy_slot_index_key",
+    "legacy_slot_keys",
+    "line_index_key",
     "parked_patterns",
     "parking_keys",
     "scan_pattern",
-    "slot_index_key",
-    "slot_keys",
     "state_key",
     "state_of",
     "state_tag",
     "target_matches",
     "target_of",
     "wake_key",
+    "window_keys",
 ]
 
 # Characters kept as they are; everything else is percent-encoded (":" "{" "}" "%" "#"
@@ -46,10 +47,23 @@ _SAFE = string.ascii_letters + string.digits + "-_.@"
 MAX_TOKEN = 120
 
 
-@lru_cache(maxsize=65536)
+#: Components this long at most are remembered once encoded: a tenant id of a megabyte is
+#: encoded each time, not kept in every process.
+CACHED_TEXT = 256
+
+
 def encode(text: str) -> str:
     """Encode one component; long ones become ``#`` and a SHA-256 (``#`` never survives
     percent-encoding, so a digest cannot equal an encoded string)."""
+    return _encode_cached(text) if len(text) <= CACHED_TEXT else _encode(text)
+
+
+@lru_cache(maxsize=65536)
+def _encode_cached(text: str) -> str:
+    return _encode(text)
+
+
+def _encode(text: str) -> str:
     # surrogatepass: a lone surrogate (json.loads('"\\ud800"') makes one) is still a key.
     raw = text.encode("utf-8", "surrogatepass")
     token = quote(raw, safe=_SAFE)
@@ -120,8 +134,8 @@ def scan_pattern(prefix: str) -> str:
 
 
 #: The names of a state hash's companion keys that mean a scope and key exist: its slots'
-#: holders and queue (:func:`slot_keys`).
-_SLOT_SUFFIXES = (":slots", ":queue")
+#: holders and its line's counts (:func:`window_keys`).
+_SLOT_SUFFIXES = (":slots", ":lm")
 
 
 def target_of(prefix: str, redis_key: str) -> tuple[str, str | None] | None:
@@ -150,20 +164,27 @@ def state_of(prefix: str, redis_key: str) -> tuple[str, str | None] | None:
     return decode(scope), (decode(key) if sep else None)
 
 
-def held_count_key(state_key: str) -> str:
-    """The count of tasks held back at publish for one state hash (same hash tag)."""
-    return f"{state_key}:held"
+def window_keys(state_key: str) -> tuple[str, str, str, str, str, str]:
+    """Every key of one scope and key that window.lua works on, all in its hash tag: the
+    state hash, the line's counts, the line, the messages waiting (and what each is), the
+    tasks released and not started, and the concurrency slots' holders."""
+    return (state_key, f"{state_key}:lm", f"{state_key}:line", f"{state_key}:msgs", f"{state_key}:out",
+            f"{state_key}:slots")
 
 
-def slot_keys(state_key: str) -> tuple[str, str, str]:
-    """The holders of one state hash's concurrency slots (by lease end), the tasks waiting
-    for one (by when they first waited) and their messages: same hash tag (slots.lua)."""
-    return f"{state_key}:slots", f"{state_key}:queue", f"{state_key}:waiting"
+def line_index_key(prefix: str) -> str:
+    """The index of state keys with a line, by when each next needs a look (index.lua)."""
+    return f"{prefix}:{{lines}}:due"
 
 
-def slot_index_key(prefix: str) -> str:
-    """The hash of state keys that have tasks waiting for a slot (field) and their limit
-    (value): the keys a worker's sweep visits, to reclaim leases of workers that died."""
+def legacy_slot_keys(state_key: str) -> tuple[str, str]:
+    """Where version 0.x (header formats 1 and 2) kept the tasks waiting for a concurrency
+    slot (by when they first waited) and their messages: sent on after an upgrade."""
+    return f"{state_key}:queue", f"{state_key}:waiting"
+
+
+def legacy_slot_index_key(prefix: str) -> str:
+    """The hash of state keys that had tasks waiting for a slot, in version 0.x."""
     return f"{prefix}:slot-waiting"
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +27,8 @@ from .controls import (
 )
 from .errors import ConfigurationError
 from .hints import Hints
-from .keys import parked_patterns, scan_pattern, state_key, target_matches, target_of
+from .keys import scan_pattern, state_key, target_matches, target_of
+from .lines import Lines
 from .metrics import Metrics
 from .parking_store import ParkingStore
 from .protocol import WindowCall, WindowReply, rate_of_field
@@ -73,10 +76,9 @@ class Status:
     paused_until: float | None = None
     #: The live limit in force (``set_limit`` of this key, else of its scope), or None.
     live_limit: tuple[Rate, ...] | None = None
-    #: Tasks held back at publish (by the window or a pause), counted until a day passes
-    #: without one (``ScriptPolicy.held_count_ttl_ms``).
-    held_at_publish: int = 0
-    #: Concurrency slots held now (bodies that run), and tasks waiting for one.
+    #: Tasks released from the line and not started yet (on their way to a worker).
+    released: int = 0
+    #: Concurrency slots held now (bodies that run), and tasks waiting in the key's line.
     running: int = 0
     waiting: int = 0
     #: The concurrency limit in force: the live one if set, else the one this app's tasks
@@ -88,6 +90,21 @@ class Status:
     @property
     def remaining(self) -> int | None:
         return min((r.remaining for r in self.rates), default=None)
+
+    def estimate(self, place: int) -> float | None:
+        """When the task at ``place`` in the line (1: next) may start, roughly (Unix time):
+        behind those released before it, each rate's room now, then a window per limit's
+        worth; None for a line of no rate (it waits for a slot)."""
+        if not self.rates:
+            return None
+        now, start = time.time(), time.time()
+        for r in self.rates:
+            ahead = place + self.released - r.remaining
+            if ahead > 0:
+                windows = math.ceil(ahead / r.rate.limit)
+                start = max(start, max(r.reset_at, now) + (windows - 1) * r.rate.period
+                            if windows == 1 else now + windows * r.rate.period)
+        return start
 
 
 class Throttle:
@@ -103,6 +120,7 @@ class Throttle:
         self._quick_store: RedisStore | None = None
         self._parking: ParkingStore | None = None
         self._slots: Slots | None = None
+        self._lines: Lines | None = None
         self._lock = threading.Lock()
         #: The checks of this app's calls (the hook, the screen and publish use it).
         self.checker = Checker(self)
@@ -162,6 +180,13 @@ class Throttle:
         return self._slots
 
     @property
+    def lines(self) -> Lines:
+        """This process's side of the lines (:mod:`.lines`)."""
+        if self._lines is None:
+            self._lines = Lines(self)
+        return self._lines
+
+    @property
     def quick_store(self) -> RedisStore:
         """The store, through a connection that gives up after QUICK_TIMEOUT."""
         return self._quick_store or self._open("_quick_store", timing.QUICK_TIMEOUT)
@@ -206,10 +231,13 @@ class Throttle:
         for rates of named units, a cost by unit: ``cost={"tokens": 1200}`` (a unit not
         named: 1).
 
-        A denial consumes nothing. ``retry_after`` says when the same call would fit.
+        A denial consumes nothing. ``retry_after`` says when the same call would fit. It
+        shares the count of the tasks that name the same scope, key and rates (with the
+        same margin: ``throttle_margin``, or 2% of each sliding window, at most 20 ms), and
+        waits its turn behind the tasks in their line: it is not admitted while any wait.
         """
-        call = self.checker.live(self._direct_call(scope, key, rates, cost, algorithm))
-        reply = self.checker.check(call, reserve=False)
+        call = self.checker.finish_bind(self._direct_call(scope, key, rates, cost, algorithm), None)
+        reply = self.checker.acquire(call)
         return _decision(reply)
 
     def status(self, scope: str, key: str | None = None) -> Status:
@@ -285,19 +313,17 @@ class Throttle:
             used = rate.limit - reply.remaining
             reset_at = (reply.clear_at_us or reply.now_us) / 1e6
             out.append(RateStatus(rate, algorithm, used, reply.remaining, reset_at))
-        running, waiting = self.slots.store.status(hash_key)
+        line = self.store.peek(hash_key, WindowCall("sliding", ()))
         slot_limits = [spec.concurrency for known, spec in self._known_specs() if known == scope and spec.concurrency]
         live_slots = controls.concurrency_of(scope, key)
         return Status(scope, key, tuple(out), self._paused_until(controls, scope, key), live_rates or None,
-                      self.store.held_count(hash_key), running, waiting,
-                      live_slots or max(slot_limits, default=None), live_slots)
+                      line.out, line.running, line.waiting, live_slots or max(slot_limits, default=None), live_slots)
 
     def pause(self, scope: str, key: str | None = None, seconds: float | None = None) -> float:
         """Start nothing of ``scope`` (or of its ``key``) for ``seconds`` (None: until
-        :meth:`resume`), on every worker within CONTROL_REFRESH. Tasks that arrive are
-        reserved a start after the pause (parked if it is long), never failed by it; tasks
-        already waiting whose start falls in it are reserved again after it. A longer
-        pause already set stays. Returns when it ends (Unix time; ``inf``: never)."""
+        :meth:`resume`), on every worker within CONTROL_REFRESH. Tasks that arrive wait in
+        their key's line, never failed by it; the line's head goes when the pause is over.
+        A longer pause already set stays. Returns when it ends (Unix time; ``inf``: never)."""
         self._direct_call(scope, key, "1/s", 1, None)  # (validates scope and key)
         if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                     or not 0 < seconds < 10 * 365 * 86400):
@@ -313,19 +339,17 @@ class Throttle:
     def resume(self, scope: str, key: str | None = None) -> bool:
         """End a pause of ``scope`` (or of its ``key``) now. True if there was one.
 
-        Every task the pause held is parked (see :meth:`holds`): those of this scope (or
-        key) are made due now and a worker's releaser is woken to send them at once (the
-        workers send them, with their own app's routing, not this process). The worker
-        that gets one checks it afresh: the pause is over."""
+        Every line the pause held (of this scope, or key) gets a look at once: a worker's
+        releaser is woken, and sends their heads as their keys have room (the workers send
+        them, with their own app's routing, not this process)."""
         self._direct_call(scope, key, "1/s", 1, None)
         field = pause_field(scope, key)
         self.checker.controls.note(field, None)
         found = self.store.clear_control(field)
-        due = self.parking.hasten(parked_patterns(scope, key), self.store.now_us())
-        if due or found:  # (found: it may hold tasks in the broker's held queue, uncounted)
-            self.parking.wake_releasers()
-            logger.warning("resumed scope %r%s: %d parked task(s) it held are due now", scope,
-                           "" if key is None else f" key {key!r}", due)
+        if found:
+            woken = self.lines.wake(scope, key)
+            logger.warning("resumed scope %r%s: %d line(s) it held get a look now", scope,
+                           "" if key is None else f" key {key!r}", woken)
         return found
 
     def set_limit(self, scope: str, rates: str | Sequence[str] | None = None, key: str | None = None, *,
@@ -333,11 +357,11 @@ class Throttle:
         """Limit ``scope`` (every key of it that has no limit of its own, or only ``key``)
         to ``rates``, and (``concurrency``) to K bodies running at once, instead of what
         the code declares, on every worker within CONTROL_REFRESH, until
-        :meth:`clear_limit`. Starts already reserved keep their time if they still fit;
-        those that do not under the new rates (a lowered limit) are reserved again when
-        their task arrives. A raised K hands its slots to tasks waiting now; a lowered one
-        lets the bodies running end, and starts no more until fewer than K run. Returns
-        the rates set (empty with ``concurrency`` alone)."""
+        :meth:`clear_limit`. The tasks waiting in the lines of the scope (or key) get a look
+        at once: a raised limit lets them go now. A lowered one holds back the heads of the
+        lines, and a task released under the old limit that finds no room when it arrives
+        goes back to its place; a lowered K lets the bodies running end, and starts no more
+        until fewer than K run. Returns the rates set (empty with ``concurrency`` alone)."""
         if rates is None and concurrency is None:
             raise ConfigurationError("set_limit takes rates, a concurrency, or both")
         if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
@@ -354,9 +378,8 @@ class Throttle:
             field = slots_field(scope, key)
             self.store.set_control(field, str(concurrency))
             self.checker.controls.note(field, str(concurrency))
-            woken = self.slots.apply_limit(scope, key)
-            logger.warning("live concurrency limit of %s set to %d%s", target, concurrency,
-                           f": {woken} task(s) waiting for a slot sent" if woken else "")
+            logger.warning("live concurrency limit of %s set to %d", target, concurrency)
+        self.lines.wake(scope, key)
         return parsed if rates is not None else ()
 
     def clear_limit(self, scope: str, key: str | None = None) -> bool:
@@ -367,7 +390,7 @@ class Throttle:
         for field in (limit_field(scope, key), slots_field(scope, key)):
             self.checker.controls.note(field, None)
             found = self.store.clear_control(field) or found
-        self.slots.apply_limit(scope, key)  # (the code's K may be higher: tasks waiting go now)
+        self.lines.wake(scope, key)  # (the code's limits may be higher: tasks waiting go now)
         return found
 
     def live_limit(self, scope: str, key: str | None = None) -> tuple[Rate, ...] | None:
@@ -390,8 +413,11 @@ class Throttle:
         return self.checker.controls.concurrency_for(self.store, scope, key)
 
     def reset(self, scope: str, key: str | None = None) -> bool:
-        """Forget every window of ``scope``/``key``. True if there was anything."""
-        return self.store.delete(state_key(self.settings.key_prefix, scope, key)) > 0
+        """Forget every window of ``scope``/``key`` (its line stays: its tasks get a look at
+        once, with the room the reset gave). True if there was anything."""
+        found = self.store.delete(state_key(self.settings.key_prefix, scope, key)) > 0
+        self.lines.wake(scope, key)
+        return found
 
     def _direct_call(self, scope: str, key: str | None, rates: Any, cost: int | Mapping[str, int],
                      algorithm: str | None) -> BoundCall:

@@ -1,5 +1,5 @@
-"""Kept messages: a task's message as the store keeps it (parked, or waiting for a
-concurrency slot), and how it is sent to the broker again."""
+"""Kept messages: a task's message as the store keeps it (waiting in a line, or parked by
+an earlier version), and how it is sent to the broker again."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from typing import Any
 
 from kombu.serialization import dumps, loads, prepare_accept_content
 
-__all__ = ["decode_message", "encode_message", "resend"]
+from .protocol import HEADER, Header
+
+__all__ = ["decode_message", "encode_message", "resend", "task_of"]
 
 
 def encode_message(app: Any, sig: Any) -> bytes:
@@ -28,11 +30,26 @@ def decode_message(app: Any, message: bytes) -> dict[str, Any]:
     if not (isinstance(body, dict) and isinstance(body.get("task"), str) and body["task"]
             and isinstance(body.get("args"), list) and isinstance(body.get("kwargs"), dict)
             and isinstance(body.get("options"), dict)):
-        raise ValueError(f"not a parked task: {str(body)[:80]!r}")
+        raise ValueError(f"not a kept task: {str(body)[:80]!r}")
     return body
 
 
-def resend(app: Any, message: bytes, countdown: float = 0.0) -> None:
-    """Send a kept message (:func:`encode_message`) to the broker, as its task again."""
+def task_of(app: Any, message: bytes) -> tuple[str, list[Any], dict[str, Any]]:
+    """(task name, args, kwargs) of a kept message."""
     body = decode_message(app, message)
-    app.signature(body).apply_async(countdown=countdown)
+    return body["task"], body["args"], body["kwargs"]
+
+
+def resend(app: Any, message: bytes, countdown: float = 0.0, *, key: str | None = None,
+           ticket: str | None = None) -> None:
+    """Send a kept message (:func:`encode_message`) to the broker, as its task again; with
+    ``ticket``, as released from the line of state key ``key`` (its header says so)."""
+    body = decode_message(app, message)
+    if ticket is not None:
+        options = body["options"]
+        headers = options.get("headers")
+        headers = dict(headers) if isinstance(headers, dict) else {}
+        deferrals = Header.read(headers.get(HEADER)).deferrals
+        headers[HEADER] = Header(key or "", ticket, deferrals).value()
+        options["headers"] = headers
+    app.signature(body).apply_async(countdown=countdown or None)

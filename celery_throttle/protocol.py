@@ -1,29 +1,51 @@
 """The protocol between the plugin and its store, and what a task carries: pure data, no
 Redis.
 
-- :class:`Code`: what a window script decided (its reply's first field; the scripts get
+- :class:`Code`: what the window script decided (its reply's first field; the script gets
   each code by name, :func:`.store.window_script`).
-- :class:`WindowCall` (what a script is told about one call), :func:`window_argv` (its
-  ARGV) and :class:`WindowReply` (what it answered).
-- :class:`Reservation`: a start reserved for a denied call, as a claim and a header carry it.
-- The ``celery_throttle`` message header (:data:`HEADER`, :func:`read_state`), versioned
-  by :data:`HEADER_VERSION`: CHANGELOG.md records each change of it.
+- :class:`WindowCall` (what the script is told about one call), :class:`Entry` (a task
+  that may join the line), :func:`window_argv` (the ARGV of one operation) and
+  :class:`WindowReply` (what it answered, with the tasks it released or reported).
+- :class:`Counted`: where a call that started is counted (what a settle adjusts).
+- The ``celery_throttle`` message header (:data:`HEADER`, :class:`Header`), versioned by
+  :data:`HEADER_VERSION`: CHANGELOG.md records each change of it.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 from .rates import Rate
 
-__all__ = ["ALGORITHM_TAGS", "DEAD_LETTER_HEADERS", "HEADER", "HEADER_VERSION", "STATE_FORMAT", "STATE_LAYOUT", "Code", "Cost", "Counted", "Reservation", "SlotCode", "SlotReply",
-           "StateLayout", "WindowCall", "WindowReply", "cost_arg", "header_value", "one_cost", "per_rate", "rate_field", "rate_of_field", "rates_tag", "read_state", "window_argv", "window_argv_settle",
-           "without_dead_letter_headers"]
+__all__ = [
+    "ALGORITHM_TAGS",
+    "DEAD_LETTER_HEADERS",
+    "HEADER",
+    "HEADER_VERSION",
+    "NO_ENTRY",
+    "STATE_FORMAT",
+    "STATE_LAYOUT",
+    "Code",
+    "Cost",
+    "Counted",
+    "Entry",
+    "Header",
+    "Reported",
+    "StateLayout",
+    "WindowCall",
+    "WindowReply",
+    "cost_arg",
+    "one_cost",
+    "per_rate",
+    "rate_field",
+    "rate_of_field",
+    "window_argv",
+    "without_dead_letter_headers",
+]
 
 
 #: What a call costs: units of every one of its rates (an int), or one count per rate, in
@@ -52,66 +74,10 @@ def one_cost(counts: Sequence[int]) -> Cost:
     return counts[0] if counts and all(c == counts[0] for c in counts) else tuple(counts)
 
 
-def _header_cost(value: Any) -> bool:
-    """Whether ``value`` is a cost as a header carries it: an int, or a list of them."""
-    if isinstance(value, list):
-        return len(value) >= 2 and all(_header_int(v) and v > 0 for v in value)
-    return _header_int(value) and value > 0
-
-
-def _header_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """A start reserved for a denied call: it may start in ``[start_us, latest_us]``.
-
-    ``epoch`` names the window state it was made in; a reset or lost state voids it.
-    ``lead_us``: how long before ``start_us`` the task was due to arrive.
-    ``rates_tag``: which rates it was reserved under (:func:`rates_tag`; 0: unknown). A
-    claim under other rates (a live limit set since) gives it back and is checked afresh.
-    """
-
-    start_us: int
-    latest_us: int
-    cost: Cost
-    grace_us: int
-    epoch: int
-    lead_us: int = 0
-    rates_tag: int = 0
-
-    def to_header(self) -> list[Any]:
-        cost = self.cost if isinstance(self.cost, int) else list(self.cost)
-        return [self.start_us, self.latest_us, cost, self.grace_us, self.epoch, self.lead_us, self.rates_tag]
-
-    def script_args(self) -> list[int | str]:
-        """ARGV[7..12] of window.lua for a claim of it."""
-        return [self.start_us, self.latest_us, cost_arg(self.cost), self.grace_us, self.epoch, self.lead_us]
-
-    @classmethod
-    def from_header(cls, value: Any) -> Reservation | None:
-        """The reservation a header holds, or None for anything else (6 fields: written
-        before rates were tagged; a cost that is a list: one per rate, header format 2)."""
-        if not isinstance(value, (list, tuple)) or len(value) not in (6, 7):
-            return None
-        if not (_header_cost(value[2]) and all(_header_int(v) for i, v in enumerate(value) if i != 2)):
-            return None
-        cost = value[2] if isinstance(value[2], int) else tuple(value[2])
-        return cls(value[0], value[1], cost, *value[3:])
-
-
-@lru_cache(maxsize=1024)
-def rates_tag(rates: tuple[Rate, ...]) -> int:
-    """A short name of a set of rates, carried by the reservations made under it."""
-    return zlib.crc32(",".join(map(str, rates)).encode()) or 1
-
-
 #: The layout of a window state hash (window.lua's field 'f'; absent: written before the
 #: field, format 1). A hash of another format (a later version's, and the deploy rolled
-#: back) is started afresh, as if it had expired: its reservations are checked afresh
-#: and what it counted is forgotten (at most one window's starts counted twice over).
-#: CHANGELOG.md records each format.
+#: back) is started afresh, as if it had expired: what it counted is forgotten (at most
+#: one window's starts counted twice over). CHANGELOG.md records each format.
 STATE_FORMAT = 1
 
 
@@ -146,21 +112,24 @@ class Code(IntEnum):
 
     #: The call's cost is above the limit of one of its rates (nothing else is set).
     TOO_COSTLY = -1
-    #: Not now, and no start reserved (none asked for, a pause too long to reserve
-    #: behind, or none settled): ``wait`` is when to check again.
+    #: Not now, and it does not wait in the line: no message was given (call again with
+    #: it), or none could be kept. ``wait``: an estimate of when it would start.
     DENIED = 0
     #: Start now.
     RUN = 1
-    #: A claim that came before its reserved start (``wait`` until it).
-    EARLY = 2
-    #: The earliest start is further than the caller's max wait: nothing reserved.
+    #: Its wait in the line would pass its max wait: it does not wait (``wait``: how long).
     TOO_FAR = 3
-    #: Not now, and a start was reserved for it: ``start``, ``latest`` and ``grace``
-    #: say which, ``wait`` until it.
-    RESERVED = 4
-    #: A claim that came a little before its reserved start (at most the caller's
+    #: A released task that came a little before its start (at most the caller's
     #: ``early``): the start is the caller's, to run at when ``wait`` has passed.
     RUN_AT = 5
+    #: It waits in its key's line (its message kept); ``wait``: an estimate.
+    QUEUED = 6
+    #: At publish: it may go now, released with its entry id as ticket (send it with it).
+    RELEASED = 7
+    #: A released task that waited in the line longer than its max wait: it does not run.
+    WAITED = 8
+    #: A holder's slot lease had run out (ended, renew).
+    LOST = 9
 
 
 @dataclass(frozen=True)
@@ -174,40 +143,6 @@ class Counted:
     units: Cost
     epoch: int
 
-    def script_args(self, delta: Cost) -> list[int | str]:
-        """ARGV[7..12] of window.lua for a settle of ``delta`` units (a count per rate, for
-        rates of different units)."""
-        return [self.start_us, self.latest_us, cost_arg(delta), 0, self.epoch, 0]
-
-
-class SlotCode(IntEnum):
-    """What slots.lua answered (its reply's first field; the script knows each by name)."""
-
-    #: A holder's lease had run out (release, renew): another task may have had its slot.
-    LOST = 0
-    #: The slot is the holder's (take), or was (release); the call did what it was asked.
-    TAKEN = 1
-    #: No slot free, and the task was not queued (no message was given).
-    FULL = 2
-    #: No slot free: the task is queued, its message kept, until a slot is handed to it.
-    QUEUED = 3
-    #: At publish (enqueue): a slot is free and nobody waits; send the task.
-    FREE = 4
-
-
-@dataclass(frozen=True)
-class SlotReply:
-    """slots.lua's reply: the code, slots held and tasks queued after the call, the
-    Redis clock, and the tasks a slot was handed to, each with its message (None: lost)."""
-
-    code: SlotCode
-    running: int
-    waiting: int
-    now_us: int
-    woken: tuple[tuple[str, bytes | None], ...] = ()
-    #: For a renewal: the holders whose lease had run out.
-    lost: tuple[str, ...] = ()
-
 
 @dataclass(frozen=True)
 class WindowCall:
@@ -219,24 +154,61 @@ class WindowCall:
     cost: Cost = 1
     #: The state's field per rate, when not the rate's own name (a live limit).
     fields: tuple[str, ...] | None = None
-    #: How long after its reserved start a call may still use it.
-    grace_us: int = 0
     #: How long after the check the body may start and still count as starting then.
     slack_us: int = 0
-    #: A start further away than this is not reserved (``Code.TOO_FAR``; 0: no cap).
-    max_wait_us: int = 0
     #: Paused until then (Redis clock; 0: not paused): nothing starts before it.
     not_before_us: int = 0
-    #: A pause ending further away than this reserves nothing: the reply is a denial
-    #: without a start whose wait is this horizon (0: no pause is that long).
-    pause_horizon_us: int = 0
+    #: At most this many bodies hold a slot at once (0: no concurrency limit).
+    concurrency: int = 0
+    #: A running body's slot lease.
+    slot_lease_us: int = 0
+    #: How long before its start a task is released while nothing is learnt of the key.
+    lead_us: int = 0
 
-    @cached_property
-    def argv_tails(self) -> dict[tuple[Any, ...], tuple[int | str, ...]]:
-        """ARGV[2..] of window.lua for a call without a claim, by (op, reserve, learn,
-        lease, lease span): :func:`window_argv` builds each once per WindowCall, which
-        ``Throttle`` keeps per call shape. (Not a field: no part of equality or hash.)"""
-        return {}
+    def head(self, now: str, op: str, cost: Cost | None = None) -> list[int | str]:
+        """ARGV[1..] of window.lua up to the operation's own arguments."""
+        return [now, op, cost_arg(self.cost if cost is None else cost), *_head_tail(self)]
+
+
+@lru_cache(maxsize=4096)
+def _head_tail(call: WindowCall) -> tuple[int | str, ...]:
+    """ARGV[4..] of a call up to the operation's own arguments (made once per call shape)."""
+    return (call.slack_us, call.not_before_us, call.concurrency, call.slot_lease_us, call.lead_us,
+            *_rate_args(call.algorithm, call.rates, call.fields))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A task as it joins a line: its entry id (random, unknown to the broker until it is
+    released: its ticket then), its message (``b""``: not given; the script answers
+    ``DENIED`` where it would wait), task id, ``expires`` (µs, Redis clock; 0: none),
+    ``max_wait`` (µs; 0: none), and how many heads the call may release on its way."""
+
+    id: str
+    message: bytes = b""
+    task_id: str = ""
+    expires_us: int = 0
+    max_wait_us: int = 0
+    batch: int = 0
+
+    def args(self) -> list[int | str | bytes]:
+        return [self.id, self.message, self.task_id, self.expires_us, self.max_wait_us, self.batch]
+
+
+#: An entry for an operation that keeps none (a direct acquire: it does not wait).
+NO_ENTRY = Entry("")
+
+
+class Reported(NamedTuple):
+    """A task the script released or reports: ``kind`` ``"r"`` released (``payload``: its
+    message, to send with ``id`` as its ticket), ``"x"`` expired while it waited or ``"c"``
+    costing more than a limit now in force (its message, sent as it is: its worker
+    discards or fails it), ``"l"`` its message is gone, ``"f"`` released and never
+    arrived (``payload``: its task id), or a holder whose slot lease ran out (renew)."""
+
+    id: str
+    payload: bytes | str | None
+    kind: str
 
 
 class WindowReply(NamedTuple):
@@ -248,62 +220,68 @@ class WindowReply(NamedTuple):
 
     code: int
     wait_us: int
+    #: Units still free now over the tightest rate, beside what is released and not started.
     remaining: int
     clear_at_us: int
-    start_us: int
-    latest_us: int
     now_us: int
     epoch: int
-    #: The learnt dispatch delay of this key (-1: nothing learnt yet).
-    lead_us: int
-    #: The grace given to the start reserved by this call (0 if none).
-    grace_us: int
-    #: Units granted as a lease, this call's own included (0 if none).
+    #: How early a task of this key is released before its start (learnt, or the default).
+    lead_us: int = -1
+    #: Units granted as a lease, this call's own included (0 if none); for an admit that
+    #: fits: the units the key may take before a rate is half full.
     leased: int = 0
-    #: For an 'admit' of a call whose rates count different units, that fits: the room
-    #: left in each rate (in the rates' order) before it is half full.
-    rooms: tuple[int, ...] | list[int] = ()
+    #: For an admit of a call whose rates count different units, that fits: the room left
+    #: in each rate (in the rates' order) before it is half full.
+    rooms: tuple[int, ...] = ()
+    #: Where a call that starts is counted: [start, latest] (a start granted: its start).
+    start_us: int = 0
+    latest_us: int = 0
+    #: Tasks in the key's line, released and not started, and slots held, after the call.
+    waiting: int = 0
+    out: int = 0
+    running: int = 0
+    #: When the key next needs a look (0: nothing waits), and whether the caller must tell
+    #: the index so (1: if earlier than it holds, 2: whatever it holds).
+    due_us: int = 0
+    tell_index: int = 0
+    #: How long a released task waited in the line (a claim).
+    waited_us: int = 0
+    #: 1 if the call's holder holds a concurrency slot after it (a body that starts).
+    held: int = 0
+    #: Tasks released or reported on the way.
+    reported: tuple[Reported, ...] = ()
 
     @property
     def allowed(self) -> bool:
         return self.code == Code.RUN
 
-
-def window_argv(now: str, op: str, call: WindowCall, *, reserve: bool = False,
-                claim: Reservation | None = None, learn: str = "1", lease: int = 0,
-                lease_span_us: int = 0, early_us: int = 0) -> list[int | str]:
-    """ARGV of window.lua, in the order its header documents (``tests/test_script_format.py``
-    holds the two together). ``early_us``: for a claim, how early it may come and still be
-    granted its start (``Code.RUN_AT``)."""
-    if claim is None:
-        shape = (op, reserve, learn, lease, lease_span_us)
-        tail = call.argv_tails.get(shape)
-        if tail is None:
-            tail = call.argv_tails[shape] = tuple(_window_argv(op, call, reserve, _NO_CLAIM, learn, lease,
-                                                               lease_span_us, 0))
-        return [now, *tail]
-    return [now, *_window_argv(op, call, reserve, claim.script_args(), learn, lease, lease_span_us, early_us)]
+    @classmethod
+    def of(cls, raw: Sequence[Any]) -> WindowReply:
+        """The reply from the script's array."""
+        rooms = raw[8]
+        rooms = tuple(int(v) for v in rooms.split(b",")) if isinstance(rooms, bytes) and rooms else ()
+        reported = tuple(Reported(_text(raw[i]), _payload(raw[i + 1], raw[i + 2]), _text(raw[i + 2]))
+                         for i in range(18, len(raw) - 2, 3))
+        return cls(raw[0], raw[1], raw[2], raw[3], raw[4], raw[5], raw[6], raw[7], rooms, raw[9], raw[10], raw[11],
+                   raw[12], raw[13], raw[14], raw[15], raw[16], raw[17], reported)
 
 
-def _window_argv(op: str, call: WindowCall, reserve: bool, claim_args: Sequence[int | str], learn: str,
-                 lease: int, lease_span_us: int, early_us: int) -> list[int | str]:
-    """ARGV[2..] of window.lua."""
-    args: list[int | str] = [op, "1" if reserve else "0", cost_arg(call.cost), call.grace_us, call.slack_us]
-    args += claim_args
-    args += [learn, lease, lease_span_us, call.max_wait_us, call.not_before_us,
-             call.pause_horizon_us or _FOREVER_HORIZON, early_us]
-    args += _rate_args(call.algorithm, call.rates, call.fields)
-    return args
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="surrogateescape") if isinstance(value, bytes) else value
 
 
-def window_argv_settle(now: str, call: WindowCall, counted: Counted, delta: Cost) -> list[int | str]:
-    """ARGV of window.lua for a settle: its cost (ARGV[4]) is not checked, the units it
-    reports are ``delta``."""
-    return [now, *_window_argv("settle", call, False, counted.script_args(delta), "0", 0, 0, 0)]
+def _payload(value: Any, kind: bytes | str) -> bytes | str | None:
+    if value is None:
+        return None
+    return value if _text(kind) in ("r", "x", "c") else _text(value)
 
 
-_NO_CLAIM = (0, 0, 0, 0, "", 0)
-_FOREVER_HORIZON = 2**53
+def window_argv(now: str, op: str, call: WindowCall, *args: Any, cost: Cost | None = None) -> list[Any]:
+    """ARGV of window.lua for ``op`` on ``call``: its head, then the operation's own
+    arguments as line.lua lists them (``tests/test_script_format.py`` holds the two
+    together). ``cost``: a settle's difference, in place of the call's cost."""
+    return [*call.head(now, op, cost), *args]
+
 
 #: The first letter of a rate's field in the state hash: "s25/1000000" holds sliding
 #: "25/s". ``Throttle.status`` reads the rates a hash holds back from these names.
@@ -341,20 +319,67 @@ def _rate_args(algorithm: str, rates: tuple[Rate, ...], fields: tuple[str, ...] 
 
 
 # -- the message header --------------------------------------------------------------
-#: Message header carrying a deferred task's reservation and counters:
-#: ``k`` the state key it was reserved under, ``r`` the reservation
-#: (:meth:`Reservation.to_header`), ``n`` deferrals so far, ``e`` store errors in a row,
-#: ``p`` 1 if a pause held it (it was parked, for a resume to send it at once), ``w``
-#: since when it waits for a concurrency slot (µs, the host's clock), ``v`` the format's
-#: version (:data:`HEADER_VERSION`).
+#: Message header of a task the throttle let go after it waited: its ticket, and counters.
 HEADER = "celery_throttle"
-#: The header's format as this version writes it. A header without ``v`` was written
-#: before the field existed, in format 1. One from a later format (a deploy rolled back
-#: while such messages wait) is read as absent: the task is checked afresh, which may
-#: count it twice in its window but never lets it run unchecked. CHANGELOG.md records
-#: each format. A header is written in the oldest format that holds it (2 only for a
-#: reservation with a cost per rate), so a deploy rolled back still reads the others.
-HEADER_VERSION = 2
+#: The header's format as this version writes it. Format 3 carries a ticket (``t``): the
+#: entry id of the line it was released from, which grants it nothing by itself (the
+#: store must hold it out, unused). Formats 1 and 2 carried a start reserved for it
+#: (``r``), which is not honoured any more: such a task is checked as a fresh one (it runs
+#: once; the start it held stays counted until it leaves its window). A header of a later
+#: format (a deploy rolled back while such messages wait) is read as absent: a fresh call.
+#: CHANGELOG.md records each format.
+HEADER_VERSION = 3
+#: The most deferrals and store errors in a row a header counts (a counter that reads
+#: more, written by hand, counts this many).
+_COUNTER_MAX = 1 << 20
+
+
+@dataclass(frozen=True)
+class Header:
+    """The ``celery_throttle`` header: ``key``, the state key of the line the task was
+    released from, and ``ticket``, its entry there (both "" for none); ``deferrals``, how
+    many times it was turned away (observability); ``errors``, store errors in a row (its
+    back-off). Every field is read from whatever a message holds: anything that is not
+    what this version writes counts as absent, field by field, and never raises."""
+
+    key: str = ""
+    ticket: str = ""
+    deferrals: int = 0
+    errors: int = 0
+
+    @classmethod
+    def read(cls, value: Any) -> Header:
+        if not isinstance(value, dict):
+            return _EMPTY
+        version = value.get("v", 1)
+        if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= HEADER_VERSION:
+            return _EMPTY
+        key, ticket = value.get("k"), value.get("t") if version >= 3 else None
+        return cls(key if isinstance(key, str) and len(key) <= _TEXT_MAX else "",
+                   ticket if isinstance(ticket, str) and len(ticket) <= _TEXT_MAX else "",
+                   _counter(value.get("n")), _counter(value.get("e")))
+
+    def value(self) -> dict[str, Any]:
+        """The header to send."""
+        out: dict[str, Any] = {"v": HEADER_VERSION, "n": self.deferrals}
+        if self.key:
+            out["k"] = self.key
+        if self.ticket:
+            out["t"] = self.ticket
+        if self.errors:
+            out["e"] = self.errors
+        return out
+
+
+_EMPTY = Header()
+#: The longest key or ticket a header is read with (a state key is bounded: keys.MAX_TOKEN).
+_TEXT_MAX = 1024
+
+
+def _counter(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return min(value, _COUNTER_MAX)
+    return 0
 
 
 #: Headers RabbitMQ adds to a message it dead-letters, as the delay topology of broker
@@ -370,37 +395,3 @@ def without_dead_letter_headers(headers: Any) -> dict[str, Any]:
     if not isinstance(headers, dict):
         return {}
     return {name: value for name, value in headers.items() if name not in DEAD_LETTER_HEADERS}
-
-
-def read_state(value: Any) -> dict[str, Any]:
-    """The header of a message as this version wrote it, from whatever it holds.
-
-    A message may come from a foreign producer, an older version or a hand: anything
-    that is not what we write counts as absent (a fresh call), field by field, and
-    never raises.
-    """
-    if not isinstance(value, dict):
-        return {}
-    version = value.get("v", 1)
-    if not isinstance(version, int) or isinstance(version, bool) or version > HEADER_VERSION:
-        return {}
-    state: dict[str, Any] = {}
-    if isinstance(value.get("k"), str):
-        state["k"] = value["k"]
-    reservation = Reservation.from_header(value.get("r"))
-    if reservation is not None:
-        state["r"] = reservation.to_header()
-    for counter in ("n", "e", "p"):
-        number = value.get(counter)
-        if isinstance(number, int) and not isinstance(number, bool) and 0 <= number < 2**31:
-            state[counter] = number
-    if _header_int(value.get("w")):  # (since when it waits for a slot, µs)
-        state["w"] = value["w"]
-    return state
-
-
-def header_value(state: dict[str, Any]) -> dict[str, Any]:
-    """The header to send for ``state`` (as :func:`read_state` returns it, updated)."""
-    reservation = state.get("r")
-    per_rate = isinstance(reservation, list) and len(reservation) > 2 and isinstance(reservation[2], list)
-    return {**state, "v": 2 if per_rate else 1}

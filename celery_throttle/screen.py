@@ -1,12 +1,13 @@
-"""Consumer-side screening: deny fresh messages before they reach the pool.
+"""Consumer-side screening: put fresh messages that cannot start in their line before
+they reach the pool.
 
 A denial in the pool costs a whole task execution (and Celery's ``Ignore`` handling,
 several ms of CPU): in a burst of 10x the limit, the pool would spend seconds turning
-tasks away while reserved ones wait behind them. So a fresh message of a throttled task
-(no ETA, no reservation yet) is checked here first, in the consumer, with one script call
-that records nothing if the task fits now; only when it does not fit is a start reserved
-and the message re-sent (or parked) and acked, without ever reaching the pool. Whatever
-fits, or cannot be screened (bad arguments, Redis down), goes to the pool as usual, where
+tasks away while released ones wait behind them. So a fresh message of a throttled task
+(no ETA, no ticket) is checked here first, in the consumer, with one script call that
+records nothing if the task fits now; one that cannot start joins its key's line (its
+message kept in the store) and is acked, without ever reaching the pool. Whatever fits,
+or cannot be screened (bad arguments, Redis down), goes to the pool as usual, where
 ``before_start`` makes the real, authoritative check. A key that keeps fitting is only
 sampled (one message in eight), so tasks under their limit do not pay twice. A store far
 away (SCREEN_RTT_MAX_US) is not screened against at all.
@@ -26,7 +27,7 @@ from .controller import controller
 from .deferral import TurnedAway
 from .errors import StoreError, ThrottleError
 from .internals import request_context_factory
-from .protocol import HEADER, Code, read_state
+from .protocol import HEADER, Code, Header
 from .timing import SCREEN_RTT_MAX_US, STORE_ERROR_PAUSE
 
 __all__ = ["ScreenStep", "screen_strategies"]
@@ -77,7 +78,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
         nonlocal fits_in_a_row
         headers = message.headers or {}
         if ("task" not in headers or headers.get("eta") or breaker.open
-                or ctl.store.rtt_us >= SCREEN_RTT_MAX_US or "r" in read_state(headers.get(HEADER))):
+                or ctl.store.rtt_us >= SCREEN_RTT_MAX_US or Header.read(headers.get(HEADER)).ticket):
             return handler(message, body, ack, reject, callbacks, **kw)
         streak = fits_in_a_row
         every = _SAMPLE if streak < 8 * _SAMPLE else 4 * _SAMPLE
@@ -88,9 +89,16 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             args, kwargs = _arguments(message)
             spec = type(task)._throttle_spec
             call = ctl.checker.bind(task, args, kwargs, quick=True)
-            if not call.rates:  # (a concurrency limit alone: the pool's check takes the slot)
-                return handler(message, body, ack, reject, callbacks, **kw)
-            reply = ctl.checker.screen(call, max_wait=ctl.checker.max_wait(spec))
+            max_wait = ctl.checker.max_wait(spec)
+            turned = TurnedAway(ctl, task, request_context(message), args, kwargs, call,
+                                Header.read(headers.get(HEADER)),
+                                max_wait_us=int(max_wait * 1_000_000) if max_wait else 0)
+            reply = None
+            for with_message in (ctl.lines.looks_full(call), True):
+                reply = ctl.checker.screen(call, turned.entry(with_message))
+                ctl.lines.handle(call, reply)
+                if reply.code != Code.DENIED or with_message:
+                    break
         except StoreError as exc:
             # Redis down or slow: stop screening for a while; the pool's check decides.
             ctl.metrics.store_error("consumer")
@@ -104,17 +112,16 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
         except (DecodeError, ContentDisallowed, ValueError, TypeError):
             # A body that does not decode: Celery's own path reports it.
             return handler(message, body, ack, reject, callbacks, **kw)
-        if reply.code != Code.RESERVED:
-            fits_in_a_row = streak + 1
+        except Exception:
+            logger.exception("could not screen %s[%s]; handing it to the pool", task.name, headers.get("id"))
+            return handler(message, body, ack, reject, callbacks, **kw)
+        if reply is None or reply.code != Code.QUEUED:
+            if reply is not None and reply.code == Code.RUN:
+                fits_in_a_row = streak + 1
             return handler(message, body, ack, reject, callbacks, **kw)
         fits_in_a_row = 0
-        try:
-            context = request_context(message)
-            TurnedAway(ctl, task, context, args, kwargs, call, {}).defer(reply)
-        except Exception:
-            logger.exception("could not defer %s[%s] from the consumer; handing it to the pool",
-                             task.name, headers.get("id"))
-            return handler(message, body, ack, reject, callbacks, **kw)
+        ctl.lines.full(call)
+        turned.waits(reply.wait_us)
         ack(logger, errors)
         return None
 

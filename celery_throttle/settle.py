@@ -4,8 +4,8 @@
 A call is counted with its estimate (``cost``) when it is admitted; once the body knows
 what it really used (the tokens an LLM reply reports), :func:`charge` replaces that
 estimate: the difference is added to (a refund: taken from) the span the window counted
-the call in (window.lua's ``settle``), so a refund lets later starts in sooner and an
-overrun pushes them out. The window then holds at most N *reported* units in any
+the call in (window.lua's ``settle``), so a refund lets the tasks waiting in its key's line
+go at once, and an overrun holds them back. The window then holds at most N *reported* units in any
 window, estimates standing in until the report. A call admitted from a process's lease
 (a busy key far under its limit) keeps a refund counted (where in the lease it counts is
 not known) and counts an overrun from the report.
@@ -96,7 +96,8 @@ def charge(units: int | None = None, **by_unit: int) -> None:
         return
     ctl = controller(current_task.app)
     try:
-        ctl.checker.settle(running.call, running.counted, delta)
+        reply = ctl.checker.settle(running.call, running.counted, delta)
+        ctl.lines.handle(running.call, reply)  # (a refund lets the line's head go at once)
     except StoreError as exc:
         ctl.metrics.store_error("settle")
         logger.warning("could not settle the cost of %s[%s] (%s units, estimated %s): %s", current_task.name,

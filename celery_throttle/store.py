@@ -5,9 +5,11 @@ resets itself after a fork, so a prefork child gets its own connections). Script
 registered once (the window scripts with the timing policy and reply codes put before
 them: :func:`window_script`); a restarted or flushed Redis answers NOSCRIPT and the
 script is loaded again, so it loses nothing but one round trip. One method per operation
-of window.lua (:meth:`RedisStore.acquire`, ``screen``, ``reserve``, ``admit``, ``claim``, ``peek``),
-each taking what the script is told about the call as a :class:`.protocol.WindowCall`.
-Parked messages are kept by :class:`.parking_store.ParkingStore`, over the same client.
+of window.lua (:meth:`RedisStore.acquire`, ``screen``, ``admit``, ``claim``, ``release``,
+``settle``, ...), each taking what the script is told about the call as a
+:class:`.protocol.WindowCall`, and the index of keys with a line (index.lua). Parked
+messages of earlier versions are kept by :class:`.parking_store.ParkingStore`, over the
+same client.
 """
 
 from __future__ import annotations
@@ -26,19 +28,19 @@ from .connection import connect, safe_url
 from .controls import FOREVER_US
 from .doctor import StoreReport, examine
 from .errors import StoreError
-from .keys import control_key, held_count_key
+from .keys import control_key, line_index_key, window_keys
 from .protocol import (
+    NO_ENTRY,
     STATE_FORMAT,
     STATE_LAYOUT,
     Code,
     Cost,
     Counted,
-    Reservation,
+    Entry,
     StateLayout,
     WindowCall,
     WindowReply,
     window_argv,
-    window_argv_settle,
 )
 from .timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 
@@ -84,6 +86,7 @@ class RedisStore:
             self._sources[algorithm] = "".join(text for _, text in parts)
             self._lines[algorithm] = _line_map(parts)
         self._sources["pause"] = lua("pause.lua")
+        self._sources["index"] = lua("index.lua")
         self._scripts: dict[str, Any] = {}
         #: The smoothed round trip of a script call (µs; TCP's estimator, gain 1/8), as
         #: this process measures it: a store far away (another region, a slow link)
@@ -182,72 +185,97 @@ class RedisStore:
         """ARGV[1] of a script that reads the clock: '' (Redis TIME) but under a test clock."""
         return "" if self._clock is None else str(int(self._clock()))
 
-    # -- windows ----------------------------------------------------------------------
-    # One method per operation of window.lua (its header says what each does).
-    def acquire(self, key: str, call: WindowCall, *, reserve: bool = False, lease: int = 0,
-                lease_span_us: int = 0) -> WindowReply:
-        """Admit the call now if every rate has room (recorded), else deny it, reserving a
-        future start if ``reserve``. ``lease``: units it may take at once for calls to
-        come within ``lease_span_us``, granted only while every rate stays at most half
-        full (see window.lua)."""
-        return self._window(key, "acquire", call, reserve=reserve, lease=lease, lease_span_us=lease_span_us)
+    # -- windows and lines -------------------------------------------------------------
+    # One method per operation of window.lua (line.lua's header says what each does).
+    def window(self, key: str, op: str, call: WindowCall, *args: Any, cost: Cost | None = None) -> WindowReply:
+        """Run operation ``op`` of window.lua on state key ``key`` for ``call``, with the
+        operation's own ``args``."""
+        raw = self.run(call.algorithm, window_keys(key), window_argv(self.now_arg(), op, call, *args, cost=cost))
+        return WindowReply.of(raw)
 
-    def screen(self, key: str, call: WindowCall, *, reserve: bool = False) -> WindowReply:
-        """Like :meth:`acquire`, but a call that fits now is not recorded (the worker's
-        pool acquires it when it runs)."""
-        return self._window(key, "screen", call, reserve=reserve)
+    def acquire(self, key: str, call: WindowCall, *, lease: int = 0, lease_span_us: int = 0, holder: str = "",
+                entry: Entry = NO_ENTRY) -> WindowReply:
+        """A fresh call: ``RUN`` (recorded; a lease of ``lease`` units for calls to come
+        within ``lease_span_us`` if nothing waits and every rate stays at most half full;
+        with a concurrency limit, a slot for ``holder``), else ``QUEUED`` in the key's line
+        with ``entry``'s message, ``DENIED`` without one, ``TOO_FAR`` past its max wait."""
+        return self.window(key, "acquire", call, lease, lease_span_us, holder, *entry.args())
 
-    def reserve(self, key: str, call: WindowCall) -> WindowReply:
-        """At publish: reserve a start even for a call that fits now, no sooner than the
-        key's learnt dispatch delay from now; the worker claims it when the task arrives."""
-        return self._window(key, "reserve", call)
+    def screen(self, key: str, call: WindowCall, entry: Entry = NO_ENTRY) -> WindowReply:
+        """As :meth:`acquire`, but a call that fits is not recorded (the pool's acquire will)."""
+        return self.window(key, "screen", call, 0, 0, "", *entry.args())
 
-    def admit(self, key: str, call: WindowCall) -> WindowReply:
-        """At publish: a call that fits now, every rate staying at most half full, is
-        not recorded (``Code.RUN``; ``leased`` is the room left before a rate is half
-        full); any other is a :meth:`reserve`."""
-        return self._window(key, "admit", call)
+    def admit(self, key: str, call: WindowCall, entry: Entry) -> WindowReply:
+        """At publish: ``RUN`` (nothing recorded) if nothing waits and every rate stays at
+        most half full; else ``RELEASED`` if it fits now (``entry.id`` is its ticket), else
+        as :meth:`acquire`."""
+        return self.window(key, "admit", call, *entry.args())
 
-    def claim(self, key: str, call: WindowCall, reservation: Reservation, *, marker: str | None = None,
-              learn: bool = True, reserve: bool = False, resumed: bool = False, early_us: int = 0) -> WindowReply:
-        """Use a start reserved earlier: run if on time, run at the start if at most
-        ``early_us`` early (``Code.RUN_AT``), wait if earlier (``Code.EARLY``), give it
-        back and check afresh (as :meth:`acquire`) if late. ``marker`` (a key in
-        the same hash tag) makes it single-use; ``learn=False`` for a second claim of the
-        same arrival (after waiting out an early one), so the delay estimate sees each
-        arrival once. ``resumed``: the start was reserved behind a pause that has been
-        lifted since: give it back and check afresh, even before it."""
-        return self._window(key, "claim", call, reserve=reserve, claim=reservation, marker=marker,
-                            learn="2" if resumed else "1" if learn else "0", early_us=early_us)
+    def front(self, key: str, call: WindowCall, entry: Entry) -> WindowReply:
+        """``entry`` joins the line before everyone (a task that backs off)."""
+        return self.window(key, "front", call, *entry.args())
 
-    def settle(self, key: str, call: WindowCall, counted: Counted, delta: Cost) -> WindowReply:
+    def claim(self, key: str, call: WindowCall, ticket: str, *, early_us: int, holder: str, granted_us: int = 0,
+              entry: Entry = NO_ENTRY) -> WindowReply:
+        """A released task arrives with ``ticket``: ``RUN``, ``RUN_AT`` (at most ``early_us``
+        before its start), back in line (``QUEUED``; ``DENIED`` if no message is kept nor
+        given), ``WAITED``; an unknown ticket is a fresh call (``holder``, ``entry``).
+        ``granted_us``: the start granted to this process before, which it woke too late for."""
+        return self.window(key, "claim", call, ticket, early_us, holder, granted_us, *entry.args())
+
+    def release(self, key: str, call: WindowCall, batch: int) -> WindowReply:
+        """Release the heads of the key's line that fit (the releasers)."""
+        return self.window(key, "release", call, batch)
+
+    def drain(self, key: str, call: WindowCall, batch: int) -> WindowReply:
+        """Release the heads of the key's line whatever the room."""
+        return self.window(key, "drain", call, batch)
+
+    def ack(self, key: str, call: WindowCall, tickets: Sequence[str]) -> WindowReply:
+        """The tasks released with ``tickets`` were sent to the broker."""
+        return self.window(key, "ack", call, *tickets)
+
+    def give_back(self, key: str, call: WindowCall, ticket: str, batch: int) -> WindowReply:
+        """The task released with ``ticket`` will not start: its room comes back."""
+        return self.window(key, "give_back", call, ticket, batch)
+
+    def settle(self, key: str, call: WindowCall, counted: Counted, delta: Cost, batch: int) -> WindowReply:
         """A call that started, counted as ``counted``, reports its real cost: ``delta``
         more units (negative: fewer) in the span it was counted in."""
-        args = window_argv_settle(self.now_arg(), call, counted, delta)
-        return WindowReply(*self.run(call.algorithm, [key], args))
+        return self.window(key, "settle", call, counted.start_us, counted.latest_us, counted.epoch, batch,
+                           cost=delta)
+
+    def ended(self, key: str, call: WindowCall, holder: str, batch: int) -> WindowReply:
+        """A body ended: ``holder``'s slot goes (``LOST``: its lease had run out)."""
+        return self.window(key, "ended", call, holder, batch)
+
+    def renew(self, key: str, call: WindowCall, holders: Sequence[str]) -> WindowReply:
+        """Extend the slot leases of ``holders``; those lost come back in ``reported``."""
+        return self.window(key, "renew", call, *holders)
 
     def peek(self, key: str, call: WindowCall) -> WindowReply:
-        """Whether the call would fit now, and usage, recording nothing."""
-        return self._window(key, "peek", call)
+        """Usage and the line, recording nothing."""
+        return self.window(key, "peek", call)
 
-    def _window(self, key: str, op: str, call: WindowCall, *, reserve: bool = False,
-                claim: Reservation | None = None, marker: str | None = None, learn: str = "1",
-                lease: int = 0, lease_span_us: int = 0, early_us: int = 0) -> WindowReply:
-        args = window_argv(self.now_arg(), op, call, reserve=reserve, claim=claim, learn=learn, lease=lease,
-                           lease_span_us=lease_span_us, early_us=early_us)
-        if claim is not None:
-            keys = [key, marker] if marker else [key]
-        else:
-            keys = [key, held_count_key(key)] if op in ("admit", "reserve") else [key]
-        # Lua numbers come back as Redis integers: the reply is already ints.
-        return WindowReply(*self.run(call.algorithm, keys, args))
+    # -- the index of keys with a line ---------------------------------------------------
+    def index_claim(self, lookahead_us: int, most: int, lease_us: int) -> tuple[int, int, list[tuple[str, int]]]:
+        """(now, the earliest due left (-1: none), [(state key, token)]) of the keys due
+        within ``lookahead_us``, each claimed for ``lease_us``."""
+        reply = self.run("index", [line_index_key(self.prefix)], [self.now_arg(), "claim", lookahead_us, most,
+                                                                  lease_us])
+        return int(reply[0]), int(reply[1]), [(_text(reply[i]), int(reply[i + 1])) for i in range(2, len(reply), 2)]
 
-    def held_count(self, key: str) -> int:
-        """How many tasks of the state hash ``key`` were held back at publish (window.lua
-        counts them), lately."""
-        with self.errors():
-            value = self.client.get(held_count_key(key))
-        return int(value) if value is not None and value.isdigit() else 0
+    def index_settle(self, settled: Sequence[tuple[str, int, int]]) -> tuple[int, int]:
+        """Each (state key, token, due) claimed: its due time, if nothing wrote it since.
+        Returns (now, the earliest due in the index now, -1: none)."""
+        reply = self.run("index", [line_index_key(self.prefix)],
+                         [self.now_arg(), "settle", *(v for triple in settled for v in triple)])
+        return int(reply[0]), int(reply[1])
+
+    def index_note(self, key: str, due_us: int, how: int) -> None:
+        """Tell the index when ``key`` next needs a look (``how`` 1: if earlier than it
+        holds; 2: whatever it holds)."""
+        self.run("index", [line_index_key(self.prefix)], [self.now_arg(), "note", key, due_us, how])
 
     def read(self, key: str) -> dict[str, bytes]:
         """The raw state hash: field name to value (a rate's value is MessagePack)."""
@@ -317,13 +345,14 @@ def window_script(algorithm: str, policy: ScriptPolicy = SCRIPT_POLICY, layout: 
 def window_preamble(policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> str:
     """The line of constants put before the window scripts."""
     constants = {**policy.values(), **layout.values(), **{code.name: int(code) for code in Code},
-                 "STATE_FORMAT": STATE_FORMAT}
+                 "STATE_FORMAT": STATE_FORMAT, "FOREVER_US": FOREVER_US}
     return f"local {', '.join(constants)} = {', '.join(map(str, constants.values()))}\n"
 
 
 def _window_parts(algorithm: str, policy: ScriptPolicy, layout: StateLayout) -> list[tuple[str, str]]:
     preamble = window_preamble(policy, layout)
-    return [("(constants)", preamble), (f"{algorithm}.lua", lua(f"{algorithm}.lua")), ("window.lua", lua("window.lua"))]
+    return [("(constants)", preamble), (f"{algorithm}.lua", lua(f"{algorithm}.lua")), ("window.lua", lua("window.lua")),
+            ("line.lua", lua("line.lua"))]
 
 
 def _line_map(parts: Sequence[tuple[str, str]]) -> list[tuple[int, str]]:
@@ -336,6 +365,10 @@ def _line_map(parts: Sequence[tuple[str, str]]) -> list[tuple[int, str]]:
 
 
 _SCRIPT_LINE = re.compile(r"user_script:(\d+)")
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="surrogateescape") if isinstance(value, bytes) else value
 
 
 def true_lines(message: str, lines: Sequence[tuple[int, str]]) -> str:

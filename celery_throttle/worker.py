@@ -16,6 +16,7 @@ test pattern) is hooked at that reload.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from typing import Any
 
@@ -25,6 +26,7 @@ from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.exceptions import TimeLimitExceeded
 from celery.signals import task_failure, task_revoked, worker_init, worker_process_init, worker_shutdown
 
+from . import deferral
 from .broker_parking import broker_parking
 from .connection import safe_url
 from .controller import controller
@@ -32,8 +34,9 @@ from .errors import StoreError
 from .hook import attach
 from .internals import chain_on_close, wrap_update_strategies
 from .limiter import Throttle
-from .parking import Releaser
+from .protocol import HEADER, Header
 from .publish import wrap_send_task
+from .releaser import Releaser
 from .screen import ScreenStep, screen_strategies
 from .spec import declared_spec
 from .timing import FAR_WARM_CONNECTIONS, RTT_COUNTS_FROM_US
@@ -62,6 +65,9 @@ class ThrottleStep(bootsteps.StartStopStep):
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         self.releaser: Any = None
+        # (The holders of slots a pool process takes name this worker: a slot held by a
+        # body whose process is killed is found and given back by this process.)
+        deferral.WORKER_PID = os.getpid()
         # Runs before the pool forks and before the consumer builds task tracers, so
         # every child sees the hooked classes. A bad rule stops the worker here, loudly.
         self.controller = install(worker.app)
@@ -213,22 +219,46 @@ def _on_task_failure(sender: Any = None, task_id: str | None = None, exception: 
 
 
 @task_revoked.connect(weak=False)
-def _on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
-    if terminated and request is not None:
+def _on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False,
+                     **_: Any) -> None:
+    if request is None:
+        return
+    if terminated:
         _give_back_for(sender, request.id, getattr(request, "args", ()), getattr(request, "kwargs", {}))
+    else:
+        # Discarded before it started (expired, or revoked), a task released from its line
+        # will not use its room: given back, for the next of its line.
+        _give_back_ticket(sender, request)
 
 
 def _give_back_for(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
-    """Give back the concurrency slot a task held in a pool process that was killed."""
-    spec = getattr(type(task), "_throttle_spec", None) if task is not None else None
-    if spec is None:
-        return  # (a throttle without a K of its own may hold one: a live K, set or cleared since)
+    """Give back the concurrency slots a task held in a pool process that was killed."""
+    if getattr(type(task), "_throttle_spec", None) is None if task is not None else True:
+        return
     try:
-        ctl = controller(task.app)
-        ctl.slots.release_for(ctl.checker.bind(task, args or (), kwargs or {}), task_id)
+        controller(task.app).slots.release_killed(task, task_id, args, kwargs)
     except Exception as exc:  # noqa: BLE001 - its lease runs out, and the slot is reclaimed
         logger.warning("could not give back the concurrency slot of %s[%s], whose process was killed: %r; "
                        "it is reclaimed when its lease runs out", task.name, task_id, exc)
+
+
+def _give_back_ticket(task: Any, request: Any) -> None:
+    """A task released from its line was discarded before it started: its room goes back."""
+    if task is None or getattr(type(task), "_throttle_spec", None) is None:
+        return
+    headers = getattr(request, "headers", None)
+    header = Header.read((headers.get(HEADER) if isinstance(headers, dict) else None)
+                         or getattr(request, HEADER, None))
+    if not header.ticket:
+        return
+    try:
+        ctl = controller(task.app)
+        call = ctl.checker.bind(task, getattr(request, "args", ()) or (), getattr(request, "kwargs", {}) or {})
+        if call.state_key == header.key:
+            ctl.lines.handle(call, ctl.checker.give_back(call, header.ticket))
+    except Exception as exc:  # noqa: BLE001 - its time out runs out, and its room comes back then
+        logger.warning("could not give back the room of %s[%s], discarded before it started: %r", task.name,
+                       request.id, exc)
 
 
 _WIRED = "_celery_throttle_wired"

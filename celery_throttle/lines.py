@@ -1,0 +1,236 @@
+"""Lines, this process's side: what a call on a key's line hands back, and the look at
+keys whose head may go.
+
+A call of window.lua may release tasks of its key's line on its way (a refund, a body
+that ends, a task that arrives): the caller sends each to the broker with its ticket
+(:meth:`Lines.handle`), says which were sent (``ack``: until then a releaser that died
+between the script and the broker leaves them to be put back), and reports those that
+cannot run. When a reply says the key's next look moved, the caller tells the index of
+keys with a line (index.lua), and wakes a releaser if that look is soon.
+
+The releasers (:mod:`.releaser`, one thread per worker) claim the keys that are due and
+run their line's ``release``; to build the call they run it as, a process binds the
+task at the head of the line (or one it saw of that key) as its own worker would.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from .errors import StoreError, ThrottleError
+from .keys import encode, glob_escape, line_index_key, state_key, target_of, window_keys
+from .messages import resend, task_of
+from .protocol import Code, WindowReply
+from .spec import BoundCall
+from .timing import RELEASER_BATCH
+
+if TYPE_CHECKING:
+    from .limiter import Throttle
+
+__all__ = ["WAKE_AHEAD_US", "Lines"]
+
+logger = logging.getLogger("celery_throttle")
+
+#: A key's next look this close (µs) wakes a releaser at once (they sleep a second at
+#: most between looks, else until the earliest look they know of).
+WAKE_AHEAD_US = 1_000_000
+#: Keys whose task this process remembers, to bind a release of their line (the least
+#: recently seen are forgotten: a worker of many tenants must not grow without bound), and
+#: the largest message whose task it remembers (a task of large arguments is read again).
+CALLS_KEPT, CACHED_MESSAGE = 10_000, 4096
+#: For this long (seconds) after a call of a key had to wait, a task of that key sends its
+#: message with its first try.
+FULL_HINT_S = 1.0
+#: A key whose line this process cannot release (no task of it is known here) is looked at
+#: again this long after (µs), by whichever releaser claims it first.
+UNKNOWN_RETRY_US = 5_000_000
+
+
+class Lines:
+    """The lines of one app, as this process sees them."""
+
+    def __init__(self, ctl: Throttle) -> None:
+        self.ctl = ctl
+        self._lock = threading.Lock()
+        #: state key -> (task name, args, kwargs) of a task of its line.
+        self._calls: OrderedDict[str, tuple[str, Any, Any]] = OrderedDict()
+        #: state key -> when a call of it last had to wait (monotonic seconds).
+        self._full_at: dict[str, float] = {}
+
+    # -- whether a task's message goes with its first try ---------------------------------
+    def looks_full(self, call: BoundCall) -> bool:
+        """Whether a call of ``call``'s key had to wait a moment ago (FULL_HINT_S): its task's
+        message then goes with its first try (one call, not two, for a task that waits)."""
+        return time.monotonic() - self._full_at.get(call.state_key, float("-inf")) < FULL_HINT_S
+
+    def full(self, call: BoundCall) -> None:
+        """A call of ``call``'s key had to wait."""
+        if len(self._full_at) >= CALLS_KEPT and call.state_key not in self._full_at:
+            self._full_at.clear()
+        self._full_at[call.state_key] = time.monotonic()
+
+    # -- what a call hands back ------------------------------------------------------------
+    def handle(self, call: BoundCall, reply: WindowReply) -> int:
+        """Send the tasks ``reply`` released (each with its ticket), report the others,
+        ack those sent and tell the index what the reply says. Returns how many were sent.
+        Never raises: a task that could not be sent is put back in its place after the
+        send lease, and the index hears of the key from its next call."""
+        sent: list[str] = []
+        app, metrics = self.ctl.app, self.ctl.metrics
+        for task in reply.reported:
+            if task.kind in ("r", "x", "c") and isinstance(task.payload, bytes):
+                try:
+                    if task.kind == "r":
+                        resend(app, task.payload, key=call.state_key, ticket=task.id)
+                        sent.append(task.id)
+                    else:
+                        # (expired while it waited, or costing more than the limit now in
+                        # force: sent as it is, its worker discards it, or fails it visibly)
+                        if task.kind == "c":
+                            logger.error("a task waiting in the line of scope %r%s costs more than its limit in "
+                                         "force now: it is sent on, and its worker fails it", call.scope,
+                                         "" if call.key is None else f" key {call.key!r}")
+                        resend(app, task.payload)
+                except Exception:
+                    logger.exception("could not send task %s released from the line of %s; it is put back "
+                                     "in its place", task.id, call.state_key)
+            elif task.kind == "l":
+                logger.error("task %s waited in the line of scope %r%s, but its message is gone from the store "
+                             "(evicted, or deleted by hand): it cannot run", task.payload, call.scope,
+                             "" if call.key is None else f" key {call.key!r}")
+                metrics.lost()
+            elif task.kind == "f":
+                logger.warning("task %s was released from the line of scope %r%s and has not started within "
+                               "%.0fs: its room is given back; if it still comes, it is checked as a new task",
+                               task.payload, call.scope, "" if call.key is None else f" key {call.key!r}",
+                               self.ctl.store.policy.out_lease_ms / 1000)
+        try:
+            if sent:
+                metrics.released(len(sent))
+                self.ctl.checker.ack(call, sent)
+            if reply.tell_index:
+                self.note(call.state_key, reply.due_us, reply.tell_index, reply.now_us)
+        except (StoreError, ThrottleError) as exc:
+            logger.warning("could not tell the store about the line of %s: %s", call.state_key, exc)
+        return len(sent)
+
+    def note(self, key: str, due_us: int, how: int, now_us: int) -> None:
+        """Tell the index when ``key`` next needs a look, and wake a releaser if soon."""
+        store = self.ctl.store
+        store.index_note(key, due_us, how)
+        if due_us - now_us < WAKE_AHEAD_US:
+            self.wake_releasers()
+
+    def wake_releasers(self) -> None:
+        """Wake one releaser now (it looks at every key due)."""
+        self.ctl.parking.wake_releasers()
+
+    def wake(self, scope: str, key: str | None = None) -> int:
+        """Something gave ``scope`` (or its ``key``) room (a raised or cleared limit, a
+        reset, a resume): every line of it gets a look now. Returns how many."""
+        store = self.ctl.store
+        prefix = self.ctl.settings.key_prefix
+        if key is not None:
+            patterns = [glob_escape(state_key(prefix, scope, key))]
+        else:
+            head = glob_escape(f"{prefix}:{{{encode(scope)}")
+            patterns = [head + "}", head + ":*}"]
+        now_us = store.now_us()
+        woken = 0
+        with store.errors():
+            index = line_index_key(prefix)
+            for pattern in patterns:
+                batch: list[str] = []
+                for member, _ in store.client.zscan_iter(index, match=pattern, count=1000):
+                    batch.append(member)
+                    if len(batch) >= 500:
+                        woken += self._lower(index, batch, now_us)
+                        batch = []
+                woken += self._lower(index, batch, now_us)
+        if woken:
+            self.wake_releasers()
+        return woken
+
+    def _lower(self, index: str, members: list[Any], due_us: int) -> int:
+        if members:
+            self.ctl.store.client.zadd(index, dict.fromkeys(members, due_us), lt=True)
+        return len(members)
+
+    # -- releasing --------------------------------------------------------------------------
+    def call_for(self, key: str) -> BoundCall | None:
+        """The call a release of ``key``'s line runs as: the task at the head of its line
+        (or one released from it) bound as its worker binds it, under the live limits of
+        now. None: no task of it is known here."""
+        with self._lock:
+            seen = self._calls.get(key)
+        if seen is None:
+            message = self._sample(key)
+            if message is None:
+                return None
+            try:
+                seen = task_of(self.ctl.app, message)
+            except Exception:  # noqa: BLE001 - a message we cannot read is reported by the release
+                return None
+            if len(message) <= CACHED_MESSAGE:
+                with self._lock:
+                    self._calls[key] = seen
+                    while len(self._calls) > CALLS_KEPT:
+                        self._calls.popitem(last=False)
+        name, args, kwargs = seen
+        known = self.ctl.checker.known(self.ctl.app, name, None)
+        if known is None:
+            return None
+        try:
+            call = self.ctl.checker.bind_spec(name, known.spec, known.signature, args, kwargs)
+        except ThrottleError:
+            return None
+        return call if call.state_key == key else None
+
+    def _sample(self, key: str) -> bytes | None:
+        """A message of ``key``'s line: its head's, else one released and not started."""
+        _, _, line, msgs, out, _ = window_keys(key)
+        with self.ctl.store.errors():
+            client = self.ctl.store.client
+            ids = [*client.zrange(line, 0, 0), *client.zrange(out, 0, 3)]
+            for message in (client.hmget(msgs, ids) if ids else []):
+                if message is not None:
+                    return bytes(message)
+        return None
+
+    def release(self, key: str, *, drain: bool = False) -> int:
+        """Release the heads of ``key``'s line that fit (``drain``: whatever the room), and
+        send them. Returns when the key next needs a look (µs, Redis clock; 0: nothing
+        waits)."""
+        call = self.call_for(key)
+        if call is None:
+            waiting, out = self._counts(key)
+            if waiting:
+                logger.debug("no task of the line %s is known here: left to another worker", key)
+                return self.ctl.store.now_us() + UNKNOWN_RETRY_US
+            if not out:
+                return 0
+            # Only tasks released and not started, none kept to bind: a call of no rate
+            # puts back or forgets those whose time is up (nothing waits to be released).
+            target = target_of(self.ctl.settings.key_prefix, key)
+            if target is None:
+                return 0
+            call = BoundCall(target[0], target[1], (), 1, "sliding", key)
+        reply = self.ctl.checker.release(call, RELEASER_BATCH, drain=drain)
+        self.handle(call, reply)
+        if reply.code == Code.RUN and drain and reply.waiting:
+            return reply.now_us  # (more to drain: at once)
+        return reply.due_us
+
+    def _counts(self, key: str) -> tuple[int, int]:
+        """(tasks in line, tasks released and not started) of ``key``."""
+        _, _, line, _, out, _ = window_keys(key)
+        with self.ctl.store.errors():
+            pipe = self.ctl.store.client.pipeline(transaction=False)
+            pipe.zcard(line)
+            pipe.zcard(out)
+            waiting, released = pipe.execute()
+        return int(waiting), int(released)

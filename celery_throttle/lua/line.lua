@@ -1,0 +1,730 @@
+-- The line of one (scope, key), after window.lua: tasks that could not start wait here,
+-- first come first served, off the broker and out of every worker's memory, and the head
+-- is released when the key has room as it is at that moment (the windows, the live limit
+-- the caller says, what was reported, a pause, the concurrency slots).
+--
+-- Released means: taken out of the line with a ticket (its entry id, which nobody sees
+-- before), its message handed to the caller to send to the broker, and its cost counted
+-- as *out* until it arrives: a task released is counted in the window when it really
+-- starts, and the key never has more released and not started than it has room for
+-- (out units are set beside the window's own in every check). A released task that
+-- arrives with room starts; a little early, it is granted its start (RUN_AT); with no room
+-- (an overrun reported since, a lowered limit) it goes back to its place at the front of
+-- the line. A fresh call starts only if nobody waits and there is room beside what is
+-- out: nothing overtakes the line.
+--
+-- Entries: KEYS[3] holds entry -> its place (a counter; a task put back keeps its place,
+-- one sent back by Backoff goes before everyone); KEYS[4] holds entry -> its message and
+-- entry .. '#' -> a MessagePack array (the fields of M below); KEYS[5] holds each entry
+-- released -> when its time is up: unacked (the caller died before sending it) it is put
+-- back after SEND_LEASE_MS; sent and never arrived it is forgotten after OUT_LEASE_MS
+-- (logged by the caller; if it comes later, it is checked as a fresh call); granted a
+-- start (RUN_AT) its entry is kept GRANT_KEEP_MS past that start, for a process that woke
+-- too late for it. A slot handed to a released task is held in the entry's name until that
+-- time; a running body's, in its holder's (a delivery id), renewed by its process.
+--
+-- KEYS[2], the line's counts: 'q' tasks in line, 's' the last place given, 'b' the first
+-- (places before 0: sent back to the front), 'o' units out by unit, 'u' units in line by
+-- unit (MessagePack arrays unit, n, ...), 'c' entries released and not started, 'x' the
+-- due time the index was last told (and 'xt' when): the index of keys with a line
+-- (index.lua) lives on another slot, so the caller writes it when the reply says.
+--
+-- Operations (ARGV[2]) and their own arguments (ARGV[P..], P = 10 + 3 * rates):
+--   acquire  a fresh call: RUN if nobody waits and it fits (recorded, with a lease if
+--            asked and it fits, and a slot for its holder); else QUEUED with its message,
+--            DENIED without; TOO_FAR if its wait would pass its max wait.
+--            [P] lease, [P+1] lease span, [P+2] holder (a delivery id), then the entry's
+--   screen   as acquire, from the consumer: a call that fits is not recorded (the pool's
+--            acquire records it). [P..P+2] unused, then the entry's
+--   admit    at publish: RUN (nothing recorded) if nobody waits, nothing is out and every
+--            rate stays at most half full (`leased`, the room before one is; `rooms`, each
+--            rate's); else RELEASED if it fits now (its own entry id is its ticket, no
+--            message kept); else as acquire. [P..] the entry's
+--   front    Backoff: the entry joins the line before everyone. [P..] the entry's
+--   claim    a released task arrives: RUN, RUN_AT (`start`), back in line (QUEUED, with its
+--            message kept or given; DENIED without), WAITED (it waited past its max wait:
+--            it leaves); an unknown ticket is a fresh call. [P] ticket, [P+1] how early it
+--            may come at most (µs), [P+2] holder (its delivery: the slot handed to the
+--            ticket becomes the holder's), [P+3] the start granted to this process earlier,
+--            which it woke too late for (0: none), then its entry as a fresh call's
+--   release  release the heads that fit. [P] batch
+--   ack      the tasks released were sent: their messages go. [P..] tickets
+--   give_back  a released task will not start (discarded as expired or revoked): its
+--            room comes back. [P] ticket, [P+1] batch
+--   settle   a call that started reports its real cost (ARGV[3], the difference, by
+--            rate) for the span it was counted in. [P] at, [P+1] latest, [P+2] epoch
+--            (at 0: admitted from a lease, latest its slack), [P+3] batch
+--   ended    a body ended: its holder's slot goes. [P] holder, [P+1] batch
+--   renew    [P..] holders whose slot leases go on
+--   drain    release the heads whatever the room (throttling switched off, or taken down
+--            by an operator). [P] batch
+--   peek     usage and the line, nothing written
+-- The entry's arguments: [E] entry id, [E+1] message ('' none), [E+2] task id, [E+3]
+-- expires (µs, 0 none), [E+4] max wait (µs, 0 none), [E+5] batch.
+--
+-- Codes (protocol.Code): RUN, RUN_AT, DENIED, QUEUED, RELEASED, TOO_FAR, TOO_COSTLY,
+-- WAITED, LOST (ended, renew: a slot's lease had run out). `due` is when the key next
+-- needs a look (its head fits, an entry's time is up; 0: never, nothing waits), and
+-- `index` whether the caller must tell the index so (1: if earlier, 2: whatever it holds).
+-- Reported tasks, {id, payload, kind}: 'r' released (payload: its message; send it with
+-- its ticket), 'x' expired while waiting (its message; sent as it is, the worker discards
+-- it), 'c' costs more than a limit now in force (it joined under a higher live limit,
+-- cleared since; its message, sent as it is: the worker's check fails it, visibly), 'l'
+-- its message is gone (payload: task id), 'f' released and never arrived (payload: task
+-- id), for renew the holders lost.
+local lm_key, line_key, msgs_key, out_key, slots_key = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+-- An entry's fields (one table, not a local each: a Lua function sees 60 upvalues at most).
+local M = {TASK = 1, UNITS = 2, ENQUEUED = 3, EXPIRES = 4, MAX_WAIT = 5, PLACE = 6, PHASE = 7, RELEASED = 8,
+           START = 9, LATEST = 10, EPOCH = 11}
+
+-- A map of units by unit from its flat array {unit, n, ...} (anything else counts nothing).
+local function map_of(flat)
+  local map = {}
+  if type(flat) == 'table' then
+    for i = 1, #flat - 1, 2 do
+      if type(flat[i]) == 'string' and type(flat[i + 1]) == 'number' then map[flat[i]] = flat[i + 1] end
+    end
+  end
+  return map
+end
+
+local function stored_map(raw)
+  if not raw then return {} end
+  local ok, flat = pcall(cmsgpack.unpack, raw)
+  return ok and map_of(flat) or {}
+end
+
+local function flat_of(map)
+  local flat, names = {}, {}
+  for unit in pairs(map) do names[#names + 1] = unit end
+  table.sort(names)  -- (one encoding of one map: the reference compares bytes)
+  for _, unit in ipairs(names) do
+    flat[#flat + 1] = unit
+    flat[#flat + 1] = map[unit]
+  end
+  return flat
+end
+
+local function add_units(map, units, sign)
+  for unit, n in pairs(units) do
+    local v = (map[unit] or 0) + sign * n
+    if v > 0 then map[unit] = v else map[unit] = nil end
+  end
+end
+
+local lm = redis.call('HMGET', lm_key, 'q', 's', 'b', 'o', 'u', 'c', 'x', 'xt')
+local waiting, last_place, first_place = tonumber(lm[1]) or 0, tonumber(lm[2]) or 0, tonumber(lm[3]) or 0
+local out_units, line_units = stored_map(lm[4]), stored_map(lm[5])
+local out_count, indexed, indexed_at = tonumber(lm[6]) or 0, tonumber(lm[7]) or 0, tonumber(lm[8]) or 0
+local existed = waiting > 0 or out_count > 0
+local reported = {}
+
+local function report(id, payload, kind)
+  reported[#reported + 1] = id
+  reported[#reported + 1] = payload
+  reported[#reported + 1] = kind
+end
+
+-- The call's own cost by unit.
+local call_by_unit = {}
+for _, r in ipairs(rates) do call_by_unit[r.unit] = r.cost end
+
+-- Per rate: what an entry costs (a unit it does not name costs 1: it was made under rates
+-- of other units, a live limit set since).
+local function units_of(m)
+  local map, t = map_of(m[M.UNITS]), {}
+  for i, r in ipairs(rates) do t[i] = map[r.unit] or 1 end
+  return t
+end
+
+-- Units out, per rate, less `own` (an entry's, per rate) if given.
+local function out_per_rate(own)
+  local t = {}
+  for i, r in ipairs(rates) do t[i] = (out_units[r.unit] or 0) - (own and own[i] or 0) end
+  return t
+end
+
+local function meta_of(id)
+  local raw = redis.call('HGET', msgs_key, id .. '#')
+  if not raw then return nil end
+  local ok, m = pcall(cmsgpack.unpack, raw)
+  if ok and type(m) == 'table' and type(m[M.UNITS]) == 'table' and type(m[M.PHASE]) == 'string' then return m end
+  return nil
+end
+
+local function set_meta(id, m)
+  redis.call('HSET', msgs_key, id .. '#', cmsgpack.pack(m))
+end
+
+local function forget(id)
+  redis.call('HDEL', msgs_key, id, id .. '#')
+end
+
+-- -- slots --------------------------------------------------------------------------------
+
+-- Running leases that ran out (a worker that died holding them). A slot handed to a
+-- released task goes with its entry (expire_out).
+local function reclaim()
+  redis.call('ZREMRANGEBYSCORE', slots_key, '-inf', now)
+end
+
+local function slots_held()
+  return redis.call('ZCARD', slots_key)
+end
+
+local function slot_free()
+  return concurrency == 0 or slots_held() < concurrency
+end
+
+-- The slot of a task that starts, held by `holder` (its delivery) until `until_` (renewed
+-- by its process): the one handed to its entry `handed` when it was released, else one
+-- taken now (with a limit).
+local function hold(holder, until_, handed)
+  local had = handed ~= nil and redis.call('ZREM', slots_key, handed) == 1
+  if concurrency > 0 or had or redis.call('ZSCORE', slots_key, holder) then
+    redis.call('ZADD', slots_key, until_, holder)
+    return 1
+  end
+  return 0
+end
+
+-- -- the line ---------------------------------------------------------------------------
+
+local function join(id, m, place)
+  m[M.PLACE], m[M.PHASE] = place, 'w'
+  set_meta(id, m)
+  redis.call('ZADD', line_key, place, id)
+  waiting = waiting + 1
+  add_units(line_units, map_of(m[M.UNITS]), 1)
+end
+
+local function leave(id, m)
+  if redis.call('ZREM', line_key, id) == 1 then
+    waiting = waiting - 1
+    if m then add_units(line_units, map_of(m[M.UNITS]), -1) end
+  end
+end
+
+local function new_meta(task_id, expires, max_wait)
+  return {task_id, flat_of(call_by_unit), now, expires, max_wait, 0, 'w', 0, 0, 0, 0}
+end
+
+-- A new entry at the back (or, `front`, before everyone) of the line, with its message.
+local function enqueue(id, message, m, front)
+  local place
+  if front then
+    first_place = first_place - 1
+    place = first_place
+  else
+    last_place = last_place + 1
+    place = last_place
+  end
+  redis.call('HSET', msgs_key, id, message)
+  join(id, m, place)
+end
+
+-- Out: released, not started. Its slot, with a concurrency limit, is handed to it.
+local function go_out(id, m, phase, until_)
+  m[M.PHASE], m[M.RELEASED] = phase, now
+  set_meta(id, m)
+  redis.call('ZADD', out_key, until_, id)
+  out_count = out_count + 1
+  add_units(out_units, map_of(m[M.UNITS]), 1)
+  if concurrency > 0 then redis.call('ZADD', slots_key, until_, id) end
+end
+
+-- No longer out (it arrived, its time is up, or it will not start).
+local function come_in(id, m)
+  if redis.call('ZREM', out_key, id) == 1 then
+    out_count = out_count - 1
+    if m[M.PHASE] ~= 'g' then add_units(out_units, map_of(m[M.UNITS]), -1) end
+  end
+end
+
+-- Give back the start granted to entry `m` ahead (RUN_AT), if it was counted in the
+-- windows of now (a reset, or a lost state, since: nothing of it is left to give back).
+local function ungrant(m)
+  if m[M.PHASE] == 'g' and m[M.EPOCH] == tonumber(epoch or '0') then
+    unrecord(m[M.START], m[M.LATEST] - m[M.START], units_of(m))
+  end
+end
+
+-- Entries whose time is up (at most `batch`).
+local function expire_out(batch)
+  local due = redis.call('ZRANGEBYSCORE', out_key, '-inf', now, 'LIMIT', 0, batch)
+  for _, id in ipairs(due) do
+    local m = meta_of(id)
+    if m == nil then
+      redis.call('ZREM', out_key, id)
+      out_count = out_count - 1
+      redis.call('ZREM', slots_key, id)
+      forget(id)
+    elseif m[M.PHASE] == 'g' then
+      come_in(id, m)
+      forget(id)  -- (granted a start, and took it: done; its slot is its running body's)
+    else
+      come_in(id, m)
+      redis.call('ZREM', slots_key, id)
+      if m[M.PHASE] == 's' and redis.call('HEXISTS', msgs_key, id) == 1 then
+        join(id, m, m[M.PLACE])  -- never sent (its releaser died): back in its place
+      else
+        forget(id)
+        report(id, m[M.TASK], 'f')
+      end
+    end
+  end
+end
+
+-- Whether `units` (per rate) can never fit one of the rates in force (it joined under a
+-- higher live limit, cleared since): it does not hold up the line for ever.
+local function too_costly(units)
+  for i, r in ipairs(rates) do
+    if units[i] > r.limit then return true end
+  end
+  return false
+end
+
+-- Release the heads that fit (`anyway`: whatever the room), looking at most at `batch`. A
+-- head fits when nothing pauses the key, a slot is free, and every rate admits it beside
+-- what is out by now + lead (a released task takes that long to arrive; one that arrives
+-- early is granted its start).
+local function release_heads(batch, anyway)
+  local looked, lead_now = 0, lead(half_pace)
+  while looked < batch and waiting > 0 do
+    looked = looked + 1
+    local head = redis.call('ZRANGE', line_key, 0, 0)[1]
+    if head == nil then waiting = 0 break end
+    local m = meta_of(head)
+    local message = redis.call('HGET', msgs_key, head)
+    if m == nil or not message then
+      leave(head, m)
+      forget(head)
+      report(head, m and m[M.TASK] or head, 'l')
+    elseif m[M.EXPIRES] > 0 and m[M.EXPIRES] <= now then
+      leave(head, m)
+      forget(head)
+      report(head, message, 'x')
+    elseif too_costly(units_of(m)) then
+      leave(head, m)
+      forget(head)
+      report(head, message, 'c')
+    else
+      if not anyway then
+        if not_before > 0 or not slot_free() then break end
+        local at = earliest(now, units_of(m), out_per_rate())
+        if at == nil or at > now + lead_now then break end
+      end
+      leave(head, m)
+      go_out(head, m, 's', now + SEND_LEASE_MS * 1000)
+      report(head, message, 'r')
+    end
+  end
+end
+
+-- When the key next needs a look: its head may go (or expires), a pause ends, a slot's
+-- lease runs out, an entry's time is up. FOREVER_US while something waits only on what a
+-- call changes (a pause until resumed, what is out); 0 when nothing waits; now when its
+-- line just emptied (the index drops it then).
+local function next_due()
+  local due = nil
+  local function at(t)
+    if due == nil or t < due then due = t end
+  end
+  if waiting > 0 then
+    local head = redis.call('ZRANGE', line_key, 0, 0)[1]
+    local m = head and meta_of(head)
+    if m == nil then
+      at(now)  -- (its message is gone: the next look reports it)
+    else
+      if m[M.EXPIRES] > 0 then at(m[M.EXPIRES]) end
+      if not_before > 0 then
+        at(math.max(not_before - lead(half_pace), now))
+      elseif not slot_free() then
+        local first = redis.call('ZRANGE', slots_key, 0, 0, 'WITHSCORES')
+        if first[2] then at(tonumber(first[2])) end
+      else
+        local x = earliest(now, units_of(m), out_per_rate())
+        if x then at(math.max(x - lead(half_pace), now)) end
+      end
+    end
+  end
+  local first_out = redis.call('ZRANGE', out_key, 0, 0, 'WITHSCORES')
+  if first_out[2] then at(tonumber(first_out[2])) end
+  if due == nil and (waiting > 0 or out_count > 0) then due = FOREVER_US end
+  if due == nil and existed then due = now end
+  return due or 0
+end
+
+local function remaining_beside_out()
+  local free = nil
+  for _, r in ipairs(rates) do
+    local f = r.limit - ALGO.usage(r, now) - (out_units[r.unit] or 0)
+    if free == nil or f < free then free = f end
+  end
+  return math.max(free or 0, 0)
+end
+
+-- The reply: window.lua's head, the line's counts and what the index must be told
+-- (`release_op`: the releaser's, which writes the index itself; `readonly`: nothing
+-- written), and the tasks reported.
+local function finish(code, wait, f, release_op, readonly)
+  f = f or {}
+  if not readonly then
+    write_back()
+    -- The slots' holders go by themselves when every lease in them has run out.
+    local last = redis.call('ZRANGE', slots_key, -1, -1, 'WITHSCORES')
+    if last[2] then
+      redis.call('PEXPIRE', slots_key, math.max(math.ceil((tonumber(last[2]) - now) / 1000), 1) + STATE_TTL_PAD_MS)
+    end
+  end
+  local due, index = next_due(), 0
+  if not readonly then
+    if waiting == 0 and out_count == 0 then
+      redis.call('DEL', lm_key)
+      if existed and not release_op then index = 1 end  -- (emptied: the index drops it)
+    else
+      if not existed then
+        index = 2
+      elseif due > 0 and (indexed == 0 or due < indexed or indexed_at < now - INDEX_STALE_MS * 1000) then
+        index = 1
+      end
+      if release_op then index = 0 end
+      if index > 0 or release_op then indexed, indexed_at = due, now end
+      redis.call('HSET', lm_key, 'q', waiting, 's', string.format('%.0f', last_place),
+                 'b', string.format('%.0f', first_place), 'o', cmsgpack.pack(flat_of(out_units)),
+                 'u', cmsgpack.pack(flat_of(line_units)), 'c', out_count,
+                 'x', string.format('%.0f', indexed), 'xt', string.format('%.0f', indexed_at))
+    end
+  end
+  local out = {code, wait, remaining_beside_out(), clear_at(), now, tonumber(epoch or '0'), lead(half_pace),
+               f.leased or 0, f.rooms or '', f.start or 0, f.latest or 0, waiting, out_count,
+               slots_held(), due, index, f.waited or 0, f.held or 0}
+  for _, v in ipairs(reported) do out[#out + 1] = v end
+  return out
+end
+
+-- The wait of a call behind the line and what is out (an estimate: see window.lua).
+local function wait_of(units)
+  local ahead = {}
+  for i, r in ipairs(rates) do ahead[i] = (line_units[r.unit] or 0) + (out_units[r.unit] or 0) end
+  return estimate(math.max(now, not_before), units, ahead) - now
+end
+
+-- -- the operations -----------------------------------------------------------------------
+
+-- A call's entry, from ARGV[e..e+5]: id, message, task id, expires, max wait, batch.
+local function entry_at(e)
+  return {id = ARGV[e], message = ARGV[e + 1], task = ARGV[e + 2], expires = tonumber(ARGV[e + 3]),
+          max_wait = tonumber(ARGV[e + 4]), batch = tonumber(ARGV[e + 5])}
+end
+
+-- A call that cannot start now: it waits in the line if its message came, else the
+-- caller sends it (DENIED); TOO_FAR if it would wait past its max wait.
+local function wait_in_line(a, front)
+  local wait = wait_of(call_units)
+  if a.max_wait > 0 and concurrency == 0 and wait > a.max_wait then return TOO_FAR, wait end
+  if a.message == '' then return DENIED, wait end
+  enqueue(a.id, a.message, new_meta(a.task, a.expires, a.max_wait), front)
+  return QUEUED, wait
+end
+
+-- Whether a fresh call may start now: nobody waits, nothing pauses it, a slot is free,
+-- and every rate admits it beside what is out.
+local function fresh_fits()
+  return waiting == 0 and not_before == 0 and slot_free() and earliest(now, call_units, out_per_rate()) == now
+end
+
+-- A fresh call (`runs`: recorded if it fits; else the pool's acquire will). `a`: its
+-- entry, and `lease`, `lease_span`, `holder`.
+local function fresh(runs, a)
+  local code, wait, f = RUN, 0, {}
+  if fresh_fits() then
+    if runs then
+      local units, span = call_units, slack
+      -- A lease only while nothing waits or is out: the line is served first.
+      if a.lease > (costs and 1 or cost) and out_count == 0 and concurrency == 0 then
+        local wide = math.max(a.lease_span, slack)
+        if lease_fits(a.lease, wide) then
+          units, span, f.leased = {}, wide, a.lease
+          for i, r in ipairs(rates) do units[i] = lease_units(r, a.lease) end
+        end
+      end
+      record(now, now + span, units)
+      if concurrency > 0 then
+        redis.call('ZADD', slots_key, now + slot_lease, a.holder)
+        f.held = 1
+      end
+    end
+  else
+    code, wait = wait_in_line(a, false)
+  end
+  release_heads(a.batch)
+  return finish(code, wait, f)
+end
+
+local function acquire(runs)
+  expire_out(LINE_BATCH)
+  reclaim()
+  local a = entry_at(P + 3)
+  a.lease, a.lease_span, a.holder = tonumber(ARGV[P]), tonumber(ARGV[P + 1]), ARGV[P + 2]
+  return fresh(runs, a)
+end
+
+local function admit()
+  expire_out(LINE_BATCH)
+  reclaim()
+  local a = entry_at(P)
+  local code, wait, f = RUN, 0, {}
+  if waiting == 0 and out_count == 0 and not_before == 0 and slot_free() and lease_fits(nil, slack) then
+    -- (lease_fits: at most half of each rate used with this call, so the room is >= cost)
+    local room, rooms = nil, {}
+    for i, r in ipairs(rates) do
+      local used = math.max(ALGO.usage(r, now), ALGO.usage(r, now + slack))
+      local free = math.floor(r.limit / 2) - used
+      if room == nil or free < room then room = free end
+      rooms[i] = free
+    end
+    if concurrency > 0 and n_rates == 0 then room = concurrency - slots_held() end  -- (slots alone)
+    f.leased, f.rooms = room or 0, costs and table.concat(rooms, ',') or ''
+  elseif fresh_fits() then
+    code = RELEASED
+    go_out(a.id, new_meta(a.task, a.expires, a.max_wait), 'o', now + OUT_LEASE_MS * 1000)
+  else
+    code, wait = wait_in_line(a, false)
+  end
+  release_heads(a.batch)
+  return finish(code, wait, f)
+end
+
+local function front()
+  expire_out(LINE_BATCH)
+  local a = entry_at(P)
+  enqueue(a.id, a.message, new_meta(a.task, a.expires, a.max_wait), true)
+  release_heads(a.batch)
+  return finish(QUEUED, 0)
+end
+
+-- A released task arrives with its ticket. A start granted to it is used once: another
+-- claim of that ticket (a copy of its message) is a fresh call, unless it names the start
+-- (the process it was granted to, which woke too late for it: that start is given back,
+-- and it is checked as an arrival now).
+local function claim()
+  expire_out(LINE_BATCH)
+  reclaim()
+  local ticket, granted, holder = ARGV[P], tonumber(ARGV[P + 3]), ARGV[P + 2]
+  -- It may come as early as twice the lead it was released with (or 4 slacks), at most
+  -- the caller's [P+1], and be granted its start.
+  local early = math.min(tonumber(ARGV[P + 1]), math.max(2 * lead(half_pace), 4 * slack))
+  local a = entry_at(P + 4)
+  local m = redis.call('ZSCORE', out_key, ticket) and meta_of(ticket)
+  if m and m[M.PHASE] == 'g' and (granted == 0 or granted ~= m[M.START]) then m = nil end
+  if not m then
+    -- Not released by this store (forged, a copy, its time up, its state lost): a fresh call.
+    if too_costly(call_units) then return finish(TOO_COSTLY, 0) end
+    a.lease, a.lease_span, a.holder = 0, 0, holder
+    return fresh(true, a)
+  end
+  local waited, phase, units = now - m[M.ENQUEUED], m[M.PHASE], units_of(m)
+  if too_costly(units) or (a.max_wait > 0 and waited > a.max_wait) then
+    -- It costs more than a limit in force now (a live limit lowered or cleared), or it
+    -- waited past its max wait (a limit lowered, a long pause): it leaves, its room back.
+    come_in(ticket, m)
+    ungrant(m)
+    redis.call('ZREM', slots_key, ticket)
+    forget(ticket)
+    release_heads(a.batch)
+    return finish(too_costly(units) and TOO_COSTLY or WAITED, 0, {waited = waited})
+  end
+  if phase == 'g' then
+    ungrant(m)
+  elseif m[M.RELEASED] > 0 then
+    -- Learn how long a released task takes to arrive, the way TCP learns a round trip
+    -- (a trip longer than LEARN_OUTLIER_MS is not a dispatch delay: no worker ran).
+    local trip = now - m[M.RELEASED]
+    if trip <= LEARN_OUTLIER_MS * 1000 then
+      local sample = math.max(0, math.min(trip, math.floor(shortest / LEARNT_CAP_PARTS)))
+      if delay == nil then
+        delay, jitter = sample, math.floor(sample / 2)
+      else
+        local err = sample - delay
+        delay = delay + math.floor(err / DELAY_GAIN_PARTS)
+        jitter = jitter + math.floor((math.abs(err) - jitter) / JITTER_GAIN_PARTS)
+      end
+      redis.call('HSET', key, 'd', string.format('%.0f', delay), 'v', string.format('%.0f', jitter))
+      -- (A hash of no window, a concurrency limit alone: what it learnt goes in time too.)
+      if redis.call('PTTL', key) == -1 then
+        redis.call('PEXPIRE', key, math.ceil(shortest / 1000) + STATE_TTL_PAD_MS)
+      end
+    end
+  end
+  -- Room for it beside the others out (its own units no longer are)?
+  local beside = out_per_rate(phase ~= 'g' and units or nil)
+  local held = redis.call('ZSCORE', slots_key, ticket) or redis.call('ZSCORE', slots_key, holder)
+  local x = nil
+  if not_before == 0 and (held or slot_free()) then x = earliest(now, units, beside) end
+  if x ~= nil and x - now <= early then
+    -- (Granted a start ahead, its process wakes for it: it may start GRANT_SLACKS slacks
+    -- after it, a slack for the wake-up and one for the body.)
+    local latest = x + (x == now and slack or GRANT_SLACKS * slack)
+    come_in(ticket, m)
+    record(x, latest, units)
+    local held_now = hold(holder, x + slot_lease, ticket)
+    if x == now then
+      forget(ticket)
+    else  -- granted: it starts at x, after the caller's wait
+      write_back()  -- (a state written first now has its epoch)
+      m[M.PHASE], m[M.START], m[M.LATEST], m[M.EPOCH] = 'g', x, latest, tonumber(epoch or '0')
+      set_meta(ticket, m)
+      redis.call('ZADD', out_key, latest + GRANT_KEEP_MS * 1000, ticket)
+      out_count = out_count + 1
+    end
+    release_heads(a.batch)
+    return finish(x == now and RUN or RUN_AT, x - now, {start = x, latest = latest, waited = waited,
+                                                        held = held_now})
+  end
+  -- No room for it now (less than when it was released: an overrun reported since, a
+  -- lower limit, a pause): back to its place, before those who came after it.
+  local kept = redis.call('HEXISTS', msgs_key, ticket) == 1
+  if not kept and a.message == '' then
+    -- (released at publish, nothing kept: the caller calls again with its message; the
+    -- windows are written back as they were)
+    for _, r in ipairs(rates) do r.dirty = false end
+    return finish(DENIED, x and x - now or 0, {waited = waited})
+  end
+  come_in(ticket, m)
+  redis.call('ZREM', slots_key, ticket, holder)
+  if not kept then redis.call('HSET', msgs_key, ticket, a.message) end
+  local place = m[M.PLACE]
+  if place == 0 then  -- (released at publish, never in line: before everyone)
+    first_place = first_place - 1
+    place = first_place
+  end
+  join(ticket, m, place)
+  release_heads(a.batch)
+  return finish(QUEUED, wait_of(units), {waited = waited})
+end
+
+local function release()
+  expire_out(LINE_BATCH)
+  reclaim()
+  release_heads(tonumber(ARGV[P]))
+  return finish(RUN, 0, nil, true)
+end
+
+local function drain()
+  expire_out(LINE_BATCH)
+  release_heads(tonumber(ARGV[P]), true)
+  return finish(RUN, 0, nil, true)
+end
+
+-- The tasks released were sent: their time out is OUT_LEASE_MS from now (their messages
+-- stay until they start, for one that finds no room then).
+local function ack()
+  for i = P, #ARGV do
+    local ticket = ARGV[i]
+    local m = redis.call('ZSCORE', out_key, ticket) and meta_of(ticket)
+    if m and m[M.PHASE] == 's' then
+      m[M.PHASE] = 'o'
+      set_meta(ticket, m)
+      redis.call('ZADD', out_key, now + OUT_LEASE_MS * 1000, ticket)
+      if redis.call('ZSCORE', slots_key, ticket) then redis.call('ZADD', slots_key, now + OUT_LEASE_MS * 1000, ticket) end
+    end
+  end
+  return finish(RUN, 0)
+end
+
+local function give_back()
+  expire_out(LINE_BATCH)
+  reclaim()
+  local ticket, batch = ARGV[P], tonumber(ARGV[P + 1])
+  local m = redis.call('ZSCORE', out_key, ticket) and meta_of(ticket)
+  if m then
+    come_in(ticket, m)
+    ungrant(m)
+    redis.call('ZREM', slots_key, ticket)
+    forget(ticket)
+  end
+  release_heads(batch)
+  return finish(RUN, 0)
+end
+
+-- A call that started reports its real cost: the difference (ARGV[3]) is added to (or, a
+-- refund, taken from) the span it was counted in, so later starts see what it really
+-- used. One counted in another epoch (the state was reset or lost since) has nothing
+-- left to settle. A call admitted from a lease ([P] '0': where in the lease's span it is
+-- counted is not known) keeps a refund counted, and counts an overrun from now, over
+-- [P+1] (its slack), whatever the epoch. A refund lets the line's head go at once.
+local function settle()
+  expire_out(LINE_BATCH)
+  local deltas = per_rate(ARGV[3])
+  local at, latest, counted_epoch, batch = tonumber(ARGV[P]), tonumber(ARGV[P + 1]), ARGV[P + 2], tonumber(ARGV[P + 3])
+  local from_lease = at == 0
+  if from_lease then
+    at, latest = now, now + latest
+  end
+  if from_lease or epoch == counted_epoch then
+    for i, r in ipairs(rates) do
+      local d = deltas[i]
+      -- (counted so long ago that nothing of it counts any more: nothing to settle; and
+      -- a refund of a call admitted from a lease stays counted)
+      if d ~= 0 and latest + r.period > now and not (from_lease and d < 0) then
+        if d > 0 then ALGO.record(r, at, latest, d) else ALGO.unrecord(r, at, latest - at, -d) end
+        r.dirty = true
+      end
+    end
+  end
+  release_heads(batch)
+  return finish(RUN, 0)
+end
+
+local function ended()
+  local holder, batch = ARGV[P], tonumber(ARGV[P + 1])
+  local held = redis.call('ZREM', slots_key, holder) == 1
+  expire_out(LINE_BATCH)
+  reclaim()
+  release_heads(batch)
+  return finish(held and RUN or LOST, 0)
+end
+
+local function renew()
+  for i = P, #ARGV do
+    local holder = ARGV[i]
+    local until_ = redis.call('ZSCORE', slots_key, holder)
+    if until_ and tonumber(until_) > now then
+      redis.call('ZADD', slots_key, now + slot_lease, holder)
+    else
+      redis.call('ZREM', slots_key, holder)
+      report(holder, false, 'l')
+    end
+  end
+  return finish(#reported > 0 and LOST or RUN, 0)
+end
+
+local function peek()
+  local x = earliest(math.max(now, not_before), call_units, out_per_rate())
+  local wait = (x or now + shortest) - now
+  if waiting > 0 then wait = math.max(wait, wait_of(call_units)) end
+  return finish((x == now and waiting == 0) and RUN or DENIED, wait, nil, false, true)
+end
+
+-- The cost is checked here, once, for every operation that takes one (a settle's is
+-- what it reports).
+if op == 'settle' then return settle()
+elseif op == 'ack' then return ack()
+elseif op == 'ended' then return ended()
+elseif op == 'renew' then return renew()
+elseif op == 'release' then return release()
+elseif op == 'drain' then return drain()
+elseif op == 'give_back' then return give_back()
+end
+if op == 'claim' then return claim() end  -- (a claim checks the cost it was released with)
+for _, r in ipairs(rates) do
+  if r.cost > r.limit then return {TOO_COSTLY, 0, 0, 0, now, 0, -1, 0, '', 0, 0, 0, 0, 0, 0, 0, 0, 0} end
+end
+if op == 'acquire' then return acquire(true)
+elseif op == 'screen' then return acquire(false)
+elseif op == 'admit' then return admit()
+elseif op == 'front' then return front()
+elseif op == 'peek' then return peek()
+end
+return redis.error_reply('window.lua: unknown op ' .. tostring(op))
