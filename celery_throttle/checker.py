@@ -291,9 +291,8 @@ class Checker:
             too_costly = _too_costly(call.rates, call.cost)
             if too_costly is not None:
                 units, rate = too_costly
-                raise ThrottleError(
-                    f"cost {units} of scope {call.scope!r} exceeds the limit of its rate {rate}: it can never run"
-                )
+                raise ThrottleError(f"cost {units} of scope {call.scope!r} exceeds the limit of its rate "
+                                    f"{timing.as_declared(rate)}: it can never run")
             request = WindowCall(
                 call.algorithm, call.rates, call.cost, call.fields, slack_us=self.slack_us(call.rates),
                 not_before_us=not_before, concurrency=call.concurrency,

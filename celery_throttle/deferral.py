@@ -108,9 +108,12 @@ class TurnedAway:
 
     def entry(self, with_message: bool) -> Entry:
         """Its entry in the line (with its message, or without: the script then answers
-        DENIED where it would wait, and the caller calls again with it)."""
+        DENIED where it would wait, and the caller calls again with it). Its id: its ticket
+        (released from this line), or the entry a lost reply may have left it (its header's
+        ``pending``), so that it never waits twice; else a new one."""
         if not self.entry_id:
-            self.entry_id = new_entry_id(self.request.id)
+            header, mine = self.header, self.header.key == self.call.state_key
+            self.entry_id = (mine and (header.ticket or header.pending)) or new_entry_id(self.request.id)
         return Entry(self.entry_id, self.message() if with_message else b"", self.request.id,
                      expires_us(getattr(self.request, "expires", None)), self.max_wait_us, WORKER_BATCH)
 
@@ -143,7 +146,9 @@ class TurnedAway:
         arguments, routing and retry count. A broker that refuses the re-send gets the
         message back (``Reject`` with requeue): it is not acked as done."""
         task, request = self.task, self.request
-        sig = self.signature(Header(deferrals=self.header.deferrals + 1, errors=self.header.errors))
+        # (It names the entry a call whose reply was lost may have left it in its line.)
+        sig = self.signature(Header(self.call.state_key, "", self.header.deferrals + 1, self.header.errors,
+                                    self.entry_id))
         try:
             sig.apply_async(countdown=max(delay, 0.0))
         except Exception as exc:  # any broker error: the message must not be acked as done
@@ -162,14 +167,15 @@ class TurnedAway:
             return True
         if policy == "fail":
             raise exc
-        errors = self.header.errors
-        self.header = Header(self.header.key, self.header.ticket, self.header.deferrals, errors + 1)
+        h = self.header
         s = ctl.settings
-        delay = min(s.store_retry_delay * 2 ** min(errors, _BACKOFF_DOUBLINGS), s.store_retry_max_delay)
+        delay = min(s.store_retry_delay * 2 ** min(h.errors, _BACKOFF_DOUBLINGS), s.store_retry_max_delay)
         delay *= random.uniform(0.5, 1.0)  # so deferred tasks do not return all at once
         logger.warning("throttle store unreachable, deferring %s[%s] for %.1fs: %s", task.name, request.id, delay, exc)
-        sig = self.signature(Header(self.header.key, self.header.ticket, self.header.deferrals + 1,
-                                    self.header.errors))
+        # (It keeps its ticket, and names the entry the failed call may have left it.)
+        mine = h.key == self.call.state_key
+        sig = self.signature(Header(self.call.state_key, h.ticket if mine else "", h.deferrals + 1, h.errors + 1,
+                                    self.entry_id or (h.pending if mine else "")))
         try:
             sig.apply_async(countdown=delay)
         except Exception as error:

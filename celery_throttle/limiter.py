@@ -304,7 +304,10 @@ class Throttle:
                 # it), counted over the window stored. The limit in force: the live one
                 # of this window length and unit, if set.
                 declared_us = next((d for d in declared if d + timing.default_margin_us(d) == stored_us
-                                    and algorithm == "sliding"), stored_us)
+                                    and algorithm == "sliding"), None)
+                if declared_us is None:  # (a direct acquire's, or a rule's: widened the same way)
+                    declared_us = (timing.declared_period_us(stored_us) if algorithm == "sliding" else None) \
+                        or stored_us
                 rate = live.get((declared_us, unit)) or Rate(limit, declared_us / 1_000_000, unit)
                 seen.add((algorithm, rate, Rate(rate.limit, stored_us / 1_000_000, unit), field))
         out = []

@@ -84,6 +84,11 @@ class Lines:
         for task in reply.reported:
             if task.kind in ("r", "x", "c") and isinstance(task.payload, bytes):
                 try:
+                    task_of(app, task.payload)
+                except Exception:  # noqa: BLE001 - a message no serializer reads: not sent, not lost
+                    self._bury(call, task.id, task.payload, task.kind == "r")
+                    continue
+                try:
                     if task.kind == "r":
                         resend(app, task.payload, key=call.state_key, ticket=task.id)
                         sent.append(task.id)
@@ -117,6 +122,20 @@ class Lines:
         except (StoreError, ThrottleError) as exc:
             logger.warning("could not tell the store about the line of %s: %s", call.state_key, exc)
         return len(sent)
+
+    def _bury(self, call: BoundCall, entry: str, message: bytes, released: bool) -> None:
+        """A message of ``call``'s line that cannot be decoded: kept as a dead letter, and its
+        room given back. Never raises."""
+        logger.error("a task waiting in the line of scope %r%s has a message that cannot be decoded: it is kept "
+                     "as a dead letter (throttle parked --dead)", call.scope,
+                     "" if call.key is None else f" key {call.key!r}")
+        self.ctl.metrics.lost()
+        try:
+            self.ctl.parking.bury(entry, message)
+            if released:
+                self.handle(call, self.ctl.checker.give_back(call, entry))
+        except (StoreError, ThrottleError) as exc:
+            logger.warning("could not keep the dead letter %s: %s", entry, exc)
 
     def note(self, key: str, due_us: int, how: int, now_us: int) -> None:
         """Tell the index when ``key`` next needs a look, and wake a releaser if soon."""

@@ -189,6 +189,19 @@ class ParkingStore:
         return int(self.store.run("requeue", [dead, due, attempts],
                              [now[0] * 1_000_000 + now[1], "1", *parked_ids]))
 
+    def bury(self, dead_id: str, message: bytes) -> None:
+        """Keep ``message`` as a dead letter (a task released from a line whose message no
+        serializer reads): ``throttle parked --dead`` lists it, ``--requeue`` tries it
+        again, ``--drop`` deletes it."""
+        _, messages, _ = parking_keys(self.store.prefix)
+        attempts, dead = dead_letter_keys(self.store.prefix)
+        with self.store.errors():
+            pipe = self.store.client.pipeline(transaction=False)
+            pipe.hset(messages, dead_id, message)
+            pipe.hset(attempts, dead_id, 1)
+            pipe.zadd(dead, {dead_id: self.store.now_us()})
+            pipe.execute()
+
     def drop_dead(self, parked_ids: Sequence[str]) -> int:
         """Delete dead letters for good."""
         if not parked_ids:

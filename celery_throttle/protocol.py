@@ -260,20 +260,20 @@ class WindowReply(NamedTuple):
         """The reply from the script's array."""
         rooms = raw[8]
         rooms = tuple(int(v) for v in rooms.split(b",")) if isinstance(rooms, bytes) and rooms else ()
-        reported = tuple(Reported(_text(raw[i]), _payload(raw[i + 1], raw[i + 2]), _text(raw[i + 2]))
+        reported = tuple(Reported(_decoded(raw[i]), _payload(raw[i + 1], raw[i + 2]), _decoded(raw[i + 2]))
                          for i in range(18, len(raw) - 2, 3))
         return cls(raw[0], raw[1], raw[2], raw[3], raw[4], raw[5], raw[6], raw[7], rooms, raw[9], raw[10], raw[11],
                    raw[12], raw[13], raw[14], raw[15], raw[16], raw[17], reported)
 
 
-def _text(value: bytes | str) -> str:
+def _decoded(value: bytes | str) -> str:
     return value.decode(errors="surrogateescape") if isinstance(value, bytes) else value
 
 
 def _payload(value: Any, kind: bytes | str) -> bytes | str | None:
     if value is None:
         return None
-    return value if _text(kind) in ("r", "x", "c") else _text(value)
+    return value if _decoded(kind) in ("r", "x", "c") else _decoded(value)
 
 
 def window_argv(now: str, op: str, call: WindowCall, *args: Any, cost: Cost | None = None) -> list[Any]:
@@ -339,13 +339,18 @@ class Header:
     """The ``celery_throttle`` header: ``key``, the state key of the line the task was
     released from, and ``ticket``, its entry there (both "" for none); ``deferrals``, how
     many times it was turned away (observability); ``errors``, store errors in a row (its
-    back-off). Every field is read from whatever a message holds: anything that is not
-    what this version writes counts as absent, field by field, and never raises."""
+    back-off); ``pending``, the entry it may hold in the line of ``key`` already (a call
+    that put it there, whose reply was lost: the store went away mid-call), so that it is
+    not let in twice. Every field is read from whatever a message holds: anything that is
+    not what this version writes counts as absent, field by field, and never raises.
+    Nothing in it grants anything by itself: a ticket is one the store holds out, and a
+    pending entry one it holds waiting."""
 
     key: str = ""
     ticket: str = ""
     deferrals: int = 0
     errors: int = 0
+    pending: str = ""
 
     @classmethod
     def read(cls, value: Any) -> Header:
@@ -354,10 +359,9 @@ class Header:
         version = value.get("v", 1)
         if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= HEADER_VERSION:
             return _EMPTY
-        key, ticket = value.get("k"), value.get("t") if version >= 3 else None
-        return cls(key if isinstance(key, str) and len(key) <= _TEXT_MAX else "",
-                   ticket if isinstance(ticket, str) and len(ticket) <= _TEXT_MAX else "",
-                   _counter(value.get("n")), _counter(value.get("e")))
+        key = value.get("k")
+        ticket, pending = (value.get("t"), value.get("i")) if version >= 3 else (None, None)
+        return cls(_text(key), _text(ticket), _counter(value.get("n")), _counter(value.get("e")), _text(pending))
 
     def value(self) -> dict[str, Any]:
         """The header to send."""
@@ -368,12 +372,18 @@ class Header:
             out["t"] = self.ticket
         if self.errors:
             out["e"] = self.errors
+        if self.pending:
+            out["i"] = self.pending
         return out
 
 
 _EMPTY = Header()
 #: The longest key or ticket a header is read with (a state key is bounded: keys.MAX_TOKEN).
 _TEXT_MAX = 1024
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) and len(value) <= _TEXT_MAX else ""
 
 
 def _counter(value: Any) -> int:

@@ -157,7 +157,10 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
                 break
     except StoreError as exc:
         _unreachable(ctl, exc)
-        return None
+        # Sent unchecked: it names the entry a call whose reply was lost may have left it
+        # in its line, so that its worker does not let it in twice.
+        headers = {**(options.get("headers") or {}), HEADER: Header(ident, pending=entry_id).value()}
+        return send(name, args, kwargs, **{**options, "task_id": task_id, "headers": headers})
     except (EncodeError, TypeError, ValueError, ThrottleError):
         return None  # an unserializable argument, a cost that never fits: the worker's check reports it
     if reply is None:
@@ -173,7 +176,11 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
         sent_options = {**options, "task_id": task_id, "headers": headers}
         if expires is not None:
             sent_options["expires"] = expires
-        return send(name, args, kwargs, **sent_options)
+        try:
+            return send(name, args, kwargs, **sent_options)
+        except Exception:
+            _give_back(ctl, call, entry_id)  # (not sent: its room is not held for it)
+            raise
     if reply.code != Code.QUEUED:
         return None  # too far for its max wait, or not kept: the worker decides, visibly
     ctl.lines.full(call)
@@ -183,6 +190,15 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
                                 delay=reply.wait_us / 1e6, scope=call.scope, key=call.key, parked=True,
                                 reason="concurrency" if call.concurrency and not call.rates else "rate")
     return _result(app, task_id, options)
+
+
+def _give_back(ctl: Throttle, call: BoundCall, entry_id: str) -> None:
+    """A task released at publish that could not be sent: its room goes back (never raises:
+    the send's own error stands, and the room comes back when its time is up anyway)."""
+    try:
+        ctl.lines.handle(call, ctl.checker.give_back(call, entry_id))
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("could not give back the room of task %s, which could not be sent: %r", entry_id, exc)
 
 
 def _absolute(expires: Any) -> datetime | None:

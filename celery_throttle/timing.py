@@ -26,6 +26,8 @@ __all__ = [
     "STORE_TIMEOUT",
     "WORKER_BATCH",
     "ScriptPolicy",
+    "as_declared",
+    "declared_period_us",
     "default_margin_us",
     "lease_span_us",
     "release_lead_us",
@@ -203,6 +205,21 @@ def round_trip_allowance_us(rtt_us: int) -> int:
 def default_margin_us(period_us: int) -> int:
     """The margin a sliding window of ``period_us`` gets by default (MARGIN_SHARE)."""
     return min(round(period_us * MARGIN_SHARE), MARGIN_MAX_US)
+
+
+def declared_period_us(counted_us: int) -> int | None:
+    """The window a sliding window of ``counted_us`` was declared as, if it is one widened
+    by the default margin (:func:`default_margin_us`), else None."""
+    for declared in (counted_us - MARGIN_MAX_US, round(counted_us / (1 + MARGIN_SHARE))):
+        if declared > 0 and declared + default_margin_us(declared) == counted_us:
+            return declared
+    return None
+
+
+def as_declared(rate: Rate) -> Rate:
+    """``rate`` as declared, when its window is one widened by the default margin."""
+    declared = declared_period_us(rate.period_us)
+    return rate if declared is None else Rate(rate.limit, declared / 1_000_000, rate.unit)
 
 
 def wait_here_us(lead: int, slack: int) -> int:

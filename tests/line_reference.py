@@ -471,7 +471,9 @@ class KeyModel:
     def _fresh(self, runs: bool, lease: int, lease_span: int, holder: str, eid: str, message: bytes, task: str,
                expires: int, max_wait: int, batch: int) -> _Reply:
         code, wait, f = Code.RUN, 0, {}
-        if self._fresh_fits():
+        if eid and eid in self.meta:
+            code = Code.QUEUED
+        elif self._fresh_fits():
             if runs:
                 units, span = list(self.call.costs), self.call.slack
                 one = self.call.costs[0] if self.call.uniform and self.call.costs else 1
@@ -499,7 +501,9 @@ class KeyModel:
         self._expire_out(self.policy.line_batch)
         self._reclaim()
         code, wait, f = Code.RUN, 0, {}
-        if (self.waiting == 0 and self.out_count == 0 and self.not_before == 0 and self._slot_free()
+        if eid and eid in self.meta:
+            code = Code.QUEUED
+        elif (self.waiting == 0 and self.out_count == 0 and self.not_before == 0 and self._slot_free()
                 and self._lease_fits(None, self.call.slack)):
             rooms = [math.floor(r.limit / 2) - max(r.usage(self.now), r.usage(self.now + self.call.slack))
                      for r in self.rates]
@@ -519,7 +523,8 @@ class KeyModel:
 
     def _front(self, eid: str, message: bytes, task: str, expires: int, max_wait: int, batch: int) -> _Reply:
         self._expire_out(self.policy.line_batch)
-        self._enqueue(eid, message, self._new_meta(task, expires, max_wait), True)
+        if eid not in self.meta:
+            self._enqueue(eid, message, self._new_meta(task, expires, max_wait), True)
         self._release_heads(batch)
         return self._finish(Code.QUEUED, 0)
 

@@ -1,18 +1,15 @@
-"""A pure-Python reference model of the window scripts, and a plain truth checker.
+"""Pure-Python twins of the window algorithms, and a plain truth checker.
 
-``WindowModel`` does exactly what ``celery_throttle/lua/window.lua`` does with
-``sliding.lua`` or ``fixed.lua`` prepended, under the same timing policy
-(``celery_throttle.timing.ScriptPolicy``, which the store loads the scripts with): same
-state, same arithmetic (the Lua numbers are doubles; every time here stays below 2**53,
-where Python ints and Lua doubles agree, and divisions are written as float divisions
-like the Lua's), same reply. Tests run the
-real scripts against it operation by operation. Besides the windows' own fields, the
-hash holds its epoch (field ``e``, the time it was first written); a reservation names
-the epoch it was made in, and a claim from another epoch is an ordinary acquire.
+``SlidingRate`` and ``FixedRate`` do what ``sliding.lua`` and ``fixed.lua`` do to one
+rate's state (load, usage, earliest, record, unrecord, fold, and the stored encoding),
+under the same layout (``celery_throttle.protocol.StateLayout``): same state, same
+arithmetic (the Lua numbers are doubles; every time here stays below 2**53, where Python
+ints and Lua doubles agree, and divisions are written as float divisions like the Lua's).
+``tests/line_reference.py`` builds the twin of the whole script on them.
 
-The truth checker knows nothing of buckets or reservations: given the (start time,
-units) of every call that actually started, it measures the most units in any half-open
-interval of one period (sliding) or in any aligned window (fixed).
+The truth checker knows nothing of buckets: given the (start time, units) of every call
+that actually started, it measures the most units in any half-open interval of one
+period (sliding) or in any aligned window (fixed).
 
 Times are integer microseconds throughout.
 """
@@ -21,78 +18,26 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from io import BytesIO
-from typing import Protocol
 
 import msgpack
 
-from celery_throttle.protocol import STATE_FORMAT, STATE_LAYOUT, Code, StateLayout
-from celery_throttle.timing import SCRIPT_POLICY, ScriptPolicy
+from celery_throttle.protocol import STATE_LAYOUT, StateLayout
 
 __all__ = [
-    "EPOCH_FIELD",
     "SLOTS",
-    "Claim",
     "FixedRate",
-    "ModelReply",
     "SlidingRate",
-    "WindowModel",
     "max_units_in_any_interval",
     "max_units_per_aligned_window",
-    "per_rate",
 ]
 
 #: Buckets per period of a sliding window, as the scripts are loaded with it by default
 #: (protocol.StateLayout says what each constant of the layout is; a model built with
 #: another layout uses that one).
 SLOTS = STATE_LAYOUT.slots
-
-
-class Claim(Protocol):
-    """What a claim carries: ``celery_throttle.protocol.Reservation`` fits."""
-
-    start_us: int
-    latest_us: int
-    #: Units of every rate, or one count per rate (its rates count different units).
-    cost: int | tuple[int, ...]
-    grace_us: int
-    epoch: int
-    lead_us: int
-
-
-def per_rate(cost: int | tuple[int, ...], n: int) -> tuple[int, ...]:
-    """A call's cost as a count per rate (one number counts in every rate); a count per
-    rate of another length is refused, as the script refuses it."""
-    if isinstance(cost, int):
-        return (cost,) * n
-    if len(cost) != n:
-        raise ValueError(f"{n} rates, counts {cost}")
-    return tuple(cost)
-
-
-@dataclass(frozen=True)
-class ModelReply:
-    """Fields in the order of ``celery_throttle.store.WindowReply``."""
-
-    code: int
-    wait_us: int
-    remaining: int
-    clear_at_us: int
-    start_us: int
-    latest_us: int
-    now_us: int
-    epoch: int
-    lead_us: int
-    grace_us: int
-    leased: int = 0
-    #: An admit that fits, of a call with a cost per rate: each rate's room.
-    rooms: list[int] | tuple[()] = ()
-
-    def as_tuple(self) -> tuple[int | list[int] | tuple[()], ...]:
-        return (self.code, self.wait_us, self.remaining, self.clear_at_us, self.start_us,
-                self.latest_us, self.now_us, self.epoch, self.lead_us, self.grace_us, self.leased, self.rooms)
 
 
 # -- sliding ------------------------------------------------------------------------------
@@ -318,314 +263,6 @@ class FixedRate:
         """The stored state: the windows' array, then the folded range's if any."""
         windows, *rest = list(msgpack.Unpacker(BytesIO(value)))
         return [*windows, *rest]
-
-
-# -- the script ---------------------------------------------------------------------------
-
-_ALGORITHMS = {"sliding": SlidingRate, "fixed": FixedRate}
-
-
-#: The hash field holding its epoch: the time (µs) the hash was created.
-EPOCH_FIELD = "e"
-#: The hash field holding its format (protocol.STATE_FORMAT), written with the epoch.
-FORMAT_FIELD = "f"
-
-
-@dataclass(frozen=True)
-class _Call:
-    """What window.lua is told about one call (its ARGV, decoded)."""
-
-    now: int
-    #: The units of each rate (a call of one cost: the same for every rate).
-    costs: tuple[int, ...]
-    #: Whether its cost was one number for every rate (only such a call takes a lease).
-    uniform: bool
-    reserve: bool
-    grace_us: int
-    slack_us: int
-    lease: int
-    lease_span_us: int
-    max_wait_us: int
-    not_before_us: int
-    pause_horizon_us: int
-    #: The shortest window of the rates.
-    shortest: int
-
-
-class WindowModel:
-    """The state of one hash (one scope and key) for one algorithm and set of rates."""
-
-    def __init__(self, algorithm: str, rates: Sequence[tuple[int, int] | tuple[int, int, str]], *,
-                 fold: bool = True, policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> None:
-        """``rates``: (limit, period in µs) pairs, or (limit, period, unit) for a rate that
-        counts a unit of its own, in the order they are sent to Redis.
-        ``fold=False``: never fold a deep backlog (not what the scripts do: the exact
-        state that folding summarises, to compare decisions with). ``policy``: the
-        timing policy the scripts were loaded with; ``layout``, their state layout."""
-        cls = _ALGORITHMS[algorithm]
-        self.algorithm = algorithm
-        self.folds = fold
-        self.policy = policy
-        self.layout = layout
-        self.rates: list[SlidingRate | FixedRate] = [cls(r[0], r[1], layout, *r[2:]) for r in rates]
-        #: The hash's field "e": the time it was first written; None while it does not
-        #: exist. A claim made in another epoch is neither honoured nor given back.
-        self.epoch: int | None = None
-        #: Fields "d" and "v": the learnt dispatch delay and its mean deviation (µs).
-        self.delay: int | None = None
-        self.jitter: int | None = None
-
-    def reset(self) -> None:
-        """The hash is gone (deleted, expired, lost): a new epoch starts with its next write."""
-        self.rates = [type(r)(r.limit, r.period, self.layout, r.unit) for r in self.rates]
-        self.epoch = None
-        self.delay = self.jitter = None
-
-    # window.lua, operation by operation (its twin: the same functions, in the same order)
-    def window(
-        self,
-        now: int,
-        op: str,
-        cost: int | tuple[int, ...],
-        *,
-        reserve: bool = False,
-        grace_us: int = 0,
-        slack_us: int = 0,
-        claim: Claim | None = None,
-        learn: bool = True,
-        resumed: bool = False,
-        lease: int = 0,
-        lease_span_us: int = 0,
-        max_wait_us: int = 0,
-        not_before_us: int = 0,
-        pause_horizon_us: int = 2**53,
-        early_us: int = 0,
-    ) -> ModelReply:
-        for r in self.rates:
-            r.load(now)
-        costs, uniform = per_rate(cost, len(self.rates)), isinstance(cost, int)
-        if op == "settle":  # (its cost is what it reports: not checked)
-            call = _Call(now, costs, uniform, False, grace_us, slack_us, 0, 0, 0, 0, pause_horizon_us,
-                         min(r.period for r in self.rates))
-            return self._settle(call, claim)
-        # The cost is checked here, once, for every operation.
-        for r, units in zip(self.rates, costs):
-            if units > r.limit:
-                return ModelReply(Code.TOO_COSTLY, 0, 0, 0, 0, 0, now, 0, -1, 0, 0)
-        call = _Call(now, costs, uniform, reserve, grace_us, slack_us, lease, lease_span_us,
-                     max_wait_us, not_before_us if not_before_us > now else 0,  # a pause that is over changes nothing
-                     pause_horizon_us, min(r.period for r in self.rates))
-        if op == "claim":
-            return self._claim(call, claim, learn, resumed, early_us)
-        if op == "settle":
-            return self._settle(call, claim)
-        operation = {"acquire": self._acquire, "screen": self._screen, "reserve": self._reserve,
-                     "admit": self._admit, "peek": self._peek}[op]
-        return operation(call)
-
-    # -- what every operation shares
-    def _reply(self, c: _Call, code: int, wait: int, start: int, latest: int, grace: int = 0,
-               leased: int = 0, rooms: list[int] | tuple[()] = ()) -> ModelReply:
-        return ModelReply(code, wait, self.remaining(c.now), self.clear_at(), start, latest, c.now,
-                          self.epoch or 0, self.lead(), grace, leased, rooms)
-
-    def _written(self, c: _Call) -> None:
-        """write_back() set a field: the deep backlog folds, and a new hash gets its epoch."""
-        if self.folds:
-            for r in self.rates:
-                r.fold(c.now)
-        if self.epoch is None:
-            self.epoch = c.now
-
-    def _earliest(self, c: _Call, start: int) -> tuple[int, bool]:
-        x, settled = start, False
-        for _ in range(self.policy.settle_rounds):
-            settled = True
-            for r, units in zip(self.rates, c.costs):
-                e = r.earliest(x, units, c.slack_us)
-                if e > x:
-                    x, settled = e, False
-            if settled:
-                break
-        return x, settled
-
-    def _lease_fits(self, c: _Call, units: tuple[int, ...], span: int) -> bool:
-        """Whether ``units`` (of each rate) started anywhere in [now, now + span] fit, every
-        rate staying at most half full."""
-        return all(2 * (max(r.usage(c.now), r.usage(c.now + span)) + u) <= r.limit
-                   and r.earliest(c.now, u, span) == c.now for r, u in zip(self.rates, units))
-
-    def _record_reserved(self, c: _Call, x: int) -> tuple[int, int]:
-        """(latest start, grace given) of a start reserved at x."""
-        p, grace = self.policy, c.grace_us
-        if self.jitter is not None:  # (what is learnt is capped; the caller's least grace is not)
-            grace = max(grace, min(p.grace_jitters * self.jitter + p.grace_slacks * c.slack_us,
-                                   math.floor(c.shortest / p.learnt_cap_parts)))
-        return min(r.record(x, x + grace, units) for r, units in zip(self.rates, c.costs)), grace
-
-    def _check(self, c: _Call, runs: str | None, reserving: bool, start_from: int, lease: int,
-               written: bool = False) -> ModelReply:
-        if c.not_before_us - c.now > c.pause_horizon_us:
-            # A long pause reserves nothing (a resume must let its tasks go): check later.
-            if written:
-                self._written(c)
-            return self._reply(c, Code.DENIED, c.pause_horizon_us, 0, 0)
-        x, settled = self._earliest(c, start_from)
-        code, start, latest, grace, leased = Code.DENIED, 0, 0, 0, 0
-        if settled and x == c.now and runs == "screen":
-            code = Code.RUN  # fits now: recorded by the acquire that follows, not here
-        elif settled and x == c.now and runs == "record":
-            code = Code.RUN
-            units, span = c.costs, c.slack_us
-            if lease > (c.costs[0] if c.uniform else 1):
-                # A lease over [now, now + span], only while every rate stays at most half
-                # full with it: `lease` units of every rate (a call of one cost), or
-                # `lease` calls like this one (a cost per rate)
-                wide = max(c.lease_span_us, c.slack_us)
-                leased_units = (lease,) * len(self.rates) if c.uniform else tuple(lease * u for u in c.costs)
-                if self._lease_fits(c, leased_units, wide):
-                    units, span, leased = leased_units, wide, lease
-            for r, u in zip(self.rates, units):
-                r.record(c.now, c.now + span, u)
-            written = True
-        elif settled and reserving and c.max_wait_us > 0 and x - max(c.now, c.not_before_us) > c.max_wait_us:
-            code = Code.TOO_FAR  # further than the caller will wait: nothing reserved
-        elif settled and reserving:
-            code, start = Code.RESERVED, x
-            latest, grace = self._record_reserved(c, x)
-            written = True
-        if written:
-            self._written(c)
-        return self._reply(c, code, x - c.now, start, latest, grace, leased)
-
-    # -- the operations
-    def _acquire(self, c: _Call) -> ModelReply:
-        return self._check(c, "record", c.reserve, max(c.now, c.not_before_us), c.lease)
-
-    def _screen(self, c: _Call) -> ModelReply:
-        return self._check(c, "screen", c.reserve, max(c.now, c.not_before_us), 0)
-
-    def _reserve(self, c: _Call) -> ModelReply:
-        start_from = max(c.now, c.not_before_us)
-        if self.delay is not None:  # at publish: not before it arrives
-            start_from = max(start_from, c.now + self.lead())
-        return self._check(c, None, True, start_from, 0)
-
-    def _admit(self, c: _Call) -> ModelReply:
-        # At publish: fits, every rate at most half full: not recorded
-        half = [math.floor(r.limit / 2) - max(r.usage(c.now), r.usage(c.now + c.slack_us)) for r in self.rates]
-        if not c.not_before_us and all(h >= units and r.earliest(c.now, units, c.slack_us) == c.now
-                                       for h, r, units in zip(half, self.rates, c.costs)):
-            return self._reply(c, Code.RUN, 0, 0, 0, 0, min(half), () if c.uniform else half)
-        return self._reserve(c)
-
-    def _claim(self, c: _Call, claim: Claim | None, learn: bool, resumed: bool, early_us: int) -> ModelReply:
-        # A reservation made in another epoch (or none: RedisStore sends '' without a
-        # claim) is not honoured and gives nothing back: the call is an acquire.
-        if claim is None or self.epoch is None or str(claim.epoch) != str(self.epoch):
-            return self._acquire(c)
-        p = self.policy
-        c_start, c_latest = claim.start_us, claim.latest_us
-        trip = c.now - (c_start - claim.lead_us)
-        if learn and not resumed and trip <= p.learn_outlier_ms * 1000:  # the trip back, beyond the lead it was given
-            sample = max(0, min(trip, math.floor(c.shortest / p.learnt_cap_parts)))
-            if self.delay is None or self.jitter is None:
-                self.delay, self.jitter = sample, math.floor(sample / 2)
-            else:
-                err = sample - self.delay
-                self.delay += math.floor(err / p.delay_gain_parts)
-                self.jitter += math.floor((abs(err) - self.jitter) / p.jitter_gain_parts)
-        # A pause now covers its start, or the pause it was reserved behind was lifted
-        # since: give it back and check again
-        paused = c_start < c.not_before_us or resumed
-        # A little early (at most early_us), and its start leaves the slack: granted, to
-        # start at its start
-        granted = c.now < c_start and c_start - c.now <= early_us and c_start + c.slack_us <= c_latest
-        if c.now < c_start and not paused and not granted:
-            return self._reply(c, Code.EARLY, c_start - c.now, c_start, c_latest)
-        if granted and not paused:
-            return self._reply(c, Code.RUN_AT, c_start - c.now, c_start, c_latest)
-        # On time only if the body, starting within `slack` of now, stays inside the
-        # reserved span.
-        if c.now + c.slack_us <= c_latest and not paused:
-            return self._reply(c, Code.RUN, 0, c_start, c_latest)
-        # Late: give the reserved units back, then try afresh.
-        written = False
-        for r, units in zip(self.rates, per_rate(claim.cost, len(self.rates))):
-            written = r.unrecord(c_start, claim.grace_us, units) or written
-        return self._check(c, "record", c.reserve, max(c.now, c.not_before_us), 0, written)
-
-    def _settle(self, c: _Call, counted: Claim | None) -> ModelReply:
-        """A started call reports its real cost: ``counted.cost`` units (its report less
-        what was counted; negative, a refund) are added to the span it was counted in,
-        ``[counted.start_us, counted.latest_us]``, in the epoch it was counted in."""
-        if counted is None:
-            return self._reply(c, Code.RUN, 0, 0, 0)
-        at, latest = counted.start_us, counted.latest_us
-        from_lease = at == 0
-        if from_lease:  # admitted from a lease: a refund stays counted, an overrun counts from now
-            at, latest = c.now, c.now + latest
-        elif self.epoch is None or str(counted.epoch) != str(self.epoch):
-            return self._reply(c, Code.RUN, 0, 0, 0)
-        touched = False
-        for r, delta in zip(self.rates, per_rate(counted.cost, len(self.rates))):
-            if delta == 0 or (from_lease and delta < 0):
-                continue
-            if latest + r.period <= c.now:
-                continue  # (counted so long ago that nothing of it counts any more)
-            if delta > 0:
-                r.record(at, latest, delta)
-            else:
-                r.unrecord(at, latest - at, -delta)
-            touched = True
-        if touched:
-            self._written(c)
-        return self._reply(c, Code.RUN, 0, 0, 0)
-
-    def _peek(self, c: _Call) -> ModelReply:
-        x, _ = self._earliest(c, max(c.now, c.not_before_us))
-        return self._reply(c, Code.RUN if x == c.now else Code.DENIED, x - c.now, 0, 0)
-
-    def lead(self) -> int:
-        """The learnt delay plus a margin of 2 v, at most half the busiest rate's spacing."""
-        if self.delay is None or self.jitter is None:
-            return -1
-        half_pace = min(math.floor(r.period / r.limit / 2) for r in self.rates)
-        return self.delay + min(self.policy.lead_jitters * self.jitter, half_pace)
-
-    def remaining(self, now: int) -> int:
-        free = min((r.limit - r.usage(now) for r in self.rates), default=0)
-        return max(free, 0)
-
-    def clear_at(self) -> int:
-        return max((r.clear_at() for r in self.rates), default=0)
-
-    # what the hash should hold
-    def fields(self) -> dict[str, str | list[int]]:
-        out: dict[str, str | list[int]] = {}
-        if self.epoch is not None:
-            out.update({EPOCH_FIELD: str(self.epoch), FORMAT_FIELD: str(STATE_FORMAT)})
-        if self.delay is not None:
-            out.update(d=str(self.delay), v=str(self.jitter))
-        for r in self.rates:
-            if r.holds_units():
-                out[r.field] = r.entries()
-        return out
-
-    def live_stored_fields(self, stored: dict[str, bytes], now: int) -> dict[str, str | list[int]]:
-        """The stored hash as load() sees it at ``now``: each rate's list decoded, less what no longer counts (that is only dropped when a script writes
-        the rate back). A field that belongs to none of the rates is kept, so that a
-        comparison with :meth:`fields` reports it.
-        """
-        out: dict[str, str | list[int]] = {}
-        by_field = {r.field: r for r in self.rates}
-        for name, value in stored.items():
-            rate = by_field.get(name)
-            if rate is None:
-                out[name] = value.decode()
-            elif live := rate.live(rate.decode(value), now):
-                out[name] = live
-        return out
 
 
 # -- truth --------------------------------------------------------------------------------

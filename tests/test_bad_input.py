@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_throttle.keys import parking_keys
-from celery_throttle.protocol import HEADER, Reservation, header_value, read_state
+from celery_throttle.protocol import HEADER, HEADER_VERSION, Header
 from tests.helpers import WorkerGroup, max_in_window
 
 #: What a JSON (or msgpack, or pickle-less YAML) body can carry.
@@ -21,51 +21,41 @@ JSONISH = st.recursive(
 
 
 @given(JSONISH)
-def test_any_header_value_reads_as_a_state_or_as_nothing(value: Any) -> None:
+def test_any_header_value_reads_as_a_header_or_as_nothing(value: Any) -> None:
     # When any value stands where our header goes
-    state = read_state(value)
-    # Then it reads, without raising, as known fields of the right types only
-    assert set(state) <= {"k", "r", "n", "e", "p", "w"}
-    assert isinstance(state.get("k", ""), str)
-    assert "r" not in state or Reservation.from_header(state["r"]) is not None
-    assert all(isinstance(state[c], int) and state[c] >= 0 for c in ("n", "e", "p", "w") if c in state)
+    header = Header.read(value)
+    # Then it reads, without raising, as fields of the right types and bounded sizes only
+    assert isinstance(header.key, str) and isinstance(header.ticket, str)
+    assert len(header.key) <= 1024 and len(header.ticket) <= 1024
+    assert 0 <= header.deferrals <= 2**20 and 0 <= header.errors <= 2**20
 
 
-@given(st.dictionaries(st.sampled_from(["k", "r", "n", "e", "p", "w", "x"]), JSONISH, max_size=7))
+@given(st.dictionaries(st.sampled_from(["k", "t", "n", "e", "v", "r", "w", "p", "x"]), JSONISH, max_size=8))
 def test_a_header_with_our_keys_and_any_values_never_raises(value: dict[str, Any]) -> None:
-    read_state(value)
+    Header.read(value)
 
 
-@given(st.lists(st.integers(0, 2**53 - 1), min_size=6, max_size=6), st.text(min_size=1), st.integers(0, 99))
-def test_a_header_we_wrote_reads_back_the_same(fields: list[int], key: str, count: int) -> None:
-    fields[2] = max(fields[2], 1)  # a cost
-    written = {"k": key, "r": Reservation(*fields).to_header(), "n": count, "w": fields[0]}
-    assert read_state(written) == written
+@given(st.text(min_size=1, max_size=200), st.text(min_size=1, max_size=60), st.integers(0, 2**20),
+       st.integers(0, 2**20))
+def test_a_header_we_wrote_reads_back_the_same(key: str, ticket: str, deferrals: int, errors: int) -> None:
+    written = Header(key, ticket, deferrals, errors)
+    assert Header.read(written.value()) == written
 
 
-@given(st.lists(st.integers(0, 2**53 - 1), min_size=6, max_size=6), st.lists(st.integers(1, 10**6), min_size=2,
-                                                                             max_size=5))
-def test_a_reservation_with_a_cost_per_rate_reads_back_and_is_written_as_format_2(fields: list[int],
-                                                                                 costs: list[int]) -> None:
-    # Given a reservation of a call whose rates count different units (a cost per rate)
-    per_rate = Reservation(fields[0], fields[1], tuple(costs), *fields[3:])
-    # When it is written in a header, and read back
-    written = header_value({"k": "key", "r": per_rate.to_header()})
-    # Then it reads back as it was, in format 2 (one with one cost stays format 1, which
-    # a deploy rolled back reads too)
-    assert written["v"] == 2 and Reservation.from_header(read_state(written)["r"]) == per_rate
-    one = Reservation(fields[0], fields[1], costs[0], *fields[3:])
-    assert header_value({"r": one.to_header()})["v"] == 1
-    # and a list that is not a cost per rate (a single one, a zero, a float) is no reservation
-    for bad in ([costs[0]], [*costs[:1], 0], [*costs[:1], 1.5]):
-        assert Reservation.from_header([fields[0], fields[1], bad, *fields[3:]]) is None
+def test_a_header_of_an_earlier_format_carries_no_ticket_and_a_later_one_reads_as_nothing() -> None:
+    # A reservation of format 1 or 2 is not honoured: the task is checked as a new one
+    assert Header.read({"k": "s", "r": [1, 2, 1, 3, 4, 5], "n": 2}) == Header("s", "", 2)
+    assert Header.read({"v": 2, "k": "s", "t": "ticket", "n": 1}).ticket == ""
+    # and a header of a later format (a deploy rolled back) is read as absent
+    assert Header.read({"v": HEADER_VERSION + 1, "k": "s", "t": "ticket"}) == Header()
 
 
 def test_messages_with_a_garbled_header_run_throttled_and_no_worker_falls(workers: WorkerGroup) -> None:
     # Given a 5/s task, and messages whose celery_throttle header is not what we write
     label = uuid.uuid4().hex[:10]
     garbage: list[Any] = ["a string", ["a", "list"], 42, None, {"k": 1, "r": "x", "n": "many"},
-                          {"r": [1, 2, 3]}, {"k": "nope", "r": [1, 2, 3, 4, 5, 6], "e": -3}]
+                          {"r": [1, 2, 3]}, {"k": "nope", "r": [1, 2, 3, 4, 5, 6], "e": -3},
+                          {"v": 3, "k": "nope", "t": "forged", "n": 2**62, "e": 2**62}]
     # When 14 of them are sent at once
     ids = [workers.send("below", label, headers={HEADER: value}) for value in garbage * 2]
     # Then each ran once, as a fresh call, within the limit, and every worker is still up
@@ -113,10 +103,9 @@ def test_a_parked_message_reads_back_as_it_was_written(args: Any, kwargs: Any) -
 def test_any_bytes_parked_never_stop_the_releaser_and_end_as_dead_letters(prefix: str) -> None:
     from hypothesis import settings
 
-    from celery_throttle.parking import MAX_ATTEMPTS, Releaser
+    from celery_throttle.parking import MAX_ATTEMPTS, release_parked
 
     app, ctl = _parking_app(prefix)
-    releaser = Releaser(ctl)
 
     @settings(max_examples=40, deadline=None)
     @given(st.binary(max_size=200) | st.text(max_size=80).map(lambda t: f"application/json\nutf-8\n{t}".encode()))
@@ -128,7 +117,7 @@ def test_any_bytes_parked_never_stop_the_releaser_and_end_as_dead_letters(prefix
         due = parking_keys(prefix)[0]
         handed_out = 0
         while ctl.parking.parked_count()[2] == 0 and handed_out <= MAX_ATTEMPTS:
-            releaser.release_once()  # never raises
+            release_parked(ctl)  # never raises
             handed_out += 1
             waiting = ctl.store.client.zrange(due, 0, -1)
             if waiting:

@@ -14,8 +14,7 @@ from celery import Celery, shared_task
 
 import celery_throttle
 from celery_throttle import ConfigurationError, throttle
-from celery_throttle.keys import state_key
-from celery_throttle.protocol import Code, Reservation, rates_tag
+from celery_throttle.protocol import Code, Entry
 from celery_throttle.spec import ThrottleSpec
 from celery_throttle.worker import ThrottleStep
 from tests.helpers import STORE_URL
@@ -75,29 +74,31 @@ def test_rates_of_different_units_count_each_its_own_and_a_denial_consumes_none(
 
 @pytest.mark.parametrize("live", [["2/s", "1000 tokens/m", "100000 tokens/d"], ["1500/s", "1000 tokens/m"]],
                          ids=["a rate more", "rates in another order"])
-def test_a_start_reserved_per_rate_is_given_back_rate_by_rate_under_a_live_limit(prefix: str, live: list[str]) -> None:
-    # Given a start reserved for a call of 1 request and 400 tokens under 2/s and 1000 tokens/m
-    # (a test clock: the claim comes at its start)
+def test_a_task_released_by_unit_is_counted_by_unit_under_a_live_limit_of_other_rates(prefix: str,
+                                                                                     live: list[str]) -> None:
+    # Given a call of 1 request and 400 tokens under 2/s and 1000 tokens/m, waiting in its
+    # line behind two that filled the minute's tokens (a test clock)
     clock = [1_700_000_000_000_000]
     ctl = celery_throttle.Throttle(Celery(f"live-claim-{prefix}", set_as_current=False),
                                    {"redis_url": STORE_URL, "key_prefix": prefix, "default_algorithm": "fixed"},
                                    clock=lambda: clock[0])
     declared = ctl._direct_call("llm", None, ["2/s", "1000 tokens/m"], {"tokens": 400}, None)
     for _ in range(2):
-        assert ctl.checker.check(declared, reserve=True).allowed
-    reply = ctl.checker.check(declared, reserve=True)
-    assert reply.code == Code.RESERVED and declared.cost == (1, 400)
-    claim = Reservation(reply.start_us, reply.latest_us, declared.cost, reply.grace_us, reply.epoch, 0,
-                        rates_tag(declared.rates))
-    # When a live limit changes the rates (one more, or another order) before it is claimed
+        assert ctl.checker.acquire(declared).allowed
+    waiting = ctl.checker.acquire(declared, entry=Entry("t:1", b"m", "t", 0, 0, 1))
+    assert waiting.code == Code.QUEUED and declared.cost == (1, 400)
+    # When a live limit changes the rates (one more, or another order) before it is
+    # released and arrives
     ctl.set_limit("llm", live)
     now = ctl.checker.live(declared)
-    clock[0] = claim.start_us
-    # Then the claim gives back, rate by rate, what the call costs under the rates of now,
-    # and is checked afresh (no error, no unit taken from the wrong rate)
-    again = ctl.checker.check(now, reserve=True, claim=claim)
+    clock[0] += 60_000_000
+    released = ctl.checker.release(now, 8)
+    assert [(r.id, r.kind) for r in released.reported] == [("t:1", "r")]
+    again = ctl.checker.claim(now, "t:1", holder="h")
+    # Then it is counted by unit under the rates of now: 400 tokens, 1 request (no error,
+    # no unit taken from the wrong rate)
     used = {str(r.rate): r.used for r in ctl.status("llm").rates}
-    assert again.code == Code.RUN and used["1000 tokens/m"] == 400, (again, used)
+    assert again.code == Code.RUN and used["1000 tokens/m"] == 400 and used[live[0]] == 1, (again, used)
 
 
 def test_a_cost_by_unit_is_checked_against_the_rates_that_count_it(ctl: celery_throttle.Throttle) -> None:
@@ -291,43 +292,24 @@ def test_eager_and_direct_calls_are_not_throttled(prefix: str) -> None:
     assert once(5) == 5
 
 
-def test_reset_voids_outstanding_reservations(ctl: celery_throttle.Throttle) -> None:
-    # Given a full 2/s window and a start reserved for a third call
-    from celery_throttle.protocol import Reservation
-    from celery_throttle.spec import BoundCall
-
-    call = BoundCall("r", None, celery_throttle.rates.parse_rates("2/s"), 1, "sliding", state_key(ctl.settings.key_prefix, "r", None))
-    assert ctl.checker.check(call, reserve=True).allowed and ctl.checker.check(call, reserve=True).allowed
-    denied = ctl.checker.check(call, reserve=True)
-    token = Reservation(denied.start_us, denied.latest_us, 1, ctl.checker.grace_us(call.rates), denied.epoch)
-    # When, shortly before that start, the state is reset (or lost) and two fresh calls
-    # fill the new window
-    time.sleep(max(denied.start_us - denied.now_us - 300_000, 0) / 1e6)
-    ctl.reset("r")
-    assert ctl.checker.check(call, reserve=True).allowed and ctl.checker.check(call, reserve=True).allowed
-    time.sleep(max(token.start_us - time.time() * 1e6, 0) / 1e6 + 0.001)
-    # Then the old token is not honoured (its unit is no longer counted): a third call
-    # in the same second is denied
-    assert not ctl.checker.check(call, reserve=True, claim=token).allowed
-
-
-def test_a_reservation_is_used_once(ctl: celery_throttle.Throttle) -> None:
-    # Given a full 2/s window and starts reserved for a third and a fourth call
-    from celery_throttle.protocol import Reservation
-    from celery_throttle.spec import BoundCall
-
-    call = BoundCall("once", None, celery_throttle.rates.parse_rates("2/s"), 1, "sliding", state_key(ctl.settings.key_prefix, "once", None))
-    assert ctl.checker.check(call, reserve=True).allowed and ctl.checker.check(call, reserve=True).allowed
-    denied = ctl.checker.check(call, reserve=True)
-    assert not ctl.checker.check(call, reserve=True).allowed  # a fourth call reserves the same second
-    token = Reservation(denied.start_us, denied.latest_us, 1, ctl.checker.grace_us(call.rates), denied.epoch)
-    time.sleep(max(denied.start_us - denied.now_us, 0) / 1e6 + 0.001)
-    # When the task claims it on time, and a duplicate of its message claims it again
-    first = ctl.checker.check(call, reserve=True, claim=token, claimant="task-1")
-    second = ctl.checker.check(call, reserve=True, claim=token, claimant="task-1")
-    # Then only the first runs on it; the duplicate is checked afresh (and denied here)
+def test_a_ticket_starts_one_body_and_a_forged_or_copied_one_is_a_new_task(ctl: celery_throttle.Throttle) -> None:
+    # Given a full 2/s window and two tasks waiting in its line
+    call = ctl._direct_call("once", None, "2/s", 1, None)
+    assert ctl.checker.acquire(call).allowed and ctl.checker.acquire(call).allowed
+    for n in (1, 2):
+        assert ctl.checker.acquire(call, entry=Entry(f"task-{n}:x{n}", b"m", f"task-{n}", 0, 0, 1)).code == Code.QUEUED
+    # When the window has room again and the first is released, and arrives
+    time.sleep(1.05)
+    released = ctl.checker.release(call, 1)
+    assert [r.id for r in released.reported] == ["task-1:x1"]
+    first = ctl.checker.claim(call, "task-1:x1", holder="h1")
+    # Then it runs on its ticket; a copy of its message (the same ticket again), and a
+    # ticket nobody was handed, are each checked as a new task: with the second one
+    # still waiting in the line, neither starts, and neither waits without its message
     assert first.allowed
-    assert not second.allowed
+    for ticket in ("task-1:x1", "task-2:guessed"):
+        copy = ctl.checker.claim(call, ticket, holder="h2")
+        assert copy.code == Code.DENIED and copy.waiting == 1
 
 
 def test_a_live_limit_applies_to_every_key_without_its_own_and_keeps_what_was_counted(prefix: str) -> None:
@@ -388,7 +370,7 @@ def test_a_live_limit_keeps_what_the_declared_sliding_rate_counted_in_the_worker
     spec = ThrottleSpec.declare(["10/s"], scope="api")
 
     def check() -> bool:
-        return ctl.checker.check(ctl.checker.bind_spec("t", spec, None, (), {}), reserve=False).allowed
+        return ctl.checker.acquire(ctl.checker.bind_spec("t", spec, None, (), {})).allowed
 
     assert all(check() for _ in range(3))
     # When a live limit of the same window lowers it to 4/s
@@ -406,7 +388,7 @@ def test_a_start_granted_early_is_used_only_if_the_process_wakes_in_time(ctl: ce
 
     def granted(wait_us: int, open_us: int) -> WindowReply:
         start = 1_700_000_000_000_000
-        return WindowReply(Code.RUN_AT, wait_us, 0, 0, start, start + open_us, start - wait_us, 1, -1, 0)
+        return WindowReply(Code.RUN_AT, wait_us, 0, 0, start - wait_us, 1, start_us=start, latest_us=start + open_us)
 
     # A start open 50 ms beyond the slack: a process that waits 5 ms for it is in time
     assert _waited_for_start(ctl, call, granted(5_000, slack + 50_000))

@@ -22,9 +22,12 @@ from celery import Celery
 
 import celery_throttle
 from celery_throttle import StoreError
-from celery_throttle.keys import parking_keys
-from celery_throttle.parking import Releaser
+from celery_throttle.keys import line_index_key, parking_keys, state_key, window_keys
+from celery_throttle.messages import encode_message
+from celery_throttle.parking import release_parked
+from celery_throttle.protocol import HEADER, Code, Entry, Header
 from celery_throttle.store import RedisStore
+from celery_throttle.timing import SCRIPT_POLICY
 from tests.conftest import BROKER_URL, RABBITMQ_URL, STORE_URL, _clean
 from tests.helpers import (
     RedisServer,
@@ -73,20 +76,22 @@ def _ran_once(group: WorkerGroup, label: str, ids: list[str]) -> list[dict]:
 
 @pytest.mark.slow
 def test_store_killed_mid_burst_loses_nothing_and_limit_holds_after(group_factory) -> None:
-    # Given workers whose store is a Redis of its own (the broker is the main Redis)
-    store = RedisServer().start()
+    # Given workers whose store is a Redis of its own that keeps its data on disk (the
+    # broker is the main Redis)
+    store = RedisServer(extra=["--appendonly", "yes", "--appendfsync", "always"]).start()
     try:
         group = group_factory(store=store.url, env={"CT_PARK_AFTER": "30"}).start()
         label = "burst"
         ids = [group.send("below", label) for _ in range(40)]
         wait_for(lambda: len(group.starts(label)) >= 5, 20, what="the first starts")
-        # When the store dies mid-burst and comes back empty 3 s later
+        # When the store dies mid-burst and comes back 3 s later
         store.kill()
         time.sleep(3)
         store.start()
         restarted = time.time()
         group.wait_starts(label, 40, timeout=90)
-        # Then every task ran exactly once, the limit held after recovery, no worker died
+        # Then every task ran exactly once (those waiting in its line as it died included),
+    # the limit held after recovery, no worker died
         starts = _ran_once(group, label, ids)
         after = [e["t"] for e in starts if e["t"] > restarted]
         assert after and max_in_window(after, 1.0) <= 5
@@ -159,23 +164,72 @@ def test_worker_killed_mid_burst_loses_no_task(group_factory) -> None:
 
 
 @pytest.mark.slow
-def test_parked_tasks_survive_the_death_of_every_worker(group_factory) -> None:
+def test_tasks_waiting_in_a_line_survive_the_death_of_every_worker(group_factory) -> None:
     prefix = _prefix()
-    group = group_factory(prefix=prefix, env={"CT_PARK_AFTER": "1"}).start()
+    group = group_factory(prefix=prefix).start()
     ids = [group.send("slow_quota", "survive", "t") for _ in range(6)]
-    parked_key = f"{prefix}:{{parked}}:due"
-    wait_for(lambda: group.records.zcard(parked_key) == 3, 15, what="three parked tasks")
-    # When every worker dies while they are parked
+    line = window_keys(state_key(prefix, "tests.taskapp.slow_quota", "t"))[2]
+    wait_for(lambda: group.records.zcard(line) == 3, 15, what="three tasks waiting in the line")
+    # When every worker dies while they wait
     for i in range(group.count):
         group.kill(i)
-    time.sleep(5)  # their due time passes with no worker alive
-    # Then the next worker to start releases them, and each runs once
+    time.sleep(5)  # their room comes with no worker alive
+    # Then the next workers to start release them, and each runs once
     for i in range(group.count):
         group.start_one(i)
         group.wait_ready(i)
     group.wait_starts("survive", 6, timeout=30)
     _ran_once(group, "survive", ids)
-    assert group.records.zcard(parked_key) == 0
+    assert group.records.zcard(line) == 0
+
+
+def test_two_releasers_claim_each_due_line_exactly_once(prefix: str) -> None:
+    # Given 300 keys with a line, all due now
+    store = RedisStore(STORE_URL, prefix)
+    now = store.now_us()
+    for i in range(300):
+        store.index_note(f"{prefix}:{{k{i}}}", now - 1000, 2)
+    claimed: list[list[str]] = [[], []]
+    together = threading.Barrier(2)
+
+    def claim(slot: int) -> None:
+        mine = RedisStore(STORE_URL, prefix)  # each releaser has its own connection
+        mine.client.ping()
+        together.wait()
+        while True:
+            _, _, keys = mine.index_claim(0, 7, 60_000_000)
+            if not keys:
+                return
+            claimed[slot] += [k for k, _ in keys]
+            time.sleep(RELEASE_PAUSE_S)
+
+    # When two releasers race for them
+    threads = [threading.Thread(target=claim, args=(n,)) for n in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    # Then each key was claimed exactly once, and both claimed some
+    assert not set(claimed[0]) & set(claimed[1])
+    assert len(claimed[0]) + len(claimed[1]) == 300
+    assert claimed[0] and claimed[1]
+    store.close()
+
+
+def test_a_line_missing_from_the_index_is_indexed_again_by_its_next_call(group_factory) -> None:
+    # Given a 3/4s tenant with tasks waiting in its line
+    group = group_factory(count=1).start()
+    ids = [group.send("slow_quota", "reindexed", "t") for _ in range(5)]
+    key = state_key(group.prefix, "tests.taskapp.slow_quota", "t")
+    wait_for(lambda: group.records.zcard(window_keys(key)[2]) >= 2, 15, what="tasks waiting in the line")
+    # When the index loses it (evicted, or deleted by hand)
+    group.records.delete(line_index_key(group.prefix))
+    # Then its next call (a task of that tenant, after the index's stale time) writes it
+    # again, and every task runs once
+    time.sleep(SCRIPT_POLICY.index_stale_ms / 1000 + 0.5)
+    ids.append(group.send("slow_quota", "reindexed", "t"))
+    group.wait_starts("reindexed", 6, timeout=40)
+    _ran_once(group, "reindexed", ids)
 
 
 #: How long each racing releaser pauses between its batches (seconds): 43 batches each, so
@@ -184,7 +238,7 @@ RELEASE_PAUSE_S = 0.005
 
 
 def test_two_releasers_take_each_parked_task_exactly_once(prefix: str) -> None:
-    # Given 300 parked messages, all due
+    # Given 300 messages an earlier version parked, all due
     app = Celery("release", broker="memory://", set_as_current=False)
     ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
     now = ctl.parking.release(0, 1, 1, 5)[0]
@@ -238,9 +292,7 @@ def test_a_releaser_that_dies_before_its_ack_loses_nothing(prefix: str) -> None:
     assert [(i, m) for i, _, m in again] == [("a", b"payload")]
 
 
-def test_releaser_sends_parked_task_back_with_its_options(prefix: str) -> None:
-    from celery_throttle.parking import park
-
+def test_a_task_parked_by_an_earlier_version_and_one_released_from_a_line_keep_their_options(prefix: str) -> None:
     app = Celery("relapp", broker="memory://", set_as_current=False)
     ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
     sent = []
@@ -250,18 +302,26 @@ def test_releaser_sends_parked_task_back_with_its_options(prefix: str) -> None:
 
     sig = job.signature((1,), {"y": "z"}, task_id="fixed-id", queue="special", priority=3,
                         headers={"h": 1})
-    park(ctl, sig, due_us=ctl.parking.release(0, 1, 1, 5)[0])
+    ctl.parking.park("fixed-id:abc", ctl.store.now_us(), encode_message(app, sig))
     from celery.signals import before_task_publish
 
     def capture(sender, headers, routing_key, body, **kw):
-        sent.append((sender, headers["id"], routing_key, body[0], body[1], headers.get("h")))
+        sent.append((sender, headers["id"], routing_key, body[0], body[1], headers.get("h"),
+                     Header.read(headers.get(HEADER)).key))
 
+    call = ctl._direct_call("api", None, "1/m", 1, None)
     before_task_publish.connect(capture, weak=False)
     try:
-        assert Releaser(ctl).release_once() == 1
+        assert release_parked(ctl) == 1
+        # and a task that waited in a line, released with its ticket
+        assert ctl.checker.acquire(call).allowed
+        queued = ctl.checker.acquire(call, entry=Entry("fixed-id:line", encode_message(app, sig), "fixed-id", 0, 0, 1))
+        assert queued.code == Code.QUEUED
+        ctl.lines.handle(call, ctl.checker.release(call, 8, drain=True))
     finally:
         before_task_publish.disconnect(capture)
-    assert sent == [("relapp.job", "fixed-id", "special", [1], {"y": "z"}, 1)]
+    assert sent == [("relapp.job", "fixed-id", "special", [1], {"y": "z"}, 1, ""),
+                    ("relapp.job", "fixed-id", "special", [1], {"y": "z"}, 1, call.state_key)]
     assert ctl.parking.parked_count() == (0, 0, 0)
 
 
@@ -349,27 +409,6 @@ def test_workers_with_skewed_clocks_share_one_window(group_factory) -> None:
     assert len({e["pid"] for e in starts}) >= 2
 
 
-def test_a_denied_task_that_cannot_be_parked_is_sent_back_with_its_countdown(group_factory) -> None:
-    # Given workers whose store user may touch window state but not the parking keys
-    # (an ACL: every park fails with NOPERM, every window check works), parking after 3 s
-    store = RedisServer().start()
-    try:
-        prefix = _prefix()
-        redis.Redis(port=store.port).acl_setuser(
-            "noparking", enabled=True, passwords=["+pw"], commands=["+@all"], keys=[f"{prefix}:{{tests.*"])
-        url = f"redis://noparking:pw@127.0.0.1:{store.port}/0"
-        group = group_factory(prefix=prefix, store=url, count=1, env={"CT_PARK_AFTER": "3"}).start()
-        # When 9 tasks of a 3/4s tenant are sent at once (waits of 4 and 8 s)
-        ids = [group.send("slow_quota", "unparked", "t") for _ in range(9)]
-        # Then none failed: each ran once within its limit, sent back with a countdown
-        starts = group.wait_starts("unparked", 9, timeout=40)
-        assert sorted(e["id"] for e in _ran_once(group, "unparked", ids)) == sorted(ids)
-        assert max_in_window([e["t"] for e in starts], 4.0) <= 3
-        assert "could not park tests.taskapp.slow_quota" in group.log_text()
-    finally:
-        store.stop()
-
-
 def test_a_store_that_never_answers_does_not_stall_the_consumer(group_factory) -> None:
     # Given a "Redis" that accepts connections and never answers (a black hole), and one
     # worker with 4 pool processes that runs tasks unthrottled when its store fails
@@ -398,18 +437,17 @@ def test_a_store_that_never_answers_does_not_stall_the_consumer(group_factory) -
 def test_a_parked_message_that_cannot_be_sent_back_becomes_a_dead_letter_and_the_rest_go(
     group_factory,
 ) -> None:
-    from celery_throttle.parking import park
     from tests.test_cli import _run
 
-    # Given a worker, and two parked messages due now: one that no serializer can read,
-    # then a good task
+    # Given a worker, and two messages an earlier version parked, due now: one that no
+    # serializer can read, then a good task
     group = group_factory(count=1).start()
     ctl = celery_throttle.Throttle(group.client, {"redis_url": STORE_URL, "key_prefix": group.prefix})
     now = ctl.parking.release(0, 1, 1, 5)[0]  # (Redis's clock; takes nothing)
     ctl.parking.park("poison:1", now, b"application/json\nutf-8\n{not json")
     good = group.client.signature("tests.taskapp.unthrottled", args=("after-poison",),
                                   options={"queue": group.queue, "task_id": "good-1"})
-    park(ctl, good, due_us=now)
+    ctl.parking.park("good-1:x", now, encode_message(group.client, good))
     # When the worker's releaser has tried the poison as often as it may
     wait_for(lambda: ctl.parking.parked_count()[2] == 1, 30, what="a dead letter")
     # Then the good task ran, the poison is a dead letter tried 5 times, the worker is up
@@ -453,7 +491,7 @@ def test_a_parked_task_whose_message_was_evicted_is_logged_and_kept_as_a_dead_le
     ctl.store.client.delete(parking_keys(prefix)[1])
     # When a releaser comes to them
     with caplog.at_level(logging.ERROR, logger="celery_throttle"):
-        assert Releaser(ctl).release_once() == 3
+        assert release_parked(ctl) == 3
     # Then each is named in an error, and kept as a dead letter with no message
     lost = [r.getMessage() for r in caplog.records if "message is gone" in r.getMessage()]
     assert [m.split()[2] for m in lost] == ["task-0", "task-1", "task-2"]

@@ -10,31 +10,22 @@ import pytest
 import redis
 
 from celery_throttle.errors import StoreError
-from celery_throttle.protocol import (
-    STATE_FORMAT,
-    STATE_LAYOUT,
-    Code,
-    Reservation,
-    WindowCall,
-    rate_field,
-    window_argv,
-)
+from celery_throttle.controls import FOREVER_US
+from celery_throttle.protocol import STATE_FORMAT, STATE_LAYOUT, Code, Entry, WindowCall, rate_field, window_argv
 from celery_throttle.rates import Rate
 from celery_throttle.store import RedisStore, window_script
 from celery_throttle.timing import SCRIPT_POLICY
 from tests.helpers import STORE_URL
 
-#: Each documented ARGV slot, by the words its header line starts with.
+#: Each documented ARGV slot of window.lua's head, by the words its header line starts with.
 DOCUMENTED = {
-    1: "now in microseconds", 2: "op:", 3: "'1' to reserve", 4: "cost:", 5: "grace", 6: "slack",
-    7: "for 'claim': the reservation's start", 13: "'1' if this claim is the task's arrival",
-    14: "lease:", 15: "lease span", 16: "max wait", 17: "not before", 18: "pause horizon",
-    19: "early (µs), for 'claim'", 20: "number of rates",
+    1: "now in microseconds", 2: "op (line.lua lists them)", 3: "cost:", 4: "slack", 5: "not before",
+    6: "concurrency", 7: "a running body's slot lease", 8: "lead", 9: "number of rates",
 }
 
 
-def _header() -> dict[int, str]:
-    text = resources.files("celery_throttle").joinpath("lua", "window.lua").read_text("utf-8")
+def _header(name: str = "window.lua") -> dict[int, str]:
+    text = resources.files("celery_throttle").joinpath("lua", name).read_text("utf-8")
     return {int(m.group(1)): m.group(2).strip()
             for m in re.finditer(r"^-- ARGV\[(\d+)(?:\.\.\d+)?\]\s+(.*)$", text, re.MULTILINE)}
 
@@ -43,31 +34,39 @@ def test_every_argument_sits_where_window_lua_documents_it() -> None:
     header = _header()
     for slot, words in DOCUMENTED.items():
         assert header[slot].startswith(words), f"ARGV[{slot}] is documented as {header[slot]!r}"
-    claim = Reservation(start_us=701, latest_us=702, cost=703, grace_us=704, epoch=705, lead_us=706)
     rates = (Rate(10, 1.0), Rate(500, 3600.0))
-    call = WindowCall("sliding", rates, 104, grace_us=105, slack_us=106, max_wait_us=116, not_before_us=117,
-                      pause_horizon_us=118)
-    argv = window_argv("101", "claim", call, reserve=True, claim=claim, learn="0", lease=114, lease_span_us=115,
-                       early_us=119)
-    placed = {1: "101", 2: "claim", 3: "1", 4: 104, 5: 105, 6: 106, 7: 701, 8: 702, 9: 703, 10: 704,
-              11: 705, 12: 706, 13: "0", 14: 114, 15: 115, 16: 116, 17: 117, 18: 118, 19: 119, 20: 2}
-    assert {slot: argv[slot - 1] for slot in placed} == placed
-    assert argv[20:] == [10, 1_000_000, rate_field("sliding", rates[0]), 500, 3_600_000_000,
-                         rate_field("sliding", rates[1])]
-    assert "then ARGV[21..]: limit, period (µs) and field name per rate" in header[20]
+    call = WindowCall("sliding", rates, 104, slack_us=105, not_before_us=106, concurrency=107, slot_lease_us=108,
+                      lead_us=109)
+    entry = Entry("e", b"m", "t", 4, 5, 6)
+    argv = window_argv("101", "acquire", call, 11, 12, "h", *entry.args())
+    assert argv[:9] == ["101", "acquire", 104, 105, 106, 107, 108, 109, 2]
+    assert argv[9:15] == [10, 1_000_000, rate_field("sliding", rates[0]), 500, 3_600_000_000,
+                          rate_field("sliding", rates[1])]
+    # the operation's own, from P = 10 + 3 * rates: acquire's lease, span, holder, then the entry's
+    assert argv[15:] == [11, 12, "h", "e", b"m", "t", 4, 5, 6]
+    assert "then ARGV[10..]: limit, period (µs) and field name per rate" in header[9]
+
+
+def test_each_operations_arguments_are_where_line_lua_documents_them() -> None:
+    text = resources.files("celery_throttle").joinpath("lua", "line.lua").read_text("utf-8")
+    documented = " ".join(" ".join(line.removeprefix("--").strip() for line in text.splitlines()
+                                   if line.startswith("--")).split())
+    for words in ("acquire a fresh call", "[P] lease, [P+1] lease span, [P+2] holder (a delivery id), then the entry's",
+                  "claim a released task arrives", "[P] ticket, [P+1] how early it may come at most",
+                  "[P+2] holder", "[P+3] the start granted to this process earlier",
+                  "release release the heads that fit. [P] batch", "ack the tasks released were sent",
+                  "settle a call that started reports its real cost", "[P] at, [P+1] latest, [P+2] epoch",
+                  "The entry's arguments: [E] entry id, [E+1] message ('' none), [E+2] task id, [E+3] expires"):
+        assert " ".join(words.split()) in documented, f"line.lua does not document {words!r}"
 
 
 def test_reply_codes_match_the_script() -> None:
-    text = resources.files("celery_throttle").joinpath("lua", "window.lua").read_text("utf-8")
-    header = " ".join(text[text.index("-- Returns"):text.index("local key = KEYS[1]")].replace("--", "").split())
-    for code, meaning in ((Code.RUN, "run now"), (Code.DENIED, "not now, and no start reserved"),
-                          (Code.RESERVED, "not now, and a start was reserved"),
-                          (Code.EARLY, "a claim that came before"), (Code.TOO_FAR, "denied, and the earliest start"),
-                          (Code.TOO_COSTLY, "the cost exceeds the limit"),
-                          (Code.RUN_AT, "a claim that came at most ARGV[19] before its reserved start")):
-        assert f"{code.name} {meaning}" in header, f"code {code.name} is not documented as {meaning!r}"
-    assert [c.value for c in (Code.RUN, Code.DENIED, Code.RESERVED, Code.EARLY, Code.TOO_FAR, Code.TOO_COSTLY,
-                              Code.RUN_AT)] == [1, 0, 4, 2, 3, -1, 5]
+    text = resources.files("celery_throttle").joinpath("lua", "line.lua").read_text("utf-8")
+    header = " ".join(" ".join(line.removeprefix("--").strip() for line in text.splitlines()
+                               if line.startswith("--")).split())
+    assert "Codes (protocol.Code): RUN, RUN_AT, DENIED, QUEUED, RELEASED, TOO_FAR, TOO_COSTLY, WAITED, LOST" in header
+    assert {c.name for c in Code} == {"RUN", "RUN_AT", "DENIED", "QUEUED", "RELEASED", "TOO_FAR", "TOO_COSTLY",
+                                      "WAITED", "LOST"}
 
 
 #: The layout constants of the other algorithm: given to each script, read by one.
@@ -84,14 +83,16 @@ def test_the_scripts_read_every_constant_they_are_loaded_with_and_no_other() -> 
                          first.split(" = ")[1].split(", "), strict=True))
         assert given == {**{k: str(v) for k, v in SCRIPT_POLICY.values().items()},
                          **{k: str(v) for k, v in STATE_LAYOUT.values().items()},
-                         **{c.name: str(c.value) for c in Code}, "STATE_FORMAT": str(STATE_FORMAT)}
-        # Each is used by the algorithm or window.lua, and they use no capitalised name
-        # they are not given but those they set themselves (MAX_COLD_BYTES, ...)
+                         **{c.name: str(c.value) for c in Code}, "STATE_FORMAT": str(STATE_FORMAT),
+                         "FOREVER_US": str(FOREVER_US)}
+        # Each is used by the algorithm, window.lua or line.lua, and they use no
+        # capitalised name they are not given but those they set themselves
         used: set[str] = set()
         own: set[str] = set()
-        for name in (f"{algorithm}.lua", "window.lua"):
+        for name in (f"{algorithm}.lua", "window.lua", "line.lua"):
             text = resources.files("celery_throttle").joinpath("lua", name).read_text("utf-8")
             code = re.sub(r"'[^']*'", "", "\n".join(line.split("--")[0] for line in text.splitlines()))
+            code = re.sub(r"\bM\.[A-Z_]+|local M = \{[^}]*\}", "", code)  # (an entry's fields, M's)
             used |= set(re.findall(r"\b[A-Z][A-Z_]{2,}\b", code)) - {"ARGV", "KEYS", "ALGO"}
             own |= set(re.findall(r"^local ([A-Z][A-Z_]{2,}) =", code, re.MULTILINE))
         assert own.isdisjoint(given), f"{algorithm}: sets a constant it is given: {own & set(given)}"
@@ -106,11 +107,12 @@ def test_an_error_in_a_script_names_the_file_and_its_own_line(store_client: redi
         argv = window_argv("", "peek", WindowCall("sliding", (Rate(1, 1.0),)))
         # When the script runs it
         with pytest.raises(StoreError) as failed:
-            store.run("sliding", [f"{prefix}:k"], argv[:19] + ["1"])
-        # Then the error names window.lua and its line there (the arithmetic on the rate's
-        # missing period), not the line in the script as loaded
-        named = re.search(r"window\.lua:(\d+): attempt to perform arithmetic on field 'period'", str(failed.value))
+            store.run("sliding", [f"{prefix}:k{i}" for i in range(6)], argv[:8] + ["1"])
+        # Then the error names window.lua and its line there (the unit read from the rate's
+        # missing field name), not the line in the script as loaded
+        named = re.search(r"window\.lua:(\d+): bad argument #1 to 'match'", str(failed.value))
         assert named, str(failed.value)
-        assert "r.period" in window[int(named.group(1)) - 1], (named.group(0), window[int(named.group(1)) - 1])
+        assert "string.match(field" in window[int(named.group(1)) - 1], (named.group(0),
+                                                                       window[int(named.group(1)) - 1])
     finally:
         store.close()

@@ -434,11 +434,20 @@ local function fresh_fits()
   return waiting == 0 and not_before == 0 and slot_free() and earliest(now, call_units, out_per_rate()) == now
 end
 
+-- Whether entry `id` already waits in the line or is out: a task sent again after a call
+-- whose reply was lost (the store went away mid-call) names the entry it may hold, and is
+-- told it waits there already, not let in twice.
+local function known_entry(id)
+  return id ~= '' and redis.call('HEXISTS', msgs_key, id .. '#') == 1
+end
+
 -- A fresh call (`runs`: recorded if it fits; else the pool's acquire will). `a`: its
 -- entry, and `lease`, `lease_span`, `holder`.
 local function fresh(runs, a)
   local code, wait, f = RUN, 0, {}
-  if fresh_fits() then
+  if known_entry(a.id) then
+    code = QUEUED
+  elseif fresh_fits() then
     if runs then
       local units, span = call_units, slack
       -- A lease only while nothing waits or is out: the line is served first.
@@ -475,7 +484,9 @@ local function admit()
   reclaim()
   local a = entry_at(P)
   local code, wait, f = RUN, 0, {}
-  if waiting == 0 and out_count == 0 and not_before == 0 and slot_free() and lease_fits(nil, slack) then
+  if known_entry(a.id) then
+    code = QUEUED
+  elseif waiting == 0 and out_count == 0 and not_before == 0 and slot_free() and lease_fits(nil, slack) then
     -- (lease_fits: at most half of each rate used with this call, so the room is >= cost)
     local room, rooms = nil, {}
     for i, r in ipairs(rates) do
@@ -499,7 +510,7 @@ end
 local function front()
   expire_out(LINE_BATCH)
   local a = entry_at(P)
-  enqueue(a.id, a.message, new_meta(a.task, a.expires, a.max_wait), true)
+  if not known_entry(a.id) then enqueue(a.id, a.message, new_meta(a.task, a.expires, a.max_wait), true) end
   release_heads(a.batch)
   return finish(QUEUED, 0)
 end
