@@ -268,6 +268,13 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     if reply.code == Code.QUEUED:
         turned.waits(reply.wait_us, reason="concurrency" if call.concurrency and not call.rates else "rate")
         return False
+    if reply.code == Code.DUPLICATE:
+        # A copy of a task that started lately (sent again after a store error whose reply
+        # was lost, or delivered twice): it does not run twice.
+        logger.warning("%s[%s] is a copy of a task that started lately in scope %r%s: dropped, not run twice",
+                       task.name, request.id, call.scope, "" if call.key is None else f" key {call.key!r}")
+        ctl.metrics.store_error("duplicate")
+        return False
     if reply.code == Code.TOO_FAR:
         raise _too_long(task, request, call, reply.wait_us / 1e6, max_wait or 0, "would wait", "scope")
     if reply.code == Code.WAITED:

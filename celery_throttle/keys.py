@@ -164,12 +164,13 @@ def state_of(prefix: str, redis_key: str) -> tuple[str, str | None] | None:
     return decode(scope), (decode(key) if sep else None)
 
 
-def window_keys(state_key: str) -> tuple[str, str, str, str, str, str]:
+def window_keys(state_key: str) -> tuple[str, str, str, str, str, str, str]:
     """Every key of one scope and key that window.lua works on, all in its hash tag: the
     state hash, the line's counts, the line, the messages waiting (and what each is), the
-    tasks released and not started, and the concurrency slots' holders."""
+    tasks released and not started, the concurrency slots' holders, and the entries that
+    started lately."""
     return (state_key, f"{state_key}:lm", f"{state_key}:line", f"{state_key}:msgs", f"{state_key}:out",
-            f"{state_key}:slots")
+            f"{state_key}:slots", f"{state_key}:used")
 
 
 def line_index_key(prefix: str) -> str:

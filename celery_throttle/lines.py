@@ -211,7 +211,7 @@ class Lines:
 
     def _sample(self, key: str) -> bytes | None:
         """A message of ``key``'s line: its head's, else one released and not started."""
-        _, _, line, msgs, out, _ = window_keys(key)
+        _, _, line, msgs, out, _, _ = window_keys(key)
         with self.ctl.store.errors():
             client = self.ctl.store.client
             ids = [*client.zrange(line, 0, 0), *client.zrange(out, 0, 3)]
@@ -246,7 +246,7 @@ class Lines:
 
     def _counts(self, key: str) -> tuple[int, int]:
         """(tasks in line, tasks released and not started) of ``key``."""
-        _, _, line, _, out, _ = window_keys(key)
+        _, _, line, _, out, _, _ = window_keys(key)
         with self.ctl.store.errors():
             pipe = self.ctl.store.client.pipeline(transaction=False)
             pipe.zcard(line)

@@ -130,6 +130,9 @@ class Code(IntEnum):
     WAITED = 8
     #: A holder's slot lease had run out (ended, renew).
     LOST = 9
+    #: A copy of a task that started lately (its ticket, or the entry it names, was used):
+    #: it does not run again.
+    DUPLICATE = 10
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,8 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
         except Exception:
             _give_back(ctl, call, entry_id)  # (not sent: its room is not held for it)
             raise
+    if reply.code == Code.DUPLICATE:
+        return _result(app, task_id, options)  # (its entry started already: not sent twice)
     if reply.code != Code.QUEUED:
         return None  # too far for its max wait, or not kept: the worker decides, visibly
     ctl.lines.full(call)

@@ -85,6 +85,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
         if streak >= _SAMPLE and streak % every:
             fits_in_a_row = streak + 1
             return handler(message, body, ack, reject, callbacks, **kw)
+        turned = None
         try:
             args, kwargs = _arguments(message)
             spec = type(task)._throttle_spec
@@ -100,11 +101,17 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
                 if reply.code != Code.DENIED or with_message:
                     break
         except StoreError as exc:
-            # Redis down or slow: stop screening for a while; the pool's check decides.
+            # Redis down or slow: stop screening for a while; the pool's check decides. It
+            # names the entry the failed call may have left it in its line (its reply lost),
+            # so that the pool's check does not let it in twice.
             ctl.metrics.store_error("consumer")
             breaker.trip()
             logger.warning("throttle store unreachable from the consumer, not screening for %.0fs: %s",
                            STORE_ERROR_PAUSE, exc)
+            if turned is not None and turned.entry_id and isinstance(message.headers, dict):
+                h = turned.header
+                message.headers[HEADER] = Header(turned.call.state_key, h.ticket, h.deferrals, h.errors,
+                                                 turned.entry_id).value()
             return handler(message, body, ack, reject, callbacks, **kw)
         except ThrottleError:
             # Bad arguments: the pool path deals with it, visibly.
@@ -115,6 +122,12 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
         except Exception:
             logger.exception("could not screen %s[%s]; handing it to the pool", task.name, headers.get("id"))
             return handler(message, body, ack, reject, callbacks, **kw)
+        if reply is not None and reply.code == Code.DUPLICATE:
+            logger.warning("%s[%s] is a copy of a task that started lately: dropped, not run twice", task.name,
+                           headers.get("id"))
+            ctl.metrics.store_error("duplicate")
+            ack(logger, errors)
+            return None
         if reply is None or reply.code != Code.QUEUED:
             if reply is not None and reply.code == Code.RUN:
                 fits_in_a_row = streak + 1

@@ -144,6 +144,11 @@ class ScriptPolicy:
     #: How long (ms) past a start granted early its entry is kept, for a process that
     #: woke too late for it (it gives the start back and is checked again).
     grant_keep_ms: int = 1_000
+    #: How long (ms) a key remembers the entries that started: a copy of such a task that
+    #: comes within it (sent again after a store error whose reply was lost, or delivered
+    #: twice by the broker) is dropped, not run twice. As long as a released task may take
+    #: to arrive: a copy later than that is checked as a new task.
+    used_keep_ms: int = 600_000
     #: A start granted ahead is counted over this many slacks from it: one for the process
     #: that waits for it to wake, one for the body (a process that wakes later gives it
     #: back and is checked again).

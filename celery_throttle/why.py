@@ -88,7 +88,7 @@ def find_in_lines(ctl: Throttle, task_id: str) -> tuple[str, str, int, bytes | N
         client = store.client
         for member, _ in client.zscan_iter(line_index_key(store.prefix), count=1000):
             key = member.decode(errors="surrogateescape") if isinstance(member, bytes) else member
-            _, _, line, msgs, out, _ = window_keys(key)
+            _, _, line, msgs, out, _, _ = window_keys(key)
             for entry, _ in client.zscan_iter(line, match=pattern, count=1000):
                 rank = client.zrank(line, entry)
                 return "line", key, int(rank or 0) + 1, client.hget(msgs, entry)

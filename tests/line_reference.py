@@ -116,6 +116,8 @@ class KeyModel:
         self.meta: dict[str, Meta] = {}
         self.out: dict[str, int] = {}
         self.slots: dict[str, int] = {}
+        #: Entries that started lately (KEYS[7]): entry -> when.
+        self.used: dict[str, int] = {}
         # the line's counts (KEYS[2]), present while something waits or is out
         self.waiting = 0
         self.last_place = 0
@@ -321,6 +323,14 @@ class KeyModel:
         if m.phase == "g" and m.epoch == (self.epoch or 0):
             self._unrecord(m.start, m.latest - m.start, self._units_of(m))
 
+    def _used(self, eid: str) -> bool:
+        return bool(eid) and eid in self.used
+
+    def _use(self, eid: str) -> None:
+        cut = self.now - self.policy.used_keep_ms * 1000
+        self.used = {e: t for e, t in self.used.items() if t > cut}
+        self.used[eid] = self.now
+
     def _forget(self, eid: str) -> None:
         self.messages.pop(eid, None)
         self.meta.pop(eid, None)
@@ -473,6 +483,8 @@ class KeyModel:
         code, wait, f = Code.RUN, 0, {}
         if eid and eid in self.meta:
             code = Code.QUEUED
+        elif self._used(eid):
+            code = Code.DUPLICATE
         elif self._fresh_fits():
             if runs:
                 units, span = list(self.call.costs), self.call.slack
@@ -503,6 +515,8 @@ class KeyModel:
         code, wait, f = Code.RUN, 0, {}
         if eid and eid in self.meta:
             code = Code.QUEUED
+        elif self._used(eid):
+            code = Code.DUPLICATE
         elif (self.waiting == 0 and self.out_count == 0 and self.not_before == 0 and self._slot_free()
                 and self._lease_fits(None, self.call.slack)):
             rooms = [math.floor(r.limit / 2) - max(r.usage(self.now), r.usage(self.now + self.call.slack))
@@ -538,6 +552,9 @@ class KeyModel:
         if m is not None and m.phase == "g" and (granted == 0 or granted != m.start):
             m = None
         if m is None:
+            if self._used(ticket):
+                self._release_heads(batch)
+                return self._finish(Code.DUPLICATE, 0)
             if any(c > r.limit for c, r in zip(self.call.costs, self.rates)):
                 return self._finish(Code.TOO_COSTLY, 0)
             return self._fresh(True, 0, 0, holder, eid, message, task, expires, max_wait, batch)
@@ -572,6 +589,7 @@ class KeyModel:
             latest = x + (self.call.slack if x == self.now else p.grant_slacks * self.call.slack)
             self._come_in(ticket, m)
             self._record(x, latest, units)
+            self._use(ticket)
             held_now = self._hold(holder, x + self.call.slot_lease, ticket)
             if x == self.now:
                 self._forget(ticket)

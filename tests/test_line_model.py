@@ -207,7 +207,7 @@ class Walk:
     # -- stored state -----------------------------------------------------------------------
     def check_stored(self) -> None:
         client, m = self.store.client, self.model
-        state, lm, line, msgs, out, slots = window_keys(self.key)
+        state, lm, line, msgs, out, slots, used = window_keys(self.key)
         stored = {k.decode(): v for k, v in client.hgetall(state).items()}
         assert stored.get("e") == (str(m.epoch).encode() if m.epoch is not None else None), self.explain("epoch")
         if m.delay is not None:
@@ -229,6 +229,7 @@ class Walk:
         assert _zset(client, line) == m.line, self.explain(f"line: {_zset(client, line)} vs {m.line}")
         assert _zset(client, out) == m.out, self.explain(f"out: {_zset(client, out)} vs {m.out}")
         assert _zset(client, slots) == m.slots, self.explain(f"slots: {_zset(client, slots)} vs {m.slots}")
+        assert _zset(client, used) == m.used, self.explain(f"used: {_zset(client, used)} vs {m.used}")
         raw_msgs = {k.decode(): v for k, v in client.hgetall(msgs).items()}
         metas = {k[:-1]: msgpack.unpackb(v) for k, v in raw_msgs.items() if k.endswith("#")}
         bodies = {k: v for k, v in raw_msgs.items() if not k.endswith("#")}
@@ -257,6 +258,8 @@ class Walk:
             meta = self.model.meta.get(r.id)
             if meta is not None:
                 places[r.id] = meta.place
+        if op == "claim" and places.get(args[0]) == 0:
+            places[args[0]] = -(2**62)  # (released at publish, put back before everyone)
         candidates = sorted((p, i.encode()) for i, p in places.items() if i in set(left) | set(self.model.line))
         order = [i.decode() for _, i in candidates]
         assert order[:len(left)] == left, self.explain(
@@ -420,6 +423,8 @@ class Walk:
         elif got.code == Code.QUEUED and known:
             self.tickets.pop(ticket, None)
             self.seen["back in line"] += 1
+        elif got.code == Code.DUPLICATE:
+            self.seen["duplicate"] += 1
         elif got.code in (Code.WAITED, Code.TOO_COSTLY) and known:
             self.tickets.pop(ticket, None)
             self.end(ticket, Code(got.code).name)
@@ -454,8 +459,15 @@ class Walk:
             else:
                 self.claim(ticket)
         elif roll < 0.5 and self.tickets:
-            # A copy of a released task's message (or a guess): checked as a fresh call.
-            ticket = rng.choice(sorted(self.tickets)) if rng.random() < 0.7 else self.new_id("forged")
+            # A copy of a released task's message, of one that started (dropped), or a
+            # guess: checked as a fresh call.
+            roll2 = rng.random()
+            if roll2 < 0.5:
+                ticket = rng.choice(sorted(self.tickets))
+            elif roll2 < 0.8 and self.model.used:
+                ticket = rng.choice(sorted(self.model.used))
+            else:
+                ticket = self.new_id("forged")
             self.claim(ticket, copied=True)
             self.seen["copied"] += 1
         elif roll < 0.6:
@@ -470,7 +482,8 @@ class Walk:
                         self.claim(r.id)
         elif roll < 0.63 and self.tickets:
             ticket = rng.choice(sorted(self.tickets))
-            was_out = ticket in self.model.out
+            # (one whose time is up is put back, forgotten or done by the call's own look first)
+            was_out = self.model.out.get(ticket, 0) > self.clock.now
             meta = self.model.meta.get(ticket)
             if was_out and meta is not None and (meta.phase != "g" or self.model.out[ticket] > self.clock.now):
                 if meta.phase == "g":
@@ -643,7 +656,7 @@ def test_the_line_matches_its_model_and_keeps_every_promise(
         store.close()
     # Then they agreed at every step and every property held (asserted as they walked),
     # and the walks went where the promises are tested
-    wanted = {"queued", "released", "start", "copied", "slot given back"}
+    wanted = {"queued", "released", "start", "copied", "slot given back", "duplicate"}
     if RATE_SETS[rate_set]:
         wanted |= {"settled", "back in line"}
     if rate_set in ("one", "two", "tiny", "requests-tokens"):  # (where room comes unit by unit)

@@ -23,6 +23,8 @@
 -- too late for it. A slot handed to a released task is held in the entry's name until that
 -- time; a running body's, in its holder's (a delivery id), renewed by its process.
 --
+-- KEYS[7] holds the entries that started lately (entry -> when), for USED_KEEP_MS.
+--
 -- KEYS[2], the line's counts: 'q' tasks in line, 's' the last place given, 'b' the first
 -- (places before 0: sent back to the front), 'o' units out by unit, 'u' units in line by
 -- unit (MessagePack arrays unit, n, ...), 'c' entries released and not started, 'x' the
@@ -63,7 +65,8 @@
 -- expires (µs, 0 none), [E+4] max wait (µs, 0 none), [E+5] batch.
 --
 -- Codes (protocol.Code): RUN, RUN_AT, DENIED, QUEUED, RELEASED, TOO_FAR, TOO_COSTLY,
--- WAITED, LOST (ended, renew: a slot's lease had run out). `due` is when the key next
+-- WAITED, LOST (ended, renew: a slot's lease had run out), DUPLICATE (a copy of a task that
+-- started lately: its ticket, or the entry it names, was used). `due` is when the key next
 -- needs a look (its head fits, an entry's time is up; 0: never, nothing waits), and
 -- `index` whether the caller must tell the index so (1: if earlier, 2: whatever it holds).
 -- Reported tasks, {id, payload, kind}: 'r' released (payload: its message; send it with
@@ -72,7 +75,7 @@
 -- cleared since; its message, sent as it is: the worker's check fails it, visibly), 'l'
 -- its message is gone (payload: task id), 'f' released and never arrived (payload: task
 -- id), for renew the holders lost.
-local lm_key, line_key, msgs_key, out_key, slots_key = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local lm_key, line_key, msgs_key, out_key, slots_key, used_key = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 -- An entry's fields (one table, not a local each: a Lua function sees 60 upvalues at most).
 local M = {TASK = 1, UNITS = 2, ENQUEUED = 3, EXPIRES = 4, MAX_WAIT = 5, PLACE = 6, PHASE = 7, RELEASED = 8,
            START = 9, LATEST = 10, EPOCH = 11}
@@ -441,12 +444,26 @@ local function known_entry(id)
   return id ~= '' and redis.call('HEXISTS', msgs_key, id .. '#') == 1
 end
 
+-- Whether entry `id` started lately (USED_KEEP_MS): a copy of a task that ran (a copy sent
+-- again after a store error, or one the broker delivered twice) is told so, and dropped.
+local function used(id)
+  return id ~= '' and redis.call('ZSCORE', used_key, id) ~= false
+end
+
+local function use(id)
+  redis.call('ZREMRANGEBYSCORE', used_key, '-inf', now - USED_KEEP_MS * 1000)
+  redis.call('ZADD', used_key, now, id)
+  redis.call('PEXPIRE', used_key, USED_KEEP_MS)
+end
+
 -- A fresh call (`runs`: recorded if it fits; else the pool's acquire will). `a`: its
 -- entry, and `lease`, `lease_span`, `holder`.
 local function fresh(runs, a)
   local code, wait, f = RUN, 0, {}
   if known_entry(a.id) then
     code = QUEUED
+  elseif used(a.id) then
+    code = DUPLICATE
   elseif fresh_fits() then
     if runs then
       local units, span = call_units, slack
@@ -486,6 +503,8 @@ local function admit()
   local code, wait, f = RUN, 0, {}
   if known_entry(a.id) then
     code = QUEUED
+  elseif used(a.id) then
+    code = DUPLICATE
   elseif waiting == 0 and out_count == 0 and not_before == 0 and slot_free() and lease_fits(nil, slack) then
     -- (lease_fits: at most half of each rate used with this call, so the room is >= cost)
     local room, rooms = nil, {}
@@ -530,7 +549,12 @@ local function claim()
   local m = redis.call('ZSCORE', out_key, ticket) and meta_of(ticket)
   if m and m[M.PHASE] == 'g' and (granted == 0 or granted ~= m[M.START]) then m = nil end
   if not m then
-    -- Not released by this store (forged, a copy, its time up, its state lost): a fresh call.
+    -- A copy of a task that started on this ticket lately: dropped.
+    if used(ticket) then
+      release_heads(a.batch)
+      return finish(DUPLICATE, 0)
+    end
+    -- Not released by this store (forged, its time up, its state lost): a fresh call.
     if too_costly(call_units) then return finish(TOO_COSTLY, 0) end
     a.lease, a.lease_span, a.holder = 0, 0, holder
     return fresh(true, a)
@@ -579,6 +603,7 @@ local function claim()
     local latest = x + (x == now and slack or GRANT_SLACKS * slack)
     come_in(ticket, m)
     record(x, latest, units)
+    use(ticket)
     local held_now = hold(holder, x + slot_lease, ticket)
     if x == now then
       forget(ticket)

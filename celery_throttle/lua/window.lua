@@ -18,6 +18,7 @@
 -- KEYS[4]  hash: entry -> its message, and entry .. '#' -> what it is (line.lua)
 -- KEYS[5]  sorted set: entries released and not started yet, entry -> when its time is up
 -- KEYS[6]  sorted set: concurrency slots, holder -> when its lease ends
+-- KEYS[7]  sorted set: entries that started lately, entry -> when
 -- (All share the hash tag of KEYS[1]: one Redis Cluster slot.)
 --
 -- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
