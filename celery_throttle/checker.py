@@ -273,6 +273,10 @@ class Checker:
         key, request = self._window_call(call, self.store)
         return self.store.renew(key, request, holders)
 
+    def drop(self, call: BoundCall, entries: Sequence[str]) -> WindowReply:
+        key, request = self._window_call(call, self.store)
+        return self.store.drop(key, request, entries)
+
     def peek(self, call: BoundCall) -> WindowReply:
         key, request = self._window_call(call, self.store)
         return self.store.peek(key, request)

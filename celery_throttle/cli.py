@@ -17,10 +17,9 @@ from .broker_parking import broker_parking
 from .connection import safe_url
 from .controller import controller
 from .errors import ThrottleError
-from .keys import state_of, target_matches
+from .keys import target_matches
 from .messages import decode_message
-from .parking import parked_task_id
-from .why import REPLY_TIMEOUT, explain, parked_call
+from .why import REPLY_TIMEOUT, explain
 
 __all__ = ["throttle"]
 
@@ -57,10 +56,11 @@ def throttle() -> None:
 @click.pass_context
 def status(ctx: click.Context, scope: str | None, key: str | None, match: str, key_match: str | None, limit: int,
            as_json: bool) -> None:
-    """Show usage per rate, concurrency slots, pauses and live limits, consuming nothing.
+    """Show usage per rate, the tasks waiting in each line, concurrency slots, pauses and
+    live limits, consuming nothing.
 
-    Without SCOPE: every scope and key Redis holds a window, a pause or a live limit for
-    (found by SCAN), and the parked tasks. Times are local, with their zone.
+    Without SCOPE: every scope and key Redis holds a window, a line, a pause or a live
+    limit for (found by SCAN). Times are local, with their zone.
     """
     ctl = _controller(ctx)
     if scope is None:
@@ -98,12 +98,17 @@ def _target(scope: str, key: str | None) -> str:
 
 
 def _slots(status: Any) -> str:
-    """The slots cell of a row: "2/4 +10" (held of the limit, and tasks waiting; "(live)"
-    when a live limit sets it)."""
-    if not (status.concurrency or status.running or status.waiting):
+    """The slots cell of a row: "2/4" (held of the limit; "(live)" when a live limit sets it)."""
+    if not (status.concurrency or status.running):
         return ""
-    return (f"{status.running}/{status.concurrency or '?'}" + (f" +{status.waiting}" if status.waiting else "")
-            + (" (live)" if status.live_concurrency else ""))
+    return f"{status.running}/{status.concurrency or '?'}" + (" (live)" if status.live_concurrency else "")
+
+
+def _waiting(status: Any) -> str:
+    """The waiting cell of a row: tasks in the line, and "+n out" released and not started."""
+    if not (status.waiting or status.released):
+        return ""
+    return str(status.waiting) + (f" +{status.released} out" if status.released else "")
 
 
 def _as_dict(status: Any) -> dict[str, Any]:
@@ -112,8 +117,8 @@ def _as_dict(status: Any) -> dict[str, Any]:
         "paused_until": None if status.paused_until is None else (
             "until resumed" if status.paused_until == float("inf") else _iso(status.paused_until)),
         "live_limit": [str(r) for r in status.live_limit] if status.live_limit else None,
-        "held_at_publish": status.held_at_publish,
-        "running": status.running, "waiting": status.waiting, "concurrency": status.concurrency,
+        "waiting": status.waiting, "released": status.released,
+        "running": status.running, "concurrency": status.concurrency,
         "live_concurrency": status.live_concurrency,
         "rates": [{"rate": str(r.rate), "algorithm": r.algorithm, "used": r.used, "remaining": r.remaining,
                    "reset_at": _iso(r.reset_at)} for r in status.rates],
@@ -128,11 +133,14 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
     zone = dt.datetime.now().astimezone().strftime("%Z")
     table = Table(box=None, pad_edge=False, header_style="bold")
     # (Columns only when they say something: 80 columns.)
-    held = any(s.held_at_publish for s in found)
-    slots = any(s.concurrency or s.running or s.waiting for s in found)
-    shown = {"held": held, "slots": slots}
+    waiting = any(s.waiting or s.released for s in found)
+    slots = any(s.concurrency or s.running for s in found)
+    counted = any(s.rates or s.live_limit for s in found)
+    paused_any = any(s.paused_until is not None for s in found)
+    shown = {"waiting": waiting, "slots": slots, "rate": counted, "used": counted, "left": counted,
+             f"resets ({zone})": counted, "paused until": paused_any}
     for name, justify in (("scope", "left"), ("key", "left"), ("rate", "right"), ("used", "right"),
-                          ("left", "right"), (f"resets ({zone})", "right"), ("held", "right"), ("slots", "right"),
+                          ("left", "right"), (f"resets ({zone})", "right"), ("waiting", "right"), ("slots", "right"),
                           ("paused until", "left")):
         if shown.get(name, True):
             table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
@@ -147,22 +155,25 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
         for i, (rate, used, left, resets) in enumerate(rows):
             first = i == 0
             # Scopes and keys are user data: Text, never read as rich markup ("[red]acme").
-            table.add_row(Text(s.scope) if first else "", Text("-" if s.key is None else s.key) if first else "",
-                          rate, used, left, resets, *([str(s.held_at_publish or "") if first else ""] if held else []),
-                          *([_slots(s) if first else ""] if slots else []), paused if first else "")
+            cells = [Text(s.scope) if first else "", Text("-" if s.key is None else s.key) if first else "",
+                     *([rate, used, left, resets] if counted else []),
+                     *([_waiting(s) if first else ""] if waiting else []),
+                     *([_slots(s) if first else ""] if slots else []), *([paused if first else ""] if paused_any else [])]
+            table.add_row(*cells)
     console = Console(width=None if Console().is_terminal else 80, soft_wrap=False)
     if found:
         console.print(table)
     elif listing:
-        click.echo("no throttled scope has anything counted, paused or limited")
+        click.echo("no throttled scope has anything counted, waiting, paused or limited")
     if more:
         click.echo("... more not shown (narrow with --match, or raise --limit)")
-    if held:
-        click.echo("held: tasks held back at publish (by the window or a pause), lately")
+    if waiting:
+        click.echo("waiting: tasks in the key's line, waiting for room (+ released to a worker, not started yet)")
     if slots:
-        click.echo("slots: concurrency slots held (bodies running) of the limit, +tasks waiting for one")
-    if listing:
-        click.echo(f"parked: {parked[0]} waiting, {parked[1]} being released, {parked[2]} dead")
+        click.echo("slots: concurrency slots held (bodies running) of the limit")
+    if listing and any(parked):
+        click.echo(f"parked by an earlier version: {parked[0]} waiting, {parked[1]} being released, "
+                   f"{parked[2]} dead")
 
 
 @throttle.command(name="set")
@@ -209,8 +220,8 @@ def unset_limit(ctx: click.Context, scope: str, key: str | None) -> None:
 def pause(ctx: click.Context, scope: str, key: str | None, duration: str | None) -> None:
     """Start nothing of SCOPE (or of its KEY) on any worker, for a while or until resumed.
 
-    Tasks that arrive meanwhile wait (parked if the pause is long) and run after it;
-    none is failed by it. Every worker obeys within a second.
+    Tasks that arrive meanwhile wait in their key's line and run after it; none is failed
+    by it. Every worker obeys within a second.
     """
     until = _controller(ctx).pause(scope, key=key, seconds=_duration(duration))
     click.echo(f"paused {_target(scope, key)} {_until(until)}")
@@ -221,7 +232,7 @@ def pause(ctx: click.Context, scope: str, key: str | None, duration: str | None)
 @click.option("--key", default=None, help="Resume only this key of the scope.")
 @click.pass_context
 def resume(ctx: click.Context, scope: str, key: str | None) -> None:
-    """End a pause of SCOPE (or of its KEY) now: every task it held is sent at once."""
+    """End a pause of SCOPE (or of its KEY) now: the tasks it held go as their keys have room."""
     found = _controller(ctx).resume(scope, key=key)
     click.echo(f"resumed {_target(scope, key)}" if found else f"{_target(scope, key)} was not paused")
 
@@ -229,7 +240,8 @@ def resume(ctx: click.Context, scope: str, key: str | None) -> None:
 @throttle.command()
 @click.pass_context
 def doctor(ctx: click.Context) -> None:
-    """Check the store: can it evict or lose parked tasks and counts? Exit 1 if so."""
+    """Check the store: can it evict or lose the tasks waiting in its lines, and its counts?
+    Exit 1 if so."""
     ctl = _controller(ctx)
     report = ctl.store.report(broker_parking(ctl) is not None)
     click.echo(f"store {safe_url(ctl.store.url)} (run id {(report.run_id or '?')[:8]})")
@@ -251,8 +263,9 @@ def doctor(ctx: click.Context) -> None:
 def why(ctx: click.Context, task_id: str, timeout: float, as_json: bool) -> None:
     """Where task TASK_ID waits, until when, and what holds it.
 
-    Parked (the store), or held by a worker: a countdown for its reserved start,
-    received and waiting for a pool process, or running.
+    In its key's line (the store: its place, and an estimate of its start), released and
+    on its way, or held by a worker: a countdown, received and waiting for a pool
+    process, or running.
     """
     found = explain(_controller(ctx), task_id, timeout)
     if as_json:
@@ -263,8 +276,9 @@ def why(ctx: click.Context, task_id: str, timeout: float, as_json: bool) -> None
 
 
 _WHERE = {
-    "parked": "parked in the store, due {until}",
-    "slot": "waiting in the store for a concurrency slot",
+    "line": "waiting in the line of {target}",
+    "released": "released from the line of {target}, on its way to a worker",
+    "parked": "parked in the store by an earlier version, due {until}",
     "releasing": "being sent back from the store (taken at {until})",
     "dead": "a dead letter since {until}: it could not be sent back (throttle parked --dead)",
     "delayed": "parked in the broker's delay queues, due in its queue at {until}",
@@ -282,18 +296,20 @@ def _whereabouts_lines(found: Any) -> list[str]:
                 "worker(s) that answered holds it (it may be in a queue no worker has taken it from yet, done, "
                 "or unknown)")]
     until = "?" if found.until is None else f"{_when(found.until)} ({_from_now(found.until)})"
-    lines = [f"{head}: {_WHERE[found.where].format(until=until, worker=found.worker)}"]
-    if found.where == "slot":
-        lines.append(f"{_target(found.scope or '?', found.key)}: place {found.place} of {found.waiting} waiting")
-        lines.append(f"held by: its concurrency limit ({found.running} of {found.concurrency or '?'} slots held); "
-                     "the next slot to free is handed to the task at the head of the queue")
-        return lines
-    if found.scope is not None:
-        start = "" if found.start is None else f": reserved start {_when(found.start)} ({_from_now(found.start)})"
-        lines.append(f"{_target(found.scope, found.key)}{start}")
+    target = _target(found.scope or "?", found.key)
+    lines = [f"{head}: {_WHERE[found.where].format(until=until, worker=found.worker, target=target)}"]
+    if found.where == "line":
+        estimate = "" if found.start is None else (f"; it may start about {_when(found.start)} "
+                                                   f"({_from_now(found.start)})")
+        lines.append(f"{target}: place {found.place} of {found.waiting} waiting{estimate}")
+    elif found.scope is not None and found.where != "released":
+        lines.append(target)
     if found.held_by_pause or found.paused_until is not None:
         lines.append("held by: a pause " + ("that has ended" if found.paused_until is None else _until(found.paused_until)))
-    elif found.fullest is not None:
+    elif found.concurrency and found.running is not None and found.running >= found.concurrency:
+        lines.append(f"held by: its concurrency limit ({found.running} of {found.concurrency} slots held); the next "
+                     "slot to free goes to the head of the line")
+    elif found.fullest is not None and found.where in ("line", "countdown", "received", "parked"):
         r = found.fullest
         lines.append(f"held by: the rate {r.rate} ({r.used} used, {r.remaining} left now, resets "
                      f"{_when(r.reset_at)})")
@@ -305,13 +321,13 @@ def _whereabouts_dict(found: Any) -> dict[str, Any]:
     return {
         "task_id": found.task_id, "where": found.where, "name": found.name, "scope": found.scope, "key": found.key,
         "until": None if found.until is None else _iso(found.until),
-        "reserved_start": None if found.start is None else _iso(found.start), "worker": found.worker,
+        "estimated_start": None if found.start is None else _iso(found.start), "worker": found.worker,
         "held_by_pause": found.held_by_pause,
         "paused_until": None if found.paused_until is None else (
             "until resumed" if found.paused_until == float("inf") else _iso(found.paused_until)),
         "fullest_rate": None if r is None else {"rate": str(r.rate), "used": r.used, "remaining": r.remaining,
                                                 "reset_at": _iso(r.reset_at)},
-        "slot": None if found.where != "slot" else {"place": found.place, "waiting": found.waiting,
+        "line": None if found.where != "line" else {"place": found.place, "waiting": found.waiting,
                                                     "running": found.running, "concurrency": found.concurrency},
     }
 
@@ -332,51 +348,66 @@ def reset(ctx: click.Context, scope: str, key: str | None) -> None:
 
 
 @throttle.command()
-@click.option("--tasks", is_flag=True, help="List each waiting task (id, task, scope, key, due) instead of a summary.")
-@click.option("--match", default="*", show_default=True, help="Only parked tasks whose scope matches this glob.")
-@click.option("--key-match", default=None, metavar="GLOB", help="Only parked tasks whose key matches this glob.")
-@click.option("--purge", is_flag=True, help="Delete the waiting parked tasks (those --match selects); asks first.")
-@click.option("--dead", is_flag=True, help="List the dead letters: parked tasks that could not be sent back.")
+@click.option("--tasks", is_flag=True, help="List each waiting task (id, task, scope, key, place) instead of a summary.")
+@click.option("--match", default="*", show_default=True, help="Only tasks whose scope matches this glob.")
+@click.option("--key-match", default=None, metavar="GLOB", help="Only tasks whose key matches this glob.")
+@click.option("--purge", is_flag=True, help="Delete the waiting tasks (those --match selects); asks first.")
+@click.option("--dead", is_flag=True, help="List the dead letters: tasks whose message could not be sent.")
 @click.option("--requeue", is_flag=True, help="Hand every dead letter out again, now.")
 @click.option("--drop", is_flag=True, help="Delete every dead letter (asks first).")
 @click.option("--yes", is_flag=True, help="Do not ask before --purge or --drop.")
 @click.pass_context
 def parked(ctx: click.Context, tasks: bool, match: str, key_match: str | None, purge: bool, dead: bool,
            requeue: bool, drop: bool, yes: bool) -> None:
-    """Tasks parked in Redis for a long wait, by scope and key with their due times; dead letters.
+    """Tasks waiting in the lines (in the store, off the broker), by scope and key; dead letters.
 
-    Without options: a summary per scope and key (waiting, next and last due). A purged
-    task is gone for good: it never runs.
+    Without options: a summary per scope and key (waiting, released to a worker and not
+    started, and since when the oldest waits). A purged task is gone for good: it never
+    runs.
     """
     ctl = _controller(ctx)
     store = ctl.parking
     if dead or requeue or drop:
         _dead_letters(ctl, requeue, drop, yes)
         return
-    waiting = [(pid, due / 1e6, _parked_task(ctl, message)) for pid, due, message in store.waiting()]
-    waiting = [w for w in waiting if target_matches(w[2][1], w[2][2], match, key_match)]
+    found = [w for w in ctl.lines.waiting() if target_matches(w.scope, w.key, match, key_match)]
     if purge:
-        if waiting and (yes or click.confirm(f"delete {len(waiting)} parked task(s) for good (they never run)?")):
-            click.echo(f"purged {store.purge([pid for pid, _, _ in waiting])} parked task(s)")
-        elif not waiting:
-            click.echo("no parked task to purge")
+        lined = [w for w in found if w.place]
+        if lined and (yes or click.confirm(f"delete {len(lined)} waiting task(s) for good (they never run)?")):
+            click.echo(f"purged {ctl.lines.purge(lined)} waiting task(s)")
+        elif not lined:
+            click.echo("no waiting task to purge")
         return
     if tasks:
-        for pid, due, (name, scope, key) in waiting:
-            click.echo(f"{parked_task_id(pid)}  {name}  {_target(scope, key)}  due {_when(due)}")
+        for w in found:
+            where = f"place {w.place}" if w.place else "released"
+            click.echo(f"{_escaped(w.task_id)}  {w.name}  {_target(w.scope, w.key)}  {where}  since {_when(w.since)}")
     else:
-        groups: dict[tuple[str, str | None], list[float]] = {}
-        for _, due, (_, scope, key) in waiting:
-            groups.setdefault((scope, key), []).append(due)
-        for (scope, key), dues in sorted(groups.items(), key=lambda g: (g[0][0], g[0][1] or "")):
-            click.echo(f"{_target(scope, key)}: {len(dues)} waiting, next due {_when(min(dues))}, "
-                       f"last {_when(max(dues))}")
+        groups: dict[tuple[str, str | None], list[Any]] = {}
+        for w in found:
+            groups.setdefault((w.scope, w.key), []).append(w)
+        for (scope, key), listed in sorted(groups.items(), key=lambda g: (g[0][0], g[0][1] or "")):
+            lined = [w for w in listed if w.place]
+            oldest = min((w.since for w in listed), default=0.0)
+            click.echo(f"{_target(scope, key)}: {len(lined)} waiting, {len(listed) - len(lined)} released, "
+                       f"the oldest since {_when(oldest)}")
+    if not found:
+        click.echo("no task waits in a line")
     count, in_flight, dead_count = store.parked_count()
-    click.echo(f"parked: {count} waiting, {in_flight} being released, {dead_count} dead")
+    if count or in_flight or dead_count:
+        click.echo(f"parked by an earlier version: {count} waiting, {in_flight} being released, {dead_count} dead")
     broker = broker_parking(ctl)
     if broker is not None:
         delayed, held = broker.counts()
-        click.echo(f"in the broker: {delayed} in its delay queues (of every app on it), {held} held by a pause")
+        if delayed or held:
+            click.echo(f"in the broker: {delayed} in its delay queues (of every app on it), {held} held by a pause "
+                       "of an earlier version")
+
+
+def _escaped(text: str) -> str:
+    """User data as it is, with its control characters escaped (a newline or an escape
+    sequence in an id never reaches the terminal raw)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _dead_letters(ctl: Any, requeue: bool, drop: bool, yes: bool) -> None:
@@ -392,14 +423,6 @@ def _dead_letters(ctl: Any, requeue: bool, drop: bool, yes: bool) -> None:
         click.echo(f"dropped {store.drop_dead(ids)} dead letter(s)")
     if not letters:
         click.echo("no dead letters")
-
-
-def _parked_task(ctl: Any, message: bytes | None) -> tuple[str, str, str | None]:
-    """(task name, scope, key) of a parked message; its scope from the reservation it
-    carries, else "?"."""
-    name, header = parked_call(ctl, message)
-    named = state_of(ctl.settings.key_prefix, header.key) if header.key else None
-    return name, *(named or ("?", None))
 
 
 def _task_name(app: Any, message: bytes | None) -> str:

@@ -19,11 +19,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgpack
 
 from .errors import StoreError, ThrottleError
 from .keys import encode, glob_escape, line_index_key, state_key, target_of, window_keys
-from .messages import resend, task_of
+from .messages import decode_message, resend, task_of
 from .protocol import Code, WindowReply
 from .spec import BoundCall
 from .timing import RELEASER_BATCH
@@ -31,7 +34,7 @@ from .timing import RELEASER_BATCH
 if TYPE_CHECKING:
     from .limiter import Throttle
 
-__all__ = ["WAKE_AHEAD_US", "Lines"]
+__all__ = ["WAKE_AHEAD_US", "Lines", "Waiting"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -48,6 +51,21 @@ FULL_HINT_S = 1.0
 #: A key whose line this process cannot release (no task of it is known here) is looked at
 #: again this long after (µs), by whichever releaser claims it first.
 UNKNOWN_RETRY_US = 5_000_000
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A task in a key's line (``place`` from 1), or released from it and not started yet
+    (``place`` 0), as ``throttle parked`` lists it."""
+
+    scope: str
+    key: str | None
+    entry: str
+    task_id: str
+    name: str
+    place: int
+    #: When it joined its line (Unix time).
+    since: float
 
 
 class Lines:
@@ -244,6 +262,52 @@ class Lines:
             return reply.now_us  # (more to drain: at once)
         return reply.due_us
 
+    # -- for people on call ------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """The state keys that have a line (the index), by SCAN."""
+        store = self.ctl.store
+        with store.errors():
+            return [m.decode(errors="surrogateescape") if isinstance(m, bytes) else m
+                    for m, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000)]
+
+    def waiting(self, limit: int = 10_000) -> list[Waiting]:
+        """The tasks in every line (and those released from one, not started), at most
+        ``limit``, each line in its order."""
+        store, prefix, out = self.ctl.store, self.ctl.settings.key_prefix, []
+        for key in self.keys():
+            target = target_of(prefix, key)
+            if target is None:
+                continue
+            _, _, line, msgs, released, _, _ = window_keys(key)
+            with store.errors():
+                entries = [(e, 0) for e in store.client.zrange(released, 0, limit - 1)]
+                entries += [(e, n) for n, e in enumerate(store.client.zrange(line, 0, limit - 1), 1)]
+                metas = store.client.hmget(msgs, [e + b"#" for e, _ in entries]) if entries else []
+                bodies = store.client.hmget(msgs, [e for e, _ in entries]) if entries else []
+            for (entry, place), meta, body in zip(entries, metas, bodies):
+                task_id, since = _meta(meta)
+                name = "<message gone>" if body is None else _name(self.ctl.app, body)
+                out.append(Waiting(target[0], target[1], entry.decode(errors="surrogateescape"), task_id, name, place,
+                                   since))
+                if len(out) >= limit:
+                    return out
+        return out
+
+    def purge(self, tasks: list[Waiting]) -> int:
+        """Delete ``tasks`` from their lines (they never run; one released meanwhile goes
+        on). Returns how many were deleted."""
+        by_key: dict[tuple[str, str | None], list[str]] = {}
+        for task in tasks:
+            if task.place:
+                by_key.setdefault((task.scope, task.key), []).append(task.entry)
+        deleted = 0
+        prefix = self.ctl.settings.key_prefix
+        for (scope, key), entries in by_key.items():
+            call = BoundCall(scope, key, (), 1, "sliding", state_key(prefix, scope, key))
+            reply = self.ctl.checker.drop(call, entries)
+            deleted += sum(1 for r in reply.reported if r.kind == "d")
+        return deleted
+
     def _counts(self, key: str) -> tuple[int, int]:
         """(tasks in line, tasks released and not started) of ``key``."""
         _, _, line, _, out, _, _ = window_keys(key)
@@ -253,3 +317,19 @@ class Lines:
             pipe.zcard(out)
             waiting, released = pipe.execute()
         return int(waiting), int(released)
+
+
+def _meta(raw: bytes | None) -> tuple[str, float]:
+    """(task id, when it joined its line, Unix time) of an entry's stored fields."""
+    try:
+        meta: Any = msgpack.unpackb(raw)
+        return str(meta[0]), int(meta[2]) / 1e6
+    except Exception:  # noqa: BLE001 - a field we did not write (or none)
+        return "?", 0.0
+
+
+def _name(app: Any, message: bytes) -> str:
+    try:
+        return str(decode_message(app, message)["task"])
+    except Exception:  # noqa: BLE001
+        return "<cannot be decoded>"

@@ -253,6 +253,10 @@ class RedisStore:
         """Extend the slot leases of ``holders``; those lost come back in ``reported``."""
         return self.window(key, "renew", call, *holders)
 
+    def drop(self, key: str, call: WindowCall, entries: Sequence[str]) -> WindowReply:
+        """Delete ``entries`` waiting in the key's line (an operator's purge)."""
+        return self.window(key, "drop", call, *entries)
+
     def peek(self, key: str, call: WindowCall) -> WindowReply:
         """Usage and the line, recording nothing."""
         return self.window(key, "peek", call)

@@ -517,8 +517,8 @@ class KeyModel:
             code = Code.QUEUED
         elif self._used(eid):
             code = Code.DUPLICATE
-        elif (self.waiting == 0 and self.out_count == 0 and self.not_before == 0 and self._slot_free()
-                and self._lease_fits(None, self.call.slack)):
+        elif (not message and self.waiting == 0 and self.out_count == 0 and self.not_before == 0
+                and self._slot_free() and self._lease_fits(None, self.call.slack)):
             rooms = [math.floor(r.limit / 2) - max(r.usage(self.now), r.usage(self.now + self.call.slack))
                      for r in self.rates]
             room = min(rooms, default=None)

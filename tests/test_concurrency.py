@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from celery_throttle.keys import slot_keys, state_key
+from celery_throttle.keys import state_key, window_keys
 from tests.conftest import _clean
 from tests.helpers import BROKER_URL, STORE_URL, WorkerGroup, delete_queues, new_label, wait_for
 
@@ -87,9 +87,9 @@ def test_at_most_k_bodies_of_a_key_run_at_once_in_every_pool(slot_workers: Worke
         assert most_at_once([e for e in done if e["tenant"] == tenant]) == 2
     client = group.records
     for tenant in ("a", "b"):
-        holders, queue, messages = slot_keys(state_key(group.prefix, "export-api", tenant))
+        _, _, line, messages, out, holders, _ = window_keys(state_key(group.prefix, "export-api", tenant))
         wait_for(lambda h=holders: client.zcard(h) == 0, 5, what="slots given back")
-        assert client.zcard(queue) == 0 and client.hlen(messages) == 0
+        assert client.zcard(line) == 0 and client.zcard(out) == 0 and client.hlen(messages) == 0
 
 
 def test_tasks_waiting_for_a_slot_start_first_come_first_served(slot_workers: WorkerGroup) -> None:
@@ -102,7 +102,7 @@ def test_tasks_waiting_for_a_slot_start_first_come_first_served(slot_workers: Wo
     group.send("exporting", label, tenant, 2.0)
     time.sleep(0.15)
     group.send("exporting", label, tenant, 2.0)
-    wait_for(lambda: group.records.zcard(slot_keys(state_key(group.prefix, "export-api", tenant))[0]) == 2,
+    wait_for(lambda: group.records.zcard(window_keys(state_key(group.prefix, "export-api", tenant))[5]) == 2,
              10, what="two holders")
     order = []
     for i in range(6):
@@ -230,7 +230,7 @@ def test_status_cli_and_why_show_the_slots(group_with_lease) -> None:
     group.send("long_holder", f"{label}-holder", tenant, HOLD_S)
     wait_for(lambda: began(group, f"{label}-holder"), 15, what="the holder's start")
     waiting = [group.send("long_holder", f"{label}-w", tenant, 0) for _ in range(3)]
-    _, queue, _ = slot_keys(state_key(group.prefix, "long-holder", tenant))
+    queue = window_keys(state_key(group.prefix, "long-holder", tenant))[2]
     wait_for(lambda: group.records.zcard(queue) == 3, 10, what="three tasks waiting")
     ctl = celery_throttle.Throttle(group.client, {"redis_url": STORE_URL, "key_prefix": group.prefix})
     status = ctl.status("long-holder", tenant)
@@ -238,13 +238,15 @@ def test_status_cli_and_why_show_the_slots(group_with_lease) -> None:
     table = run_cli(group, "status", "long-holder")
     assert table.returncode == 0, table.stderr
     row = next(line for line in table.stdout.splitlines() if tenant in line)
-    assert row.split()[-2:] == ["1/1", "+3"], table.stdout
+    assert row.split()[-2:] == ["3", "1/1"], table.stdout
     as_json = json.loads(run_cli(group, "status", "long-holder", "--key", tenant, "--json").stdout)
     assert (as_json["keys"][0]["running"], as_json["keys"][0]["waiting"]) == (1, 3)
-    place = group.records.zrank(queue, waiting[-1]) + 1  # (two workers queued the three: in either order)
+    entries = [m.decode() for m in group.records.zrange(queue, 0, -1)]
+    # (two workers put the three in the line: in either order)
+    place = next(n for n, entry in enumerate(entries, 1) if entry.startswith(f"{waiting[-1]}:"))
     why = run_cli(group, "why", waiting[-1])
     assert why.returncode == 0, why.stderr
-    assert "waiting in the store for a concurrency slot" in why.stdout, why.stdout
+    assert "waiting in the line of scope 'long-holder'" in why.stdout, why.stdout
     assert f"place {place} of 3 waiting" in why.stdout, why.stdout
 
 
@@ -261,8 +263,8 @@ def test_a_producer_keeps_tasks_that_would_wait_for_a_slot_out_of_the_queue(grou
     sent = out["sent"][0]
     assert [d["id"] for d in out["denials"]] == sent  # each kept at publish
     assert not out["finalized"]
-    _, queue, _ = slot_keys(state_key(group.prefix, "long-holder", tenant))
-    assert [m.decode() for m in group.records.zrange(queue, 0, -1)] == sent
+    queue = window_keys(state_key(group.prefix, "long-holder", tenant))[2]
+    assert [m.decode().rpartition(":")[0] for m in group.records.zrange(queue, 0, -1)] == sent
     wait_for(lambda: len(began(group, f"{label}-w")) == 5, 30, what="the five tasks' starts")
     time.sleep(0.5)
     ran = sorted(began(group, f"{label}-w"), key=lambda e: e["t"])
@@ -309,7 +311,7 @@ def test_a_live_concurrency_limit_raises_and_lowers_k_on_every_worker(group_with
     label, tenant = new_label(), f"live-{uuid.uuid4().hex[:6]}"
     for _ in range(6):
         group.send("exporting", label, tenant, 3.0)
-    _, queue, _ = slot_keys(state_key(group.prefix, "export-api", tenant))
+    queue = window_keys(state_key(group.prefix, "export-api", tenant))[2]
     wait_for(lambda: len(began(group, label)) == 2 and group.records.zcard(queue) == 4, 15,
              what="two running and four waiting")
     # When K is raised to 4 from the CLI: two of the waiting start at once
@@ -343,7 +345,7 @@ def test_a_live_k_cleared_on_a_throttle_without_one_sends_every_task_waiting_onc
     ctl.set_limit("live-slotted", key=tenant, concurrency=1)
     time.sleep(1.5)  # (every worker has read it: controls.CONTROL_REFRESH)
     ids = [group.send("rated_only", label, tenant, 2.0) for _ in range(4)]
-    slots, queue, _ = slot_keys(state_key(group.prefix, "live-slotted", tenant))
+    _, _, queue, _, _, slots, _ = window_keys(state_key(group.prefix, "live-slotted", tenant))
     wait_for(lambda: len(began(group, label)) == 1 and group.records.zcard(queue) == 3, 15,
              what="one running and three waiting")
     cleared = time.time()

@@ -9,9 +9,17 @@ from importlib import resources
 import pytest
 import redis
 
-from celery_throttle.errors import StoreError
 from celery_throttle.controls import FOREVER_US
-from celery_throttle.protocol import STATE_FORMAT, STATE_LAYOUT, Code, Entry, WindowCall, rate_field, window_argv
+from celery_throttle.errors import StoreError
+from celery_throttle.protocol import (
+    STATE_FORMAT,
+    STATE_LAYOUT,
+    Code,
+    Entry,
+    WindowCall,
+    rate_field,
+    window_argv,
+)
 from celery_throttle.rates import Rate
 from celery_throttle.store import RedisStore, window_script
 from celery_throttle.timing import SCRIPT_POLICY

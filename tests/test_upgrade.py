@@ -23,8 +23,8 @@ import redis
 from celery_throttle.keys import state_key
 from celery_throttle.limiter import Throttle
 from celery_throttle.messages import decode_message
-from celery_throttle.parking import Releaser
-from celery_throttle.protocol import HEADER, Code, Reservation, read_state
+from celery_throttle.parking import release_parked
+from celery_throttle.protocol import HEADER, Code, Entry, Header
 from celery_throttle.spec import declared_spec
 from tests.fixtures.make_corpus import STREAMS, build_app, drained
 from tests.helpers import STORE_URL
@@ -84,63 +84,103 @@ def _ours(corpus: dict[str, Any], prefix: str, header: dict[str, Any]) -> dict[s
     return header
 
 
+def _format(corpus: dict[str, Any]) -> int:
+    return int(corpus["header_version"])
+
+
+def _old(corpus: dict[str, Any]) -> None:
+    if _format(corpus) >= 3:
+        pytest.skip("format 3 on: no reservations, no parked tasks (lines and tickets)")
+
+
+def _lines(corpus: dict[str, Any]) -> dict[str, list[str]]:
+    """Format 3 on: the entry ids waiting in each stream's line, in order, by scope."""
+    out: dict[str, list[str]] = {}
+    for scope, key in STREAMS:
+        name = f"{{{scope}:{key}}}:line" if key else f"{{{scope}}}:line"
+        entries = corpus["keys"].get(name, {"value": []})["value"]
+        out[scope] = [_b(m).decode() for m, _ in sorted(entries, key=lambda e: e[1])]
+    return out
+
+
 def test_the_corpus_covers_what_it_must() -> None:
-    # (a corpus that lost its reservations or parked tasks would replay green, vacuously)
+    # (a corpus that lost its reservations, tickets, parked or waiting tasks would replay
+    # green, vacuously)
     assert CORPORA, "no upgrade corpus in tests/fixtures"
     for path in CORPORA:
         data = json.loads(path.read_text())
         assert sum(HEADER in m["headers"] for m in data["messages"]) >= 4, path
-        assert len(data["keys"]["{parked}:due"]["value"]) >= 4, path
         assert data["keys"]["control"]["value"], path
+        if _format(data) < 3:
+            assert len(data["keys"]["{parked}:due"]["value"]) >= 4, path
+        else:
+            assert sum(len(ids) for ids in _lines(data).values()) >= 4, path
+            assert all(ids for ids in _lines(data).values()), path
 
 
 def test_status_reads_the_old_state_as_it_was_read(corpus: dict[str, Any], replay: Any) -> None:
     # Given the keys an earlier release wrote, read at the time it wrote them
     _, ctl, _ = replay
     for scope, key in STREAMS:
+        if f"{scope}:{key}" not in corpus["status"]:
+            continue  # (a stream that corpus did not have)
         status = ctl.status(scope, key)
         want = corpus["status"][f"{scope}:{key}"]
-        # Then every rate counts what it counted then, and the held tasks too
+        # Then every rate counts what it counted then
         assert [[str(r.rate), r.algorithm, r.used, r.remaining] for r in status.rates] == want["rates"]
-        assert status.held_at_publish == want["held_at_publish"]
+        if _format(corpus) >= 3:  # and its line: who waits, who was released, who runs
+            assert [status.waiting, status.released, status.running] == [want["waiting"], want["released"],
+                                                                          want["running"]]
     # and its pause and its live limit still hold
     assert ctl.paused_until("corpus-paused") is not None
     assert [str(r) for r in ctl.live_limit("corpus-limited") or ()] == ["5/h"]
 
 
-def test_a_start_reserved_before_the_deploy_is_claimed_after_it(corpus: dict[str, Any], replay: Any,
-                                                              prefix: str) -> None:
+def test_a_task_sent_with_a_start_reserved_before_the_deploy_runs_once_after_it(corpus: dict[str, Any], replay: Any,
+                                                                                prefix: str) -> None:
+    _old(corpus)
     app, ctl, clock = replay
     reserved = [m for m in corpus["messages"] if HEADER in m["headers"]]
+    calls = {}
     for message in reserved:
-        # Given a message sent with a start reserved by the earlier release
+        # Given a message sent with a start reserved by the earlier release (format 1 or
+        # 2): its key reads, its reservation is not honoured (it carries no ticket)
         headers = message["headers"]
-        state = read_state(_ours(corpus, prefix, headers[HEADER]))
-        claim = Reservation.from_header(state.get("r"))
-        assert claim is not None, f"this version does not read the reservation in {headers[HEADER]}"
+        header = Header.read(_ours(corpus, prefix, headers[HEADER]))
+        assert header.key and not header.ticket, headers[HEADER]
         task = app.tasks[headers["task"]]
         args, kwargs, _ = message["body"]
         spec = declared_spec(task)
         assert spec is not None
         call = ctl.checker.bind_spec(task.name, spec, inspect.signature(task.run), args, kwargs)
-        assert state["k"] == state_key(prefix, call.scope, call.key)
-        # When it arrives at its reserved start
-        clock.now = claim.start_us
-        reply = ctl.checker.check(call, reserve=True, claim=claim, claimant=headers["id"], lease=True)
-        # Then it runs, on the units reserved for it (a claim it could not use would be
-        # checked afresh: no start in the reply)
-        assert (reply.code, reply.start_us) == (Code.RUN, claim.start_us), (headers["task"], tuple(reply))
-    # and the starts reserved used the window's room: nothing more fits now
-    for scope, key in STREAMS:
-        assert ctl.status(scope, key).remaining == 0
+        assert header.key == state_key(prefix, call.scope, call.key)
+        # When it arrives after the deploy, it is checked as a new task: it runs, or
+        # waits in its key's line (the starts reserved then still count, a window at most)
+        entry = Entry(f"{headers['id']}:x", b"m", headers["id"], 0, 0, 8)
+        reply = ctl.checker.acquire(call, entry=entry)
+        assert reply.code in (Code.RUN, Code.QUEUED), (headers["task"], tuple(reply))
+        calls[headers["id"]] = (call, reply.code)
+    # Then those that waited are released once their keys have room (when the starts
+    # reserved then have left their windows), and each runs once
+    for task_id, (call, code) in calls.items():
+        if code == Code.QUEUED:
+            for _ in range(10):
+                released = ctl.checker.release(call, 64)
+                if f"{task_id}:x" in {r.id for r in released.reported if r.kind == "r"}:
+                    break
+                clock.now = max(released.due_us, clock.now + 1)
+            else:
+                raise AssertionError(f"{task_id} was never released: {tuple(released)}")
+            assert ctl.checker.claim(call, f"{task_id}:x", holder="h").code in (Code.RUN, Code.RUN_AT)
 
 
 def test_tasks_parked_before_the_deploy_are_released_after_it(corpus: dict[str, Any], replay: Any) -> None:
+    _old(corpus)
     app, ctl, clock = replay
     parked = corpus["keys"]["{parked}:due"]["value"]
     # Given the tasks an earlier release parked, when their time has come
     clock.now = max(due for _, due in parked) + 1
-    released = Releaser(ctl).release_once()
+    released = release_parked(ctl)
     # Then every one is taken and sent back to its queue, as the task it was
     assert released == len(parked)
     sent = [(headers["task"], headers["id"], body[0]) for headers, body in drained(app)]
@@ -148,3 +188,69 @@ def test_tasks_parked_before_the_deploy_are_released_after_it(corpus: dict[str, 
     bodies = [decode_message(app, _b(value)) for value in messages.values()]
     assert sorted(sent) == sorted((b["task"], b["options"]["task_id"], b["args"]) for b in bodies)
     assert ctl.parking.parked_count() == (0, 0, 0)
+
+
+def _stream_calls(app: Any, ctl: Throttle) -> dict[str, Any]:
+    """The bound call of each stream, by scope (the arguments make_corpus sends)."""
+    sent = {"corpus.sliding": ("acme", 1), "corpus.fixed": (0,), "corpus.slotted": ("acme",)}
+    calls = {}
+    for name, args in sent.items():
+        task = app.tasks[name]
+        spec = declared_spec(task)
+        assert spec is not None
+        call = ctl.checker.bind_spec(name, spec, inspect.signature(task.run), args, {})
+        calls[call.scope] = call
+    return calls
+
+
+def test_a_task_released_before_the_deploy_starts_once_after_it(corpus: dict[str, Any], replay: Any,
+                                                                prefix: str) -> None:
+    if _format(corpus) < 3:
+        pytest.skip("tickets from format 3 on")
+    app, ctl, _ = replay
+    calls = {call.state_key: call for call in _stream_calls(app, ctl).values()}
+    for message in [m for m in corpus["messages"] if HEADER in m["headers"]]:
+        # Given a task released from its line by the earlier release, with its ticket
+        header = Header.read(_ours(corpus, prefix, message["headers"][HEADER]))
+        assert header.key in calls and header.ticket, message["headers"][HEADER]
+        call = calls[header.key]
+        # When it arrives after the deploy, it starts on the room it was released into
+        first = ctl.checker.claim(call, header.ticket, holder=f"{header.ticket}@w")
+        assert first.code in (Code.RUN, Code.RUN_AT), (message["headers"]["task"], tuple(first))
+        # and a copy of it (a redelivery) is not let in a second time
+        entry = Entry(header.ticket, b"", message["headers"]["id"], 0, 0, 8)
+        again = ctl.checker.claim(call, header.ticket, holder=f"{header.ticket}@w2", entry=entry)
+        assert again.code == Code.DUPLICATE, tuple(again)
+
+
+def test_tasks_waiting_in_a_line_before_the_deploy_are_released_after_it(corpus: dict[str, Any], replay: Any,
+                                                                        prefix: str) -> None:
+    if _format(corpus) < 3:
+        pytest.skip("lines from format 3 on")
+    app, ctl, clock = replay
+    calls = _stream_calls(app, ctl)
+    names = {"corpus.sliding": "corpus.sliding", "corpus-api": "corpus.fixed", "corpus-slots": "corpus.slotted"}
+    waiting = _lines(corpus)
+    for scope, ids in waiting.items():
+        call = calls[scope]
+        # Given the tasks waiting in a line the earlier release wrote, as their keys have
+        # room (the windows pass, each start's slot ends)
+        released: list[str] = []
+        for _ in range(4 * len(ids) + 4):
+            reply = ctl.checker.release(call, 64)
+            for report in reply.reported:
+                if report.kind == "f":
+                    continue  # (released then, never arrived: its room is forgotten in time)
+                assert report.kind == "r", report
+                assert isinstance(report.payload, bytes)
+                # (each one's message is the task it was)
+                assert decode_message(app, report.payload)["task"] == names[scope]
+                released.append(report.id)
+                started = ctl.checker.claim(call, report.id, holder=f"{report.id}@w")
+                assert started.code in (Code.RUN, Code.RUN_AT), tuple(started)
+                ctl.checker.ended(call, f"{report.id}@w")
+            if len(released) == len(ids):
+                break
+            clock.now = max(reply.due_us, clock.now + 1) if reply.due_us else clock.now + 60_000_000
+        # Then every one is released, once each, in the order they waited
+        assert released == ids, scope

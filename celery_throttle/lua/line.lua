@@ -38,10 +38,11 @@
 --            [P] lease, [P+1] lease span, [P+2] holder (a delivery id), then the entry's
 --   screen   as acquire, from the consumer: a call that fits is not recorded (the pool's
 --            acquire records it). [P..P+2] unused, then the entry's
---   admit    at publish: RUN (nothing recorded) if nobody waits, nothing is out and every
---            rate stays at most half full (`leased`, the room before one is; `rooms`, each
---            rate's); else RELEASED if it fits now (its own entry id is its ticket, no
---            message kept); else as acquire. [P..] the entry's
+--   admit    at publish: RUN (nothing recorded) if the entry came without its message
+--            (the producer's budget of unchecked sends is not spent), nobody waits,
+--            nothing is out and every rate stays at most half full (`leased`, the room
+--            before one is; `rooms`, each rate's); else RELEASED if it fits now (its own
+--            entry id is its ticket, no message kept); else as acquire. [P..] the entry's
 --   front    Backoff: the entry joins the line before everyone. [P..] the entry's
 --   claim    a released task arrives: RUN, RUN_AT (`start`), back in line (QUEUED, with its
 --            message kept or given; DENIED without), WAITED (it waited past its max wait:
@@ -60,6 +61,7 @@
 --   renew    [P..] holders whose slot leases go on
 --   drain    release the heads whatever the room (throttling switched off, or taken down
 --            by an operator). [P] batch
+--   drop     an operator deletes tasks waiting in the line (they never run). [P..] entries
 --   peek     usage and the line, nothing written
 -- The entry's arguments: [E] entry id, [E+1] message ('' none), [E+2] task id, [E+3]
 -- expires (µs, 0 none), [E+4] max wait (µs, 0 none), [E+5] batch.
@@ -74,7 +76,7 @@
 -- it), 'c' costs more than a limit now in force (it joined under a higher live limit,
 -- cleared since; its message, sent as it is: the worker's check fails it, visibly), 'l'
 -- its message is gone (payload: task id), 'f' released and never arrived (payload: task
--- id), for renew the holders lost.
+-- id), 'd' deleted by an operator (payload: task id), for renew the holders lost.
 local lm_key, line_key, msgs_key, out_key, slots_key, used_key = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 -- An entry's fields (one table, not a local each: a Lua function sees 60 upvalues at most).
 local M = {TASK = 1, UNITS = 2, ENQUEUED = 3, EXPIRES = 4, MAX_WAIT = 5, PLACE = 6, PHASE = 7, RELEASED = 8,
@@ -505,7 +507,8 @@ local function admit()
     code = QUEUED
   elseif used(a.id) then
     code = DUPLICATE
-  elseif waiting == 0 and out_count == 0 and not_before == 0 and slot_free() and lease_fits(nil, slack) then
+  elseif a.message == '' and waiting == 0 and out_count == 0 and not_before == 0 and slot_free()
+      and lease_fits(nil, slack) then
     -- (lease_fits: at most half of each rate used with this call, so the room is >= cost)
     local room, rooms = nil, {}
     for i, r in ipairs(rates) do
@@ -653,6 +656,21 @@ local function drain()
   return finish(RUN, 0, nil, true)
 end
 
+-- An operator deletes tasks waiting in the line: they never run (one released meanwhile
+-- goes on). Reported back as 'l' with their task id.
+local function drop()
+  for i = P, #ARGV do
+    local id = ARGV[i]
+    if redis.call('ZSCORE', line_key, id) then
+      local m = meta_of(id)
+      leave(id, m)
+      forget(id)
+      report(id, m and m[M.TASK] or id, 'd')
+    end
+  end
+  return finish(RUN, 0)
+end
+
 -- The tasks released were sent: their time out is OUT_LEASE_MS from now (their messages
 -- stay until they start, for one that finds no room then).
 local function ack()
@@ -752,6 +770,7 @@ elseif op == 'renew' then return renew()
 elseif op == 'release' then return release()
 elseif op == 'drain' then return drain()
 elseif op == 'give_back' then return give_back()
+elseif op == 'drop' then return drop()
 end
 if op == 'claim' then return claim() end  -- (a claim checks the cost it was released with)
 for _, r in ipairs(rates) do
