@@ -38,7 +38,7 @@ VALKEY_WORKER_TESTS = tests/test_tasks.py::test_sliding_limit_holds_across_every
 # The contract with Celery's internals (tests/test_internals.py) on the oldest Celery we
 # support and one between; the suite runs it on the newest, the one installed.
 CELERY_VERSIONS = 5.3 5.5
-REDIS62_TESTS = tests/test_model_check.py tests/test_slots_model.py tests/test_direct.py tests/test_bad_input.py tests/test_max_wait.py
+REDIS62_TESTS = tests/test_model_check.py tests/test_line_model.py tests/test_direct.py tests/test_bad_input.py tests/test_max_wait.py
 
 # Types (mypy, strict but for what Celery leaves untyped: pyproject.toml) and lint first.
 lint:

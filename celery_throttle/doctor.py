@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 __all__ = ["StoreReport", "examine"]
 
 #: Policies that evict only keys with a TTL: window states have one (counts can go),
-#: parked tasks do not.
+#: the lines (the tasks waiting in them) do not.
 _VOLATILE = ("volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl")
 
 
@@ -56,14 +56,12 @@ def _config(client: Any, name: str) -> str | None:
     return None if value is None else str(value)
 
 
-def examine(client: Any, parks_in_broker: bool = False) -> StoreReport:
+def examine(client: Any) -> StoreReport:
     """Read the store's eviction policy, persistence and run id (raises RedisError only
-    if the server cannot be reached at all). ``parks_in_broker``: parked tasks are kept
-    in the broker (broker_parking.py), so the store cannot lose them."""
+    if the server cannot be reached at all)."""
     info = _one_node(client.info())
-    # (Tasks waiting for a concurrency slot are kept in the store whatever the broker.)
-    parked = ("" if parks_in_broker else "parked tasks (they are lost), ") + "tasks waiting for a concurrency slot, "
-    kept = " (parked tasks are kept in the broker)" if parks_in_broker else ""
+    # (The tasks waiting in the lines are kept in the store whatever the broker.)
+    parked = "the tasks waiting in the lines (they are lost), "
     risks: list[str] = []
     unchecked: list[str] = []
     policy = _config(client, "maxmemory-policy") or info.get("maxmemory_policy")
@@ -74,15 +72,15 @@ def examine(client: Any, parks_in_broker: bool = False) -> StoreReport:
                      "(a limit forgets what it counted); set maxmemory-policy noeviction on the store")
     elif policy != "noeviction":
         risks.append(f"maxmemory-policy is {policy}: under memory pressure Redis may evict {parked}window "
-                     f"counts and pauses{kept}; set maxmemory-policy noeviction on the store, or give the "
+                     f"counts and pauses; set maxmemory-policy noeviction on the store, or give the "
                      "throttle a Redis of its own that does not evict")
     save, appendonly = _config(client, "save"), _config(client, "appendonly")
     aof = appendonly == "yes" if appendonly is not None else bool(info.get("aof_enabled"))
     if save is None and appendonly is None:
         if not aof:
             unchecked.append("RDB snapshots (CONFIG refused; INFO shows no AOF): if the store keeps nothing "
-                             f"on disk, a restart loses {parked}counts and pauses{kept}")
+                             f"on disk, a restart loses {parked}counts and pauses")
     elif not aof and not (save or "").strip():
         risks.append("the store keeps nothing on disk (save \"\", appendonly no): a restart empties it and "
-                     f"loses {parked}counts and pauses{kept}; turn on appendonly yes (or RDB snapshots)")
+                     f"loses {parked}counts and pauses; turn on appendonly yes (or RDB snapshots)")
     return StoreReport(info.get("run_id"), tuple(risks), tuple(unchecked))

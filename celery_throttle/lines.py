@@ -68,6 +68,10 @@ class Waiting:
     since: float
 
 
+def _text(name: bytes | str) -> str:
+    return name.decode(errors="surrogateescape") if isinstance(name, bytes) else name
+
+
 class Lines:
     """The lines of one app, as this process sees them."""
 
@@ -264,11 +268,22 @@ class Lines:
 
     # -- for people on call ------------------------------------------------------------------
     def keys(self) -> list[str]:
-        """The state keys that have a line (the index), by SCAN."""
+        """The state keys that have a line: the index's, and (by SCAN, for the operator's
+        tools: one missing from the index is still shown) every one with line counts."""
+        store = self.ctl.store
+        found: dict[str, None] = {}
+        with store.errors():
+            for member, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000):
+                found[_text(member)] = None
+            for name in store.client.scan_iter(match=f"{glob_escape(store.prefix)}:{{*}}:lm", count=1000):
+                found[_text(name)[: -len(":lm")]] = None
+        return list(found)
+
+    def count(self) -> int:
+        """How many keys have tasks waiting in their line, or released from it (the index)."""
         store = self.ctl.store
         with store.errors():
-            return [m.decode(errors="surrogateescape") if isinstance(m, bytes) else m
-                    for m, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000)]
+            return int(store.client.zcard(line_index_key(store.prefix)))
 
     def waiting(self, limit: int = 10_000) -> list[Waiting]:
         """The tasks in every line (and those released from one, not started), at most

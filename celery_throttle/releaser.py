@@ -97,6 +97,9 @@ class Releaser(threading.Thread):
         self._watched_at = time.monotonic()
         self._swept_at = time.monotonic() - INDEX_SWEEP_EVERY * random.random()
         self._outage = Outage("release the lines that have room")
+        #: (keys with a line, when: Unix time) at the last watch of the store, to say what
+        #: a restart that emptied it lost.
+        self._lines_seen: tuple[int, float] | None = None
         #: Woken (BLPOP) since the last round, rather than timed out.
         self._woken = False
         self._chores_outage = Outage("send on the tasks an earlier version left")
@@ -252,10 +255,14 @@ class Releaser(threading.Thread):
         """Say so when the store restarted (its run id changed) while this worker ran:
         whatever it did not keep on disk (lines, counts) may be lost."""
         ctl = self.ctl
-        report = ctl.store.report(broker_parking(ctl) is not None)
+        report = ctl.store.report()
         before, ctl.store_run_id = ctl.store_run_id, report.run_id
         if before is not None and report.run_id is not None and report.run_id != before:
             ctl.metrics.store_error("restart")
+            seen = self._lines_seen
+            lines = (f" ({seen[0]} key(s) had tasks waiting in their lines {time.time() - seen[1]:.0f}s before)"
+                     if seen and seen[0] else "")
             logger.error("celery_throttle: the throttle store restarted (run id %s -> %s): tasks waiting in its "
-                         "lines and counts it did not keep on disk are lost%s", before[:8], report.run_id[:8],
-                         "".join(f"; {risk}" for risk in report.risks))
+                         "lines and counts it did not keep on disk are lost%s%s", before[:8], report.run_id[:8],
+                         lines, "".join(f"; {risk}" for risk in report.risks))
+        self._lines_seen = (ctl.lines.count(), time.time())

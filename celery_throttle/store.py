@@ -295,10 +295,10 @@ class RedisStore:
         length = "" if seconds is None else int(seconds * 1_000_000)
         return int(self.run("pause", [control_key(self.prefix)], [self.now_arg(), field, length, FOREVER_US]))
 
-    def report(self, parks_in_broker: bool = False) -> StoreReport:
+    def report(self) -> StoreReport:
         """What this store risks (eviction, persistence) and its run id: see doctor.py."""
         with self.errors():
-            return examine(self.client, parks_in_broker)
+            return examine(self.client)
 
     def now_us(self) -> int:
         """The Redis clock (or the test clock)."""

@@ -27,7 +27,6 @@ from celery.exceptions import TimeLimitExceeded
 from celery.signals import task_failure, task_revoked, worker_init, worker_process_init, worker_shutdown
 
 from . import deferral
-from .broker_parking import broker_parking
 from .connection import safe_url
 from .controller import controller
 from .errors import StoreError
@@ -108,14 +107,14 @@ def _say_what_is_throttled(ctl: Throttle) -> None:
     try:
         # (Before the pool forks: every child starts knowing how far away the store is.)
         rtt_us = store.measure_rtt()
-        report = store.report(broker_parking(ctl) is not None)
+        report = store.report()
     except StoreError as exc:
         logger.warning("celery_throttle: throttling %d task(s) (%s); store %s not checked: %s", len(names), shown,
                        safe_url(store.url), exc)
         return
-    logger.info("celery_throttle: throttling %d task(s) (%s); store %s: %s, round trip %.1f ms; long waits "
-                "parked in the %s", len(names), shown, safe_url(store.url), report.summary(), rtt_us / 1000,
-                "broker (RabbitMQ delay queues)" if broker_parking(ctl) is not None else "store")
+    logger.info("celery_throttle: throttling %d task(s) (%s); store %s: %s, round trip %.1f ms; tasks that "
+                "must wait do so in their key's line, in the store", len(names), shown, safe_url(store.url),
+                report.summary(), rtt_us / 1000)
     for risk in report.risks:
         logger.warning("celery_throttle: the throttle store %s: %s", safe_url(store.url), risk)
     ctl.store_run_id = report.run_id

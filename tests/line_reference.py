@@ -647,7 +647,7 @@ class KeyModel:
         self._expire_out(self.policy.line_batch)
         self._reclaim()
         m = self.meta.get(ticket) if ticket in self.out else None
-        if m is not None:
+        if m is not None and not (m.phase == "g" and self.now >= m.start):
             self._come_in(ticket, m)
             self._ungrant(m)
             self.slots.pop(ticket, None)

@@ -459,3 +459,35 @@ def tokens_after(label, tenant, used):
     """As tokens_estimated, estimated at 1 token: ``cost_after`` reports ``used`` by unit."""
     record(label)
     return used
+
+
+# -- capacity that appears after the deferral (issue: a start decided when there is room) --
+@app.task
+@throttle("6/m", scope="raisable", key="{tenant}")
+def raisable(label, tenant):
+    """6 a minute, until an operator raises (or resets) the tenant's key."""
+    record(label)
+
+
+@app.task
+@throttle("10/4s", key="{tenant}", cost=5)
+def refunded(label, tenant):
+    """Estimated at 5 units, reports 1: the 4 come back as it starts."""
+    record(label)
+    celery_throttle.charge(1)
+
+
+@app.task
+@throttle("10/2s", key="{tenant}")
+def slow_body(label, tenant, seconds=1.0):
+    """A body slower than the limit's pace on few processes: the pool is the bottleneck."""
+    record(label)
+    time.sleep(seconds)
+
+
+@app.task
+@throttle("10/2s", key="{tenant}")
+def overrunning(label, tenant, used=5):
+    """Estimated at 1 unit, reports ``used`` as it starts (an overrun)."""
+    record(label)
+    celery_throttle.charge(used)

@@ -33,7 +33,7 @@ def test_status_reset_and_parked_from_the_command_line(prefix: str) -> None:
     out = _celery(prefix, "status", "github-api", "--key", "acme")
     assert _row(out, "github-api", "acme", "10/m") == ["3", "7"]
     assert _row(out, "", "", "100/h") == ["3", "97"]
-    assert "parked: 0 waiting, 0 being released, 0 dead" in _celery(prefix, "parked")
+    assert "no task waits in a line" in _celery(prefix, "parked")
     assert "reset scope 'github-api' key 'acme'" in _celery(prefix, "reset", "github-api", "--key", "acme")
     # Nothing left, and no task of the app uses that scope: said, not a blank table
     gone = _run(prefix, "status", "github-api", "--key", "acme")
@@ -62,7 +62,6 @@ def test_status_lists_every_scope_with_its_pauses_and_live_limits_and_as_json(pr
     assert _row(out, "github-api", "globex", "10/m") == ["1", "9"]
     assert _row(out, "exports", "-", "5/m") == ["2", "3"]
     assert next(line for line in out.splitlines() if line.startswith("vendor")).rstrip().endswith("resumed")
-    assert "parked: 0 waiting" in out
     assert all(len(line) <= 80 for line in out.splitlines())
     only = _celery(prefix, "status", "--match", "github*")
     assert "exports" not in only and "globex" in only
@@ -129,27 +128,30 @@ def test_set_and_unset_a_live_limit_from_the_command_line(prefix: str) -> None:
         assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr
 
 
-def test_parked_tasks_by_scope_and_key_with_due_times_and_a_purge(prefix: str) -> None:
-    from celery_throttle.keys import state_key
-    from celery_throttle.parking import park
-    from celery_throttle.protocol import HEADER
+def test_waiting_tasks_by_scope_and_key_and_a_purge(prefix: str) -> None:
+    from celery_throttle.messages import encode_message
+    from celery_throttle.protocol import Code, Entry
 
+    # Given three tasks waiting in the lines of two keys whose hourly windows are spent
     ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
-    now_us = ctl.store.now_us()
     for i, (scope, key) in enumerate([("exports", "acme"), ("exports", "acme"), ("github-api", None)]):
-        sig = app.signature("tests.taskapp.below", args=(f"p{i}",), task_id=f"task-{i}",
-                            headers={HEADER: {"k": state_key(prefix, scope, key), "n": 1}})
-        park(ctl, sig, due_us=now_us + (i + 1) * 3_600_000_000)
+        call = ctl._direct_call(scope, key, "1/h", 1, None)
+        ctl.checker.acquire(call)
+        sig = app.signature("tests.taskapp.below", args=(f"p{i}",), task_id=f"task-{i}")
+        entry = Entry(f"task-{i}:e", encode_message(app, sig), f"task-{i}", 0, 0, 8)
+        assert ctl.checker.acquire(call, entry=entry).code == Code.QUEUED
+    # Then `parked` says how many wait in each line, and lists them with --tasks
     out = _celery(prefix, "parked")
-    assert "scope 'exports' key 'acme': 2 waiting, next due " in out and "scope 'github-api': 1 waiting" in out
-    assert "parked: 3 waiting, 0 being released, 0 dead" in out
+    assert "scope 'exports' key 'acme': 2 waiting, 0 released, the oldest since " in out, out
+    assert "scope 'github-api': 1 waiting, 0 released" in out, out
     listed = _celery(prefix, "parked", "--tasks", "--match", "github*")
-    assert "task-2  tests.taskapp.below  scope 'github-api'  due " in listed and "task-0" not in listed
-    assert "purged 2 parked task(s)" in _celery(prefix, "parked", "--purge", "--match", "exports", "--key-match", "acme",
-                                                     "--yes")
-    assert ctl.parking.parked_count() == (1, 0, 0)
+    assert "task-2  tests.taskapp.below  scope 'github-api'  place 1  since " in listed and "task-0" not in listed
+    # and a purge of one key's line deletes those alone, asking first
+    assert "purged 2 waiting task(s)" in _celery(prefix, "parked", "--purge", "--match", "exports", "--key-match",
+                                                  "acme", "--yes")
+    assert [w.task_id for w in ctl.lines.waiting()] == ["task-2"]
     declined = _run(prefix, "parked", "--purge")  # asks first; no answer: nothing deleted
-    assert declined.returncode != 0 and ctl.parking.parked_count() == (1, 0, 0)
+    assert declined.returncode != 0 and [w.task_id for w in ctl.lines.waiting()] == ["task-2"]
 
 
 def test_status_prints_hostile_keys_as_text_and_lists_the_keys_of_a_scope(prefix: str) -> None:

@@ -303,13 +303,14 @@ def test_a_ticket_starts_one_body_and_a_forged_or_copied_one_is_a_new_task(ctl: 
     released = ctl.checker.release(call, 1)
     assert [r.id for r in released.reported] == ["task-1:x1"]
     first = ctl.checker.claim(call, "task-1:x1", holder="h1")
-    # Then it runs on its ticket; a copy of its message (the same ticket again), and a
-    # ticket nobody was handed, are each checked as a new task: with the second one
-    # still waiting in the line, neither starts, and neither waits without its message
+    # Then it runs on its ticket; a copy of its message (the same ticket again) is known
+    # as one that started (dropped, not run twice), and a ticket nobody was handed is
+    # checked as a new task: with the second one still waiting in the line, it does not
+    # start, and does not wait without its message
     assert first.allowed
-    for ticket in ("task-1:x1", "task-2:guessed"):
-        copy = ctl.checker.claim(call, ticket, holder="h2")
-        assert copy.code == Code.DENIED and copy.waiting == 1
+    assert ctl.checker.claim(call, "task-1:x1", holder="h2").code == Code.DUPLICATE
+    guessed = ctl.checker.claim(call, "task-2:guessed", holder="h2")
+    assert guessed.code == Code.DENIED and guessed.waiting == 1
 
 
 def test_a_live_limit_applies_to_every_key_without_its_own_and_keeps_what_was_counted(prefix: str) -> None:

@@ -417,18 +417,15 @@ def test_declaring_an_empty_or_non_string_scope_is_refused(scope: Any) -> None:
         ThrottleSpec.declare(["10/s"], scope=scope)
 
 
-def test_a_start_reserved_far_from_its_store_stays_open_two_round_trips_at_most_a_quarter_window() -> None:
-    from celery_throttle.timing import grace_us, reservation_grace_us, round_trip_allowance_us
+def test_a_task_is_released_from_a_far_store_earlier_by_its_round_trip() -> None:
+    from celery_throttle.timing import release_lead_us, round_trip_allowance_us, slack_us
 
-    rates = parse_rates(["10/s"])
-
-    def grace(least_us: int, rtt_us: int) -> int:
-        return reservation_grace_us(rates, None, least_us, round_trip_allowance_us(rtt_us))
-
-    # A store on this host: the window's own grace (3 slacks), or publish's least, under 1/10
-    assert grace(0, 300) == grace_us(rates) == 30_000
-    assert grace(100_000, 300) == 100_000
-    assert grace(500_000, 300) == 100_000
-    # A store 95 ms away: two round trips (each rounded up to 10 ms); 400 ms away: 1/4 window
-    assert grace(0, 95_000) == 200_000
-    assert grace(0, 400_000) == 250_000
+    rates = tuple(parse_rates(["10/s"]))
+    # A store on this host: released 4 slacks ahead (a released task takes that long to
+    # reach a pool process), at most half the rate's spacing (it waits there for its start)
+    assert round_trip_allowance_us(300) == 0
+    assert release_lead_us(rates) == min(4 * slack_us(rates), 100_000 // 2) == 40_000
+    assert release_lead_us(tuple(parse_rates(["1000/m"]))) == 60_000 // 2
+    # A store 95 ms away: its round trip too (rounded up to 10 ms, a few values only)
+    assert round_trip_allowance_us(95_000) == 100_000
+    assert release_lead_us(rates, round_trip_allowance_us(95_000)) == 140_000

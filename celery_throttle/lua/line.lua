@@ -53,7 +53,8 @@
 --   release  release the heads that fit. [P] batch
 --   ack      the tasks released were sent: their messages go. [P..] tickets
 --   give_back  a released task will not start (discarded as expired or revoked): its
---            room comes back. [P] ticket, [P+1] batch
+--            room comes back (not a start granted ahead whose time has come: its
+--            process took it). [P] ticket, [P+1] batch
 --   settle   a call that started reports its real cost (ARGV[3], the difference, by
 --            rate) for the span it was counted in. [P] at, [P+1] latest, [P+2] epoch
 --            (at 0: admitted from a lease, latest its slack), [P+3] batch
@@ -692,7 +693,8 @@ local function give_back()
   reclaim()
   local ticket, batch = ARGV[P], tonumber(ARGV[P + 1])
   local m = redis.call('ZSCORE', out_key, ticket) and meta_of(ticket)
-  if m then
+  -- (A start granted ahead whose time has come was taken by its process: it stays.)
+  if m and not (m[M.PHASE] == 'g' and now >= m[M.START]) then
     come_in(ticket, m)
     ungrant(m)
     redis.call('ZREM', slots_key, ticket)
