@@ -77,12 +77,12 @@ class Scale:
 
 
 FULL = Scale("25/s", 250, 700, 5, 0.5, 6, (10, 1000, 100000), 100000, 20000, 150,
-             backlog_depths=(1, 1000, 10000, 100000), fit_calls=15000, fit_rounds=3,
+             backlog_depths=(100, 1000, 10000, 100000), fit_calls=15000, fit_rounds=3,
              backlog_tasks=3000, floods=(1000, 10000, 100000), api_tasks=150,
              api_margins=(0.0, 0.05, 0.1), api_cold=("moving", "fixed", "jitter"), slot_floods=(200, 2000),
              llm_calls=100)
 QUICK = Scale("20/s", 100, 400, 2, 0.25, 2, (10, 1000, 10000), 10000, 2000, 20,
-              backlog_depths=(1, 1000, 10000), fit_calls=5000, fit_rounds=2,
+              backlog_depths=(100, 1000, 10000), fit_calls=5000, fit_rounds=2,
               backlog_tasks=1000, floods=(1000, 10000), api_tasks=50, api_margins=(0.05,),
               api_cold=("moving",), slot_floods=(200,), llm_calls=60)
 
@@ -175,12 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             _guard(res, "8 long waits", run_long_wait, res, prefix, scale.long_tasks, scale.long_window,
                    args.quick)
         if "backlog" in args.sections:
-            from bench.backlog import run_backlog_store, run_backlog_tasks, run_fit_peers
+            from bench.backlog import SEC as LINE_SEC
+            from bench.backlog import run_deep_line
 
-            print("deep backlog ...", flush=True)
-            _guard(res, "9 deep backlog", run_backlog_store, res, prefix, scale.backlog_depths)
-            _guard(res, "9 deep backlog", run_fit_peers, res, prefix, scale.fit_calls, scale.fit_rounds)
-            _guard(res, "9 deep backlog", run_backlog_tasks, res, prefix, scale.backlog_tasks)
+            print("deep line ...", flush=True)
+            _guard(res, LINE_SEC, run_deep_line, res, prefix, scale.backlog_depths)
         if "neighbour" in args.sections:
             from bench.neighbour import run_neighbour
 

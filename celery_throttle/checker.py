@@ -317,9 +317,10 @@ class Checker:
         """This process's copy of the pauses: control field to end (µs, Redis clock)."""
         return self.controls.pauses(self.store)
 
-    def refresh_controls(self) -> None:
-        """Read pauses and live limits now (a task held by a pause arrives: is it over?)."""
-        self.controls.refresh(self.store)
+    def refresh_controls(self) -> bool:
+        """Read pauses and live limits now (a task held by a pause arrives: is it over?).
+        True if they changed."""
+        return self.controls.refresh(self.store)
 
 
 class Known(NamedTuple):

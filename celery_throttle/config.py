@@ -40,17 +40,18 @@ class Settings:
     default_algorithm: str = "sliding"
     #: What a task does when Redis cannot be reached: "defer", "allow" or "fail".
     on_store_error: str = "defer"
-    #: A denied task whose wait is longer than this (seconds) is parked in Redis
-    #: instead of waiting as an ETA message in a worker's memory.
+    #: No effect since the line (a task that must wait waits in its key's line, however
+    #: long): accepted, with a warning, so that a deploy that still sets it starts.
     park_after: float = 60.0
-    #: Where parked tasks wait: "broker" (RabbitMQ's durable delay queues: as durable
-    #: as the broker's own messages), "store" (Redis), or "auto": the broker when it is
-    #: an AMQP one, else the store (a Redis broker usually is the store).
+    #: Where an earlier version parked tasks: "broker" (RabbitMQ's delay queues, and a
+    #: held queue), "store", or "auto" (the broker when it is an AMQP one). Read only to
+    #: send on what such a version left there.
     park_in: str = "auto"
-    #: How late (seconds) a task may start after its reserved time and still use it.
-    #: None: 2% of the shortest window, between 10 ms and 2 s.
+    #: No effect since the line (a start is granted when there is room): accepted, with a
+    #: warning.
     start_grace: float | None = None
-    #: How often (seconds) each worker looks for parked tasks that are due.
+    #: How often (seconds) each worker does its chores: what earlier versions left, lost
+    #: index entries, the store's watch (the lines themselves are released when due).
     release_interval: float = 1.0
     #: False turns every throttle off (tests, an emergency): tasks run unchecked, and the
     #: worker says so when it starts.
@@ -94,6 +95,11 @@ class Settings:
             if conf_value is not None:
                 values[name] = conf_value
         values.update(overrides)
+        ignored = sorted(f"throttle_{name}" for name in _NO_EFFECT if values.get(name) is not None)
+        if ignored:
+            logger.warning("celery_throttle: %s no longer ha%s an effect (a task that must wait waits in its key's "
+                           "line and starts when the key has room): remove %s", " and ".join(ignored),
+                           "ve" if len(ignored) > 1 else "s", "them" if len(ignored) > 1 else "it")
         if "redis_url" not in values:
             values["redis_url"] = _default_redis_url(app)
             if "redis_options" not in values and str(values["redis_url"]).startswith(SENTINEL_SCHEMES):
@@ -133,6 +139,10 @@ class Settings:
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ConfigurationError(f"throttle_{name} must be a positive number of seconds")
         return self
+
+
+#: Settings an earlier version used that the line made pointless: read and warned about.
+_NO_EFFECT = ("park_after", "start_grace")
 
 
 def check_max_wait(value: Any, what: str) -> None:

@@ -126,10 +126,12 @@ class Controls:
         self._maybe_refresh(store)
         return self._set.concurrency_of(scope, key)
 
-    def refresh(self, store: Any) -> None:
-        """Read the controls now, whatever the age of this copy."""
+    def refresh(self, store: Any) -> bool:
+        """Read the controls now, whatever the age of this copy. True if they changed."""
+        before = self._set
         self._claim_read()
         self._read(store)
+        return self._set != before
 
     def _maybe_refresh(self, store: Any) -> None:
         age = time.monotonic() - self._read_at

@@ -255,6 +255,11 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
             reply = ctl.checker.claim(call, ticket or turned.entry_id, holder=holder, granted_us=reply.start_us,
                                       entry=turned.entry(with_message=True))
             ctl.lines.handle(call, reply)
+        if ticket and reply.code == Code.QUEUED and ctl.checker.refresh_controls():
+            # Released under limits this process had not read yet (one changed within
+            # CONTROL_REFRESH: a raised or cleared limit, a resume): it went back to its
+            # place under the old ones, so its line is looked at again under the new.
+            ctl.lines.wake(call.scope, call.key)
     except StoreError as exc:
         return turned.on_store_error(exc)
     if reply.code in (Code.RUN, Code.RUN_AT):

@@ -285,6 +285,19 @@ class Lines:
         with store.errors():
             return int(store.client.zcard(line_index_key(store.prefix)))
 
+    def total_waiting(self) -> int:
+        """How many tasks wait in every line (the gauge): one ZCARD per key of the index,
+        pipelined a thousand at a time."""
+        store, total = self.ctl.store, 0
+        with store.errors():
+            keys = [_text(m) for m, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000)]
+            for start in range(0, len(keys), 1000):
+                pipe = store.client.pipeline(transaction=False)
+                for key in keys[start:start + 1000]:
+                    pipe.zcard(window_keys(key)[2])
+                total += sum(int(n) for n in pipe.execute())
+        return total
+
     def waiting(self, limit: int = 10_000) -> list[Waiting]:
         """The tasks in every line (and those released from one, not started), at most
         ``limit``, each line in its order."""

@@ -153,6 +153,7 @@ class Metrics:
             denials, self._denials = self._denials, defaultdict(lambda: [0, 0.0, 0])
             span, self._summary_at = now - self._summary_at, now
         for (scope, key), (count, seconds, parked) in sorted(denials.items(), key=lambda i: -i[1][0]):
+            # (Each waits in its key's line; one that could not is sent back a moment.)
             logger.info("throttled in the last %.0fs: scope=%s key=%s: %d task(s) deferred, %.1fs on "
                         "average%s", span, scope, key, count, seconds / count,
-                        f", {parked} parked" if parked else "")
+                        f", {count - parked} sent back a moment" if count - parked else "")

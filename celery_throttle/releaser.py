@@ -188,7 +188,7 @@ class Releaser(threading.Thread):
                     broker.move_held()
             if self.ctl.metrics.enabled and now - self._gauged_at >= GAUGE_EVERY:
                 self._gauged_at = now
-                self.ctl.metrics.parked_waiting(self.ctl.parking.parked_count()[0])
+                self.ctl.metrics.parked_waiting(self.ctl.lines.total_waiting() + self.ctl.parking.parked_count()[0])
             self._chores_outage.ok()
         except StoreError as exc:
             self._chores_outage.failed(exc)

@@ -135,8 +135,10 @@ class ScriptPolicy:
     line_batch: int = 64
     #: How long (ms) a released task's message stays with its releaser before it counts as
     #: not sent (the releaser died between the script and the broker): it is then put
-    #: back in its place in the line.
-    send_lease_ms: int = 60_000
+    #: back in its place in the line. A send takes milliseconds; one slower than this is
+    #: harmless (a copy released again finds its ticket used, and is dropped), one lost
+    #: with its worker should not wait long.
+    send_lease_ms: int = 10_000
     #: How long (ms) a released task that was sent may take to arrive (behind a queue, in
     #: a worker's prefetch, behind a pool slower than the limit) before its room is given
     #: back. It is not lost: if it comes later, it is checked as a fresh call.

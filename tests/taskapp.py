@@ -2,7 +2,7 @@
 
 Configured from the environment so one module serves every worker a test starts:
 CT_BROKER, CT_STORE (throttle_redis_url), CT_STORE_OPTIONS (JSON), CT_PREFIX (key prefix; also where starts are
-recorded), CT_QUEUE, CT_PARK_AFTER, CT_ON_STORE_ERROR, CT_ACKS_LATE, CT_TASK_SLEEP,
+recorded), CT_QUEUE, CT_ON_STORE_ERROR, CT_ACKS_LATE, CT_TASK_SLEEP,
 CT_CLOCK_SKEW (seconds this worker's clock is off, to record true start times).
 Each task body records its start (worker clock) in Redis for the test to read.
 """
@@ -39,7 +39,6 @@ app.conf.update(
     throttle_redis_url=STORE,
     throttle_redis_options=json.loads(os.environ.get("CT_STORE_OPTIONS", "{}")),
     throttle_key_prefix=PREFIX,
-    throttle_park_after=float(os.environ.get("CT_PARK_AFTER", "30")),
     throttle_on_store_error=os.environ.get("CT_ON_STORE_ERROR", "defer"),
     throttle_store_retry_delay=0.5,
     throttle_store_retry_max_delay=2.0,

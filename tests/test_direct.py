@@ -420,6 +420,19 @@ def test_a_misspelt_setting_is_named_in_a_warning_with_the_likely_one(caplog: py
     assert settings.park_after != 5
 
 
+def test_settings_the_line_made_pointless_are_accepted_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    # Given an app configured for an earlier version: long waits parked after 5 s, a grace
+    app = Celery("earlier", broker="memory://", set_as_current=False)
+    app.conf.update(throttle_park_after=5, throttle_start_grace=0.1, throttle_redis_url=STORE_URL)
+    # When its settings are read
+    with caplog.at_level("WARNING", logger="celery_throttle"):
+        celery_throttle.install(app).settings  # noqa: B018
+    # Then it starts, and says once that both are to go
+    said = [r.getMessage() for r in caplog.records]
+    assert ("celery_throttle: throttle_park_after and throttle_start_grace no longer have an effect (a task that "
+            "must wait waits in its key's line and starts when the key has room): remove them") in said, said
+
+
 def test_concurrent_pauses_keep_the_longest_and_forget_those_over(ctl: celery_throttle.Throttle) -> None:
     import threading
 

@@ -97,7 +97,11 @@ def test_store_killed_mid_burst_loses_nothing_and_limit_holds_after(group_factor
         after = [e["t"] for e in starts if e["t"] > restarted]
         assert after and max_started_in(after, 1.0) <= 5
         assert all(p.poll() is None for p in group.procs)
-        assert "throttle store unreachable, deferring" in group.log_text()
+        # and the outage was said: by a task deferred for it, or by the releasers that
+        # could not release the lines (once, then its end)
+        log = group.log_text()
+        assert ("throttle store unreachable, deferring" in log
+                or ("could not release the lines that have room" in log and "the store is back" in log)), log[-3000:]
     finally:
         store.stop()
 

@@ -697,3 +697,49 @@ def test_the_line_matches_its_model_under_another_policy_or_layout(
             assert walk.seen["released"], walk.explain("nothing was released")
     finally:
         store.close()
+
+
+#: Tasks in the deep line below (the suite's; the bench measures the cost to 100 000).
+DEEP = 500 if QUICK else 2_000
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_deep_line_is_released_in_order_and_the_window_stays_small(
+    redis_client: redis.Redis, key_prefix: str, algorithm: str
+) -> None:
+    from celery_throttle.protocol import Entry
+
+    # Given DEEP tasks waiting in the line of one key of 20/s
+    clock = FakeClock(BASE_US)
+    store = RedisStore(STORE_URL, key_prefix, clock=clock)
+    rates = (parse_rate("20/s"),)
+    call = WindowCall(algorithm, rates, 1, slack_us=10_000)
+    key = state_key(key_prefix, "deep", algorithm)
+    sent = [f"t{n:05d}:{uuid.uuid4().hex[:8]}" for n in range(DEEP)]
+    try:
+        codes = Counter(store.acquire(key, call, entry=Entry(e, b"m-" + e.encode(), e, 0, 0, 8)).code for e in sent)
+        assert codes == {Code.RUN: 20, Code.QUEUED: DEEP - 20}
+        # When time passes and the line is released as its key has room, each task
+        # arriving as soon as it is released
+        released: list[str] = []
+        starts: list[int] = []
+        largest = 0
+        while len(released) < DEEP - 20:
+            reply = store.release(key, call, 64)
+            for r in reply.reported:
+                assert r.kind == "r", r
+                released.append(r.id)
+                got = store.claim(key, call, r.id, early_us=1_000_000, holder=f"h-{r.id}")
+                assert got.code in (Code.RUN, Code.RUN_AT), (r.id, got)
+                starts.append(got.start_us if got.code == Code.RUN_AT else clock.now)
+            largest = max(largest, redis_client.memory_usage(key) or 0)
+            clock.now = max(reply.due_us, clock.now + 1_000) if reply.due_us else clock.now + 50_000
+        # Then they were released first come first served, each once, never more than the
+        # limit in any window, and the window's state stayed small however deep the line
+        assert released == sent[20:]
+        assert (max_units_in_any_interval(((t, 1) for t in starts), 1_000_000) if algorithm == "sliding"
+                else max_units_per_aligned_window(((t, 1) for t in starts), 1_000_000)) <= 20
+        assert largest < 4096
+        assert not redis_client.exists(window_keys(key)[2])
+    finally:
+        store.close()

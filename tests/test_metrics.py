@@ -23,7 +23,7 @@ def app(prefix: str) -> Iterator[Celery]:
     app = Celery(f"metrics-{prefix}", broker=BROKER_URL, backend=BROKER_URL, set_as_current=False)
     app.conf.update(task_default_queue=prefix, result_expires=60, broker_connection_retry_on_startup=True,
                     worker_hijack_root_logger=False)
-    celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix, park_after=1.0)
+    celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
     yield app
     app.close()
     delete_queues(BROKER_URL, [prefix])

@@ -71,7 +71,7 @@ def replay(corpus: dict[str, Any], prefix: str, store_client: redis.Redis) -> It
     restore(store_client, prefix, corpus["keys"])
     app, _ = build_app(prefix)
     clock = FrozenClock(corpus["now_us"])
-    ctl = Throttle(app, {"redis_url": STORE_URL, "key_prefix": prefix, "park_after": 30.0}, clock=clock)
+    ctl = Throttle(app, {"redis_url": STORE_URL, "key_prefix": prefix}, clock=clock)
     yield app, ctl, clock
     ctl.close()
 

@@ -29,7 +29,7 @@ def app(prefix: str) -> Iterator[Celery]:
     are made with ``shared=False``: a shared task would join every app made after it."""
     app = Celery(f"wiring-{prefix}", broker=BROKER_URL, backend=BROKER_URL, set_as_current=False)
     app.conf.update(task_default_queue=prefix, throttle_redis_url=STORE_URL, throttle_key_prefix=prefix,
-                    throttle_park_after=0.5, throttle_release_interval=0.2, result_expires=60,
+                    throttle_release_interval=0.2, result_expires=60,
                     broker_connection_retry_on_startup=True, worker_hijack_root_logger=False)
     yield app
     app.close()

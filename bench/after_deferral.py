@@ -1,0 +1,178 @@
+"""``python -m bench.after_deferral [--only rows|depth] [--runs N]``: capacity that appears
+after tasks were deferred, and what a deep line costs.
+
+rows: each row of the scheduler issue's table, on real workers fed by a producer process
+that imports the task module and sends (the test harness of tests/test_after_deferral.py,
+whose tasks live in tests/taskapp.py), against what the new capacity allows:
+
+- raise: 60 tasks of a tenant at ``6/m``; once 6 ran, the key is raised to ``600/m``. The
+  54 others fit the sliding window at once: the ideal is the time 4 processes take to
+  start them (measured: ~0), so the figure is seconds from the raise to the last start.
+- reset: 30 at ``6/m``; once 6 ran, the key is reset and raised to ``300/m``: as above.
+- refunds: 30 calls at ``10/4s``, each estimated at 5 units and reporting 1 (``charge``).
+  A call starts while its estimate fits beside what was reported: 6 a window, so the ideal
+  last start is at 4 windows (16 s) after the first.
+- slow pool: 40 bodies of 1 s on 2 processes at ``10/2s``: the pool sets the pace, so
+  the ideal makespan is 20 s.
+
+depth: a key of ``20/s`` with D tasks in its line (D = 100 … 100 000), on a store of its
+own; its line released and each task claimed as it comes, on a test clock: the script
+time per task released and claimed (µs, from Redis' own commandstats), and the memory
+per waiting task. A deep line should cost the same per task as a short one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import uuid
+from typing import Any
+
+import redis
+
+ROWS = ("raise", "reset", "refunds", "slow pool")
+DEPTHS = (100, 1_000, 10_000, 100_000)
+
+
+def _rows(runs: int) -> list[tuple[str, list[float], float, str]]:
+    import celery_throttle
+    from tests.helpers import BROKER_URL, STORE_URL, WorkerGroup, new_label
+    from tests.taskapp import app as tasks_app
+
+    out: list[tuple[str, list[float], float, str]] = []
+    store = redis.Redis.from_url(STORE_URL)
+
+    def group(**kw: Any) -> WorkerGroup:
+        return WorkerGroup(prefix=f"ct-bench-{uuid.uuid4().hex[:10]}", broker=BROKER_URL, store=STORE_URL, **kw)
+
+    def cleanup(g: WorkerGroup) -> None:
+        g.stop()
+        for key in store.scan_iter(match=f"{g.prefix}*", count=1000):
+            store.delete(key)
+
+    four = group(count=2, concurrency=2).start()
+    try:
+        ctl = celery_throttle.Throttle(tasks_app, {"redis_url": STORE_URL, "key_prefix": four.prefix})
+        figures: dict[str, list[float]] = {"raise": [], "reset": [], "refunds": []}
+        for _ in range(runs):
+            label, tenant = new_label(), f"r-{new_label()}"
+            four.produce({"how": "delay", "task": "raisable", "args": [label, tenant], "count": 60})
+            four.wait_starts(label, 6, timeout=30, settle=1.0)
+            at = time.time()
+            ctl.set_limit("raisable", ["600/m"], key=tenant)
+            figures["raise"].append(max(e["t"] for e in four.wait_starts(label, 60, timeout=60)) - at)
+
+            label, tenant = new_label(), f"s-{new_label()}"
+            four.produce({"how": "delay", "task": "raisable", "args": [label, tenant], "count": 30})
+            four.wait_starts(label, 6, timeout=30, settle=1.0)
+            at = time.time()
+            ctl.reset("raisable", key=tenant)
+            ctl.set_limit("raisable", ["300/m"], key=tenant)
+            figures["reset"].append(max(e["t"] for e in four.wait_starts(label, 30, timeout=60)) - at)
+
+            label, tenant = new_label(), f"f-{new_label()}"
+            four.produce({"how": "delay", "task": "refunded", "args": [label, tenant], "count": 30})
+            times = sorted(e["t"] for e in four.wait_starts(label, 30, timeout=90))
+            figures["refunds"].append(times[-1] - times[0])
+        ctl.close()
+        out.append(("raise 6/m to 600/m, 54 waiting: s from the raise to the last start", figures["raise"], 0.0,
+                    "before: 0 of 54 in 25 s"))
+        out.append(("reset and raise to 300/m, 24 waiting: s to the last start", figures["reset"], 0.0,
+                    "before: 5 of 30 within 25 s"))
+        out.append(("30 calls at 10/4s, estimate 5, charge(1): first to last start, s", figures["refunds"], 16.0,
+                    "before: 57.9 s"))
+    finally:
+        cleanup(four)
+    slow_figures = []
+    for _ in range(runs):
+        two = group(count=1, concurrency=2, env={"CT_PREFETCH": "1"}).start()
+        try:
+            label, tenant = new_label(), f"p-{new_label()}"
+            two.produce({"how": "delay", "task": "slow_body", "args": [label, tenant], "count": 40})
+            times = sorted(e["t"] for e in two.wait_starts(label, 40, timeout=90))
+            slow_figures.append(times[-1] + 1.0 - times[0])
+        finally:
+            cleanup(two)
+    out.append(("40 bodies of 1 s, 2 processes, 10/2s: makespan, s", slow_figures, 20.0, "before: 36.9 s"))
+    store.close()
+    return out
+
+
+def _depth(depths: tuple[int, ...]) -> list[tuple[int, float, float, float]]:
+    """(depth, script µs per task released and claimed, bytes per waiting task, seconds to fill)."""
+    from celery_throttle.keys import state_key, window_keys
+    from celery_throttle.protocol import Entry, WindowCall
+    from celery_throttle.rates import parse_rate
+    from celery_throttle.store import RedisStore
+    from tests.helpers import RedisServer
+
+    server = RedisServer().start()
+    rows = []
+    try:
+        client = redis.Redis.from_url(server.url)
+        for depth in depths:
+            clock = _Clock(1_700_000_000_000_000)
+            store = RedisStore(server.url, f"depth-{depth}", clock=clock)
+            call = WindowCall("sliding", (parse_rate("20/s"),), 1, slack_us=10_000)
+            key = state_key(f"depth-{depth}", "deep", None)
+            message = b"x" * 300  # (a small task's message)
+            began = time.monotonic()
+            pipe_batch = 500
+            for start in range(0, depth, pipe_batch):
+                for n in range(start, min(depth, start + pipe_batch)):
+                    store.acquire(key, call, entry=Entry(f"t{n}", message, f"t{n}", 0, 0, 8))
+            filled = time.monotonic() - began
+            memory = sum(client.memory_usage(k) or 0 for k in window_keys(key))
+            client.config_resetstat()
+            released = 0
+            while released < 400:
+                reply = store.release(key, call, 64)
+                for r in reply.reported:
+                    store.claim(key, call, r.id, early_us=1_000_000, holder=f"h{r.id}")
+                    released += 1
+                clock.now = max(reply.due_us, clock.now + 1_000) if reply.due_us else clock.now + 50_000
+            stats = client.info("commandstats")
+            script_us = sum(v["usec"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+            rows.append((depth, script_us / released, memory / depth, filled))
+            store.close()
+            for k in client.scan_iter(match=f"depth-{depth}:*", count=1000):
+                client.delete(k)
+        client.close()
+    finally:
+        server.stop()
+    return rows
+
+
+class _Clock:
+    def __init__(self, now: int) -> None:
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.after_deferral", description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=("rows", "depth"), action="append", default=[])
+    p.add_argument("--runs", type=int, default=3, help="runs of each row (default 3)")
+    args = p.parse_args(argv)
+    only = set(args.only) or {"rows", "depth"}
+    os.environ.setdefault("CT_QUICK", "0")
+    if "rows" in only:
+        print(f"| capacity after the deferral ({args.runs} runs) | runs | ideal | worst / ideal | before |")
+        print("|---|---|---|---|---|")
+        for name, figures, ideal, before in _rows(args.runs):
+            shown = ", ".join(f"{f:.2f}" for f in figures)
+            ratio = f"{max(figures) / ideal:.3f}" if ideal else f"{max(figures):.2f} s over"
+            print(f"| {name} | {shown} | {ideal:.1f} | {ratio} | {before} |")
+    if "depth" in only:
+        print("\n| tasks in the line | script µs per task released and claimed | bytes per waiting task | fill, s |")
+        print("|---|---|---|---|")
+        for depth, us, per_task, filled in _depth(DEPTHS):
+            print(f"| {depth:,} | {us:.0f} | {per_task:.0f} | {filled:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
