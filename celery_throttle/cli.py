@@ -155,7 +155,7 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
         for i, (rate, used, left, resets) in enumerate(rows):
             first = i == 0
             # Scopes and keys are user data: Text, never read as rich markup ("[red]acme").
-            cells = [Text(s.scope) if first else "", Text("-" if s.key is None else s.key) if first else "",
+            cells = [Text(_escaped(s.scope)) if first else "", Text("-" if s.key is None else _escaped(s.key)) if first else "",
                      *([rate, used, left, resets] if counted else []),
                      *([_waiting(s) if first else ""] if waiting else []),
                      *([_slots(s) if first else ""] if slots else []), *([paused if first else ""] if paused_any else [])]
@@ -340,11 +340,32 @@ def _from_now(timestamp: float) -> str:
 @throttle.command()
 @click.argument("scope")
 @click.option("--key", default=None, help="The key (e.g. tenant id) within the scope.")
+@click.option("--all-keys", is_flag=True, help="Every key of SCOPE, and the scope's own windows.")
+@click.option("--yes", is_flag=True, help="Do not ask first.")
 @click.pass_context
-def reset(ctx: click.Context, scope: str, key: str | None) -> None:
-    """Forget every window of SCOPE (and KEY)."""
-    found = _controller(ctx).reset(scope, key=key)
-    click.echo(f"reset {_target(scope, key)}" if found else f"{_target(scope, key)}: nothing to reset")
+def reset(ctx: click.Context, scope: str, key: str | None, all_keys: bool, yes: bool) -> None:
+    """Forget the windows of SCOPE (without --key: the scope's own, not its keys'; with
+    --all-keys: every key's too). What they counted no longer holds the next starts back.
+    Asks first."""
+    ctl = _controller(ctx)
+    if all_keys:
+        if key is not None:
+            raise click.UsageError("--all-keys and --key: choose one")
+        if not (yes or click.confirm(f"forget what every key of {_target(scope, None)} counted?")):
+            raise click.Abort()
+        keys = ctl.reset_keys(scope)
+        click.echo(f"reset {_target(scope, None)}: {len(keys)} window(s)" if keys
+                   else f"{_target(scope, None)}: nothing to reset")
+        return
+    if not (yes or click.confirm(f"forget what {_target(scope, key)} counted?")):
+        raise click.Abort()
+    found = ctl.reset(scope, key=key)
+    if found:
+        click.echo(f"reset {_target(scope, key)}")
+        return
+    keyed = [st for st in ctl.statuses(scope=scope, limit=2)[0] if st.key is not None] if key is None else []
+    click.echo(f"{_target(scope, key)}: nothing to reset"
+               + (" (its keys have windows of their own: --key KEY, or --all-keys)" if keyed else ""))
 
 
 @throttle.command()

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .connection import SENTINEL_SCHEMES
+from .connection import SENTINEL_SCHEMES, safe_url
 from .errors import ConfigurationError
 from .keys import check_prefix
 
@@ -26,12 +26,13 @@ _DEFAULT_REDIS = "redis://localhost:6379/0"
 class Settings:
     """Every ``throttle_*`` setting, with its default (see README, "Settings")."""
 
-    #: Where window state and parked tasks live: ``redis://``, ``rediss://``,
-    #: ``sentinel://`` (or ``redis+sentinel://``), ``redis+cluster://``.
-    redis_url: str | None = _DEFAULT_REDIS
+    #: Where window state and the lines live: ``redis://``, ``rediss://``,
+    #: ``sentinel://`` (or ``redis+sentinel://``), ``redis+cluster://``. (Not in the
+    #: repr: it may hold a password.)
+    redis_url: str | None = field(default=_DEFAULT_REDIS, repr=False)
     #: Passed to the redis-py client: TLS certificates, ``username``/``password``,
     #: timeouts; for Sentinel ``master_name`` and ``sentinel_kwargs`` (connection.py).
-    redis_options: Mapping[str, Any] = field(default_factory=dict)
+    redis_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     #: Every Redis key the plugin writes starts with it.
     key_prefix: str = "throttle"
     #: Limits for tasks by name glob, for tasks you do not own.
@@ -88,12 +89,16 @@ class Settings:
             raise ConfigurationError(
                 f"unknown throttle setting(s) {sorted(unknown)}; known: {sorted(names)}"
             )
-        _warn_unknown(app, names)
+        _warn_unknown(app, names | {_SECRET_URL[len("throttle_"):]})
+        _hide_password(app)
         values: dict[str, Any] = {}
         for name in names:
             conf_value = app.conf.get(f"throttle_{name}")
             if conf_value is not None:
                 values[name] = conf_value
+        secret = app.conf.get(_SECRET_URL)
+        if secret and values.get("redis_url") == safe_url(secret):
+            values["redis_url"] = secret  # (the URL as given: see _hide_password)
         values.update(overrides)
         ignored = sorted(f"throttle_{name}" for name in _NO_EFFECT if values.get(name) is not None)
         if ignored:
@@ -139,6 +144,24 @@ class Settings:
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ConfigurationError(f"throttle_{name} must be a positive number of seconds")
         return self
+
+
+#: Where the store's URL is kept when it holds a password: Celery masks the value of a
+#: setting whose name says SECRET (``celery inspect conf``, ``celery report``).
+_SECRET_URL = "throttle_redis_secret_url"
+
+
+def _hide_password(app: Any) -> None:
+    """A ``throttle_redis_url`` with a password is shown to anyone who can send a
+    ``celery inspect conf`` over the broker: its value becomes the masked URL, and the URL
+    itself moves to _SECRET_URL, which Celery masks, for the settings to read."""
+    try:
+        url = app.conf.get("throttle_redis_url")
+        if isinstance(url, str) and safe_url(url) != url:
+            app.conf[_SECRET_URL] = url
+            app.conf["throttle_redis_url"] = safe_url(url)
+    except Exception:  # noqa: BLE001 - a conf we cannot rewrite keeps its value: never fail for it
+        return
 
 
 #: Settings an earlier version used that the line made pointless: read and warned about.

@@ -29,6 +29,7 @@ __all__ = [
     "legacy_slot_index_key",
     "legacy_slot_keys",
     "line_index_key",
+    "line_index_keys",
     "parked_patterns",
     "parking_keys",
     "scan_pattern",
@@ -176,6 +177,11 @@ def window_keys(state_key: str) -> tuple[str, str, str, str, str, str, str]:
 def line_index_key(prefix: str) -> str:
     """The index of state keys with a line, by when each next needs a look (index.lua)."""
     return f"{prefix}:{{lines}}:due"
+
+
+def line_index_keys(prefix: str) -> tuple[str, str]:
+    """index.lua's keys: the index, and when each due time in it was computed."""
+    return line_index_key(prefix), f"{prefix}:{{lines}}:at"
 
 
 def legacy_slot_keys(state_key: str) -> tuple[str, str]:

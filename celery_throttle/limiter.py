@@ -422,6 +422,19 @@ class Throttle:
         self.lines.wake(scope, key)
         return found
 
+    def reset_keys(self, scope: str) -> list[str | None]:
+        """Forget the windows of ``scope`` and of every key of it (found by SCAN, as
+        :meth:`statuses` finds them). Returns the keys reset (None: the scope's own)."""
+        done: list[str | None] = []
+        while True:
+            found, more = self.statuses(scope=scope, limit=1000)
+            fresh = [st.key for st in found if st.key not in done and st.rates]
+            for key in fresh:
+                self.reset(scope, key)
+                done.append(key)
+            if not more or not fresh:
+                return done
+
     def _direct_call(self, scope: str, key: str | None, rates: Any, cost: int | Mapping[str, int],
                      algorithm: str | None) -> BoundCall:
         if not isinstance(scope, str) or not scope:

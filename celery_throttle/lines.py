@@ -138,9 +138,13 @@ class Lines:
         try:
             if sent:
                 metrics.released(len(sent))
-                self.ctl.checker.ack(call, sent)
+                # (Its own look may move the key's due time earlier: what it sent is now
+                # out for longer. Never dropped: the index would keep the later one.)
+                acked = self.ctl.checker.ack(call, sent)
+                if acked.tell_index:
+                    self.note(call.state_key, acked.due_us, acked.now_us)
             if reply.tell_index:
-                self.note(call.state_key, reply.due_us, reply.tell_index, reply.now_us)
+                self.note(call.state_key, reply.due_us, reply.now_us)
         except (StoreError, ThrottleError) as exc:
             logger.warning("could not tell the store about the line of %s: %s", call.state_key, exc)
         return len(sent)
@@ -159,11 +163,10 @@ class Lines:
         except (StoreError, ThrottleError) as exc:
             logger.warning("could not keep the dead letter %s: %s", entry, exc)
 
-    def note(self, key: str, due_us: int, how: int, now_us: int) -> None:
-        """Tell the index when ``key`` next needs a look, and wake a releaser if soon."""
-        store = self.ctl.store
-        store.index_note(key, due_us, how)
-        if due_us - now_us < WAKE_AHEAD_US:
+    def note(self, key: str, due_us: int, now_us: int) -> None:
+        """Tell the index when ``key`` next needs a look (as its line's script computed it
+        at ``now_us``), and wake a releaser if soon."""
+        if self.ctl.store.index_note(key, due_us, now_us) and due_us - now_us < WAKE_AHEAD_US:
             self.wake_releasers()
 
     def wake_releasers(self) -> None:
@@ -180,26 +183,20 @@ class Lines:
         else:
             head = glob_escape(f"{prefix}:{{{encode(scope)}")
             patterns = [head + "}", head + ":*}"]
-        now_us = store.now_us()
         woken = 0
         with store.errors():
             index = line_index_key(prefix)
             for pattern in patterns:
                 batch: list[str] = []
                 for member, _ in store.client.zscan_iter(index, match=pattern, count=1000):
-                    batch.append(member)
+                    batch.append(_text(member))
                     if len(batch) >= 500:
-                        woken += self._lower(index, batch, now_us)
+                        woken += store.index_wake(batch)
                         batch = []
-                woken += self._lower(index, batch, now_us)
+                woken += store.index_wake(batch)
         if woken:
             self.wake_releasers()
         return woken
-
-    def _lower(self, index: str, members: list[Any], due_us: int) -> int:
-        if members:
-            self.ctl.store.client.zadd(index, dict.fromkeys(members, due_us), lt=True)
-        return len(members)
 
     # -- releasing --------------------------------------------------------------------------
     def call_for(self, key: str) -> BoundCall | None:
@@ -242,29 +239,30 @@ class Lines:
                     return bytes(message)
         return None
 
-    def release(self, key: str, *, drain: bool = False) -> int:
+    def release(self, key: str, *, drain: bool = False) -> tuple[int, int]:
         """Release the heads of ``key``'s line that fit (``drain``: whatever the room), and
         send them. Returns when the key next needs a look (µs, Redis clock; 0: nothing
-        waits)."""
+        waits), and when that was computed (the script's now)."""
         call = self.call_for(key)
         if call is None:
             waiting, out = self._counts(key)
+            now_us = self.ctl.store.now_us()
             if waiting:
                 logger.debug("no task of the line %s is known here: left to another worker", key)
-                return self.ctl.store.now_us() + UNKNOWN_RETRY_US
+                return now_us + UNKNOWN_RETRY_US, now_us
             if not out:
-                return 0
+                return 0, now_us
             # Only tasks released and not started, none kept to bind: a call of no rate
             # puts back or forgets those whose time is up (nothing waits to be released).
             target = target_of(self.ctl.settings.key_prefix, key)
             if target is None:
-                return 0
+                return 0, now_us
             call = BoundCall(target[0], target[1], (), 1, "sliding", key)
         reply = self.ctl.checker.release(call, RELEASER_BATCH, drain=drain)
         self.handle(call, reply)
         if reply.code == Code.RUN and drain and reply.waiting:
-            return reply.now_us  # (more to drain: at once)
-        return reply.due_us
+            return reply.now_us, reply.now_us  # (more to drain: at once)
+        return reply.due_us, reply.now_us
 
     # -- for people on call ------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -334,6 +332,8 @@ class Lines:
             call = BoundCall(scope, key, (), 1, "sliding", state_key(prefix, scope, key))
             reply = self.ctl.checker.drop(call, entries)
             deleted += sum(1 for r in reply.reported if r.kind == "d")
+            if reply.tell_index:
+                self.note(call.state_key, reply.due_us, reply.now_us)
         return deleted
 
     def _counts(self, key: str) -> tuple[int, int]:

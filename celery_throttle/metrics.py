@@ -154,6 +154,15 @@ class Metrics:
             span, self._summary_at = now - self._summary_at, now
         for (scope, key), (count, seconds, parked) in sorted(denials.items(), key=lambda i: -i[1][0]):
             # (Each waits in its key's line; one that could not is sent back a moment.)
+            # (scope and key quoted: user data, whose newlines would forge log lines)
             logger.info("throttled in the last %.0fs: scope=%s key=%s: %d task(s) deferred, %.1fs on "
-                        "average%s", span, scope, key, count, seconds / count,
+                        "average%s", span, _shown(scope), _shown(key), count, seconds / count,
                         f", {count - parked} sent back a moment" if count - parked else "")
+
+
+def _shown(text: str | None) -> str:
+    """User data in a log line: as it is, unless it holds what is not printable (then
+    its repr, so a newline or an escape sequence never reaches the log raw)."""
+    if text is None:
+        return "None"
+    return text if text.isprintable() else repr(text)

@@ -155,13 +155,13 @@ class Releaser(threading.Thread):
             settled = []
             for key, token in claimed:
                 try:
-                    due = lines.release(key, drain=drain)
+                    due, at = lines.release(key, drain=drain)
                 except StoreError:
                     raise
                 except Exception:
                     logger.exception("could not release the line of %s", key)
-                    due = now_us + CLAIM_LEASE_US
-                settled.append((key, token, due))
+                    due, at = now_us + CLAIM_LEASE_US, now_us
+                settled.append((key, token, due, at))
             now_us, first = store.index_settle(settled)
             if len(claimed) < CLAIM_MOST:
                 break
@@ -244,7 +244,7 @@ class Releaser(threading.Thread):
             for name in store.client.scan_iter(match=f"{glob_escape(prefix)}:{{*}}:lm", count=1000):
                 key = (name.decode(errors="surrogateescape") if isinstance(name, bytes) else name)[: -len(":lm")]
                 if store.client.zscore(line_index_key(prefix), key) is None:
-                    store.index_note(key, now_us, 1)
+                    store.index_note(key, now_us, now_us)
                     found += 1
         if found:
             logger.warning("celery_throttle: %d line(s) were missing from the index; they are looked at now", found)

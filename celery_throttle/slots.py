@@ -148,3 +148,5 @@ class Slots:
                     still = lost.id in self._held
                 if still:
                     self._lost(call.state_key, lost.id)
+            if reply.tell_index:  # (a lease that ran out may let the line's head go sooner)
+                self.ctl.lines.note(call.state_key, reply.due_us, reply.now_us)

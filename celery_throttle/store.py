@@ -28,7 +28,7 @@ from .connection import connect, safe_url
 from .controls import FOREVER_US
 from .doctor import StoreReport, examine
 from .errors import StoreError
-from .keys import control_key, line_index_key, window_keys
+from .keys import control_key, line_index_keys, window_keys
 from .protocol import (
     NO_ENTRY,
     STATE_FORMAT,
@@ -265,21 +265,27 @@ class RedisStore:
     def index_claim(self, lookahead_us: int, most: int, lease_us: int) -> tuple[int, int, list[tuple[str, int]]]:
         """(now, the earliest due left (-1: none), [(state key, token)]) of the keys due
         within ``lookahead_us``, each claimed for ``lease_us``."""
-        reply = self.run("index", [line_index_key(self.prefix)], [self.now_arg(), "claim", lookahead_us, most,
-                                                                  lease_us])
+        reply = self.run("index", list(line_index_keys(self.prefix)), [self.now_arg(), "claim", lookahead_us, most,
+                                                                       lease_us])
         return int(reply[0]), int(reply[1]), [(_text(reply[i]), int(reply[i + 1])) for i in range(2, len(reply), 2)]
 
-    def index_settle(self, settled: Sequence[tuple[str, int, int]]) -> tuple[int, int]:
-        """Each (state key, token, due) claimed: its due time, if nothing wrote it since.
-        Returns (now, the earliest due in the index now, -1: none)."""
-        reply = self.run("index", [line_index_key(self.prefix)],
-                         [self.now_arg(), "settle", *(v for triple in settled for v in triple)])
+    def index_settle(self, settled: Sequence[tuple[str, int, int, int]]) -> tuple[int, int]:
+        """Each (state key, token, due, computed at) claimed: its due time, unless a newer
+        one was written since. Returns (now, the earliest due in the index now, -1: none)."""
+        reply = self.run("index", list(line_index_keys(self.prefix)),
+                         [self.now_arg(), "settle", *(v for quad in settled for v in quad)])
         return int(reply[0]), int(reply[1])
 
-    def index_note(self, key: str, due_us: int, how: int) -> None:
-        """Tell the index when ``key`` next needs a look (``how`` 1: if earlier than it
-        holds; 2: whatever it holds)."""
-        self.run("index", [line_index_key(self.prefix)], [self.now_arg(), "note", key, due_us, how])
+    def index_note(self, key: str, due_us: int, at_us: int) -> bool:
+        """Tell the index when ``key`` next needs a look, as computed at ``at_us`` (the
+        line script's now): written unless a newer due time was. True if written."""
+        return bool(self.run("index", list(line_index_keys(self.prefix)), [self.now_arg(), "note", key, due_us, at_us]))
+
+    def index_wake(self, keys: Sequence[str]) -> int:
+        """Each of ``keys`` the index holds is due now. Returns how many."""
+        if not keys:
+            return 0
+        return int(self.run("index", list(line_index_keys(self.prefix)), [self.now_arg(), "wake", *keys]))
 
     def read(self, key: str) -> dict[str, bytes]:
         """The raw state hash: field name to value (a rate's value is MessagePack)."""

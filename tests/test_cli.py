@@ -34,7 +34,9 @@ def test_status_reset_and_parked_from_the_command_line(prefix: str) -> None:
     assert _row(out, "github-api", "acme", "10/m") == ["3", "7"]
     assert _row(out, "", "", "100/h") == ["3", "97"]
     assert "no task waits in a line" in _celery(prefix, "parked")
-    assert "reset scope 'github-api' key 'acme'" in _celery(prefix, "reset", "github-api", "--key", "acme")
+    declined = _run(prefix, "reset", "github-api", "--key", "acme")  # asks first; no answer: nothing reset
+    assert declined.returncode != 0 and ctl.status("github-api", key="acme").rates
+    assert "reset scope 'github-api' key 'acme'" in _celery(prefix, "reset", "github-api", "--key", "acme", "--yes")
     # Nothing left, and no task of the app uses that scope: said, not a blank table
     gone = _run(prefix, "status", "github-api", "--key", "acme")
     assert gone.returncode == 1 and "nothing counted, paused or limited" in gone.stderr
@@ -201,3 +203,18 @@ def test_operator_commands_print_their_result_once(prefix: str) -> None:
     assert "paused" not in paused.stderr and "limit" not in limited.stderr
     _celery(prefix, "resume", "vendor", "--key", "[x]")
     _celery(prefix, "unset", "vendor")
+
+
+def test_reset_of_a_keyed_scope_says_what_it_did_and_all_keys_resets_every_key(prefix: str) -> None:
+    # Given a scope whose windows are all per key
+    ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
+    for key in ("acme", "globex"):
+        ctl.acquire("exports", key=key, rates=["5/m"], cost=2)
+    # When the scope alone is reset, nothing is, and it says how to reset the keys
+    out = _celery(prefix, "reset", "exports", "--yes")
+    assert "scope 'exports': nothing to reset (its keys have windows of their own: --key KEY, or --all-keys)" in out
+    assert ctl.status("exports", key="acme").rates[0].used == 2
+    # And --all-keys resets every key's window
+    assert "reset scope 'exports': 2 window(s)" in _celery(prefix, "reset", "exports", "--all-keys", "--yes")
+    assert not ctl.status("exports", key="acme").rates and not ctl.status("exports", key="globex").rates
+

@@ -466,3 +466,25 @@ def test_concurrent_pauses_keep_the_longest_and_forget_those_over(ctl: celery_th
     assert store.pause(pause_field("vendor", None), 1.0) == int(controls[pause_field("vendor", None)])
     assert store.pause(pause_field("vendor", None), None) == celery_throttle.controls.FOREVER_US
     ctl.close()  # (the threads' connections)
+
+
+def test_a_store_password_is_shown_by_no_celery_command_nor_the_settings() -> None:
+    # Given an app whose throttle store URL holds a password
+    url = "redis://:s3cret-pw@127.0.0.1:6379/12"
+    app = Celery("secret", broker="memory://", set_as_current=False)
+    app.conf.update(throttle_redis_url=url)
+    # When the plugin reads its settings (as install, or the worker, does)
+    settings = celery_throttle.install(app).settings
+    # Then it connects with the URL as given
+    assert settings.redis_url == url
+    # and what `celery inspect conf` and `celery report` print (the conf's table and its
+    # humanized form, both censored by Celery), and the settings' repr, hold no password
+    shown = [str(app.conf.table(with_defaults=False)), app.conf.humanize(with_defaults=False), repr(settings),
+             app.bugreport()]
+    for text in shown:
+        assert "s3cret-pw" not in text, text
+    assert "redis://:**@127.0.0.1:6379/12" in str(app.conf.table(with_defaults=False))
+    # and the settings read again (a second install, the worker's start) still connect
+    from celery_throttle.config import Settings
+
+    assert Settings.from_app(app).redis_url == url

@@ -193,7 +193,7 @@ def test_two_releasers_claim_each_due_line_exactly_once(prefix: str) -> None:
     store = RedisStore(STORE_URL, prefix)
     now = store.now_us()
     for i in range(300):
-        store.index_note(f"{prefix}:{{k{i}}}", now - 1000, 2)
+        store.index_note(f"{prefix}:{{k{i}}}", now - 1000, now)
     claimed: list[list[str]] = [[], []]
     together = threading.Barrier(2)
 

@@ -76,3 +76,18 @@ def test_the_summary_is_written_on_its_interval_without_a_later_denial(
 
     wait_for(summary, 10, what="the summary of a lone denial")
     assert "scope=summary-scope key=acme: 1 task(s) deferred, 2.0s on average" in summary()[0]
+
+
+def test_the_summary_escapes_what_would_forge_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    from celery_throttle import metrics
+
+    # Given a denial of a key whose id holds a newline and an escape sequence
+    counts = metrics.Metrics()
+    caplog.set_level(logging.INFO, logger="celery_throttle")
+    counts.denied("api", "acme\n[2026-12-03 08:00:00,000: ERROR/MainProcess] forged\x1b[31m", 1.0, parked=True)
+    # When the summary is written
+    counts.summarize(force=True)
+    # Then it is one line, the key shown by its repr
+    line = next(r.getMessage() for r in caplog.records if "throttled in the last" in r.getMessage())
+    assert "\n" not in line and "\x1b" not in line
+    assert "key='acme\\n[2026-12-03" in line, line

@@ -4,23 +4,26 @@
 -- each with the due time that call answered.
 --
 -- A claim sets the key's score to a token (a time a claim lease ahead, distinct per key of
--- one claim), so that no other releaser takes it meanwhile. A settle writes the due time
--- only if the score is still that token; if anything wrote the key since (a task joined
--- a line that was empty, an event woke it), its score stays, or is lowered to the due time
--- (ZADD LT): a wake-up is never lost, and a look that comes early only finds nothing to do.
--- A line's own call tells the index (note) when its due time moved earlier or the line
--- began; a line that began writes its score whatever it holds (a claim's token included).
+-- one claim), so that no other releaser takes it meanwhile. Every due time written comes
+-- with the time it was computed at (the line's script's now), kept per key in KEYS[2]:
+-- the newest computation wins, whatever the order the writes arrive in (a settle, a note
+-- of a call on the line, a wake-up), since each is computed from the whole line at once.
+-- A write older than the one the key holds changes nothing, so a line that began, or was
+-- woken, while a releaser held its claim keeps its due time, and a wake-up is never lost.
 --
 -- KEYS[1]  sorted set: state key -> due (µs)
+-- KEYS[2]  hash: state key -> when the due time it holds was computed (µs)
 -- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
--- ARGV[2]  op: 'claim' | 'settle' | 'note'
+-- ARGV[2]  op: 'claim' | 'settle' | 'note' | 'wake'
 --   claim  ARGV[3] look-ahead (µs): keys due before now + it; ARGV[4] at most this many;
 --          ARGV[5] claim lease (µs). Returns {now, the earliest due left (-1: none), key,
 --          token, key, token, ...}
---   settle ARGV[3..] key, token, due per key (due 0: nothing waits, it leaves the index).
---          Returns {now, the earliest due now (-1: none), how many were settled as claimed}
---   note   ARGV[3] key, ARGV[4] due, ARGV[5] '1' (only if earlier) or '2' (whatever the
---          score). Returns 1.
+--   settle ARGV[3..] key, token, due, computed at, per key (due 0: nothing waits, it
+--          leaves the index). Returns {now, the earliest due now (-1: none), how many
+--          were written}
+--   note   ARGV[3] key, ARGV[4] due, ARGV[5] computed at. Returns 1 if written.
+--   wake   ARGV[3..] keys: each one held is due now (never later than it was).
+--          Returns how many.
 local now
 if ARGV[1] ~= '' then
   now = tonumber(ARGV[1])
@@ -45,28 +48,36 @@ if op == 'claim' then
   return out
 elseif op == 'settle' then
   local settled = 0
-  for i = 3, #ARGV - 2, 3 do
-    local name, token, due = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-    local score = tonumber(redis.call('ZSCORE', index, name) or '')
-    if score == token then
+  for i = 3, #ARGV - 3, 4 do
+    local name, due, at = ARGV[i], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+    if at >= (tonumber(redis.call('HGET', KEYS[2], name) or '') or 0) then
       settled = settled + 1
       if due == 0 then
         redis.call('ZREM', index, name)
+        redis.call('HDEL', KEYS[2], name)
       else
         redis.call('ZADD', index, due, name)
+        redis.call('HSET', KEYS[2], name, string.format('%.0f', at))
       end
-    elseif due > 0 then
-      redis.call('ZADD', index, 'LT', due, name)
     end
   end
   local first = redis.call('ZRANGEBYSCORE', index, '-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   return {now, first[2] and tonumber(first[2]) or -1, settled}
 elseif op == 'note' then
-  if ARGV[5] == '2' then
-    redis.call('ZADD', index, tonumber(ARGV[4]), ARGV[3])
-  else
-    redis.call('ZADD', index, 'LT', tonumber(ARGV[4]), ARGV[3])
-  end
+  local name, due, at = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+  if at < (tonumber(redis.call('HGET', KEYS[2], name) or '') or 0) then return 0 end
+  redis.call('ZADD', index, due, name)
+  redis.call('HSET', KEYS[2], name, string.format('%.0f', at))
   return 1
+elseif op == 'wake' then
+  local woken = 0
+  for i = 3, #ARGV do
+    if redis.call('ZSCORE', index, ARGV[i]) then
+      redis.call('ZADD', index, 'LT', now, ARGV[i])
+      redis.call('HSET', KEYS[2], ARGV[i], string.format('%.0f', now))
+      woken = woken + 1
+    end
+  end
+  return woken
 end
 return redis.error_reply('index.lua: unknown op ' .. tostring(op))
