@@ -27,7 +27,7 @@ from celery.exceptions import Ignore
 from . import settle, signals
 from .backoff import Backoff
 from .controller import controller
-from .deferral import TurnedAway, holder_id
+from .deferral import TurnedAway, holder_id, new_entry_id
 from .errors import StoreError, WaitTooLong
 from .internals import build_task_tracer, deferred_trace_result, has_own, trace_context
 from .protocol import HEADER, Code, Header
@@ -247,6 +247,14 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     ticket = header.ticket if header.key == call.state_key else ""
     try:
         reply = _check(ctl, call, turned, holder, ticket)
+        if ticket and reply.code == Code.DUPLICATE and _redelivered(request):
+            # The broker gave this message back (its worker died, or lost its connection,
+            # before acking it): its process may have died waiting for the start granted
+            # to its ticket. Never dropped then: checked as a new task (at least once, as
+            # Celery's acks_late is).
+            turned.entry_id = new_entry_id(request.id)
+            ticket = ""
+            reply = _check(ctl, call, turned, holder, ticket)
         if reply.code == Code.RUN_AT and not _waited_for_start(ctl, call, reply):
             # Woken past what its start allows (a loaded machine): that start is given back,
             # and it is checked again as the task it was released as.
@@ -289,6 +297,10 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     logger.warning("throttled %s[%s] could not join its line; sent back for a second", task.name, request.id)
     turned.send_back(1.0)
     return False
+
+
+def _redelivered(request: Any) -> bool:
+    return bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
 
 
 def _check(ctl: Throttle, call: BoundCall, turned: TurnedAway, holder: str, ticket: str) -> Any:
