@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: What the plugin imports, besides Celery (pyproject.toml's dependencies), and pytest.
-NEEDS = ("kombu[redis]", "redis", "click", "rich", "pytest")
+NEEDS = ("kombu[redis]", "redis", "click", "rich", "msgpack", "pytest")
 
 
 def check(version: str, where: Path) -> bool:
