@@ -157,7 +157,8 @@ def measure_line(url: str, client: Any, prefix: str, algorithm: str, depth: int)
         client.config_resetstat()
         client.slowlog_reset()
         released, codes = 0, {}
-        while released < MEASURED:
+        measured = min(MEASURED, depth)
+        while released < measured:
             reply = store.release(key, call, 64)
             for r in reply.reported:
                 got = store.claim(key, call, r.id, early_us=1_000_000, holder=f"h{r.id}")
