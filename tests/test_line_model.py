@@ -188,6 +188,7 @@ class Walk:
         if delta is not None:
             cost_arg = delta[0] if len(set(delta)) == 1 else tuple(delta)
         got = self.store.window(self.key, op, wcall, *args, cost=cost_arg)
+        self._keep_alive()
         want = self.model.run(now, op, mcall, *args, delta=delta)
         self.history.append(f"{op} {costs} {args if op not in ('acquire', 'admit', 'screen', 'front') else args[:4]}"
                             f" delta={delta} K={self.concurrency} paused={self.paused_until} at {now} -> "
@@ -559,10 +560,20 @@ class Walk:
             self.advance(rng.choice([1, 500, self.slack, shortest // 7, shortest // 2, shortest, 3 * shortest,
                                      self.store.policy.out_lease_ms * 1000 + 1]
                                     if rng.random() < 0.97 else [40 * shortest]))
-        # keep Redis's own TTLs (real milliseconds) from expiring the walk's keys
-        for name in window_keys(self.key):
-            if 0 <= self.store.client.pttl(name) < 600_000:
-                self.store.client.pexpire(name, 600_000)
+
+    def _keep_alive(self) -> None:
+        """Keep Redis's own TTLs (real milliseconds, from a test clock's spans) from
+        expiring the walk's keys between two of its calls on a slow machine: after every
+        call, not every step (a step's loops make many calls)."""
+        names = window_keys(self.key)
+        pipe = self.store.client.pipeline(transaction=False)
+        for name in names:
+            pipe.pttl(name)
+        ttls = pipe.execute()
+        for name, ttl in zip(names, ttls, strict=True):
+            if 0 <= ttl < 600_000:
+                pipe.pexpire(name, 600_000)
+        pipe.execute()
 
     def advance(self, dt: int) -> None:
         self.clock.now += dt
@@ -733,6 +744,9 @@ def test_a_deep_line_is_released_in_order_and_the_window_stays_small(
                 assert got.code in (Code.RUN, Code.RUN_AT), (r.id, got)
                 starts.append(got.start_us if got.code == Code.RUN_AT else clock.now)
             largest = max(largest, redis_client.memory_usage(key) or 0)
+            for name in window_keys(key):  # (TTLs run in real time: never mid-walk on a slow machine)
+                if 0 <= redis_client.pttl(name) < 600_000:
+                    redis_client.pexpire(name, 600_000)
             clock.now = max(reply.due_us, clock.now + 1_000) if reply.due_us else clock.now + 50_000
         # Then they were released first come first served, each once, never more than the
         # limit in any window, and the window's state stayed small however deep the line
