@@ -73,10 +73,11 @@ def charge(units: int | None = None, **by_unit: int) -> None:
     tokens (a rate of a unit not named keeps its count); ``charge(n)`` (or ``units=n``) is
     for a throttle whose rates all count one unit.
 
-    Raises :class:`~celery_throttle.errors.ThrottleError` outside the body of a
-    throttled task, for a unit count that is not an integer >= 0, or a unit its rates
-    do not count. A store that cannot be reached is logged, not raised: the body's own
-    outcome stands.
+    Does nothing in a call that is not throttled: a direct call, ``.apply()``, or
+    ``task_always_eager`` (a unit test of the body). Raises
+    :class:`~celery_throttle.errors.ThrottleError` outside the body of a task, for a unit
+    count that is not an integer >= 0, or a unit its rates do not count. A store that
+    cannot be reached is logged, not raised: the body's own outcome stands.
     """
     if (units is None) == (not by_unit):
         raise ThrottleError("charge() takes the units used: charge(1234), or by unit, charge(tokens=1234)")
@@ -86,6 +87,8 @@ def charge(units: int | None = None, **by_unit: int) -> None:
     request = getattr(current_task, "request", None)
     task_id = getattr(request, "id", None)
     running = _bodies.running.get(task_id) if task_id else None
+    if running is None and request is not None and (request.is_eager or request.called_directly):
+        return  # (never throttled: nothing was counted to settle)
     if running is None:
         raise ThrottleError("charge() is called in the body of a task with a @throttle (or a rule), "
                             "while it runs; this is not one")

@@ -104,3 +104,24 @@ def test_charge_outside_a_throttled_body_and_bad_units_fail_clearly() -> None:
     for neither_or_both in ((), (3,)):
         with pytest.raises(ThrottleError, match=r"charge\(1234\), or by unit, charge\(tokens=1234\)"):
             celery_throttle.charge(*neither_or_both, **({"tokens": 2} if neither_or_both else {}))
+
+
+def test_charge_in_a_direct_applied_or_eager_call_does_nothing() -> None:
+    # Given a task whose body charges its cost (the README's LLM example), in an app no
+    # worker runs (a unit test's)
+    from celery import Celery
+
+    app = Celery("unit", broker="memory://", set_as_current=False)
+
+    @app.task(name="unit.complete")
+    @celery_throttle.throttle("500/m", "30000 tokens/m", cost={"tokens": 100})
+    def complete(prompt: str) -> str:
+        celery_throttle.charge(tokens=len(prompt))
+        return prompt.upper()
+
+    # When it is called directly, applied, or sent with task_always_eager
+    app.conf.task_always_eager = True
+    # Then charge() does nothing there (nothing was counted), as the throttle does
+    assert complete("hi") == "HI"
+    assert complete.apply(("hi",)).get() == "HI"
+    assert complete.delay("hi").get() == "HI"
