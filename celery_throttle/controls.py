@@ -126,10 +126,6 @@ class Controls:
         self._maybe_refresh(store)
         return self._set.concurrency_of(scope, key)
 
-    def age(self) -> float:
-        """Seconds since this copy was read."""
-        return time.monotonic() - self._read_at
-
     def refresh(self, store: Any) -> bool:
         """Read the controls now, whatever the age of this copy. True if they changed."""
         before = self._set

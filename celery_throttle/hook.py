@@ -246,13 +246,6 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     holder = holder_id(request.id)
     ticket = header.ticket if header.key == call.state_key else ""
     try:
-        if ticket and ctl.checker.controls.age() > TICKET_CONTROLS_AGE:
-            # Released under the controls of the releaser's moment (a resume, a raised
-            # limit): claimed under a copy as fresh, not one up to CONTROL_REFRESH older,
-            # which would send it back to its place and wait for another release.
-            ctl.checker.refresh_controls()
-            call = ctl.checker.bind(task, args, kwargs)
-            turned.call = call
         reply = _check(ctl, call, turned, holder, ticket)
         if ticket and reply.code == Code.DUPLICATE and _redelivered(request):
             # The broker gave this message back (its worker died, or lost its connection,
@@ -304,11 +297,6 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     logger.warning("throttled %s[%s] could not join its line; sent back for a second", task.name, request.id)
     turned.send_back(1.0)
     return False
-
-
-#: A process's copy of the controls older than this (seconds) is read again before it
-#: claims a released task (one read per such task at most this often).
-TICKET_CONTROLS_AGE = 0.1
 
 
 def _redelivered(request: Any) -> bool:
