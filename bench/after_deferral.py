@@ -99,56 +99,14 @@ def _rows(runs: int) -> list[tuple[str, list[float], float, str]]:
     return out
 
 
-def _depth(depths: tuple[int, ...]) -> list[tuple[int, float, float, float]]:
-    """(depth, script µs per task released and claimed, bytes per waiting task, seconds to fill)."""
-    from celery_throttle.keys import state_key, window_keys
-    from celery_throttle.protocol import Entry, WindowCall
-    from celery_throttle.rates import parse_rate
-    from celery_throttle.store import RedisStore
-    from tests.helpers import RedisServer
+def _depth(depths: tuple[int, ...]) -> list[tuple[int, float, float]]:
+    """(depth, script µs per task released and claimed, bytes per waiting task): section
+    9's measure (bench/backlog.py), on a redis-server of its own."""
+    from bench.backlog import dedicated_redis, measure_line
 
-    server = RedisServer().start()
-    rows = []
-    try:
-        client = redis.Redis.from_url(server.url)
-        for depth in depths:
-            clock = _Clock(1_700_000_000_000_000)
-            store = RedisStore(server.url, f"depth-{depth}", clock=clock)
-            call = WindowCall("sliding", (parse_rate("20/s"),), 1, slack_us=10_000)
-            key = state_key(f"depth-{depth}", "deep", None)
-            message = b"x" * 300  # (a small task's message)
-            began = time.monotonic()
-            for n in range(depth + 20):  # (20 fit the window; the rest wait)
-                store.acquire(key, call, entry=Entry(f"t{n}", message, f"t{n}", 0, 0, 8))
-            filled = time.monotonic() - began
-            memory = sum(client.memory_usage(k) or 0 for k in window_keys(key))
-            client.config_resetstat()
-            released = 0
-            measured = min(400, depth)
-            while released < measured:
-                reply = store.release(key, call, 64)
-                for r in reply.reported:
-                    store.claim(key, call, r.id, early_us=1_000_000, holder=f"h{r.id}")
-                    released += 1
-                clock.now = max(reply.due_us, clock.now + 1_000) if reply.due_us else clock.now + 50_000
-            stats = client.info("commandstats")
-            script_us = sum(v["usec"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
-            rows.append((depth, script_us / released, memory / depth, filled))
-            store.close()
-            for k in client.scan_iter(match=f"depth-{depth}:*", count=1000):
-                client.delete(k)
-        client.close()
-    finally:
-        server.stop()
-    return rows
-
-
-class _Clock:
-    def __init__(self, now: int) -> None:
-        self.now = now
-
-    def __call__(self) -> int:
-        return self.now
+    with dedicated_redis("depth") as red:
+        runs = [(d, measure_line(red.url, red.client, "depth", "sliding", d)) for d in depths]
+    return [(d, r["us_per_task"], r["bytes_per_waiting"]) for d, r in runs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             ratio = f"{max(figures) / ideal:.3f}" if ideal else f"{max(figures):.2f} s over"
             print(f"| {name} | {shown} | {ideal:.1f} | {ratio} | {before} |")
     if "depth" in only:
-        print("\n| tasks in the line | script µs per task released and claimed | bytes per waiting task | fill, s |")
-        print("|---|---|---|---|")
-        for depth, us, per_task, filled in _depth(DEPTHS):
-            print(f"| {depth:,} | {us:.0f} | {per_task:.0f} | {filled:.1f} |")
+        print("\n| tasks in the line | script µs per task released and claimed | bytes per waiting task |")
+        print("|---|---|---|")
+        for depth, us, per_task in _depth(DEPTHS):
+            print(f"| {depth:,} | {us:.0f} | {per_task:.0f} |")
     return 0
 
 
