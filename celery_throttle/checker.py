@@ -199,15 +199,17 @@ class Checker:
         return reply
 
     def claim(self, call: BoundCall, ticket: str, *, holder: str = "", entry: Entry = NO_ENTRY,
-              granted_us: int = 0) -> WindowReply:
+              granted_us: int = 0, stale_ok: bool = False) -> WindowReply:
         """A released task arrives with its ``ticket``: ``RUN``; ``RUN_AT`` a little early
         (the caller waits for its start, then runs); back in its place in the line
         (``QUEUED``) when the room it was released into is gone; ``WAITED`` past its max
         wait. An unknown ticket is a fresh call (``holder``, ``entry``). ``granted_us``:
-        the start granted to this process before, which it woke too late for."""
+        the start granted to this process before, which it woke too late for. ``stale_ok``:
+        ``STALE`` rather than back in its place if it was released under other controls
+        than this process's copy (read them again, bind the call anew, claim again)."""
         key, request = self._window_call(call, self.store)
         return self.store.claim(key, request, ticket, early_us=timing.WAIT_HERE_MAX_US, holder=holder,
-                                granted_us=granted_us, entry=entry)
+                                granted_us=granted_us, entry=entry, stale_ok=stale_ok)
 
     def counted(self, call: BoundCall, reply: WindowReply) -> Counted | None:
         """Where a call that :meth:`acquire` or :meth:`claim` admitted is counted (None: not

@@ -246,7 +246,14 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     holder = holder_id(request.id)
     ticket = header.ticket if header.key == call.state_key else ""
     try:
-        reply = _check(ctl, call, turned, holder, ticket)
+        reply = _check(ctl, call, turned, holder, ticket, stale_ok=True)
+        if reply.code == Code.STALE:
+            # Released under controls this process had not read yet (a resume, a raised
+            # limit within CONTROL_REFRESH), which would send it back to its place: read
+            # them now and claim again under them (once: then it goes back if it must).
+            ctl.checker.refresh_controls()
+            call = turned.call = ctl.checker.bind(task, args, kwargs)
+            reply = _check(ctl, call, turned, holder, ticket)
         if ticket and reply.code == Code.DUPLICATE and _redelivered(request):
             # The broker gave this message back (its worker died, or lost its connection,
             # before acking it): its process may have died waiting for the start granted
@@ -303,21 +310,24 @@ def _redelivered(request: Any) -> bool:
     return bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
 
 
-def _check(ctl: Throttle, call: BoundCall, turned: TurnedAway, holder: str, ticket: str) -> Any:
-    """The call's check: its claim (a released task, with its ``ticket``) or a fresh
-    acquire. Its message goes with the first try when its key was full a moment ago,
-    else with a second call only if it must wait."""
+def _check(ctl: Throttle, call: BoundCall, turned: TurnedAway, holder: str, ticket: str,
+           stale_ok: bool = False) -> Any:
+    """The call's check: its claim (a released task, with its ``ticket``; ``stale_ok``:
+    see :meth:`.Checker.claim`) or a fresh acquire. Its message goes with the first try
+    when its key was full a moment ago, else with a second call only if it must wait."""
     checker, lines = ctl.checker, ctl.lines
     with_message = lines.looks_full(call)
     for attempt in (with_message, True):
         entry = turned.entry(attempt)
         if ticket:
-            reply = checker.claim(call, ticket, holder=holder, entry=entry)
+            reply = checker.claim(call, ticket, holder=holder, entry=entry, stale_ok=stale_ok)
         else:
             reply = checker.acquire(call, holder=holder, entry=entry, lease=True)
         lines.handle(call, reply)
         if reply.code in (Code.QUEUED, Code.DENIED):
             lines.full(call)
+        if reply.code == Code.STALE:
+            return reply
         if reply.code != Code.DENIED or attempt:
             return reply
     return reply

@@ -133,6 +133,10 @@ class Code(IntEnum):
     #: A copy of a task that started lately (its ticket, or the entry it names, was used):
     #: it does not run again.
     DUPLICATE = 10
+    #: A released task claimed under other controls than it was released under (a pause,
+    #: a limit, a K), which would send it back to its place: nothing was done; the caller
+    #: reads the controls (a resume or a raise it had not read yet) and claims again.
+    STALE = 11
 
 
 @dataclass(frozen=True)

@@ -216,12 +216,15 @@ class RedisStore:
         return self.window(key, "front", call, *entry.args())
 
     def claim(self, key: str, call: WindowCall, ticket: str, *, early_us: int, holder: str, granted_us: int = 0,
-              entry: Entry = NO_ENTRY) -> WindowReply:
+              entry: Entry = NO_ENTRY, stale_ok: bool = False) -> WindowReply:
         """A released task arrives with ``ticket``: ``RUN``, ``RUN_AT`` (at most ``early_us``
         before its start), back in line (``QUEUED``; ``DENIED`` if no message is kept nor
         given), ``WAITED``; an unknown ticket is a fresh call (``holder``, ``entry``).
-        ``granted_us``: the start granted to this process before, which it woke too late for."""
-        return self.window(key, "claim", call, ticket, early_us, holder, granted_us, *entry.args())
+        ``granted_us``: the start granted to this process before, which it woke too late for.
+        ``stale_ok``: answer ``STALE`` rather than send it back under other controls than
+        it was released under."""
+        return self.window(key, "claim", call, ticket, early_us, holder, granted_us, *entry.args(),
+                           "1" if stale_ok else "0")
 
     def release(self, key: str, call: WindowCall, batch: int) -> WindowReply:
         """Release the heads of the key's line that fit (the releasers)."""

@@ -44,13 +44,16 @@ class Meta:
     latest: int = 0
     #: The epoch of the windows a start granted ahead was counted in.
     epoch: int = 0
+    #: The controls it was released under (None: never released).
+    controls: str | None = None
 
     def stored(self) -> list[Any]:
         flat: list[Any] = []
         for unit in sorted(self.units):
             flat += [unit, self.units[unit]]
-        return [self.task, flat, self.enqueued, self.expires, self.max_wait, self.place, self.phase, self.released,
-                self.start, self.latest, self.epoch]
+        fields = [self.task, flat, self.enqueued, self.expires, self.max_wait, self.place, self.phase, self.released,
+                  self.start, self.latest, self.epoch]
+        return fields if self.controls is None else [*fields, self.controls]
 
 
 @dataclass
@@ -304,8 +307,13 @@ class KeyModel:
         self.messages[eid] = message
         self._join(eid, m, place)
 
+    def _controls_seen(self) -> str:
+        """The controls of this call as they bear on a start: the pause, K, each rate."""
+        return ",".join(str(v) for v in (self.not_before, self.call.concurrency,
+                                           *(x for r in self.rates for x in (r.limit, r.period))))
+
     def _go_out(self, eid: str, m: Meta, phase: str, until: int) -> None:
-        m.phase, m.released = phase, self.now
+        m.phase, m.released, m.controls = phase, self.now, self._controls_seen()
         self.meta[eid] = m
         self.out[eid] = until
         self.out_count += 1
@@ -543,7 +551,7 @@ class KeyModel:
         return self._finish(Code.QUEUED, 0)
 
     def _claim(self, ticket: str, early_cap: int, holder: str, granted: int, eid: str, message: bytes, task: str,
-               expires: int, max_wait: int, batch: int) -> _Reply:
+               expires: int, max_wait: int, batch: int, stale_ok: str = "0") -> _Reply:
         self._expire_out(self.policy.line_batch)
         self._reclaim()
         early = min(early_cap, max(2 * self.lead(), 4 * self.call.slack))
@@ -567,6 +575,16 @@ class KeyModel:
             self._forget(ticket)
             self._release_heads(batch)
             return self._finish(Code.TOO_COSTLY if costly else Code.WAITED, 0, {"waited": waited})
+        if phase != "g" and stale_ok == "1" and m.controls is not None and m.controls != self._controls_seen():
+            own_slot = ticket in self.slots or holder in self.slots
+            x = None
+            if self.not_before == 0 and (own_slot or self._slot_free()):
+                x = self._earliest(self.now, units, self._out_per_rate(units))
+            if x is None or x - self.now > early:
+                self.dirty = set()
+                self.windows = snapshot
+                self.rates = [snapshot[name] for name in self.call.fields]
+                return self._finish(Code.STALE, 0, {"waited": waited})
         p = self.policy
         if phase == "g":
             self._ungrant(m)

@@ -23,6 +23,7 @@ Beside the twin, properties that know nothing of its state:
 
 from __future__ import annotations
 
+import os
 import random
 import uuid
 import zlib
@@ -206,7 +207,7 @@ class Walk:
 
     def explain(self, what: str) -> str:
         return f"{what}\n{self.algorithm} {self.names} K={self.concurrency}; last steps:\n" + "\n".join(
-            self.history[-25:])
+            self.history[-int(os.environ.get("CT_HISTORY", "25")):])
 
     # -- stored state -----------------------------------------------------------------------
     def check_stored(self) -> None:
@@ -273,8 +274,8 @@ class Walk:
         """A head that fits within the lead was released, unless the call's batch ran out;
         and the key's next look is no later than when its head fits."""
         m = self.model
-        if op in ("peek", "ack", "renew") or m.waiting == 0 or got.code == Code.TOO_COSTLY:
-            return
+        if op in ("peek", "ack", "renew") or m.waiting == 0 or got.code in (Code.TOO_COSTLY, Code.STALE):
+            return  # (STALE: nothing done; the claim that follows at once looks)
         if self.paused_until > self.clock.now or not m._slot_free():
             return
         head = min(m.line, key=lambda e: (m.line[e], e.encode()))
@@ -284,7 +285,7 @@ class Walk:
         fit = m._earliest(self.clock.now, m._units_of(meta), m._out_per_rate())
         if fit is None:
             return
-        batch = args[{"release": 0, "drain": 0, "give_back": 1, "ended": 1, "settle": 3}.get(op, -1)]
+        batch = args[{"release": 0, "drain": 0, "give_back": 1, "ended": 1, "settle": 3, "claim": 9}.get(op, -1)]
         looked = sum(1 for r in got.reported if r.kind in ("r", "x", "c", "l"))
         if fit <= self.clock.now + m.lead():
             assert looked >= batch, self.explain(f"head {head} fits at {fit} (lead {m.lead()}), not released")
@@ -303,9 +304,22 @@ class Walk:
                     table.remove(start)
             self.settleable = [s for s in self.settleable if s[3] is not start]
 
-    def note_start(self, at: int, latest: int, units: list[int], counted: tuple[int, int, int]) -> Start:
+    def out_before(self, got: WindowReply) -> list[int]:
+        """Units per rate of the tasks out after a call that were out before it (not those
+        it released itself, after its own start, into the room left)."""
+        m = self.model
+        out = m._out_per_rate()
+        for r in got.reported:
+            if r.kind == "r" and r.id in m.meta:
+                out = [o - u for o, u in zip(out, m._units_of(m.meta[r.id]))]
+        return out
+
+    def note_start(self, at: int, latest: int, units: list[int], counted: tuple[int, int, int],
+                   beside: list[int] | None = None) -> Start:
         """A body starts in [at, latest]: the units known now of every start in its
-        window, and its own, fit every rate."""
+        window, and its own, fit every rate; and (``beside``, a released task's start:
+        the units of the others released and not started, per rate) the room they were
+        released into is still theirs: a released task does not take another's start."""
         for i, r in enumerate(self.rates):
             for edge in (at, latest):
                 if self.algorithm == "sliding":
@@ -318,6 +332,10 @@ class Walk:
                     f"a start at {edge} makes {total} units of {r} in its window: "
                     f"{[(s.at, s.latest, s.units) for s in inside]}; windows "
                     f"{ {n: w.entries() for n, w in self.model.windows.items()} }")
+                if beside is not None and edge == at:
+                    assert total + beside[i] <= r.limit, self.explain(
+                        f"a released task's start at {at} makes {total} units of {r} in its window, with "
+                        f"{beside[i]} out beside it: it took the room of those released before it")
         start = Start(at, latest, list(units))
         self.starts.append(start)
         self.eras[-1].append(start)
@@ -376,7 +394,7 @@ class Walk:
             self.joined.add(eid)
             self.seen["queued"] += 1
         elif got.code == Code.RUN and op == "acquire":
-            span = max(self.slack, 50_000) if got.leased else self.slack
+            span = max(self.slack, args[1]) if got.leased else self.slack  # (the lease span asked)
             # (a lease is of `leased` units of every rate for a call of one cost, else of
             # `leased` calls like this one)
             uniform = len(set(costs)) == 1
@@ -398,7 +416,7 @@ class Walk:
         costs = tuple(meta.units.get(u, 1) for u in _units(self.names)) if meta else self.costs(1, 5)
         args = (ticket, self.rng.choice([1_000_000, 20_000]), holder, granted, eid,
                 self.rng.choice([b"", b"m-" + ticket.encode()]), "task", 0, self.rng.choice([0, 0, 2_000_000]),
-                self.rng.choice([1, 4]))
+                self.rng.choice([1, 4]), self.rng.choice(["0", "1"]))
         known = ticket in self.tickets and not copied
         got = self.run("claim", costs, *args)
         if any(r.id == ticket and r.kind == "f" for r in got.reported):
@@ -413,7 +431,8 @@ class Walk:
                                         (self.clock.now, self.clock.now + self.slack, got.epoch))
             else:
                 start = self.note_start(got.start_us, got.latest_us, list(costs),
-                                        (got.start_us, got.latest_us, got.epoch))
+                                        (got.start_us, got.latest_us, got.epoch),
+                                        beside=self.out_before(got) if known and not granted else None)
             if known:
                 self.started_tickets[ticket] += 0 if granted else 1
                 self.tickets.pop(ticket, None)
@@ -429,6 +448,10 @@ class Walk:
             self.seen["back in line"] += 1
         elif got.code == Code.DUPLICATE:
             self.seen["duplicate"] += 1
+        elif got.code == Code.STALE:
+            # (released under other controls: nothing done; its process claims again)
+            assert ticket in self.model.out, self.explain(f"STALE for {ticket}, not out")
+            self.seen["stale"] += 1
         elif got.code in (Code.WAITED, Code.TOO_COSTLY) and known:
             self.tickets.pop(ticket, None)
             self.end(ticket, Code(got.code).name)
@@ -680,7 +703,7 @@ def test_the_line_matches_its_model_and_keeps_every_promise(
     # and the walks went where the promises are tested
     wanted = {"queued", "released", "start", "copied", "slot given back", "duplicate"}
     if RATE_SETS[rate_set]:
-        wanted |= {"settled", "back in line"}
+        wanted |= {"settled", "back in line", "stale"}
     if rate_set in ("one", "two", "tiny", "requests-tokens"):  # (where room comes unit by unit)
         wanted |= {"granted"}
     # (the quick passes walk too little to reach them all: they check only agreement and

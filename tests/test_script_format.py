@@ -73,9 +73,9 @@ def test_reply_codes_match_the_script() -> None:
     header = " ".join(" ".join(line.removeprefix("--").strip() for line in text.splitlines()
                                if line.startswith("--")).split())
     assert "Codes (protocol.Code): RUN, RUN_AT, DENIED, QUEUED, RELEASED, TOO_FAR, TOO_COSTLY, WAITED, LOST" in header
-    assert "DUPLICATE (a copy of a task" in header
+    assert "DUPLICATE (a copy of a task" in header and "STALE (claim)" in header
     assert {c.name for c in Code} == {"RUN", "RUN_AT", "DENIED", "QUEUED", "RELEASED", "TOO_FAR", "TOO_COSTLY",
-                                      "WAITED", "LOST", "DUPLICATE"}
+                                      "WAITED", "LOST", "DUPLICATE", "STALE"}
 
 
 #: The layout constants of the other algorithm: given to each script, read by one.

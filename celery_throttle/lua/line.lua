@@ -49,7 +49,9 @@
 --            it leaves); an unknown ticket is a fresh call. [P] ticket, [P+1] how early it
 --            may come at most (µs), [P+2] holder (its delivery: the slot handed to the
 --            ticket becomes the holder's), [P+3] the start granted to this process earlier,
---            which it woke too late for (0: none), then its entry as a fresh call's
+--            which it woke too late for (0: none), then its entry as a fresh call's, then
+--            [P+10] '1' if it may be told STALE (released under other controls than the
+--            caller's, it would go back: the caller reads them and claims again with '0')
 --   release  release the heads that fit. [P] batch
 --   ack      the tasks released were sent: their messages go. [P..] tickets
 --   give_back  a released task will not start (discarded as expired or revoked): its
@@ -69,9 +71,10 @@
 --
 -- Codes (protocol.Code): RUN, RUN_AT, DENIED, QUEUED, RELEASED, TOO_FAR, TOO_COSTLY,
 -- WAITED, LOST (ended, renew: a slot's lease had run out), DUPLICATE (a copy of a task that
--- started lately: its ticket, or the entry it names, was used). `due` is when the key next
--- needs a look (its head fits, an entry's time is up; 0: never, nothing waits), and
--- `index` whether the caller must tell the index so (1: if earlier, 2: whatever it holds).
+-- started lately: its ticket, or the entry it names, was used), STALE (claim). `due` is
+-- when the key next needs a look (its head fits, an entry's time is up; 0: never, nothing
+-- waits), and `index` whether the caller must tell the index so (1: if earlier, 2:
+-- whatever it holds).
 -- Reported tasks, {id, payload, kind}: 'r' released (payload: its message; send it with
 -- its ticket), 'x' expired while waiting (its message; sent as it is, the worker discards
 -- it), 'c' costs more than a limit now in force (it joined under a higher live limit,
@@ -81,7 +84,21 @@
 local lm_key, line_key, msgs_key, out_key, slots_key, used_key = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 -- An entry's fields (one table, not a local each: a Lua function sees 60 upvalues at most).
 local M = {TASK = 1, UNITS = 2, ENQUEUED = 3, EXPIRES = 4, MAX_WAIT = 5, PLACE = 6, PHASE = 7, RELEASED = 8,
-           START = 9, LATEST = 10, EPOCH = 11}
+           START = 9, LATEST = 10, EPOCH = 11, CONTROLS = 12}
+
+-- The controls this call was made under, as they bear on a start: the pause in force, the
+-- concurrency limit, each rate's limit and period. Kept with each entry released; a claim
+-- made under other ones that would send it back says STALE instead (its process had not
+-- read a resume or a raised limit yet: it reads the controls and claims again).
+local controls_seen
+do
+  local parts = {string.format('%.0f', not_before), string.format('%.0f', concurrency)}
+  for _, r in ipairs(rates) do
+    parts[#parts + 1] = string.format('%.0f', r.limit)
+    parts[#parts + 1] = string.format('%.0f', r.period)
+  end
+  controls_seen = table.concat(parts, ',')
+end
 
 -- A map of units by unit from its flat array {unit, n, ...} (anything else counts nothing).
 local function map_of(flat)
@@ -231,7 +248,7 @@ end
 
 -- Out: released, not started. Its slot, with a concurrency limit, is handed to it.
 local function go_out(id, m, phase, until_)
-  m[M.PHASE], m[M.RELEASED] = phase, now
+  m[M.PHASE], m[M.RELEASED], m[M.CONTROLS] = phase, now, controls_seen
   set_meta(id, m)
   redis.call('ZADD', out_key, until_, id)
   out_count = out_count + 1
@@ -573,6 +590,17 @@ local function claim()
     forget(ticket)
     release_heads(a.batch)
     return finish(too_costly(units) and TOO_COSTLY or WAITED, 0, {waited = waited})
+  end
+  if phase ~= 'g' and ARGV[P + 10] == '1' and m[M.CONTROLS] ~= nil and m[M.CONTROLS] ~= controls_seen then
+    -- Released under other controls than the caller's: if it would go back for them, the
+    -- caller reads the controls and claims again (nothing written but what was due).
+    local own_slot = redis.call('ZSCORE', slots_key, ticket) or redis.call('ZSCORE', slots_key, holder)
+    local x = nil
+    if not_before == 0 and (own_slot or slot_free()) then x = earliest(now, units, out_per_rate(units)) end
+    if x == nil or x - now > early then
+      for _, r in ipairs(rates) do r.dirty = false end
+      return finish(STALE, 0, {waited = waited})
+    end
   end
   if phase == 'g' then
     ungrant(m)
