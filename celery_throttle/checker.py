@@ -151,15 +151,16 @@ class Checker:
         """``call`` under the live limit of its key, else of its scope, if one is set (rates,
         concurrency, or both).
 
-        A live rate of the same window length as a declared one keeps that one's state
-        (what was counted and reserved still counts, under the new limit); a window of
-        another length starts empty."""
+        A live rate of the same window length as a declared one takes its place and keeps
+        its state (what was counted and reserved still counts, under the new limit); a
+        window of another length starts empty; a declared rate of a window the live limit
+        does not set stays in force, unless it replaces them all (:func:`.controls.merged_rates`)."""
         store = self.quick_store if quick else self.store
         concurrency = self.controls.concurrency_for(store, call.scope, call.key)
         if concurrency is not None and concurrency != call.concurrency:
             call = replace(call, concurrency=concurrency)
-        override = self.controls.limits_for(store, call.scope, call.key)
-        if override is None or override == call.rates:
+        override = self.controls.rates_for(store, call.scope, call.key, call.rates)
+        if override == call.rates:
             return call
         cost = rate_costs(override, call.unit_costs) if call.unit_costs else call.cost
         return replace(call, rates=override, cost=cost, fields=_live_fields(call.algorithm, call.rates, override))

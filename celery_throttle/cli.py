@@ -119,6 +119,7 @@ def _as_dict(status: Any) -> dict[str, Any]:
         "live_limit": [str(r) for r in status.live_limit] if status.live_limit else None,
         "waiting": status.waiting, "released": status.released,
         "running": status.running, "concurrency": status.concurrency,
+        "live_replaces_all": status.live_replaces_all,
         "live_concurrency": status.live_concurrency,
         "rates": [{"rate": str(r.rate), "algorithm": r.algorithm, "used": r.used, "remaining": r.remaining,
                    "reset_at": _iso(r.reset_at)} for r in status.rates],
@@ -148,9 +149,10 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
         paused = "" if s.paused_until is None else (
             "resumed" if s.paused_until == float("inf") else _clock(s.paused_until))
         live = set(s.live_limit or ())
-        # A row per stored rate, marked when a live limit replaces the code's rates; a
-        # scope with only a control (a pause, a live limit) gets one row for it.
-        rows = [(f"{r.rate}{_mark(r.rate, live)}", str(r.used), str(r.remaining), _clock(r.reset_at))
+        # A row per stored rate, marked when a live limit sets it (or, set with --replace,
+        # lifts it); a scope with only a control (a pause, a live limit) gets one row for it.
+        rows = [(f"{r.rate}{_mark(r.rate, live, s.live_replaces_all)}", str(r.used), str(r.remaining),
+                 _clock(r.reset_at))
                 for r in s.rates] or [(", ".join(f"{r} (live)" for r in sorted(live)) or "-", "", "", "")]
         for i, (rate, used, left, resets) in enumerate(rows):
             first = i == 0
@@ -182,22 +184,53 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
 @click.option("--key", default=None, help="Set it for this key only (e.g. a tenant id); default: the whole scope.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=None, metavar="K",
               help="At most K bodies of the scope (or key) run at once.")
+@click.option("--replace", is_flag=True,
+              help="The RATES alone are in force: the declared rates of other windows are lifted too.")
 @click.pass_context
 def set_limit(ctx: click.Context, scope: str, rates: tuple[str, ...], key: str | None,
-              concurrency: int | None) -> None:
+              concurrency: int | None, replace: bool) -> None:
     """Limit SCOPE (or its KEY) to RATES, e.g. 5/s "30000 tokens/m", and (--concurrency)
     to K running at once, instead of what the code declares.
 
-    Every worker obeys within a second, until `throttle unset`. Without --key it applies
-    to every key of the scope that has no limit of its own. A raised K sends tasks
-    waiting for a slot at once.
+    A rate takes the place of the declared rate of its window (2/s for 10/s); the
+    declared rates of other windows (5000/h) stay in force, unless --replace. Prints the
+    rates then in force. Every worker obeys within a second, until `throttle unset`.
+    Without --key it applies to every key of the scope that has no limit of its own. A
+    raised K sends tasks waiting for a slot at once.
     """
     if not rates and concurrency is None:
         raise click.UsageError("give RATES, --concurrency K, or both")
-    parsed = _controller(ctx).set_limit(scope, list(rates) if rates else None, key=key, concurrency=concurrency)
-    parts = ([f"limit set to {', '.join(map(str, parsed))}"] if rates else []) + (
-        [f"concurrency set to {concurrency}"] if concurrency is not None else [])
+    if replace and not rates:
+        raise click.UsageError("--replace replaces the declared rates: give RATES")
+    ctl = _controller(ctx)
+    parsed = ctl.set_limit(scope, list(rates) if rates else None, key=key, concurrency=concurrency, replace=replace)
+    parts = ([f"limit set to {', '.join(map(str, parsed))}" + (" in place of every declared rate" if replace else "")]
+             if rates else []) + ([f"concurrency set to {concurrency}"] if concurrency is not None else [])
     click.echo(f"{_target(scope, key)}: {'; '.join(parts)}")
+    if rates:
+        click.echo(_in_force(ctl, scope, key, set(parsed)))
+
+
+def _in_force(ctl: Any, scope: str, key: str | None, live: set[Any]) -> str:
+    """The line that says which rates are in force after a live limit: each one, live or
+    declared, and the declared ones it lifted."""
+    declared, by_callable = ctl.declared_rates(scope)
+    rates = ctl.rates_in_force(scope, key)
+    line = "in force: " + ", ".join(f"{r} ({'live' if r in live else 'declared'})" for r in sorted(rates, key=_by_window))
+    windows = {(r.period_us, r.unit) for r in live}
+    lifted = sorted((r for r in declared if r not in rates and (r.period_us, r.unit) not in windows), key=_by_window)
+    if lifted:
+        line += f"; lifted until `throttle unset`: {', '.join(map(str, lifted))}"
+    if by_callable:
+        line += "; and the rates of other windows that a task's rate callable returns, per call"
+    elif not declared:
+        line += " (no task of this app declares rates for it)"
+    return line
+
+
+def _by_window(rate: Any) -> tuple[int, str, int]:
+    """Rates as people read them: the shortest window first."""
+    return rate.period_us, rate.unit, rate.limit
 
 
 @throttle.command(name="unset")
@@ -460,10 +493,10 @@ def _when(timestamp: float) -> str:
     return dt.datetime.fromtimestamp(timestamp).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
 
 
-def _mark(rate: Any, live: set[Any]) -> str:
-    if not live:
-        return ""
-    return " (live)" if rate in live else " (not in force)"
+def _mark(rate: Any, live: set[Any], replaces_all: bool) -> str:
+    if rate in live:
+        return " (live)"
+    return " (not in force)" if replaces_all else ""
 
 
 def _iso(timestamp: float) -> str:

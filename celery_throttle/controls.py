@@ -5,7 +5,11 @@ One hash per app, ``<prefix>:control``. A field per paused scope (``pause:<scope
 key (``pause:<scope>:<key>``, both encoded as in state keys) holds the end of the pause
 in µs of the Redis clock (``FOREVER_US``: until resumed); a field per live limit
 (``limit:<scope>`` or ``limit:<scope>:<key>``) holds its rates (``"10/s,5000/h"``), and
-one per live concurrency limit (``slots:<scope>`` or ``slots:<scope>:<key>``) its K. Each
+one per live concurrency limit (``slots:<scope>`` or ``slots:<scope>:<key>``) its K. A
+live limit takes the place of the declared rates of its windows only (a live ``2/s`` on
+``10/s, 5000/h``: ``2/s, 5000/h``, :func:`merged_rates`), unless a field
+``replace:<scope>[:<key>]`` beside it says it replaces them all (a separate field: an
+earlier version reads the limit alone, and replaces them all, as it always did). Each
 process reads the whole hash at most every ``CONTROL_REFRESH`` seconds: a control set
 anywhere holds on every worker within that time, and the process that sets it obeys it
 at once.
@@ -25,8 +29,8 @@ from .keys import decode, encode
 from .rates import Rate, parse_rates
 from .timing import CONTROL_REFRESH, RTT_COUNTS_FROM_US, STORE_TIMEOUT
 
-__all__ = ["CONTROL_REFRESH", "FOREVER_US", "ControlSet", "Controls", "control_target", "limit_field", "pause_field",
-           "slots_field"]
+__all__ = ["CONTROL_REFRESH", "FOREVER_US", "REPLACE_ALL", "ControlSet", "Controls", "control_target", "limit_field",
+           "merged_rates", "pause_field", "replace_field", "slots_field"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -35,6 +39,8 @@ logger = logging.getLogger("celery_throttle")
 READ_GIVEN_UP = STORE_TIMEOUT + 1.0
 #: The end of a pause with no end: the largest integer a Lua number holds exactly.
 FOREVER_US = 2**53 - 1
+#: The value of a ``replace:`` field (not all digits: pause.lua prunes those as pauses over).
+REPLACE_ALL = "all"
 
 
 def _field(kind: str, scope: str, key: str | None) -> str:
@@ -62,13 +68,31 @@ def slots_field(scope: str, key: str | None) -> str:
     return _field("slots", scope, key)
 
 
+def replace_field(scope: str, key: str | None) -> str:
+    """The field that makes the live limit of ``scope``/``key`` replace every declared rate."""
+    return _field("replace", scope, key)
+
+
+def merged_rates(declared: tuple[Rate, ...], live: tuple[Rate, ...], replace_all: bool = False) -> tuple[Rate, ...]:
+    """The rates in force under a live limit: ``live``, and each ``declared`` rate of a
+    window length and unit that ``live`` does not set (none with ``replace_all``). A live
+    ``2/s`` on ``10/s, 5000/h`` gives ``2/s, 5000/h``: lowering one rate in an incident
+    must not lift a quota of another window."""
+    if replace_all:
+        return live
+    windows = {(r.period_us, r.unit) for r in live}
+    return tuple(sorted({*live, *(r for r in declared if (r.period_us, r.unit) not in windows)}))
+
+
 class ControlSet(NamedTuple):
-    """The controls set: pauses (field to end, µs), live limits (field to rates) and live
-    concurrency limits (field to K)."""
+    """The controls set: pauses (field to end, µs), live limits (field to rates), live
+    concurrency limits (field to K), and the live limits that replace every declared rate
+    (their ``limit:`` fields)."""
 
     pauses: dict[str, int]
     limits: dict[str, tuple[Rate, ...]]
     slots: dict[str, int]
+    replacing: frozenset[str] = frozenset()
 
     def fields(self) -> list[str]:
         return [*self.pauses, *self.limits, *self.slots]
@@ -87,6 +111,23 @@ class ControlSet(NamedTuple):
         if not limits:
             return None
         return (key is not None and limits.get(limit_field(scope, key))) or limits.get(limit_field(scope, None))
+
+    def replaces_all(self, scope: str, key: str | None) -> bool:
+        """Whether the live limit :meth:`limit_of` finds replaces every declared rate."""
+        limits = self.limits
+        if not limits:
+            return False
+        own = limit_field(scope, key) if key is not None else None
+        field = own if own is not None and own in limits else limit_field(scope, None)
+        return field in self.replacing
+
+    def rates_of(self, scope: str, key: str | None, declared: tuple[Rate, ...]) -> tuple[Rate, ...]:
+        """The rates in force for a call of ``scope``/``key`` that declares ``declared``:
+        :func:`merged_rates` under its live limit, if one is set, else ``declared``."""
+        live = self.limit_of(scope, key)
+        if live is None:
+            return declared
+        return merged_rates(declared, live, self.replaces_all(scope, key))
 
     def concurrency_of(self, scope: str, key: str | None) -> int | None:
         """The live concurrency limit of ``scope``/``key`` (the key's own first), or None."""
@@ -116,10 +157,10 @@ class Controls:
         self._maybe_refresh(store)
         return dict(self._set.pauses)
 
-    def limits_for(self, store: Any, scope: str, key: str | None) -> tuple[Rate, ...] | None:
-        """The live limit of ``scope``/``key`` (the key's own first), or None."""
+    def rates_for(self, store: Any, scope: str, key: str | None, declared: tuple[Rate, ...]) -> tuple[Rate, ...]:
+        """The rates in force for a call that declares ``declared`` (see :meth:`ControlSet.rates_of`)."""
         self._maybe_refresh(store)
-        return self._set.limit_of(scope, key)
+        return self._set.rates_of(scope, key, declared)
 
     def concurrency_for(self, store: Any, scope: str, key: str | None) -> int | None:
         """The live concurrency limit of ``scope``/``key`` (the key's own first), or None."""
@@ -175,7 +216,8 @@ class Controls:
             current = self._set
             raw = {**{k: str(v) for k, v in current.pauses.items()},
                    **{k: ",".join(map(str, v)) for k, v in current.limits.items()},
-                   **{k: str(v) for k, v in current.slots.items()}}
+                   **{k: str(v) for k, v in current.slots.items()},
+                   **{"replace:" + f.removeprefix("limit:"): REPLACE_ALL for f in current.replacing}}
             if value is None:
                 raw.pop(field, None)
             else:
@@ -188,6 +230,7 @@ def parse_controls(raw: Mapping[str, str]) -> ControlSet:
     does not read is skipped (with a log line), never fatal: the hash is written by hand
     too, through redis-cli."""
     controls = ControlSet({}, {}, {})
+    replacing: set[str] = set()
     for field, value in raw.items():
         try:
             if field.startswith("pause:"):
@@ -199,11 +242,13 @@ def parse_controls(raw: Mapping[str, str]) -> ControlSet:
                 if concurrency < 1:
                     raise ValueError(f"a concurrency limit is at least 1, got {concurrency}")
                 controls.slots[field] = concurrency
+            elif field.startswith("replace:"):
+                replacing.add("limit:" + field.removeprefix("replace:"))
         except (ValueError, ConfigurationError) as exc:
             if (field, value) not in _warned:
                 _warned.add((field, value))
                 logger.warning("celery_throttle: ignoring control %s=%r: %s", field, value, exc)
-    return controls
+    return controls._replace(replacing=frozenset(replacing)) if replacing else controls
 
 
 _warned: set[tuple[str, str]] = set()  # (each bad control is logged once per process)

@@ -18,11 +18,13 @@ from .checker import Checker
 from .config import ALGORITHMS, Settings, require_redis_url
 from .controls import (
     FOREVER_US,
+    REPLACE_ALL,
     ControlSet,
     control_target,
     limit_field,
     parse_controls,
     pause_field,
+    replace_field,
     slots_field,
 )
 from .errors import ConfigurationError
@@ -86,6 +88,9 @@ class Status:
     concurrency: int | None = None
     #: The live concurrency limit (``set_limit(..., concurrency=K)``), or None.
     live_concurrency: int | None = None
+    #: Whether the live limit replaces every declared rate (``set_limit(..., replace=True)``):
+    #: else a declared rate of a window it does not set stays in force beside it.
+    live_replaces_all: bool = False
 
     @property
     def remaining(self) -> int | None:
@@ -320,7 +325,8 @@ class Throttle:
         slot_limits = [spec.concurrency for known, spec in self._known_specs() if known == scope and spec.concurrency]
         live_slots = controls.concurrency_of(scope, key)
         return Status(scope, key, tuple(out), self._paused_until(controls, scope, key), live_rates or None,
-                      line.out, line.running, line.waiting, live_slots or max(slot_limits, default=None), live_slots)
+                      line.out, line.running, line.waiting, live_slots or max(slot_limits, default=None), live_slots,
+                      live_rates is not None and controls.replaces_all(scope, key))
 
     def pause(self, scope: str, key: str | None = None, seconds: float | None = None) -> float:
         """Start nothing of ``scope`` (or of its ``key``) for ``seconds`` (None: until
@@ -356,17 +362,22 @@ class Throttle:
         return found
 
     def set_limit(self, scope: str, rates: str | Sequence[str] | None = None, key: str | None = None, *,
-                  concurrency: int | None = None) -> tuple[Rate, ...]:
+                  concurrency: int | None = None, replace: bool = False) -> tuple[Rate, ...]:
         """Limit ``scope`` (every key of it that has no limit of its own, or only ``key``)
         to ``rates``, and (``concurrency``) to K bodies running at once, instead of what
         the code declares, on every worker within CONTROL_REFRESH, until
-        :meth:`clear_limit`. The tasks waiting in the lines of the scope (or key) get a look
+        :meth:`clear_limit`. A live rate takes the place of the declared rate of its window
+        length and unit; the declared rates of other windows stay in force beside it (a
+        live ``2/s`` on ``10/s, 5000/h``: ``2/s, 5000/h``), unless ``replace`` (then the
+        live rates alone are in force; :meth:`rates_in_force` says which are). The tasks waiting in the lines of the scope (or key) get a look
         at once: a raised limit lets them go now. A lowered one holds back the heads of the
         lines, and a task released under the old limit that finds no room when it arrives
         goes back to its place; a lowered K lets the bodies running end, and starts no more
         until fewer than K run. Returns the rates set (empty with ``concurrency`` alone)."""
         if rates is None and concurrency is None:
             raise ConfigurationError("set_limit takes rates, a concurrency, or both")
+        if replace and rates is None:
+            raise ConfigurationError("set_limit(replace=True) replaces the declared rates: give the rates")
         if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
                                         or concurrency < 1):
             raise ConfigurationError(f"concurrency must be a positive integer, got {concurrency!r}")
@@ -374,9 +385,15 @@ class Throttle:
         target = f"scope {scope!r}" + ("" if key is None else f" key {key!r}")
         if rates is not None:
             field, value = limit_field(scope, key), ",".join(map(str, parsed))
-            self.store.set_control(field, value)
+            replacing = replace_field(scope, key)
+            if replace:
+                self.store.set_controls({field: value, replacing: REPLACE_ALL})
+            else:
+                self.store.set_controls({field: value}, clear=(replacing,))
             self.checker.controls.note(field, value)
-            logger.warning("live limit of %s set to %s", target, value)
+            self.checker.controls.note(replacing, REPLACE_ALL if replace else None)
+            logger.warning("live limit of %s set to %s%s", target, value,
+                           " in place of every declared rate" if replace else "")
         if concurrency is not None:
             field = slots_field(scope, key)
             self.store.set_control(field, str(concurrency))
@@ -390,11 +407,30 @@ class Throttle:
         True if a live limit was set."""
         self._direct_call(scope, key, "1/s", 1, None)
         found = False
-        for field in (limit_field(scope, key), slots_field(scope, key)):
+        for field in (limit_field(scope, key), slots_field(scope, key), replace_field(scope, key)):
             self.checker.controls.note(field, None)
             found = self.store.clear_control(field) or found
         self.lines.wake(scope, key)  # (the code's limits may be higher: tasks waiting go now)
         return found
+
+    def declared_rates(self, scope: str) -> tuple[tuple[Rate, ...], bool]:
+        """The rates this app's tasks of ``scope`` declare (by decorator or rule), and
+        whether one of them declares its rates by a callable (known only per call)."""
+        declared: set[Rate] = set()
+        by_callable = False
+        for known, spec in self._known_specs():
+            if known == scope:
+                if isinstance(spec.rates, tuple):
+                    declared.update(spec.rates)
+                else:
+                    by_callable = True
+        return tuple(sorted(declared)), by_callable
+
+    def rates_in_force(self, scope: str, key: str | None = None) -> tuple[Rate, ...]:
+        """The rates in force for the calls of ``scope``/``key`` that declare
+        :meth:`declared_rates` (read now): those, under the live limit if one is set
+        (:func:`.controls.merged_rates`)."""
+        return parse_controls(self.store.controls()).rates_of(scope, key, self.declared_rates(scope)[0])
 
     def live_limit(self, scope: str, key: str | None = None) -> tuple[Rate, ...] | None:
         """The live limit set for exactly ``scope``/``key`` (read now), or None."""

@@ -332,6 +332,15 @@ class RedisStore:
         with self.errors():
             self.client.hset(control_key(self.prefix), field, value)
 
+    def set_controls(self, values: Mapping[str, str], clear: Sequence[str] = ()) -> None:
+        """Set the controls ``values`` and remove those named in ``clear``, in one round trip."""
+        with self.errors():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(control_key(self.prefix), mapping=dict(values))
+            if clear:
+                pipe.hdel(control_key(self.prefix), *clear)
+            pipe.execute()
+
     def scan(self, pattern: str) -> Iterator[str]:
         """Key names matching ``pattern``, by SCAN (never KEYS: a busy Redis is not blocked)."""
         with self.errors():

@@ -88,6 +88,25 @@ def test_an_unreachable_store_is_one_line_of_error_not_a_traceback(prefix: str) 
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+def test_set_says_which_rates_are_in_force_and_replace_lifts_the_other_windows(prefix: str) -> None:
+    ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
+    ctl.acquire("shared-api", rates=["6/s", "9/3s"], cost=2)
+    # Given the scope its tasks declare 6/s and 9/3s for, when 2/s is set live
+    out = _celery(prefix, "set", "shared-api", "2/s")
+    # Then the 9/3s stays in force, and the command says so
+    assert out.splitlines() == ["scope 'shared-api': limit set to 2/s", "in force: 2/s (live), 9/3s (declared)"]
+    assert _row(_celery(prefix, "status", "shared-api"), "", "", "9/3s") == ["2", "7"]
+    # When set with --replace: the 9/3s is lifted, said when set and in status
+    out = _celery(prefix, "set", "shared-api", "2/s", "--replace")
+    assert out.splitlines() == ["scope 'shared-api': limit set to 2/s in place of every declared rate",
+                                "in force: 2/s (live); lifted until `throttle unset`: 9/3s"]
+    status = _celery(prefix, "status", "shared-api")
+    assert _row(status, "", "", "9/3s", "(not", "in", "force)") == ["2", "7"], status
+    assert json.loads(_celery(prefix, "status", "shared-api", "--json"))["keys"][0]["live_replaces_all"] is True
+    assert "back to the code's limits" in _celery(prefix, "unset", "shared-api")
+    assert ctl.store.controls() == {}
+
+
 def test_pause_and_resume_from_the_command_line(prefix: str) -> None:
     ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
     out = _celery(prefix, "pause", "github-api", "--key", "acme", "--for", "90s")
@@ -118,14 +137,14 @@ def test_set_and_unset_a_live_limit_from_the_command_line(prefix: str) -> None:
     assert bad.returncode != 0 and "bad rate 'fast'" in bad.stderr and "Traceback" not in bad.stderr
     # Rates of named units and a concurrency limit, together or alone
     both = _celery(prefix, "set", "llm", "500/m", "30000 tokens/m", "--concurrency", "3")
-    assert both.strip() == "scope 'llm': limit set to 500/m, 30000 tokens/m; concurrency set to 3"
+    assert both.splitlines()[0] == "scope 'llm': limit set to 500/m, 30000 tokens/m; concurrency set to 3"
     as_json = json.loads(_celery(prefix, "status", "llm", "--json"))["keys"][0]
     assert as_json["live_limit"] == ["500/m", "30000 tokens/m"] and as_json["live_concurrency"] == 3
     assert _celery(prefix, "set", "llm", "--key", "acme", "--concurrency", "1").strip() == \
         "scope 'llm' key 'acme': concurrency set to 1"
     assert "back to the code's limits" in _celery(prefix, "unset", "llm", "--key", "acme")
     assert "back to the code's limits" in _celery(prefix, "unset", "llm")
-    for args in (("set", "llm"), ("set", "llm", "--concurrency", "0")):
+    for args in (("set", "llm"), ("set", "llm", "--concurrency", "0"), ("set", "llm", "--concurrency", "2", "--replace")):
         refused = _run(prefix, *args)
         assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr
 

@@ -327,13 +327,13 @@ def test_a_live_limit_applies_to_every_key_without_its_own_and_keeps_what_was_co
     ctl.set_limit("api", ["6/s"], key="acme")
     assert ctl.acquire("api", key="acme", rates=["10/s"]).allowed
     assert ctl.acquire("api", key="other", rates=["10/s"]).remaining == 3  # 4/s for the others
-    # a window of another length starts empty
+    # a window of another length starts empty (and the declared 10/s stays in force beside it)
     ctl.set_limit("api", ["1/m"], key="acme")
     assert ctl.acquire("api", key="acme", rates=["10/s"]).allowed
     assert not ctl.acquire("api", key="acme", rates=["10/s"]).allowed
     # and clearing brings back the code's rates
     assert ctl.clear_limit("api", key="acme") and ctl.clear_limit("api")
-    assert ctl.acquire("api", key="acme", rates=["10/s"]).remaining == 10 - 3 - 1 - 1 - 1
+    assert ctl.acquire("api", key="acme", rates=["10/s"]).remaining == 10 - 3 - 1 - 1 - 1 - 1
     with pytest.raises(ConfigurationError):
         ctl.set_limit("api", ["fast"])
 

@@ -1,0 +1,103 @@
+"""Live limits as the control hash holds them (celery_throttle/controls.py): which rates
+are in force under a live limit."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from celery import Celery
+
+import celery_throttle
+from celery_throttle import throttle
+from celery_throttle.controls import merged_rates, parse_controls
+from celery_throttle.rates import parse_rates
+from tests.helpers import STORE_URL
+
+
+def _rates(*texts: str) -> tuple[celery_throttle.Rate, ...]:
+    return parse_rates(list(texts))
+
+
+@pytest.mark.parametrize(("declared", "live", "in_force"), [
+    (("10/s", "5000/h"), ("2/s",), ("2/s", "5000/h")),
+    (("10/s", "5000/h"), ("20/s",), ("20/s", "5000/h")),  # raised, the hourly quota still holds
+    (("10/s",), ("2/s", "100/m"), ("2/s", "100/m")),
+    (("6/s", "9/3s"), ("1000/h",), ("6/s", "9/3s", "1000/h")),
+    # a rate of a named unit is a window of its own, beside the calls' of the same length
+    (("500/m", "30000 tokens/m"), ("100/m",), ("100/m", "30000 tokens/m")),
+    (("500/m", "30000 tokens/m"), ("10000 tokens/m",), ("500/m", "10000 tokens/m")),
+    ((), ("2/s",), ("2/s",)),
+])
+def test_a_live_rate_takes_the_place_of_the_declared_rate_of_its_window_only(
+        declared: tuple[str, ...], live: tuple[str, ...], in_force: tuple[str, ...]) -> None:
+    assert merged_rates(_rates(*declared) if declared else (), _rates(*live)) == _rates(*in_force)
+
+
+def test_a_live_limit_that_replaces_all_leaves_only_its_own_rates() -> None:
+    assert merged_rates(_rates("10/s", "5000/h"), _rates("2/s"), replace_all=True) == _rates("2/s")
+
+
+def test_the_replace_field_goes_with_the_limit_it_sits_beside() -> None:
+    # Given a scope-wide limit that replaces all, and a key's own that does not
+    controls = parse_controls({"limit:api": "2/s", "replace:api": "all", "limit:api:acme": "1/s"})
+    declared = _rates("10/s", "5000/h")
+    # Then the scope's other keys run under 2/s alone, the key under 1/s and the hourly quota
+    assert controls.rates_of("api", None, declared) == _rates("2/s")
+    assert controls.rates_of("api", "globex", declared) == _rates("2/s")
+    assert controls.rates_of("api", "acme", declared) == _rates("1/s", "5000/h")
+    # and a scope without a live limit, as declared
+    assert controls.rates_of("other", None, declared) == declared
+
+
+@pytest.fixture
+def ctl(prefix: str, store_client: redis.Redis) -> celery_throttle.Throttle:
+    return celery_throttle.install(Celery("controls", broker="memory://", set_as_current=False),
+                                   redis_url=STORE_URL, key_prefix=prefix)
+
+
+def test_a_live_limit_keeps_the_declared_quota_of_another_window_in_force(ctl: celery_throttle.Throttle) -> None:
+    # Given a scope declared 10/s and 3/h, raised live to 100/s (an operator who wants
+    # more per second, not an unlimited hour)
+    declared = ["10/s", "3/h"]
+    ctl.set_limit("github-api", ["100/s"])
+    # When 4 calls come at once
+    allowed = [ctl.acquire("github-api", rates=declared).allowed for _ in range(4)]
+    # Then the hourly quota still stops the fourth, and status says both rates are in force
+    assert allowed == [True, True, True, False]
+    status = ctl.status("github-api")
+    assert {str(r.rate): r.used for r in status.rates} == {"100/s": 3, "3/h": 3}
+    assert not status.live_replaces_all
+
+
+def test_a_live_limit_set_to_replace_all_lifts_the_other_windows_until_cleared(
+        ctl: celery_throttle.Throttle) -> None:
+    declared = ["10/s", "3/h"]
+    # Given 100/s in place of every declared rate
+    ctl.set_limit("github-api", ["100/s"], replace=True)
+    # Then the hourly quota is not counted: 5 calls go
+    assert all(ctl.acquire("github-api", rates=declared).allowed for _ in range(5))
+    assert ctl.status("github-api").live_replaces_all
+    # and set again without replace, the hourly quota is back (empty: it counted nothing)
+    ctl.set_limit("github-api", ["100/s"])
+    assert [ctl.acquire("github-api", rates=declared).allowed for _ in range(4)] == [True, True, True, False]
+    # and cleared, the field that replaced all is gone with the limit
+    assert ctl.clear_limit("github-api")
+    assert ctl.store.controls() == {}
+    with pytest.raises(celery_throttle.ConfigurationError, match="give the rates"):
+        ctl.set_limit("github-api", concurrency=2, replace=True)
+
+
+def test_a_decorated_tasks_call_is_bound_under_the_merged_rates(ctl: celery_throttle.Throttle) -> None:
+    # Given a task declared 10/s and 5000/h (the issue's GitHub task), and a live 2/s
+    @ctl.app.task(name="sync_issues")
+    @throttle("10/s", "5000/h", scope="github-api")
+    def sync_issues(repo: str) -> None: ...
+
+    ctl.set_limit("github-api", ["2/s"])
+    # Then a call is bound, and listed, under 2/s and 5000/h
+    call = ctl.checker.bind(ctl.app.tasks[sync_issues.name], ("acme/widgets",), {})
+    assert call.rates == _rates("2/1.02s", "5000/3600.02s")  # (each sliding window with its margin)
+    assert ctl.declared_rates("github-api") == (_rates("10/s", "5000/h"), False)
+    assert ctl.rates_in_force("github-api") == _rates("2/s", "5000/h")
+    ctl.set_limit("github-api", ["2/s"], replace=True)
+    assert ctl.rates_in_force("github-api") == _rates("2/s")
