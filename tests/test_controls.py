@@ -1,5 +1,5 @@
-"""Live limits as the control hash holds them (celery_throttle/controls.py): which rates
-are in force under a live limit."""
+"""Live limits and pauses as the control hash holds them (celery_throttle/controls.py):
+which rates are in force under a live limit, and what a pause leaves of the other controls."""
 
 from __future__ import annotations
 
@@ -101,3 +101,16 @@ def test_a_decorated_tasks_call_is_bound_under_the_merged_rates(ctl: celery_thro
     assert ctl.rates_in_force("github-api") == _rates("2/s", "5000/h")
     ctl.set_limit("github-api", ["2/s"], replace=True)
     assert ctl.rates_in_force("github-api") == _rates("2/s")
+
+
+def test_a_pause_leaves_live_limits_and_concurrency_limits_alone(ctl: celery_throttle.Throttle) -> None:
+    # Given a live concurrency limit (its value all digits, as a pause's end) and a
+    # limit that replaces all
+    ctl.set_limit("export-api", concurrency=4)
+    ctl.set_limit("github-api", ["2/s"], replace=True)
+    # When another scope is paused (which forgets the pauses that are over)
+    ctl.pause("vendor", seconds=30)
+    # Then both controls are still set
+    controls = ctl.store.controls()
+    assert controls["slots:export-api"] == "4" and controls["replace:github-api"] == "all", controls
+    ctl.resume("vendor")

@@ -19,11 +19,13 @@ local until_ = ARGV[3] == '' and tonumber(ARGV[4]) or now + tonumber(ARGV[3])
 local current = tonumber(redis.call('HGET', KEYS[1], ARGV[2]) or '')
 if current ~= nil and current > until_ then return current end
 redis.call('HSET', KEYS[1], ARGV[2], string.format('%.0f', until_))
--- (A live limit's value, "10/s", is not all digits: only pauses are pruned.)
+-- Only pauses are pruned: a live concurrency limit's value ("4") is all digits too.
 local fields, over = redis.call('HGETALL', KEYS[1]), {}
 for i = 1, #fields, 2 do
   local value = fields[i + 1]
-  if string.match(value, '^%d+$') and tonumber(value) < now then over[#over + 1] = fields[i] end
+  if string.sub(fields[i], 1, 6) == 'pause:' and string.match(value, '^%d+$') and tonumber(value) < now then
+    over[#over + 1] = fields[i]
+  end
 end
 if #over > 0 then redis.call('HDEL', KEYS[1], unpack(over)) end
 return until_
