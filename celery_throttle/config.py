@@ -227,14 +227,61 @@ def _default_park_after(app: Any) -> float:
 
 
 def _warn_unknown(app: Any, names: set[str]) -> None:
-    """A misspelt ``throttle_*`` setting would be ignored without a word: say so (a
-    warning, not an error: another package may share the prefix)."""
+    """A misspelt setting would be ignored without a word: say so, with the known name
+    nearest to it, in the spelling it was given (a warning, not an error: another package
+    may share the prefix). Celery reads ``throttle_rules`` as it is and, under
+    ``config_from_object(..., namespace="CELERY")`` (Django), as ``CELERY_THROTTLE_RULES``."""
     try:
-        keys = [k for k in app.conf if isinstance(k, str) and k.lower().startswith("throttle_")]
+        keys = [k for k in app.conf if isinstance(k, str)]
+        namespace = app.conf.prefix or ""  # e.g. "CELERY_"; "" without a namespace
     except Exception:  # noqa: BLE001 - a conf we cannot list is not worth failing for
         return
-    for key in sorted(k for k in keys if k[len("throttle_"):] not in names):
-        close = difflib.get_close_matches(key[len("throttle_"):].lower(), sorted(names), n=1)
-        logger.warning("celery_throttle: unknown setting %s is ignored%s", key,
-                       f" (did you mean throttle_{close[0]}?)" if close else "")
+    for key in sorted(keys):
+        advice = _unknown_setting(key, names, namespace)
+        if advice is not None:
+            logger.warning("celery_throttle: unknown setting %s is ignored%s", key, advice)
 
+
+#: The name every setting's spelling has after its namespace.
+_PREFIX = "throttle_"
+#: A namespace Django projects use: a ``CELERY_THROTTLE_*`` setting read without it is
+#: ignored, and the advice says how to read it.
+_DJANGO_NAMESPACE = "CELERY_"
+
+
+def _unknown_setting(key: str, names: set[str], namespace: str) -> str | None:
+    """None for a setting we read, or one that is not ours; else the advice (" (did you
+    mean ...?)", or "") that follows "unknown setting KEY is ignored"."""
+    def spelt(name: str, spelling_prefix: str) -> str:
+        # Celery's own rule: a namespace's case is the whole key's (celery.utils.text.match_case).
+        whole = spelling_prefix + _PREFIX + name
+        return whole.upper() if spelling_prefix.isupper() else whole.lower()
+
+    def nearest(rest: str) -> str | None:
+        close = difflib.get_close_matches(rest.lower(), sorted(names), n=1)
+        return close[0] if close else None
+
+    lowered = key.lower()
+    if namespace and lowered.startswith((namespace + _PREFIX).lower()):
+        rest = key[len(namespace) + len(_PREFIX):]
+        if any(key == spelt(name, namespace) for name in names):
+            return None
+        close = nearest(rest)
+        return f" (did you mean {spelt(close, namespace)}?)" if close else ""
+    if lowered.startswith(_PREFIX):
+        rest = key[len(_PREFIX):]
+        if key.startswith(_PREFIX) and rest in names:
+            return None
+        close = nearest(rest)
+        if close is None:
+            return ""
+        # An upper-case THROTTLE_KEY_PREFIX means the namespace's spelling, if there is one.
+        return f" (did you mean {spelt(close, namespace if key.isupper() and namespace.isupper() else '')}?)"
+    if not namespace and lowered.startswith((_DJANGO_NAMESPACE + _PREFIX).lower()):
+        rest = key[len(_DJANGO_NAMESPACE) + len(_PREFIX):].lower()
+        how = f"app.config_from_object(..., namespace={_DJANGO_NAMESPACE[:-1]!r}) reads {_DJANGO_NAMESPACE}THROTTLE_*"
+        if rest in names:
+            return f" (this app has no namespace: {how}, or spell it {spelt(rest, '')})"
+        close = nearest(rest)
+        return f" (did you mean {spelt(close, _DJANGO_NAMESPACE)}? and {how})" if close else f" ({how})"
+    return None

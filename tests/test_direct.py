@@ -420,6 +420,47 @@ def test_a_misspelt_setting_is_named_in_a_warning_with_the_likely_one(caplog: py
     assert settings.park_after != 5
 
 
+def test_misspelt_django_style_settings_are_named_in_the_spelling_given(caplog: pytest.LogCaptureFixture) -> None:
+    # Given a Django project's settings, read under the CELERY namespace: one right, one
+    # without its S, one namespaced wrongly (plain-Celery case, no CELERY_), one lowercase
+    django_settings = SimpleNamespace(CELERY_BROKER_URL="memory://", CELERY_THROTTLE_REDIS_URL=STORE_URL,
+                                      CELERY_THROTTLE_KEY_PREFIX="from-django", CELERY_THROTTLE_RULE={},
+                                      THROTTLE_DEFAULT_ALGORITHM="fixed", throttle_margn=0.1)
+    app = Celery("django-style", set_as_current=False)
+    app.config_from_object(django_settings, namespace="CELERY")
+    # When its settings are read
+    with caplog.at_level("WARNING", logger="celery_throttle"):
+        settings = celery_throttle.install(app).settings
+    # Then the right one is read, each other is named with the nearest known setting, in
+    # the spelling its family uses
+    said = sorted(r.getMessage() for r in caplog.records if "unknown setting" in r.getMessage())
+    assert said == [
+        "celery_throttle: unknown setting CELERY_THROTTLE_RULE is ignored (did you mean CELERY_THROTTLE_RULES?)",
+        ("celery_throttle: unknown setting THROTTLE_DEFAULT_ALGORITHM is ignored "
+        "(did you mean CELERY_THROTTLE_DEFAULT_ALGORITHM?)"),
+        "celery_throttle: unknown setting throttle_margn is ignored (did you mean throttle_margin?)",
+    ]
+    assert settings.key_prefix == "from-django" and settings.default_algorithm == "sliding"
+
+
+def test_namespaced_settings_without_a_namespace_say_how_to_read_them(caplog: pytest.LogCaptureFixture) -> None:
+    # Given CELERY_THROTTLE_* settings loaded without namespace="CELERY"
+    app = Celery("no-namespace", broker="memory://", set_as_current=False)
+    app.config_from_object(SimpleNamespace(CELERY_THROTTLE_KEY_PREFIX="lost", CELERY_THROTTLE_RULE={},
+                                           throttle_redis_url=STORE_URL))
+    with caplog.at_level("WARNING", logger="celery_throttle"):
+        settings = celery_throttle.install(app).settings
+    # Then they are not read, and the warning says how they would be
+    said = sorted(r.getMessage() for r in caplog.records if "unknown setting" in r.getMessage())
+    assert said == [
+        ("celery_throttle: unknown setting CELERY_THROTTLE_KEY_PREFIX is ignored (this app has no namespace: "
+        "app.config_from_object(..., namespace='CELERY') reads CELERY_THROTTLE_*, or spell it throttle_key_prefix)"),
+        ("celery_throttle: unknown setting CELERY_THROTTLE_RULE is ignored (did you mean CELERY_THROTTLE_RULES? and "
+        "app.config_from_object(..., namespace='CELERY') reads CELERY_THROTTLE_*)"),
+    ]
+    assert settings.key_prefix == "throttle"
+
+
 def test_settings_the_line_made_pointless_are_accepted_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     # Given an app configured for an earlier version: long waits parked after 5 s, a grace
     app = Celery("earlier", broker="memory://", set_as_current=False)
