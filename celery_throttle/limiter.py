@@ -286,30 +286,32 @@ class Throttle:
                 out.append((spec.scope or name, spec))
         return out
 
-    def _declared_periods(self, scope: str, live_rates: Sequence[Rate]) -> set[int]:
-        """The window lengths (µs) declared for ``scope``: by its tasks' fixed rates, and
-        its live limit."""
+    def _declared_windows(self, scope: str, live_rates: Sequence[Rate]) -> dict[int, int]:
+        """The window lengths (µs) declared for ``scope`` (by its tasks' fixed rates, by
+        decorator or rule, and its live limit), by the window a sliding one is counted over
+        (each with its throttle's margin, else the setting's)."""
+        margins = {self.settings.margin}
         periods = {r.period_us for r in live_rates}
         for known, spec in self._known_specs():
             if known == scope and isinstance(spec.rates, tuple):
                 periods.update(r.period_us for r in spec.rates)
-        return periods
+                margins.add(self.settings.margin if spec.margin is None else spec.margin)
+        return {timing.widened_period_us(period, margin): period for period in periods for margin in margins}
 
     def _status(self, scope: str, key: str | None, controls: ControlSet) -> Status:
         hash_key = state_key(self.settings.key_prefix, scope, key)
         live_rates = controls.limit_of(scope, key)
         live = {(r.period_us, r.unit): r for r in live_rates or ()}
         seen: set[tuple[str, Rate, Rate, str]] = set()
-        declared = self._declared_periods(scope, live_rates or ())
+        declared = self._declared_windows(scope, live_rates or ())
         for field in self.store.read(hash_key):
             named = rate_of_field(field)
             if named is not None:
                 algorithm, limit, stored_us, unit = named
-                # Shown as declared (a window with the default margin as the rate without
-                # it), counted over the window stored. The limit in force: the live one
-                # of this window length and unit, if set.
-                declared_us = next((d for d in declared if d + timing.default_margin_us(d) == stored_us
-                                    and algorithm == "sliding"), None)
+                # Shown as declared (a window with its margin as the rate without it),
+                # counted over the window stored. The limit in force: the live one of
+                # this window length and unit, if set.
+                declared_us = declared.get(stored_us) if algorithm == "sliding" else None
                 if declared_us is None:  # (a direct acquire's, or a rule's: widened the same way)
                     declared_us = (timing.declared_period_us(stored_us) if algorithm == "sliding" else None) \
                         or stored_us

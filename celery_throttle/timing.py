@@ -35,6 +35,7 @@ __all__ = [
     "shortest_us",
     "slack_us",
     "wait_here_us",
+    "widened_period_us",
 ]
 
 #: How long (seconds) the pool's check waits on Redis for a reply, and for a connection
@@ -212,6 +213,12 @@ def round_trip_allowance_us(rtt_us: int) -> int:
 def default_margin_us(period_us: int) -> int:
     """The margin a sliding window of ``period_us`` gets by default (MARGIN_SHARE)."""
     return min(round(period_us * MARGIN_SHARE), MARGIN_MAX_US)
+
+
+def widened_period_us(period_us: int, margin: float | None) -> int:
+    """The window a sliding rate of ``period_us`` is counted over with ``margin`` (seconds;
+    None: :func:`default_margin_us`), as a call binds it."""
+    return period_us + (default_margin_us(period_us) if margin is None else round(margin * 1_000_000))
 
 
 def declared_period_us(counted_us: int) -> int | None:

@@ -529,3 +529,34 @@ def test_a_store_password_is_shown_by_no_celery_command_nor_the_settings() -> No
     from celery_throttle.config import Settings
 
     assert Settings.from_app(app).redis_url == url
+
+
+def test_status_shows_each_rate_as_declared_whatever_margin_it_is_counted_with(prefix: str) -> None:
+    # Given a task declared with a margin of its own, one throttled by a rule with a
+    # margin, and one by a rule with the default margin
+    app = Celery(f"margins-{prefix}", broker="memory://", set_as_current=False)
+    app.conf.throttle_rules = {"vendor.charge": {"rate": "3/s", "margin": 0.05},
+                               "vendor.refund": {"rate": ["3/s", "100/h"], "scope": "refunds"}}
+    ctl = celery_throttle.install(app, redis_url=STORE, key_prefix=prefix)
+
+    @app.task(name="reports.export")
+    @throttle("5/s", margin=0.2)
+    def export() -> None: ...
+
+    @app.task(name="vendor.charge")
+    def charge() -> None: ...
+
+    @app.task(name="vendor.refund")
+    def refund() -> None: ...
+
+    app.finalize()
+    for name in ("reports.export", "vendor.charge", "vendor.refund"):
+        known = ctl.checker.known(app, name, app.tasks[name])
+        assert known is not None
+        call = ctl.checker.bind_spec(name, known.spec, known.signature, (), {})
+        assert ctl.checker.acquire(call).allowed
+    # Then status shows the rates as declared (the windows counted are 1.2 s, 1.05 s, 1.02 s
+    # and 3600.02 s)
+    shown = {scope: [str(r.rate) for r in ctl.status(scope).rates]
+             for scope in ("reports.export", "vendor.charge", "refunds")}
+    assert shown == {"reports.export": ["5/s"], "vendor.charge": ["3/s"], "refunds": ["3/s", "100/h"]}
