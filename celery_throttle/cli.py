@@ -63,8 +63,11 @@ def status(ctx: click.Context, scope: str | None, key: str | None, match: str, k
     limit for (found by SCAN). Times are local, with their zone.
     """
     ctl = _controller(ctx)
+    spelt: list[tuple[str, str]] = []
     if scope is None:
         found, more = ctl.statuses(match=match, limit=limit, key_match=key_match)
+        if not found and key_match is None and ":" in match:
+            found, more, spelt = _as_scope_and_key(ctl, match, limit)
     elif key is None and (found_keys := ctl.statuses(limit=limit, scope=scope, key_match=key_match))[0]:
         found, more = found_keys  # the scope's own row and every key of it
     else:
@@ -83,7 +86,38 @@ def status(ctx: click.Context, scope: str | None, key: str | None, match: str, k
     if scope is not None and _empty(found[0]):
         click.echo(f"{_target(scope, key)}: nothing counted")
         return
+    for scope_glob, key_glob in spelt:
+        click.echo(f"no scope matches {match!r}; shown: the keys it names, as --match {scope_glob!r} "
+                   f"--key-match {key_glob!r}")
     _table(found, more, parked, scope is None)
+    if not found and scope is None:
+        click.echo(_nothing_matched(match, key_match) if match != "*" or key_match is not None
+                   else "no throttled scope has anything counted, waiting, paused or limited")
+
+
+def _as_scope_and_key(ctl: Any, match: str, limit: int) -> tuple[list[Any], bool, list[tuple[str, str]]]:
+    """What ``--match 'scope:key'`` names, the shape every key is shown in (and the
+    spelling of an earlier version): each split at a ``:`` tried as a scope glob and a key
+    glob. Returns the statuses, whether more were left, and the splits that matched."""
+    found: dict[tuple[str, str | None], Any] = {}
+    more, spelt = False, []
+    for at in (i for i, c in enumerate(match) if c == ":"):
+        scope_glob, key_glob = match[:at], match[at + 1:]
+        listed, left = ctl.statuses(match=scope_glob, limit=limit, key_match=key_glob)
+        if listed:
+            spelt.append((scope_glob, key_glob))
+            more |= left
+            found.update(((s.scope, s.key), s) for s in listed)
+    return sorted(found.values(), key=lambda s: (s.scope, s.key is not None, s.key or "")), more, spelt
+
+
+def _nothing_matched(match: str, key_match: str | None) -> str:
+    line = f"nothing matched --match {match!r}" + ("" if key_match is None else f" --key-match {key_match!r}")
+    line += " (--match selects scopes, --key-match keys"
+    if key_match is None and ":" in match:
+        scope_glob, _, key_glob = match.partition(":")
+        line += f": a key of a scope is --match {scope_glob!r} --key-match {key_glob!r}"
+    return line + ")"
 
 
 def _empty(status: Any) -> bool:
@@ -114,8 +148,7 @@ def _waiting(status: Any) -> str:
 def _as_dict(status: Any) -> dict[str, Any]:
     return {
         "scope": status.scope, "key": status.key,
-        "paused_until": None if status.paused_until is None else (
-            "until resumed" if status.paused_until == float("inf") else _iso(status.paused_until)),
+        **_pause_fields(status.paused_until),
         "live_limit": [str(r) for r in status.live_limit] if status.live_limit else None,
         "waiting": status.waiting, "released": status.released,
         "running": status.running, "concurrency": status.concurrency,
@@ -139,15 +172,15 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
     counted = any(s.rates or s.live_limit for s in found)
     paused_any = any(s.paused_until is not None for s in found)
     shown = {"waiting": waiting, "slots": slots, "rate": counted, "used": counted, "left": counted,
-             f"resets ({zone})": counted, "paused until": paused_any}
+             f"resets ({zone})": counted, "paused": paused_any}
     for name, justify in (("scope", "left"), ("key", "left"), ("rate", "right"), ("used", "right"),
                           ("left", "right"), (f"resets ({zone})", "right"), ("waiting", "right"), ("slots", "right"),
-                          ("paused until", "left")):
+                          ("paused", "left")):
         if shown.get(name, True):
             table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for s in found:
         paused = "" if s.paused_until is None else (
-            "resumed" if s.paused_until == float("inf") else _clock(s.paused_until))
+            "until resumed" if s.paused_until == float("inf") else f"until {_clock(s.paused_until)}")
         live = set(s.live_limit or ())
         # A row per stored rate, marked when a live limit sets it (or, set with --replace,
         # lifts it); a scope with only a control (a pause, a live limit) gets one row for it.
@@ -165,8 +198,6 @@ def _table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: 
     console = Console(width=None if Console().is_terminal else 80, soft_wrap=False)
     if found:
         console.print(table)
-    elif listing:
-        click.echo("no throttled scope has anything counted, waiting, paused or limited")
     if more:
         click.echo("... more not shown (narrow with --match, or raise --limit)")
     if waiting:
@@ -356,13 +387,21 @@ def _whereabouts_dict(found: Any) -> dict[str, Any]:
         "until": None if found.until is None else _iso(found.until),
         "estimated_start": None if found.start is None else _iso(found.start), "worker": found.worker,
         "held_by_pause": found.held_by_pause,
-        "paused_until": None if found.paused_until is None else (
-            "until resumed" if found.paused_until == float("inf") else _iso(found.paused_until)),
+        **_pause_fields(found.paused_until),
         "fullest_rate": None if r is None else {"rate": str(r.rate), "used": r.used, "remaining": r.remaining,
                                                 "reset_at": _iso(r.reset_at)},
         "line": None if found.where != "line" else {"place": found.place, "waiting": found.waiting,
                                                     "running": found.running, "concurrency": found.concurrency},
     }
+
+
+def _pause_fields(paused_until: float | None) -> dict[str, Any]:
+    """A pause in JSON: whether there is one, its end (an ISO time, or null: none, or
+    open-ended) and whether it lasts until resumed, so that every time field is a time or null."""
+    open_ended = paused_until == float("inf")
+    return {"paused": paused_until is not None,
+            "paused_until": None if paused_until is None or open_ended else _iso(paused_until),
+            "paused_until_resumed": open_ended}
 
 
 def _from_now(timestamp: float) -> str:

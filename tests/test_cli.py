@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import celery_throttle
 from tests.helpers import ROOT, free_port
 from tests.taskapp import app
@@ -63,7 +65,9 @@ def test_status_lists_every_scope_with_its_pauses_and_live_limits_and_as_json(pr
     assert _row(out, "github-api", "acme", "10/m") == ["3", "7"]
     assert _row(out, "github-api", "globex", "10/m") == ["1", "9"]
     assert _row(out, "exports", "-", "5/m") == ["2", "3"]
-    assert next(line for line in out.splitlines() if line.startswith("vendor")).rstrip().endswith("resumed")
+    # (an open-ended pause reads as one: "paused: until resumed", never as "resumed")
+    assert next(line for line in out.splitlines() if line.startswith("vendor")).rstrip().endswith("until resumed")
+    assert out.splitlines()[0].split()[-1] == "paused"
     assert all(len(line) <= 80 for line in out.splitlines())
     only = _celery(prefix, "status", "--match", "github*")
     assert "exports" not in only and "globex" in only
@@ -71,6 +75,10 @@ def test_status_lists_every_scope_with_its_pauses_and_live_limits_and_as_json(pr
     assert [(k["scope"], k["key"]) for k in data["keys"]] == [("exports", None)]
     assert data["keys"][0]["rates"][0]["used"] == 2 and data["parked"]["dead"] == 0
     assert data["keys"][0]["rates"][0]["reset_at"][-6] in "+-"  # a zone with every time
+    # Every time field of --json is a time or null; an open-ended pause has a flag of its own
+    vendor = json.loads(_celery(prefix, "status", "--json", "--match", "vendor"))["keys"][0]
+    assert (vendor["paused"], vendor["paused_until"], vendor["paused_until_resumed"]) == (True, None, True)
+    assert (data["keys"][0]["paused"], data["keys"][0]["paused_until"]) == (False, None)
 
 
 def test_a_misspelt_scope_is_an_error_that_lists_the_known_ones(prefix: str) -> None:
@@ -114,7 +122,10 @@ def test_pause_and_resume_from_the_command_line(prefix: str) -> None:
     assert ctl.status("github-api", key="acme").paused_until is not None
     until = dt.datetime.fromtimestamp(ctl.status("github-api", key="acme").paused_until).astimezone()
     row = _celery(prefix, "status", "github-api", "--key", "acme").splitlines()[1]
-    assert row.split()[:2] == ["github-api", "acme"] and row.rstrip().endswith(until.strftime("%H:%M:%S")), row
+    assert row.split()[:2] == ["github-api", "acme"] and row.rstrip().endswith(f"until {until:%H:%M:%S}"), row
+    timed = json.loads(_celery(prefix, "status", "github-api", "--key", "acme", "--json"))["keys"][0]
+    assert dt.datetime.fromisoformat(timed["paused_until"]).timestamp() == pytest.approx(until.timestamp(), abs=0.001)
+    assert timed["paused_until_resumed"] is False
     assert ctl.status("github-api", key="other").paused_until is None  # the key only
     assert "paused scope 'github-api' until resumed" in _celery(prefix, "pause", "github-api")
     assert "resumed scope 'github-api'\n" in _celery(prefix, "resume", "github-api")
@@ -210,6 +221,16 @@ def test_match_selects_scope_and_key_apart_when_both_hold_a_colon(prefix: str) -
     assert listed("--match", "a", "--key-match", "b*") == [("a", "b:c")]
     assert listed("--key-match", "c") == [("a:b", "c")]
     assert listed("a", "--key-match", "d") == [("a", "d")]
+    # A glob in the shape keys are shown in, scope:key, that no scope matches: each split
+    # at a colon is tried as scope and key, and the output says how it was read
+    assert listed("--match", "a:d") == [("a", "d")]
+    assert listed("--match", "a:b:c") == [("a", "b:c"), ("a:b", "c")]  # (both pairs shown as a:b:c)
+    said = _celery(prefix, "status", "--match", "a:d")
+    assert said.splitlines()[0] == "no scope matches 'a:d'; shown: the keys it names, as --match 'a' --key-match 'd'"
+    # and one that matches nothing says so, and how a key is selected
+    nothing = _celery(prefix, "status", "--match", "a:x")
+    assert nothing.strip() == ("nothing matched --match 'a:x' (--match selects scopes, --key-match keys: a key of a "
+                               "scope is --match 'a' --key-match 'x')")
 
 
 def test_operator_commands_print_their_result_once(prefix: str) -> None:
