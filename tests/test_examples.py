@@ -48,3 +48,28 @@ def test_stacking_two_throttles_is_refused() -> None:
         @throttle("10/s")
         @throttle("5/s")
         def twice(x): ...
+
+
+def test_the_demo_reads_well_piped_in_80_columns(store_client: object) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, STORE_URL
+
+    # Given the demo run with its output piped (no terminal), on the tests' Redis
+    out = subprocess.run([sys.executable, "-m", "examples.demo"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=False, env=dict(os.environ, DEMO_REDIS_URL=STORE_URL, COLUMNS="200"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    # Then every line fits 80 columns, no stream's name is cut, the summary's title starts
+    # a line of its own after a blank one, and each stream's verdict is a word used nowhere
+    # else in the CLI ("held" is what a limit does to a task there)
+    assert all(len(line) <= 80 for line in lines), out.stdout
+    assert "…" not in out.stdout
+    summary = next(i for i, line in enumerate(lines) if line.startswith("Summary:"))
+    assert lines[summary - 1] == "" and lines[summary - 2].strip(), out.stdout
+    for stream in ("export:acme", "export:globex", "github-api"):
+        assert sum(1 for line in lines if line.split()[:1] == [stream]) == 2  # progress and summary
+        assert next(line for line in lines[summary:] if line.split()[:1] == [stream]).rstrip().endswith("obeyed")
+    assert "held" not in out.stdout
