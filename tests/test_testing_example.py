@@ -3,6 +3,8 @@ in-process worker): kept here so that the suite runs it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import redis
 
@@ -13,18 +15,29 @@ from tests.helpers import BROKER_URL, STORE_URL
 pytest_plugins = ("celery.contrib.pytest",)  # what pytest-celery enables for you
 
 
+#: Every key these tests write starts with it: the throttle's, and (a kombu and Celery
+#: option) the broker's and the results', so that the clean-up finds them all.
+PREFIX = "example-tests"
+
+
 @pytest.fixture(scope="session")
 def celery_config() -> dict:
     return {"broker_url": BROKER_URL, "result_backend": BROKER_URL,
-            "throttle_redis_url": STORE_URL, "throttle_key_prefix": "example-tests"}
+            "broker_transport_options": {"global_keyprefix": f"{PREFIX}:"},
+            "result_backend_transport_options": {"global_keyprefix": f"{PREFIX}:"},
+            "throttle_redis_url": STORE_URL, "throttle_key_prefix": PREFIX}
 
 
-@pytest.fixture(autouse=True)
-def _clean_keys() -> None:
+@pytest.fixture(scope="module", autouse=True)
+def _clean_keys() -> Iterator[None]:
+    # (module-wide: the session's worker and its queue outlive each test; a test's own
+    # throttle keys are gone by the module's end all the same)
     yield
-    store = redis.Redis.from_url(STORE_URL)
-    for key in store.scan_iter(match="example-tests*"):
-        store.delete(key)
+    for url in (STORE_URL, BROKER_URL):
+        client = redis.Redis.from_url(url)
+        for key in client.scan_iter(match=f"{PREFIX}*"):
+            client.delete(key)
+        client.close()
 
 
 def test_a_burst_is_held_to_its_limit(celery_app, celery_worker) -> None:
