@@ -51,8 +51,13 @@ lint:
 quick: install
 	CT_QUICK=1 $(PYTHON) -m tests.with_redis $(PYTHON) -m pytest -q -m "pure or script" -n 3
 
+# CT_LEAKCHECK=1 (CI sets it): the run fails if its passes, once all have ended, left a key in
+# any database of the tests' Redis (tests/leakcheck.py; `pytest -p tests.leakcheck_plugin`
+# says which test made it). Off by default: a Redis that others use meanwhile would fail it.
+LEAKCHECK = $(if $(filter 1,$(CT_LEAKCHECK)),$(PYTHON) -m tests.leakcheck)
+
 test: install lint
-	$(PYTHON) -m tests.with_redis $(MAKE) --no-print-directory test-passes
+	$(PYTHON) -m tests.with_redis $(LEAKCHECK) $(MAKE) --no-print-directory test-passes
 
 # The suite runs in TEST_PROCS processes (pytest-xdist): most of a test's time is a window
 # waiting to pass, not CPU, and each process has workers, prefixes and queues of its own.
