@@ -46,7 +46,8 @@ def throttle(
     :class:`~celery_throttle.errors.WaitTooLong` instead of waiting (default:
     ``throttle_max_wait``, no cap). ``margin``: seconds added to each sliding window, so
     that requests made by the tasks still arrive a window apart at an API that limits
-    them (default: ``throttle_margin``, 0). ``concurrency``: at most this many bodies of
+    them (default: ``throttle_margin``, itself by default 2% of each window, at most 20 ms:
+    :data:`.timing.MARGIN_SHARE`, :data:`.timing.MARGIN_MAX_US`; ``0``: none). ``concurrency``: at most this many bodies of
     the scope and key run at once, across every worker (a slot, held from the body's
     start to its end; with rates or without). ``cost_after``: a callable over the body's
     result returning what the call really cost; the window then counts that instead of

@@ -445,6 +445,19 @@ def tokens_estimated(label, tenant, used):
 
 
 @app.task
+@throttle("20/m", "1000 tokens/m", key="{tenant}", cost={"tokens": 400})
+def refused_once(label, tenant, used, refund):
+    """An LLM call the API answers 429 the first time it runs: the body reports the tokens
+    that attempt used (none) if ``refund``, and backs off; run again, it reports ``used``."""
+    if _records_client().set(f"{PREFIX}:refused:{label}", time.time(), nx=True):
+        if refund:
+            celery_throttle.charge(tokens=0)
+        raise celery_throttle.Backoff(retry_after="1")
+    record(label)
+    celery_throttle.charge(tokens=used)
+
+
+@app.task
 @throttle("20/2s", "8 tokens/2s", key="{tenant}", cost={"tokens": 4})
 def tokens_quick(label, tenant):
     """20 requests and 8 tokens per 2 s, 4 tokens a call: 2 a window, by the tokens."""

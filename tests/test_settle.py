@@ -93,6 +93,32 @@ def test_calls_held_by_their_tokens_come_back_for_starts_reserved_per_rate(worke
     assert not [line for line in late if any(task_id in line for task_id in ids)], late
 
 
+@pytest.mark.parametrize(("refund", "tokens"), [(True, 300), (False, 400 + 300)], ids=["refunded", "not refunded"])
+def test_a_call_refused_with_a_429_is_counted_again_when_it_runs_again(workers: WorkerGroup, refund: bool,
+                                                                        tokens: int) -> None:
+    """The README's advice for a 429: the failed attempt's estimate (400 tokens) stays
+    counted unless the body reports what it used (charge(tokens=0)), and the attempt after
+    the back-off is counted again (its estimate, then the 300 it reports)."""
+    from celery import Celery
+
+    from tests.helpers import STORE_URL, wait_for
+
+    # Given a call the API refuses once, then serves using 300 tokens
+    label, tenant = new_label(), f"r-{uuid.uuid4().hex[:6]}"
+    workers.send("refused_once", label, tenant, 300, refund)
+    workers.wait_starts(label, 1, timeout=20, settle=0.2)
+    # Then both attempts count a request, and the tokens are the second's, plus the
+    # first's estimate unless it was refunded
+    app = Celery(f"refused-{label}", broker="memory://", set_as_current=False)
+    ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=workers.prefix)
+
+    def used() -> dict[str, int]:
+        return {str(r.rate): r.used for r in ctl.status("tests.taskapp.refused_once", key=tenant).rates}
+
+    wait_for(lambda: used().get("1000 tokens/m") == tokens, 5, what=f"{tokens} tokens counted, got {used()}")
+    assert used() == {"20/m": 2, "1000 tokens/m": tokens}
+
+
 def test_charge_outside_a_throttled_body_and_bad_units_fail_clearly() -> None:
     with pytest.raises(ThrottleError, match="in the body of a task with a @throttle"):
         celery_throttle.charge(3)
