@@ -22,6 +22,7 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_throttle.keys import glob_escape
 from examples.local_redis import drop_bindings, server_binary
 from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
 from tests.slow_proxy import spawn
@@ -50,6 +51,22 @@ def redis_or_skip(url: str) -> redis.Redis:
             raise
         pytest.skip(f"no Redis at {url}: {exc}")
     return client
+
+
+def results_under(prefix: str) -> dict[str, Any]:
+    """An in-process test app's result settings: its results in the broker's database under
+    ``prefix`` (Celery's ``global_keyprefix``), so that :func:`delete_results_under` finds
+    every one (the workers' ping check's too), whoever sent the task."""
+    return {"result_backend_transport_options": {"global_keyprefix": f"{prefix}:"}}
+
+
+def delete_results_under(prefix: str, url: str = BROKER_URL) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        for key in client.scan_iter(match=f"{glob_escape(prefix)}:celery-task*-meta-*", count=1000):
+            client.delete(key)
+    finally:
+        client.close()
 
 
 def close_app(app: Any) -> None:
@@ -229,6 +246,7 @@ class WorkerGroup:
         self.client = Celery("client", broker=broker, backend=BROKER_URL,
                              set_as_current=False)
         self.client.conf.broker_connection_retry_on_startup = True
+        self.client.conf.update(results_under(f"{prefix}:results"))  # (as tests.taskapp's)
         self.records = redis.Redis.from_url(records)
         self.sent: list[str] = []  # ids sent with send(): stop() deletes their results
 
@@ -315,6 +333,7 @@ class WorkerGroup:
         for n in range(0, len(keys), 1000):
             backend.delete(*keys[n:n + 1000])
         backend.close()
+        delete_results_under(f"{self.prefix}:results", self.env.get("CT_BACKEND", BROKER_URL))
 
     def log_text(self) -> str:
         return "\n".join(p.read_text(errors="replace") for p in self.logs if p.exists())

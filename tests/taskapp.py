@@ -28,6 +28,10 @@ RECORDS = os.environ.get("CT_RECORDS", f"{REDIS}/12")
 
 app = Celery("taskapp", broker=os.environ.get("CT_BROKER", f"{REDIS}/13"),
              backend=os.environ.get("CT_BACKEND", f"{REDIS}/13"))
+if "CT_PREFIX" in os.environ:
+    # (a test's results under its prefix, so that its clean-up finds each one: a chord's
+    # counters, the tasks a producer sent, whoever wrote them)
+    app.conf.result_backend_transport_options = {"global_keyprefix": f"{PREFIX}:results:"}
 app.conf.update(
     result_expires=600,
     task_default_queue=QUEUE,

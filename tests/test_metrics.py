@@ -13,7 +13,7 @@ from celery.contrib.testing.worker import start_worker
 
 import celery_throttle
 from celery_throttle import throttle
-from tests.helpers import BROKER_URL, STORE_URL, delete_queues, wait_for
+from tests.helpers import BROKER_URL, STORE_URL, delete_queues, delete_results_under, results_under, wait_for
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
@@ -24,9 +24,11 @@ def app(prefix: str) -> Iterator[Celery]:
     app.conf.update(task_default_queue=prefix, result_expires=60, broker_connection_retry_on_startup=True,
                     worker_hijack_root_logger=False)
     celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
+    app.conf.update(results_under(prefix))
     yield app
     app.close()
     delete_queues(BROKER_URL, [prefix])
+    delete_results_under(prefix)
 
 
 def _sample(name: str, **labels: str) -> float:

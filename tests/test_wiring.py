@@ -20,7 +20,15 @@ from celery.contrib.testing.worker import start_worker
 import celery_throttle
 from celery_throttle import throttle
 from celery_throttle.protocol import NO_ENTRY
-from tests.helpers import BROKER_URL, STORE_URL, delete_queues, max_started_in, wait_for
+from tests.helpers import (
+    BROKER_URL,
+    STORE_URL,
+    delete_queues,
+    delete_results_under,
+    max_started_in,
+    results_under,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -31,9 +39,11 @@ def app(prefix: str) -> Iterator[Celery]:
     app.conf.update(task_default_queue=prefix, throttle_redis_url=STORE_URL, throttle_key_prefix=prefix,
                     throttle_release_interval=0.2, result_expires=60,
                     broker_connection_retry_on_startup=True, worker_hijack_root_logger=False)
+    app.conf.update(results_under(prefix))
     yield app
     app.close()
     delete_queues(BROKER_URL, [prefix])
+    delete_results_under(prefix)
 
 
 class Starts:
