@@ -7,6 +7,7 @@ screen (:class:`TurnedAway`). Publish builds its entries itself (it has no reque
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -27,7 +28,8 @@ from .timing import WORKER_BATCH
 if TYPE_CHECKING:
     from .limiter import Throttle
 
-__all__ = ["KEPT_PROPERTIES", "TurnedAway", "expires_us", "holder_id", "kept_properties", "new_entry_id"]
+__all__ = ["KEPT_PROPERTIES", "TurnedAway", "expires_us", "holder_id", "kept_properties", "names_task",
+           "new_entry_id", "own_header"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -50,6 +52,23 @@ def new_entry_id(task_id: str) -> str:
     that ``throttle why`` finds it, and 96 random bits, so that nobody who has not been
     handed it can name it: it is the task's ticket once released."""
     return f"{encode(task_id)}:{secrets.token_hex(12)}"
+
+
+def names_task(entry: str, task_id: str) -> bool:
+    """Whether ``entry`` (a ticket, or a pending entry, as a header carries it) is one made
+    for ``task_id`` (:func:`new_entry_id`): a header copied onto another task names none of
+    its entries, and that task is a new one, not a copy of the task it was copied from."""
+    return entry.startswith(f"{encode(task_id)}:")
+
+
+def own_header(header: Header, task_id: str) -> Header:
+    """``header`` with its ticket and pending entry only where they name entries of
+    ``task_id``: what a message of that task may use of it."""
+    ticket = header.ticket if names_task(header.ticket, task_id) else ""
+    pending = header.pending if names_task(header.pending, task_id) else ""
+    if (ticket, pending) == (header.ticket, header.pending):
+        return header
+    return dataclasses.replace(header, ticket=ticket, pending=pending)
 
 
 def holder_id(task_id: str, nonce: str | None = None) -> str:

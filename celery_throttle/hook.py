@@ -27,7 +27,7 @@ from celery.exceptions import Ignore
 from . import settle, signals
 from .backoff import Backoff
 from .controller import controller
-from .deferral import TurnedAway, holder_id, new_entry_id
+from .deferral import TurnedAway, holder_id, new_entry_id, own_header
 from .errors import StoreError, WaitTooLong
 from .internals import build_task_tracer, deferred_trace_result, has_own, trace_context
 from .protocol import HEADER, Code, Header
@@ -370,8 +370,10 @@ def _seconds(value: float) -> str:
 
 
 def _header(request: Any) -> Header:
+    """The task's header, its ticket and pending entry kept only if they are its own (a
+    header copied onto another task id makes that task a new one, never a copy)."""
     headers = request.headers if isinstance(request.headers, dict) else {}
-    return Header.read(headers.get(HEADER) or getattr(request, HEADER, None))
+    return own_header(Header.read(headers.get(HEADER) or getattr(request, HEADER, None)), str(request.id))
 
 
 def _forget_header(request: Any) -> None:

@@ -24,7 +24,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .breaker import Breaker
 from .controller import controller
-from .deferral import TurnedAway
+from .deferral import TurnedAway, own_header
 from .errors import StoreError, ThrottleError
 from .internals import request_context_factory
 from .protocol import HEADER, Code, Header
@@ -92,7 +92,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             call = ctl.checker.bind(task, args, kwargs, quick=True)
             max_wait = ctl.checker.max_wait(spec)
             turned = TurnedAway(ctl, task, request_context(message), args, kwargs, call,
-                                Header.read(headers.get(HEADER)),
+                                own_header(Header.read(headers.get(HEADER)), str(headers.get("id"))),
                                 max_wait_us=int(max_wait * 1_000_000) if max_wait else 0)
             reply = None
             for with_message in (ctl.lines.looks_full(call), True):
