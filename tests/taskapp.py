@@ -378,6 +378,13 @@ def exporting(label, tenant, seconds=0.3):
 
 
 @app.task
+@throttle(concurrency=1, scope="single-slot", key="{tenant}")
+def single_slot(label, tenant, seconds=0.3):
+    """One body at a time per tenant (a repeated task id too)."""
+    span(label, seconds, tenant=tenant)
+
+
+@app.task
 @throttle("8/s", concurrency=2, key="{tenant}")
 def rated_slots(label, tenant, seconds=0.4):
     span(label, seconds, tenant=tenant)

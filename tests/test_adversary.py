@@ -194,3 +194,19 @@ def test_a_tenant_id_of_control_characters_and_a_lone_surrogate_waits_runs_and_s
     starts = workers.wait_starts(label, 7, timeout=40)
     assert_each_ran_once(starts, ids)
     assert max_started_in([e["t"] for e in starts], 4.0) <= 3
+
+
+def test_a_task_that_expires_while_it_waits_in_its_line_never_runs_and_holds_nothing(
+        workers: WorkerGroup) -> None:
+    # Given a keyed 3/4s quota spent by 3 tasks
+    label, tenant = new_label(), f"expiring-{new_label()}"
+    first = [workers.send("slow_quota", label, tenant) for _ in range(3)]
+    workers.wait_starts(label, 3, timeout=20, settle=0)
+    # When a task that expires in 2 s joins its line, and one that does not after it
+    expiring = workers.send("slow_quota", label, tenant, expires=2)
+    after = workers.send("slow_quota", label, tenant)
+    # Then the one that expired while it waited never runs (its expiry is a moment, not
+    # counted again from its release), and the one behind it starts in the next window
+    starts = workers.wait_starts(label, 4, timeout=20)
+    assert_each_ran_once(starts, [*first, after])
+    assert expiring not in {e["id"] for e in starts}

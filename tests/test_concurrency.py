@@ -368,3 +368,33 @@ def test_a_live_k_cleared_on_a_throttle_without_one_sends_every_task_waiting_onc
     assert sorted(e["id"] for e in began(group, label)) == sorted(ids)
     assert group.records.zcard(queue) == 0 and group.records.zcard(slots) == 0, (
         group.records.zrange(slots, 0, -1, withscores=True), ids, time.time(), group.log_text()[-3000:])
+
+
+def test_one_task_id_sent_four_times_runs_four_times_one_at_a_time(slot_workers: WorkerGroup) -> None:
+    """A producer (broker access only) sends one task id four times to a key of K=1: each
+    delivery runs, never two at once, none replacing another while it waits."""
+    group, label = slot_workers, new_label()
+    task_id = f"repeated-{new_label()}"
+    for _ in range(4):
+        group.send("single_slot", label, "a", 0.3, task_id=task_id)
+    done = wait_spans(group, label, 4, timeout=30)
+    assert [e["id"] for e in done] == [task_id] * 4
+    assert most_at_once(done) == 1
+
+
+def test_a_task_that_expires_while_it_waits_for_a_slot_leaves_and_those_behind_it_run(
+        slot_workers: WorkerGroup) -> None:
+    """K=1: a body holds the slot 2 s; behind it one task that expires in 1 s and two that
+    do not. The one that expired never runs and does not hold the line: the two start as
+    the slot comes free."""
+    group, label = slot_workers, new_label()
+    holder = group.send("single_slot", label, "c", 2.0)
+    wait_for(lambda: any(json.loads(x)["label"] == label for x in group.records.lrange(f"{group.prefix}:began", 0, -1)),
+             10, what="the first body")
+    expiring = group.send("single_slot", label, "c", 0.1, expires=1)
+    behind = [group.send("single_slot", label, "c", 0.1) for _ in range(2)]
+    done = wait_spans(group, label, 3, timeout=20)
+    assert sorted(e["id"] for e in done) == sorted([holder, *behind]), [e["id"] for e in done]
+    assert expiring not in {e["id"] for e in done}
+    first = next(e for e in done if e["id"] == holder)
+    assert max(e["t0"] for e in done if e["id"] in behind) - first["t1"] < 3.0

@@ -429,3 +429,14 @@ def test_a_task_is_released_from_a_far_store_earlier_by_its_round_trip() -> None
     # A store 95 ms away: its round trip too (rounded up to 10 ms, a few values only)
     assert round_trip_allowance_us(95_000) == 100_000
     assert release_lead_us(rates, round_trip_allowance_us(95_000)) == 140_000
+
+
+def test_tenant_ids_of_a_mebibyte_are_not_kept_by_the_key_encoders_cache() -> None:
+    # (an attacker's 100 ids of 1 MiB held 102 MiB in every process that bound them)
+    from celery_throttle import keys
+
+    state_key("throttle", "scope", "short")  # (the scope's own encoding is kept: it is short)
+    before = keys._encode_cached.cache_info().currsize
+    names = {state_key("throttle", "scope", f"{n:03d}" + "x" * (1 << 20)) for n in range(100)}
+    assert len(names) == 100 and max(map(len, names)) < 300  # (each its own, bounded key)
+    assert keys._encode_cached.cache_info().currsize == before

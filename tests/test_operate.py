@@ -245,3 +245,19 @@ def test_why_says_where_a_task_waits_until_when_and_what_holds_it(workers: Worke
     found = json.loads(done.stdout)
     assert found["where"] == "line" and found["line"]["place"] >= 1 and found["estimated_start"], found
     assert "not waiting in the throttle" in why(f"no-such-{label}")
+
+
+def test_a_direct_acquire_and_a_decorated_task_of_one_scope_key_and_rate_share_one_count(
+        workers: WorkerGroup, ctl: celery_throttle.Throttle) -> None:
+    # Given 2 direct calls of a task's own scope, key and rate (3/4s), allowed
+    label, tenant = new_label(), f"shared-{new_label()}"
+    scope = "tests.taskapp.slow_quota"
+    assert [ctl.acquire(scope, key=tenant, rates=["3/4s"]).allowed for _ in range(2)] == [True, True]
+    called_at = time.time()
+    # When 3 of the decorated tasks are sent at once
+    ids = [workers.send("slow_quota", label, tenant) for _ in range(3)]
+    # Then one starts in the window the direct calls used, the other two in the next
+    starts = workers.wait_starts(label, 3, timeout=20)
+    assert_each_ran_once(starts, ids)
+    offsets = sorted(e["t"] - called_at for e in starts)
+    assert offsets[1] >= 4.0 - BODY_NOISE, offsets
