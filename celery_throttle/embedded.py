@@ -21,7 +21,7 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["main", "server_binary"]
+__all__ = ["answers", "main", "server_binary"]
 
 #: Celery's default broker, and so the throttle's default store.
 DEFAULT_PORT = 6379
@@ -43,14 +43,19 @@ def server_binary() -> str | None:
     return path if path and os.access(path, os.X_OK) else shutil.which("redis-server")
 
 
-def _answers(port: int) -> bool:
-    client = redis.Redis(port=port, socket_connect_timeout=0.2, socket_timeout=0.5)
+def answers(url: str, timeout: float = 1.0) -> bool:
+    """Whether a Redis answers PING at ``url`` within ``timeout`` seconds."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     try:
         return bool(client.ping())
     except redis.RedisError:
         return False
     finally:
         client.close()
+
+
+def _answers(port: int) -> bool:
+    return answers(f"redis://127.0.0.1:{port}", 0.5)
 
 
 def main(argv: list[str] | None = None) -> int:

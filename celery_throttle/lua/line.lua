@@ -90,14 +90,18 @@ local M = {TASK = 1, UNITS = 2, ENQUEUED = 3, EXPIRES = 4, MAX_WAIT = 5, PLACE =
 -- concurrency limit, each rate's limit and period. Kept with each entry released; a claim
 -- made under other ones that would send it back says STALE instead (its process had not
 -- read a resume or a raised limit yet: it reads the controls and claims again).
-local controls_seen
-do
-  local parts = {string.format('%.0f', not_before), string.format('%.0f', concurrency)}
-  for _, r in ipairs(rates) do
-    parts[#parts + 1] = string.format('%.0f', r.limit)
-    parts[#parts + 1] = string.format('%.0f', r.period)
+-- (Made when first needed: most calls release nothing and claim nothing.)
+local seen_controls = nil
+local function controls_seen()
+  if seen_controls == nil then
+    local parts = {string.format('%.0f', not_before), string.format('%.0f', concurrency)}
+    for _, r in ipairs(rates) do
+      parts[#parts + 1] = string.format('%.0f', r.limit)
+      parts[#parts + 1] = string.format('%.0f', r.period)
+    end
+    seen_controls = table.concat(parts, ',')
   end
-  controls_seen = table.concat(parts, ',')
+  return seen_controls
 end
 
 -- A map of units by unit from its flat array {unit, n, ...} (anything else counts nothing).
@@ -248,7 +252,7 @@ end
 
 -- Out: released, not started. Its slot, with a concurrency limit, is handed to it.
 local function go_out(id, m, phase, until_)
-  m[M.PHASE], m[M.RELEASED], m[M.CONTROLS] = phase, now, controls_seen
+  m[M.PHASE], m[M.RELEASED], m[M.CONTROLS] = phase, now, controls_seen()
   set_meta(id, m)
   redis.call('ZADD', out_key, until_, id)
   out_count = out_count + 1
@@ -591,7 +595,7 @@ local function claim()
     release_heads(a.batch)
     return finish(too_costly(units) and TOO_COSTLY or WAITED, 0, {waited = waited})
   end
-  if phase ~= 'g' and ARGV[P + 10] == '1' and m[M.CONTROLS] ~= nil and m[M.CONTROLS] ~= controls_seen then
+  if phase ~= 'g' and ARGV[P + 10] == '1' and m[M.CONTROLS] ~= nil and m[M.CONTROLS] ~= controls_seen() then
     -- Released under other controls than the caller's: if it would go back for them, the
     -- caller reads the controls and claims again (nothing written but what was due).
     local own_slot = redis.call('ZSCORE', slots_key, ticket) or redis.call('ZSCORE', slots_key, holder)
