@@ -390,6 +390,15 @@ def rated_slots(label, tenant, seconds=0.4):
     span(label, seconds, tenant=tenant)
 
 
+@app.task
+@throttle("20/10s", "4000 tokens/10s", concurrency=4, key="{tenant}", cost={"tokens": 300})
+def slotted_tokens(label, tenant, tokens, seconds=1.0):
+    """An LLM-style call: 4 at once per tenant beside requests and tokens, each estimated
+    at 300 tokens and settled with the ``tokens`` the call really used."""
+    span(label, seconds, tenant=tenant)
+    celery_throttle.charge(tokens=tokens)
+
+
 @app.task(bind=True, max_retries=1, default_retry_delay=0.1, soft_time_limit=0.5)
 @throttle(concurrency=1, scope="endings")
 def ending(self, label, how):
