@@ -1,5 +1,5 @@
-"""``python -m bench.after_deferral [--only rows|depth] [--runs N]``: capacity that appears
-after tasks were deferred, and what a deep line costs.
+"""``python -m bench.after_deferral [--only rows|depth|controls] [--runs N]``: capacity that
+appears after tasks were deferred, and what a deep line and a large control hash cost.
 
 rows: each row of the scheduler issue's table, on real workers fed by a producer process
 that imports the task module and sends (the test harness of tests/test_after_deferral.py,
@@ -19,6 +19,12 @@ depth: a key of ``20/s`` with D tasks in its line (D = 100 … 100 000), on a st
 own; its line released and each task claimed as it comes, on a test clock: the script
 time per task released and claimed (µs, from Redis' own commandstats), and the memory
 per waiting task. A deep line should cost the same per task as a short one.
+
+controls: a control hash of P pauses in force (P = 100 … 50 000, a Backoff per tenant), on
+a store of its own: the time of one process's refresh when it reads the hash whole (as
+each did every 0.5 s before the stamp) and by the stamp, and the script time of one pause
+(Redis' commandstats) with pause.lua before the stamp (it read the whole hash to prune)
+and now.
 """
 
 from __future__ import annotations
@@ -109,12 +115,64 @@ def _depth(depths: tuple[int, ...]) -> list[tuple[int, float, float]]:
     return [(d, r["us_per_task"], r["bytes_per_waiting"]) for d, r in runs]
 
 
+#: Pauses in the control hash the controls rows are measured at (a Backoff per tenant).
+PAUSES = (100, 5_000, 50_000)
+#: pause.lua before the stamp (git show 903274a:celery_throttle/lua/pause.lua): it pruned by
+#: reading the whole hash, and every process read the hash whole every refresh.
+BEFORE = "903274a"
+
+
+def _controls(sizes: tuple[int, ...], reads: int = 20) -> list[tuple[int, float, float, float, float]]:
+    """(pauses, ms per refresh read whole, ms per refresh by the stamp, script µs per pause
+    before, now): on a redis-server of its own, the hash filled with per-key pauses in
+    force, each figure the mean of ``reads`` calls, side by side."""
+    import subprocess
+
+    from bench.backlog import dedicated_redis
+    from celery_throttle.controls import FOREVER_US, Controls, pause_field
+    from celery_throttle.store import RedisStore
+
+    old_lua = subprocess.run(["git", "show", f"{BEFORE}:celery_throttle/lua/pause.lua"], capture_output=True,
+                             text=True, check=True).stdout
+    out = []
+    with dedicated_redis("controls") as red:
+        store = RedisStore(red.url, "bench")
+        old = red.client.register_script(old_lua)
+        for size in sizes:
+            red.client.delete("bench:control")
+            for start in range(0, size, 1000):
+                red.client.hset("bench:control", mapping={
+                    pause_field("api", f"tenant-{i}"): str(FOREVER_US) for i in range(start, min(size, start + 1000))})
+            store.pause(pause_field("api", "stamped"), 600)
+            whole = stamped = 0.0
+            controls = Controls()
+            controls.refresh(store)
+            for _ in range(reads):
+                t = time.perf_counter()
+                store.controls()
+                whole += time.perf_counter() - t
+                t = time.perf_counter()
+                controls.refresh(store)
+                stamped += time.perf_counter() - t
+            red.client.config_resetstat()
+            for i in range(reads):
+                old(keys=["bench:control"], args=["", pause_field("api", f"old-{i}"), 60_000_000, FOREVER_US])
+            before_us = red.client.info("commandstats")["cmdstat_evalsha"]["usec"] / reads
+            red.client.config_resetstat()
+            for i in range(reads):
+                store.pause(pause_field("api", f"new-{i}"), 60)
+            now_us = red.client.info("commandstats")["cmdstat_evalsha"]["usec"] / reads
+            out.append((size, whole / reads * 1e3, stamped / reads * 1e3, before_us, now_us))
+        store.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.after_deferral", description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=("rows", "depth"), action="append", default=[])
+    p.add_argument("--only", choices=("rows", "depth", "controls"), action="append", default=[])
     p.add_argument("--runs", type=int, default=3, help="runs of each row (default 3)")
     args = p.parse_args(argv)
-    only = set(args.only) or {"rows", "depth"}
+    only = set(args.only) or {"rows", "depth", "controls"}
     os.environ.setdefault("CT_QUICK", "0")
     if "rows" in only:
         print(f"| capacity after the deferral ({args.runs} runs) | runs | ideal | worst / ideal | before |")
@@ -128,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|")
         for depth, us, per_task in _depth(DEPTHS):
             print(f"| {depth:,} | {us:.0f} | {per_task:.0f} |")
+    if "controls" in only:
+        print("\n| pauses in force | refresh, hash read whole (ms) | refresh by the stamp (ms) "
+              f"| a pause's script, before {BEFORE} (µs) | now (µs) |")
+        print("|---|---|---|---|---|")
+        for size, whole, stamped, before, now in _controls(PAUSES):
+            print(f"| {size:,} | {whole:.2f} | {stamped:.3f} | {before:.0f} | {now:.0f} |")
     return 0
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from redis.exceptions import NoScriptError, RedisError
 
 from .connection import connect, safe_url
-from .controls import FOREVER_US
+from .controls import CONTROL_STAMP, FOREVER_US
 from .doctor import StoreReport, examine
 from .errors import StoreError
 from .keys import control_key, line_index_keys, window_keys
@@ -300,9 +300,16 @@ class RedisStore:
     def pause(self, field: str, seconds: float | None) -> int:
         """Pause what ``field`` names for ``seconds`` (None: until resumed) from the Redis
         clock's now; returns the end (µs). A longer pause already set stays (pause.lua:
-        the compare, the write and the prune of pauses that are over, at once)."""
+        the compare and the write at once)."""
         length = "" if seconds is None else int(seconds * 1_000_000)
         return int(self.run("pause", [control_key(self.prefix)], [self.now_arg(), field, length, FOREVER_US]))
+
+    def prune_pauses(self, fields: Sequence[str]) -> int:
+        """Delete the pauses ``fields`` that are over (a reader saw them so; each is
+        looked at again in the script, as a pause may have been set since). How many."""
+        if not fields:
+            return 0
+        return int(self.run("pause", [control_key(self.prefix)], [self.now_arg(), "", "", FOREVER_US, *fields]))
 
     def report(self) -> StoreReport:
         """What this store risks (eviction, persistence) and its run id: see doctor.py."""
@@ -319,27 +326,44 @@ class RedisStore:
 
     def clear_control(self, field: str) -> bool:
         """Remove a pause or a live limit; True if it was set."""
-        with self.errors():
-            return bool(self.client.hdel(control_key(self.prefix), field))
+        return bool(self._write_controls({}, (field,))[-2])
 
     def controls(self) -> dict[str, str]:
         """Every control set (pauses, live limits): field to value."""
+        return self.stamped_controls()[1]
+
+    def stamped_controls(self) -> tuple[str | None, dict[str, str]]:
+        """The controls' stamp (see :meth:`control_stamp`) and every control set."""
         with self.errors():
-            raw = self.client.hgetall(control_key(self.prefix))
-        return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+            raw = {k.decode(): v.decode(errors="replace")
+                   for k, v in self.client.hgetall(control_key(self.prefix)).items()}
+        return raw.pop(CONTROL_STAMP, None), raw
+
+    def control_stamp(self) -> str | None:
+        """The controls' stamp (every write adds one to it: see :meth:`_write_controls`),
+        or None if no write ever stamped them."""
+        with self.errors():
+            raw = self.client.hget(control_key(self.prefix), CONTROL_STAMP)
+        return None if raw is None else raw.decode(errors="replace")
 
     def set_control(self, field: str, value: str) -> None:
-        with self.errors():
-            self.client.hset(control_key(self.prefix), field, value)
+        self._write_controls({field: value})
 
     def set_controls(self, values: Mapping[str, str], clear: Sequence[str] = ()) -> None:
         """Set the controls ``values`` and remove those named in ``clear``, in one round trip."""
+        self._write_controls(values, clear)
+
+    def _write_controls(self, values: Mapping[str, str], clear: Sequence[str] = ()) -> list[Any]:
+        """Set and remove controls, and add one to the stamp, at once (MULTI): a process
+        that reads the same stamp after this has read what it wrote."""
         with self.errors():
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hset(control_key(self.prefix), mapping=dict(values))
+            pipe = self.client.pipeline(transaction=True)
+            if values:
+                pipe.hset(control_key(self.prefix), mapping=dict(values))
             if clear:
                 pipe.hdel(control_key(self.prefix), *clear)
-            pipe.execute()
+            pipe.hincrby(control_key(self.prefix), CONTROL_STAMP, 1)
+            return list(pipe.execute())
 
     def scan(self, pattern: str) -> Iterator[str]:
         """Key names matching ``pattern``, by SCAN (never KEYS: a busy Redis is not blocked)."""

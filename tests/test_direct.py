@@ -498,11 +498,14 @@ def test_concurrent_pauses_keep_the_longest_and_forget_those_over(ctl: celery_th
         t.start()
     for t in threads:
         t.join()
-    # Then the longest stays, the pause that was over is forgotten, and the limit stays
+    # Then the longest stays, and the limit stays; the first process to read the controls
+    # forgets the pause that was over
     controls = store.controls()
     assert int(controls[pause_field("vendor", None)]) - store.now_us() > (max(lengths) - 5) * 1_000_000
-    assert over not in controls
     assert controls["limit:api"] == "4/s"
+    ctl.checker.refresh_controls()
+    controls = store.controls()
+    assert over not in controls and controls["limit:api"] == "4/s"
     # and a shorter pause set after it does not shorten it; one with no end is forever
     assert store.pause(pause_field("vendor", None), 1.0) == int(controls[pause_field("vendor", None)])
     assert store.pause(pause_field("vendor", None), None) == celery_throttle.controls.FOREVER_US
@@ -561,3 +564,32 @@ def test_status_shows_each_rate_as_declared_whatever_margin_it_is_counted_with(p
     shown = {scope: [str(r.rate) for r in ctl.status(scope).rates]
              for scope in ("reports.export", "vendor.charge", "refunds")}
     assert shown == {"reports.export": ["5/s"], "vendor.charge": ["3/s"], "refunds": ["3/s", "100/h"]}
+
+
+def test_a_process_reads_the_control_hash_whole_only_when_its_stamp_moved(
+        ctl: celery_throttle.Throttle, store_client: redis.Redis, prefix: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery_throttle import controls
+
+    # Given a stamped control hash (a pause set through the API) this process has read
+    ctl.pause("vendor", seconds=60)
+    ctl.checker.refresh_controls()
+    # When a live limit is written by hand, without moving the stamp
+    store_client.hset(f"{prefix}:control", "limit:vendor", "3/s")
+    # Then a read of the stamp alone does not see it
+    ctl.checker.refresh_controls()
+    assert ctl.checker.controls.rates_for(ctl.store, "vendor", None, ()) == ()
+    # but a read past FULL_READ_EVERY does, and any stamped write at once
+    monkeypatch.setattr(controls, "FULL_READ_EVERY", 0.0)
+    ctl.checker.refresh_controls()
+    assert [str(r) for r in ctl.checker.controls.rates_for(ctl.store, "vendor", None, ())] == ["3/s"]
+    monkeypatch.setattr(controls, "FULL_READ_EVERY", 60.0)
+    store_client.hset(f"{prefix}:control", "limit:vendor", "5/s")
+    store_client.hincrby(f"{prefix}:control", controls.CONTROL_STAMP, 1)  # (another process's write)
+    ctl.checker.refresh_controls()
+    assert [str(r) for r in ctl.checker.controls.rates_for(ctl.store, "vendor", None, ())] == ["5/s"]
+    # And a hash no write ever stamped (an earlier version's) is read whole every time
+    store_client.hdel(f"{prefix}:control", controls.CONTROL_STAMP)
+    store_client.hset(f"{prefix}:control", "limit:vendor", "7/s")
+    ctl.checker.refresh_controls()
+    assert [str(r) for r in ctl.checker.controls.rates_for(ctl.store, "vendor", None, ())] == ["7/s"]
