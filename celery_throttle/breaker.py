@@ -7,8 +7,9 @@ short timeout they use), they stop calling Redis for a while and let the pool de
 
 from __future__ import annotations
 
-import threading
 import time
+
+from .locks import ForkSafeLock
 
 __all__ = ["Breaker"]
 
@@ -19,7 +20,7 @@ class Breaker:
     def __init__(self, pause: float) -> None:
         self.pause = pause
         self._until = 0.0
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     @property
     def open(self) -> bool:

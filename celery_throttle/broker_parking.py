@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import TYPE_CHECKING
 
 from kombu.entity import Queue
@@ -23,6 +22,7 @@ try:  # kombu 5.5+ (Celery 5.5's native delayed delivery)
 except ImportError:  # pragma: no cover - an older kombu: nothing was parked there
     MAX_LEVEL = -1
 
+from .locks import ForkSafeLock
 from .protocol import without_dead_letter_headers
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class BrokerParking:
     def __init__(self, ctl: Throttle) -> None:
         self.ctl = ctl
         self.pid = os.getpid()
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     @property
     def held_queue(self) -> str:

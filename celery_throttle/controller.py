@@ -4,15 +4,15 @@ steps, task hooks) is :func:`celery_throttle.install`'s job (worker.py)."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from .limiter import Throttle
+from .locks import ForkSafeLock
 
 __all__ = ["controller"]
 
 _ATTRIBUTE = "_celery_throttle"
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 
 
 def controller(app: Any) -> Throttle:

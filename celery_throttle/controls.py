@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 from .errors import ConfigurationError, StoreError
 from .keys import decode, encode
+from .locks import ForkSafeLock
 from .rates import Rate, parse_rates
 from .timing import CONTROL_REFRESH, RTT_COUNTS_FROM_US, STORE_TIMEOUT
 
@@ -166,7 +167,7 @@ class Controls:
         #: and when it was last read whole (monotonic).
         self._stamp: str | None = None
         self._whole_at = float("-inf")
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         #: (pid, since when) of the thread reading the controls, if one is.
         self._reader: tuple[int, float] | None = None
 

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
 from typing import Any
 
+from .locks import ForkSafeLock
 from .protocol import Cost
 from .timing import PUBLISH_HINTS_KEPT
 
@@ -34,7 +34,7 @@ class Hints:
     SEND, RESERVE, ASK = "send", "reserve", "ask"
 
     def __init__(self, kept: int = PUBLISH_HINTS_KEPT) -> None:
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._kept = kept
         #: state key -> [deadline (monotonic seconds), units left: of every rate, or per rate]
         self._hints: OrderedDict[str, list[Any]] = OrderedDict()

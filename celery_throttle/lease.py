@@ -21,11 +21,11 @@ integer operations only, never across I/O (with gevent or eventlet it is a green
 from __future__ import annotations
 
 import os
-import threading
 import time
-import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
+
+from .locks import ForkSafeLock
 
 __all__ = ["Leases"]
 
@@ -55,18 +55,13 @@ class Leases:
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._keys: dict[Hashable, _Key] = {}
-        self._lock = threading.Lock()
-        _everyone.add(self)
+        self._lock = ForkSafeLock()  # (free in a forked child: see locks.py)
 
     def _table(self) -> dict[Hashable, _Key]:
         """The table, to use under ``self._lock``."""
         if self._pid != os.getpid():  # inherited through a fork: not this process's
             self._pid, self._keys = os.getpid(), {}
         return self._keys
-
-    def _after_fork(self) -> None:
-        # A fork may have copied the lock while another thread of the parent held it.
-        self._lock = threading.Lock()
 
     def take(self, ident: Hashable, cost: int, slack_us: int) -> bool:
         """Use ``cost`` leased units of ``ident`` for a call starting within ``slack_us``."""
@@ -106,19 +101,6 @@ class Leases:
             key = self._table().get(ident)
             if key is not None:
                 key.units, key.ends_us = units, sent_us + span_us
-
-
-#: Every table of this process, for the child of a fork to give each a fresh lock.
-_everyone: weakref.WeakSet[Leases] = weakref.WeakSet()
-
-
-def _reset_locks_in_child() -> None:
-    for leases in list(_everyone):
-        leases._after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_locks_in_child)
 
 
 def sent_at() -> int:

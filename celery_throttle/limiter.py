@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from .errors import ConfigurationError
 from .hints import Hints
 from .keys import scan_pattern, state_key, target_matches, target_of
 from .lines import Lines
+from .locks import ForkSafeLock
 from .metrics import Metrics
 from .parking_store import ParkingStore
 from .protocol import WindowCall, WindowReply, rate_of_field
@@ -126,7 +126,7 @@ class Throttle:
         self._parking: ParkingStore | None = None
         self._slots: Slots | None = None
         self._lines: Lines | None = None
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         #: The checks of this app's calls (the hook, the screen and publish use it).
         self.checker = Checker(self)
         self._metrics: Metrics | None = None

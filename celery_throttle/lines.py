@@ -16,7 +16,6 @@ task at the head of the line (or one it saw of that key) as its own worker would
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import msgpack
 
 from .errors import StoreError, ThrottleError
 from .keys import encode, glob_escape, line_index_key, state_key, target_of, window_keys
+from .locks import ForkSafeLock
 from .messages import decode_message, resend, task_of
 from .protocol import Code, WindowReply
 from .spec import BoundCall
@@ -77,7 +77,7 @@ class Lines:
 
     def __init__(self, ctl: Throttle) -> None:
         self.ctl = ctl
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         #: state key -> (task name, args, kwargs) of a task of its line.
         self._calls: OrderedDict[str, tuple[str, Any, Any]] = OrderedDict()
         #: state key -> when a call of it last had to wait (monotonic seconds).

@@ -21,6 +21,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from .locks import ForkSafeLock
+
 __all__ = ["SUMMARY_INTERVAL", "Metrics"]
 
 logger = logging.getLogger("celery_throttle")
@@ -34,7 +36,7 @@ except ImportError:  # pragma: no cover - exercised where the extra is not insta
     prometheus_client = None  # type: ignore[assignment]
 
 _instruments: dict[str, Any] = {}
-_instruments_lock = threading.Lock()
+_instruments_lock = ForkSafeLock()
 
 
 def _instrument(kind: str, name: str, documentation: str, labels: tuple[str, ...], **options: Any) -> Any:
@@ -80,7 +82,7 @@ class Metrics:
             self._running = _instrument("Gauge", "celery_throttle_slots_running",
                                         "Concurrency slots held by bodies that run", labels,
                                         multiprocess_mode="livesum")
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._denials: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0, 0.0, 0])
         self._summary_at = time.monotonic()
         self._summarizer_pid: int | None = None

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from .deferral import holder_prefix
 from .errors import StoreError
 from .keys import glob_escape, window_keys
+from .locks import ForkSafeLock
 from .protocol import Code
 from .spec import BoundCall
 
@@ -55,7 +56,7 @@ class Slots:
 
     def __init__(self, ctl: Throttle) -> None:
         self.ctl = ctl
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._held: dict[str, Held] = {}
         self._pid = os.getpid()
         self._renewer: threading.Thread | None = None
@@ -64,7 +65,6 @@ class Slots:
         """A child of a fork holds nothing of its parent's (and runs no renewer yet)."""
         if os.getpid() != self._pid:
             self._pid, self._held, self._renewer = os.getpid(), {}, None
-            self._lock = threading.Lock()
 
     # -- holding and giving back ---------------------------------------------------------
     def took(self, holder: str, call: BoundCall) -> None:

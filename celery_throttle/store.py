@@ -29,6 +29,7 @@ from .controls import CONTROL_STAMP, FOREVER_US
 from .doctor import StoreReport, examine
 from .errors import StoreError
 from .keys import control_key, line_index_keys, window_keys
+from .locks import ForkSafeLock
 from .protocol import (
     NO_ENTRY,
     STATE_FORMAT,
@@ -73,7 +74,7 @@ class RedisStore:
         self.policy = policy
         # Test-only: a callable returning "now" in microseconds instead of Redis TIME.
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._client: Any = None
         #: The state layout the window scripts are loaded with (tests load them with others).
         self.layout = layout
