@@ -9,7 +9,10 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .protocol import HEADER, Header
 
-__all__ = ["decode_message", "encode_message", "resend", "task_of"]
+__all__ = ["KEPT_FIELDS", "decode_message", "encode_message", "resend", "task_of"]
+
+#: What a kept message holds: encode_message writes these, and decode_message reads no other.
+KEPT_FIELDS = ("task", "args", "kwargs", "options")
 
 
 def encode_message(app: Any, sig: Any) -> bytes:
@@ -31,7 +34,9 @@ def decode_message(app: Any, message: bytes) -> dict[str, Any]:
             and isinstance(body.get("args"), list) and isinstance(body.get("kwargs"), dict)
             and isinstance(body.get("options"), dict)):
         raise ValueError(f"not a kept task: {str(body)[:80]!r}")
-    return body
+    # (Its four fields only: a kept message is one task, never a group, chain or chord a
+    # ``subtask_type`` written beside them would make of it in app.signature.)
+    return {field: body[field] for field in KEPT_FIELDS}
 
 
 def task_of(app: Any, message: bytes) -> tuple[str, list[Any], dict[str, Any]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from celery import Celery
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -131,3 +132,20 @@ def test_any_bytes_parked_never_stop_the_releaser_and_end_as_dead_letters(prefix
     finally:
         ctl.close()
         app.close()
+
+
+def test_a_kept_message_decodes_as_one_task_whatever_else_it_names() -> None:
+    from kombu.serialization import dumps
+
+    from celery_throttle.messages import KEPT_FIELDS, decode_message
+
+    app = Celery("kept", set_as_current=False)
+    # Given a stored message that also names a chord (a writer of the store's own)
+    body = {"task": "tests.taskapp.record_start", "args": ["x"], "kwargs": {}, "options": {},
+            "subtask_type": "chord", "chord_size": 2}
+    content_type, encoding, data = dumps(body, serializer="json")
+    message = content_type.encode() + b"\n" + encoding.encode() + b"\n" + data.encode()
+    # Then it reads as the one task it holds, and is sent on as that task
+    decoded = decode_message(app, message)
+    assert tuple(decoded) == KEPT_FIELDS
+    assert type(app.signature(decoded)).__name__ == "Signature"

@@ -435,3 +435,35 @@ def test_slots_beside_requests_and_tokens_run_each_call_once_and_never_stall(gro
 
 #: A wait between two starts of the slots-and-tokens test that no window explains.
 STALL_S = 8.0
+
+
+def test_a_corrupt_message_waiting_for_a_slot_is_a_dead_letter_and_those_behind_it_run(group_with_lease) -> None:
+    """K=1: a body holds the slot 3 s; behind it two tasks, the first of whose stored
+    message is overwritten with bytes no serializer reads (a foreign writer, a
+    truncation). ``throttle why`` of it answers without a traceback; when the slot comes
+    free it is kept as a dead letter (``parked --dead``), its turn given back, and the one
+    behind it runs: no orphan holding the line."""
+    from celery_throttle.keys import encode
+    from tests.helpers import run_cli
+
+    group = group_with_lease("30")
+    label, tenant = new_label(), f"corrupt-{uuid.uuid4().hex[:6]}"
+    holder = group.send("single_slot", label, tenant, 3.0)
+    wait_for(lambda: began(group, label), 15, what="the first body")
+    corrupt = group.send("single_slot", label, tenant, 0.1)
+    behind = group.send("single_slot", label, tenant, 0.1)
+    messages = window_keys(state_key(group.prefix, "single-slot", tenant))[3]
+
+    def entry_of(task_id: str) -> bytes | None:
+        return next((f for f in group.records.hkeys(messages)
+                     if f.startswith(encode(task_id).encode() + b":") and not f.endswith(b"#")), None)
+
+    wait_for(lambda: entry_of(corrupt) and entry_of(behind), 15, what="both waiting in the line")
+    group.records.hset(messages, entry_of(corrupt), b"\x00garbage")
+    why = run_cli(group, "why", corrupt)
+    assert "Traceback" not in why.stdout + why.stderr, why.stdout + why.stderr
+    done = wait_spans(group, label, 2, timeout=30)
+    assert sorted(e["id"] for e in done) == sorted([holder, behind])
+    dead = run_cli(group, "parked", "--dead")
+    assert "<cannot be decoded>" in dead.stdout, dead.stdout + dead.stderr
+    assert corrupt not in {e["id"] for e in began(group, label)}
