@@ -55,7 +55,7 @@ import redis
 
 from bench.backlog import DedicatedRedis
 from bench.common import ROOT, Results, new_prefix, percentile, wait_until
-from celery_throttle.keys import parking_keys
+from celery_throttle.keys import line_index_key, parking_keys, window_keys
 
 SEC = "12 Redis per task"
 APP = "bench.rpt_app"
@@ -249,14 +249,23 @@ class Run:
 
 
 def _end_state(client: redis.Redis, queue: str, prefix: str) -> tuple[int, int, int]:
+    """(queue, unacked, turned away): tasks waiting in their keys' lines (found through
+    the index of keys with a line), and any an earlier version parked."""
     due, _, inflight = parking_keys(prefix)
     pipe = client.pipeline(transaction=False)
     pipe.llen(queue)
     pipe.hlen("unacked")
     pipe.zcard(due)
     pipe.zcard(inflight)
-    q, unacked, parked, held = pipe.execute()
-    return int(q), int(unacked), int(parked) + int(held)
+    pipe.zrange(line_index_key(prefix), 0, -1)
+    q, unacked, parked, held, keys = pipe.execute()
+    waiting = 0
+    if keys:
+        lines = client.pipeline(transaction=False)
+        for key in keys:
+            lines.zcard(window_keys(key.decode())[2])
+        waiting = sum(lines.execute())
+    return int(q), int(unacked), int(parked) + int(held) + waiting
 
 
 def _finished(variant: Variant, n: int, state: tuple[int, int, int]) -> bool:
@@ -473,8 +482,10 @@ def run_learn(binary: str, task: str = "learn") -> Learn:
 
 
 # -- the section -------------------------------------------------------------------------
-def run_redis_per_task(res: Results, quick: bool = False) -> None:
+def run_redis_per_task(res: Results, quick: bool = False, sizes: tuple[int, ...] = ()) -> None:
     plan = QUICK if quick else FULL
+    if sizes:  # (the per-task rows at these sizes, the largest as the full plan's, and the quick neighbours)
+        plan = Plan(sizes, big=FULL.big, neighbour=QUICK.neighbour)
     binary = redis_binary()
     version = subprocess.run([binary, "--version"], capture_output=True, text=True,
                              check=False).stdout.split()[2]
@@ -641,11 +652,12 @@ def _end_state_text(run: Run) -> str:
         return f"all ran ({run.ran:,} accepted)" if run.ran is not None else "all ran"
     if run.variant.peer:
         return f"{unacked:,} waiting in the worker for their countdown"
-    return f"{parked:,} parked"
+    return f"{parked:,} waiting in their lines"
 
 
 def main() -> int:
-    """``python -m bench.redis_per_task [--quick | CHECK:FLOOD:TASK ...]``: the section alone,
+    """``python -m bench.redis_per_task [--quick | --sizes=N,N | CHECK:FLOOD:TASK ...]``: the section alone
+    (``--sizes``: its per-task rows at those sizes, the quick plan's neighbour rows),
     or only the prefilled-neighbour runs named (e.g. ``1:10000:neighbour_unbound``) and
     learning runs (``learn:0:TASK``), printed."""
     from bench import report
@@ -661,7 +673,9 @@ def main() -> int:
         learns = [run_learn(binary, t) for c, _, t in wanted if c == "learn"]
         _report(res, [], runs, learns, QUICK, version, time.time() - started)
     else:
-        run_redis_per_task(res, quick="--quick" in sys.argv)
+        sizes = next((tuple(int(n) for n in a.removeprefix("--sizes=").split(",")) for a in sys.argv[1:]
+                      if a.startswith("--sizes=")), ())
+        run_redis_per_task(res, quick="--quick" in sys.argv, sizes=sizes)
     report.print_table(res, "Redis per task")
     return 0
 
