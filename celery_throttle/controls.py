@@ -39,8 +39,9 @@ from .locks import ForkSafeLock
 from .rates import Rate, parse_rates
 from .timing import CONTROL_REFRESH, RTT_COUNTS_FROM_US, STORE_TIMEOUT
 
-__all__ = ["CONTROL_REFRESH", "CONTROL_STAMP", "FOREVER_US", "FULL_READ_EVERY", "PRUNE_BATCH", "REPLACE_ALL", "ControlSet", "Controls", "control_target", "limit_field",
-           "merged_rates", "pause_field", "replace_field", "slots_field"]
+__all__ = ["CONTROL_REFRESH", "CONTROL_STAMP", "FOREVER_US", "FULL_READ_EVERY", "PRUNE_BATCH", "REPLACE_ALL",
+           "ControlSet", "Controls", "control_target", "limit_field", "merged_rates", "pause_field", "replace_field",
+           "slots_field"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -232,8 +233,9 @@ class Controls:
                 # (The stamp of what this reads, whatever was written since the first.)
                 stamp, raw = store.stamped_controls()
                 controls = parse_controls(raw)
-                now_us = store.now_us()
-                over = [f for f, until in controls.pauses.items() if until < now_us][:PRUNE_BATCH]
+                if controls.pauses:  # (the Redis clock only when there is a pause to compare)
+                    now_us = store.now_us()
+                    over = [f for f, until in controls.pauses.items() if until < now_us][:PRUNE_BATCH]
         except StoreError:
             pass  # the check that follows meets the same store and says so
         with self._lock:

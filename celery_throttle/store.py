@@ -327,7 +327,7 @@ class RedisStore:
 
     def clear_control(self, field: str) -> bool:
         """Remove a pause or a live limit; True if it was set."""
-        return bool(self._write_controls({}, (field,))[-2])
+        return bool(self.set_controls({}, (field,))[-2])  # (the HDEL's reply: before the stamp's)
 
     def controls(self) -> dict[str, str]:
         """Every control set (pauses, live limits): field to value."""
@@ -341,22 +341,19 @@ class RedisStore:
         return raw.pop(CONTROL_STAMP, None), raw
 
     def control_stamp(self) -> str | None:
-        """The controls' stamp (every write adds one to it: see :meth:`_write_controls`),
+        """The controls' stamp (every write adds one to it: see :meth:`set_controls`),
         or None if no write ever stamped them."""
         with self.errors():
             raw = self.client.hget(control_key(self.prefix), CONTROL_STAMP)
         return None if raw is None else raw.decode(errors="replace")
 
     def set_control(self, field: str, value: str) -> None:
-        self._write_controls({field: value})
+        self.set_controls({field: value})
 
-    def set_controls(self, values: Mapping[str, str], clear: Sequence[str] = ()) -> None:
-        """Set the controls ``values`` and remove those named in ``clear``, in one round trip."""
-        self._write_controls(values, clear)
-
-    def _write_controls(self, values: Mapping[str, str], clear: Sequence[str] = ()) -> list[Any]:
-        """Set and remove controls, and add one to the stamp, at once (MULTI): a process
-        that reads the same stamp after this has read what it wrote."""
+    def set_controls(self, values: Mapping[str, str], clear: Sequence[str] = ()) -> list[Any]:
+        """Set the controls ``values``, remove those named in ``clear`` and add one to the
+        stamp, at once (MULTI, one round trip): a process that reads the same stamp after
+        this has read what it wrote. Returns the replies (the stamp's last)."""
         with self.errors():
             pipe = self.client.pipeline(transaction=True)
             if values:
