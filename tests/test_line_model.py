@@ -387,7 +387,8 @@ class Walk:
         args: tuple[Any, ...] = (eid, b"m-" + eid.encode() if message else b"", "task-" + eid, expires, max_wait,
                                  self.rng.choice([1, 2, 8]))
         if op in ("acquire", "screen"):
-            args = (self.rng.choice([0, 0, 4]), self.rng.choice([0, 50_000]), holder, *args)
+            # (a lease of the call's own cost is none; a long span crosses fixed windows)
+            args = (self.rng.choice([0, 0, 1, 2, 4, 16]), self.rng.choice([0, 50_000, 400_000]), holder, *args)
         got = self.run(op, costs, *args)
         self.settle_out(got)
         if got.code == Code.QUEUED:

@@ -6,7 +6,8 @@ window; a state no script wrote counts for nothing and is replaced; a sliding st
 an earlier layout still counts; a state of another format starts afresh; a fixed start
 at a window's end counts where it may start; the state's TTL covers what it counts; a
 reset forgets the windows and keeps the line; a day's limit stays small; publish records
-nothing for a key with room.
+nothing for a key with room; a lease or publish near a fixed window's end looks at the
+next window too.
 """
 
 from __future__ import annotations
@@ -326,3 +327,27 @@ def test_admit_at_publish_records_nothing_for_a_key_with_room_and_releases_near_
     for _ in range(2):
         assert store.admit(key, call, entry()).code == Code.RELEASED
     assert store.admit(key, call, entry()).code == Code.QUEUED
+
+
+def test_a_lease_or_publish_near_a_fixed_windows_end_looks_at_the_next_window_too(
+    store: RedisStore, clock: FakeClock, redis_client: redis.Redis
+) -> None:
+    # Given a fixed "50/s" key whose window holds 5 units and the next one 25 (reserved
+    # starts), and the clock 10 ms before the window ends
+    rates, period = rates_of(["50/s"]), 1_000_000
+    k = BASE_US // period + 5
+    clock.now = (k + 1) * period - 10_000
+    keys = [state_key(store.prefix, "fixed-next", name) for name in ("publish", "lease")]
+    for key in keys:
+        redis_client.hset(key, mapping={rate_field("fixed", rates[0]): msgpack.packb([k, 5, k + 1, 25]),
+                                        "e": str(BASE_US), "f": str(STATE_FORMAT)})
+    call = WindowCall("fixed", rates, 1, slack_us=20_000)
+    # When a call sent without its message is admitted at publish (its slack reaches into
+    # the next window), and a fresh call asks for a lease of 10 over 50 ms
+    published = store.admit(keys[0], call, entry(b""))
+    leased = store.acquire(keys[1], call, lease=10, lease_span_us=50_000)
+    # Then neither takes room past half the limit of the next window: publish releases it
+    # (it fits, but 26 of 50 is past half), and the call runs alone, without a lease
+    assert published.code == Code.RELEASED
+    assert (leased.code, leased.leased) == (Code.RUN, 0)
+    assert redis_client.hget(keys[1], rate_field("fixed", rates[0])) == msgpack.packb([k, 6, k + 1, 26])

@@ -26,8 +26,10 @@ local ALGO = {}
 -- array (no folded range) of windows in strictly rising order, `cost` more units must
 -- fit in every window [now, latest] touches, and (with `record`) no fold may be due.
 -- Anything else returns nil and the general path decides. Returns the units used now
--- (before this call), when the last counted unit leaves its window (0: none), and,
--- with `record`, the field's new value.
+-- (before this call), when the last counted unit leaves its window (0: none), with
+-- `record` the field's new value (else nil), and the larger of the units in the windows
+-- of `now` and of `latest` (before this call: a lease's and publish's "at most half
+-- full", which looks at those two windows, as window.lua's lease_fits does).
 function ALGO.fit(raw, now, limit, period, cost, latest, record)
   local t = {}
   if raw then
@@ -37,7 +39,7 @@ function ALGO.fit(raw, now, limit, period, cost, latest, record)
   end
   local current, last = math.floor(now / period), math.floor(latest / period)
   -- out: what dump() writes; j: the next window the call touches not yet placed in it
-  local out, used, ahead, j, prev = {}, 0, 0, current, nil
+  local out, used, ahead, j, prev, at_latest = {}, 0, 0, current, nil, 0
   for i = 1, #t, 2 do
     local k, u = t[i], t[i + 1]
     if type(k) ~= 'number' or type(u) ~= 'number' or (prev ~= nil and k <= prev) then return nil end
@@ -49,6 +51,7 @@ function ALGO.fit(raw, now, limit, period, cost, latest, record)
         j = j + 1
       end
       if k == current then used = u end
+      if k == last then at_latest = u end
       if k >= j and k <= last and k == math.floor(k) then
         if u + cost > limit then return nil end
         if record then u = u + cost end
@@ -65,12 +68,13 @@ function ALGO.fit(raw, now, limit, period, cost, latest, record)
   end
   local n = #out
   local clear = n > 0 and (out[n - 1] + 1) * period or 0
-  if not record then return used, clear end
+  local peak = math.max(used, at_latest)
+  if not record then return used, clear, nil, peak end
   for i = 1, n, 2 do
     if out[i] > current then ahead = ahead + 1 end
   end
   if ahead > MAX_AHEAD then return nil end  -- a fold is due
-  return used, clear, cmsgpack.pack(out)
+  return used, clear, cmsgpack.pack(out), peak
 end
 
 -- The general path's functions (window.lua's fast path needs only ALGO.fit above). They

@@ -47,8 +47,10 @@ local ALGO = {}
 -- units must fit now, and (with `record`) the start recorded in [now, latest] must land
 -- in the hot bucket or open one after it, with no fold due. Anything else returns nil
 -- and the general path decides. Returns the units used now (before this call), when
--- the last counted unit leaves the window (0: none), and, with `record`, the field's
--- new value.
+-- the last counted unit leaves the window (0: none), with `record` the field's new value
+-- (else nil), and the larger of the units used at `now` and at `latest` (before this
+-- call: a lease's and publish's "at most half full"), which here is the first: a unit
+-- counts until its bucket's latest + period, so what counts only falls as time goes on.
 function ALGO.fit(raw, now, limit, period, cost, latest, record)
   local cut = now - period
   local cold_units, hot_latest, hot_units, cold_at = 0, nil, 0, -1
@@ -68,7 +70,7 @@ function ALGO.fit(raw, now, limit, period, cost, latest, record)
   end
   local used = cold_units + hot_units
   if used + cost > limit then return nil end
-  if not record then return used, hot_latest and hot_latest + period or 0 end
+  if not record then return used, hot_latest and hot_latest + period or 0, nil, used end
   local cold = cold_at == -1 and '' or string.sub(raw, cold_at + 1)
   local slot = math.max(math.ceil(period / SLOTS), 1000)  -- (as load() sets r.slot)
   local b, hot = math.floor(latest / slot), hot_latest and math.floor(hot_latest / slot)
@@ -85,7 +87,7 @@ function ALGO.fit(raw, now, limit, period, cost, latest, record)
     return nil  -- before the hot bucket (a start reserved later than now)
   end
   if cold_units + hot_units > limit or #cold > MAX_COLD_BYTES then return nil end  -- a fold may be due
-  return used, hot_latest + period, pack(cold_units, hot_latest, hot_units) .. cold
+  return used, hot_latest + period, pack(cold_units, hot_latest, hot_units) .. cold, used
 end
 
 -- The general path's functions (window.lua's fast path needs only ALGO.fit above). They
