@@ -184,6 +184,7 @@ class Walk:
     def run(self, op: str, costs: tuple[int, ...], *args: Any, delta: tuple[int, ...] | None = None) -> WindowReply:
         wcall, mcall = self.calls(costs)
         before = self._line_places()
+        ends = (self.model.first_place, self.model.last_place)
         now = self.clock.now
         cost_arg: Any = None
         if delta is not None:
@@ -199,7 +200,7 @@ class Walk:
         self.check_stored()
         both = set(self.model.line) & set(self.model.out)
         assert not both, self.explain(f"{op}: in the line and out at once: {both}")
-        self.check_line_order(before, got, op, args)
+        self.check_line_order(before, ends, got, op, args)
         self.check_conservation(op, args, got)
         if got.due_us:
             self.last_due = got.due_us
@@ -248,16 +249,20 @@ class Walk:
         line, and the places of those out."""
         return {**{i: m.place for i, m in self.model.meta.items()}, **self.model.line}
 
-    def check_line_order(self, before: dict[str, int], got: WindowReply, op: str, args: tuple[Any, ...]) -> None:
-        """What left the line in this call (released, expired, lost) was its head, in order."""
+    def check_line_order(self, before: dict[str, int], ends: tuple[int, int], got: WindowReply, op: str,
+                         args: tuple[Any, ...]) -> None:
+        """What left the line in this call (released, expired, lost) was its head, in order.
+        ``ends``: the line's first and last places before the call."""
         left = [r.id for r in got.reported if r.kind in ("r", "x", "c", "l")]
         if not left or op == "renew":  # (renew's 'l': holders whose lease ran out)
             return
         places = dict(before)
-        # (the entry this call put in the line, if it left again at once)
+        # (the entry this call put in the line, if it left again at once: the place it
+        # took, one past an end as the call found them; a line emptied by the call starts
+        # its places afresh)
         if op in ("acquire", "screen", "admit", "front"):
             joined = args[3] if op in ("acquire", "screen") else args[0]
-            places.setdefault(joined, self.model.first_place if op == "front" else self.model.last_place)
+            places.setdefault(joined, ends[0] - 1 if op == "front" else ends[1] + 1)
         places.update(self.model.line)
         for r in got.reported:
             meta = self.model.meta.get(r.id)

@@ -563,9 +563,20 @@ end
 -- claim of that ticket (a copy of its message) is a fresh call, unless it names the start
 -- (the process it was granted to, which woke too late for it: that start is given back,
 -- and it is checked as an arrival now).
+-- The windows as stored, for a call that writes none of its own changes back (its reply
+-- tells them as they stay, not as the call had changed them before it gave up).
+local function as_stored()
+  local raw = redis.call('HMGET', key, unpack(fields))
+  for i, r in ipairs(rates) do
+    ALGO.load(r, raw[4 + i] or nil, now)
+    r.dirty = false
+  end
+end
+
 local function claim()
   expire_out(LINE_BATCH)
   reclaim()
+  write_back()  -- (what expire_out gave back stays given back, whatever this claim does)
   local ticket, granted, holder = ARGV[P], tonumber(ARGV[P + 3]), ARGV[P + 2]
   -- It may come as early as twice the lead it was released with (or 4 slacks), at most
   -- the caller's [P+1], and be granted its start.
@@ -602,7 +613,7 @@ local function claim()
     local x = nil
     if not_before == 0 and (own_slot or slot_free()) then x = earliest(now, units, out_per_rate(units)) end
     if x == nil or x - now > early then
-      for _, r in ipairs(rates) do r.dirty = false end
+      as_stored()
       return finish(STALE, 0, {waited = waited})
     end
   end
@@ -659,8 +670,8 @@ local function claim()
   local kept = redis.call('HEXISTS', msgs_key, ticket) == 1
   if not kept and a.message == '' then
     -- (released at publish, nothing kept: the caller calls again with its message; the
-    -- windows are written back as they were)
-    for _, r in ipairs(rates) do r.dirty = false end
+    -- windows stay as they were, its granted start with them)
+    as_stored()
     return finish(DENIED, x and x - now or 0, {waited = waited})
   end
   come_in(ticket, m)
