@@ -42,10 +42,10 @@ local ALGO = {}
 
 -- The fast path of window.lua, for one rate: an answer only where it is the general
 -- path's own (load, usage, earliest at now, record, clear_at, dump), worked out on the
--- three numbers in front of the stream without building the rate's tables. `raw` must
--- be a stream (or nothing) whose cold buckets all still count at `now`, `cost` more
--- units must fit now, and (with `record`) the start recorded in [now, latest] must land
--- in the hot bucket or open one after it, with no fold due. Anything else returns nil
+-- three numbers in front of the stream (and the cold buckets leaving the window) without
+-- building the rate's tables. `raw` must be a stream (or nothing), `cost` more units must
+-- fit now, and (with `record`) the start recorded in [now, latest] must land in the hot
+-- bucket, open one after it, or land in or after the last cold one, with no fold due. Anything else returns nil
 -- and the general path decides. Returns the units used now (before this call), when
 -- the last counted unit leaves the window (0: none), with `record` the field's new value
 -- (else nil), and the larger of the units used at `now` and at `latest` (before this
@@ -61,11 +61,19 @@ function ALGO.fit(raw, now, limit, period, cost, latest, record)
         or type(hot_units) ~= 'number' then return nil end
     if hot_latest <= cut then  -- the latest bucket left: all did
       cold_units, hot_latest, hot_units, cold_at = 0, nil, 0, -1
-    elseif cold_at ~= -1 then
-      local _, first
-      ok, _, first = pcall(unpack_one, raw, cold_at)  -- (the next offset, then the oldest latest)
-      -- (a bucket leaving the window now: read() drops it, the general path does that)
-      if not ok or type(first) ~= 'number' or first <= cut then return nil end
+    else
+      -- Buckets that left the window (a prefix of the cold ones: they are sorted by
+      -- latest) are dropped, as read() drops them: on a busy key one leaves every
+      -- 1/SLOTS of a window, so most calls find one.
+      while cold_at ~= -1 do
+        local units_at, first, after, units
+        ok, units_at, first = pcall(unpack_one, raw, cold_at)  -- (the next offset, then its latest)
+        if not ok or type(first) ~= 'number' or units_at == -1 then return nil end
+        if first > cut then break end
+        ok, after, units = pcall(unpack_one, raw, units_at)
+        if not ok or type(units) ~= 'number' then return nil end
+        cold_units, cold_at = cold_units - units, after
+      end
     end
   end
   local used = cold_units + hot_units
@@ -84,7 +92,31 @@ function ALGO.fit(raw, now, limit, period, cost, latest, record)
     hot_units = hot_units + cost
     if latest > hot_latest then hot_latest = latest end
   else
-    return nil  -- before the hot bucket (a start reserved later than now)
+    -- Before the hot bucket (a lease, or a start granted ahead, holds it later than now):
+    -- into the last cold bucket if it is this one's, else a new bucket after it, where
+    -- record() places it in the flat list. Before the last cold bucket, or with a fold
+    -- possibly due (fold() runs on every flat list), the general path does it.
+    local got = {pcall(unpack_limit, cold, 2 * MAX_BUCKETS, 0)}  -- ok, next offset, values
+    local n = #got - 2
+    if not got[1] or got[2] ~= -1 or n % 2 ~= 0 or n / 2 + 2 > MAX_BUCKETS
+        or cold_units + hot_units + cost >= limit then return nil end
+    if n == 0 then
+      cold = pack(latest, cost)
+    else
+      local last_latest, last_units = got[n + 1], got[n + 2]
+      if type(last_latest) ~= 'number' or type(last_units) ~= 'number' then return nil end
+      local last = math.floor(last_latest / slot)
+      if last == b then
+        local tail = pack(last_latest, last_units)
+        if string.sub(cold, -#tail) ~= tail then return nil end
+        cold = string.sub(cold, 1, #cold - #tail) .. pack(math.max(last_latest, latest), last_units + cost)
+      elseif last < b then
+        cold = cold .. pack(latest, cost)
+      else
+        return nil
+      end
+    end
+    cold_units = cold_units + cost
   end
   if cold_units + hot_units > limit or #cold > MAX_COLD_BYTES then return nil end  -- a fold may be due
   return used, hot_latest + period, pack(cold_units, hot_latest, hot_units) .. cold, used
