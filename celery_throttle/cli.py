@@ -445,18 +445,22 @@ def reset(ctx: click.Context, scope: str, key: str | None, all_keys: bool, yes: 
 @click.option("--match", default="*", show_default=True, help="Only tasks whose scope matches this glob.")
 @click.option("--key-match", default=None, metavar="GLOB", help="Only tasks whose key matches this glob.")
 @click.option("--purge", is_flag=True, help="Delete the waiting tasks (those --match selects); asks first.")
+@click.option("--send-now", is_flag=True,
+              help="Send the waiting tasks (every task of each key --match selects) to their queues now, whatever "
+                   "their keys' room: before rolling back to a version without lines. Asks first.")
 @click.option("--dead", is_flag=True, help="List the dead letters: tasks whose message could not be sent.")
 @click.option("--requeue", is_flag=True, help="Hand every dead letter out again, now.")
 @click.option("--drop", is_flag=True, help="Delete every dead letter (asks first).")
-@click.option("--yes", is_flag=True, help="Do not ask before --purge or --drop.")
+@click.option("--yes", is_flag=True, help="Do not ask before --purge, --send-now or --drop.")
 @click.pass_context
-def parked(ctx: click.Context, tasks: bool, match: str, key_match: str | None, purge: bool, dead: bool,
-           requeue: bool, drop: bool, yes: bool) -> None:
+def parked(ctx: click.Context, tasks: bool, match: str, key_match: str | None, purge: bool, send_now: bool,
+           dead: bool, requeue: bool, drop: bool, yes: bool) -> None:
     """Tasks waiting in the lines (in the store, off the broker), by scope and key; dead letters.
 
     Without options: a summary per scope and key (waiting, released to a worker and not
     started, and since when the oldest waits). A purged task is gone for good: it never
-    runs.
+    runs. ``--send-now`` empties the lines into the broker (each task is then checked by
+    the worker that takes it), for a rollback to a version that does not read them.
     """
     ctl = _controller(ctx)
     store = ctl.parking
@@ -470,6 +474,15 @@ def parked(ctx: click.Context, tasks: bool, match: str, key_match: str | None, p
             click.echo(f"purged {ctl.lines.purge(lined)} waiting task(s)")
         elif not lined:
             click.echo("no waiting task to purge")
+        return
+    if send_now:
+        lined = [w for w in found if w.place]
+        if lined and (yes or click.confirm(f"send {len(lined)} waiting task(s) to their queues now, whatever "
+                                           "their keys' room?")):
+            sent, left = ctl.lines.send_now(lined)
+            click.echo(f"sent {sent} waiting task(s) to their queues" + (f"; {left} still waiting" if left else ""))
+        elif not lined:
+            click.echo("no waiting task to send")
         return
     if tasks:
         for w in found:

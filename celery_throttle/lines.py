@@ -336,6 +336,27 @@ class Lines:
                 self.note(call.state_key, reply.due_us, reply.now_us)
         return deleted
 
+    def send_now(self, tasks: list[Waiting]) -> tuple[int, int]:
+        """Release the whole line of each key of ``tasks`` whatever its room, and send what
+        leaves, each with its ticket: before a rollback to a version that does not read the
+        lines, whose workers check each one as a new task. A worker of this version that
+        takes one claims it, and puts it back in its place if its key has no room. Returns
+        (tasks sent, tasks still waiting: a send that failed puts its task back in its place
+        after the send lease)."""
+        prefix = self.ctl.settings.key_prefix
+        targets = sorted({(t.scope, t.key) for t in tasks if t.place}, key=lambda k: (k[0], k[1] or ""))
+        sent = 0
+        for scope, key in targets:
+            # (No rates: the drain releases whatever the room, and needs no task to bind.)
+            call = BoundCall(scope, key, (), 1, "sliding", state_key(prefix, scope, key))
+            while True:
+                reply = self.ctl.checker.release(call, RELEASER_BATCH, drain=True)
+                sent += self.handle(call, reply)
+                if not reply.waiting or not any(r.kind == "r" for r in reply.reported):
+                    break
+        left = sum(self._counts(state_key(prefix, scope, key))[0] for scope, key in targets)
+        return sent, left
+
     def _counts(self, key: str) -> tuple[int, int]:
         """(tasks in line, tasks released and not started) of ``key``."""
         _, _, line, _, out, _, _ = window_keys(key)

@@ -9,22 +9,26 @@ import subprocess
 import sys
 
 import pytest
+import redis
 
 import celery_throttle
-from tests.helpers import ROOT, free_port
+from tests.helpers import BROKER_URL, ROOT, free_port
 from tests.taskapp import app
 
 
-def _run(prefix: str, *args: str, store: str | None = None) -> subprocess.CompletedProcess[str]:
+def _run(prefix: str, *args: str, store: str | None = None, queue: str | None = None
+         ) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, CT_PREFIX=prefix, PYTHONPATH=str(ROOT))
     if store:
         env["CT_STORE"] = store
+    if queue:
+        env["CT_QUEUE"] = queue
     return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.taskapp", "throttle", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
 
 
-def _celery(prefix: str, *args: str) -> str:
-    out = _run(prefix, *args)
+def _celery(prefix: str, *args: str, queue: str | None = None) -> str:
+    out = _run(prefix, *args, queue=queue)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -187,6 +191,40 @@ def test_waiting_tasks_by_scope_and_key_and_a_purge(prefix: str) -> None:
     assert [w.task_id for w in ctl.lines.waiting()] == ["task-2"]
     declined = _run(prefix, "parked", "--purge")  # asks first; no answer: nothing deleted
     assert declined.returncode != 0 and [w.task_id for w in ctl.lines.waiting()] == ["task-2"]
+
+
+def test_send_now_empties_the_lines_into_the_broker_before_a_rollback(prefix: str) -> None:
+    from celery_throttle.messages import encode_message
+    from celery_throttle.protocol import HEADER, Code, Entry, Header
+
+    # Given two tasks waiting in the line of a key whose hourly window is spent, and one in
+    # another key's
+    ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
+    for i, (scope, key) in enumerate([("exports", "acme"), ("exports", "acme"), ("github-api", None)]):
+        call = ctl._direct_call(scope, key, "1/h", 1, None)
+        ctl.checker.acquire(call)
+        sig = app.signature("tests.taskapp.below", args=(f"p{i}",), task_id=f"task-{i}")
+        entry = Entry(f"task-{i}:e", encode_message(app, sig), f"task-{i}", 0, 0, 8)
+        assert ctl.checker.acquire(call, entry=entry).code == Code.QUEUED
+    queue, broker = f"{prefix}-q", redis.Redis.from_url(BROKER_URL)
+    try:
+        # When an operator sends the line of "exports" on now (it asks first: with no
+        # answer, nothing is sent)
+        declined = _run(prefix, "parked", "--send-now", "--match", "exports", queue=queue)
+        assert declined.returncode != 0 and broker.llen(queue) == 0
+        out = _celery(prefix, "parked", "--send-now", "--match", "exports", "--yes", queue=queue)
+        # Then both are in the broker's queue, each once, with its id and its ticket (a
+        # worker of a version without lines checks it as a new task), and only the other
+        # key's task still waits in a line
+        assert "sent 2 waiting task(s) to their queues" in out, out
+        messages = [json.loads(m) for m in broker.lrange(queue, 0, -1)]
+        assert sorted(m["headers"]["id"] for m in messages) == ["task-0", "task-1"]
+        assert all(Header.read(m["headers"][HEADER]).ticket for m in messages)
+        assert [w.task_id for w in ctl.lines.waiting() if w.place] == ["task-2"]
+        assert "no waiting task to send" in _celery(prefix, "parked", "--send-now", "--match", "exports", "--yes")
+    finally:
+        broker.delete(queue)
+        broker.close()
 
 
 def test_status_prints_hostile_keys_as_text_and_lists_the_keys_of_a_scope(prefix: str) -> None:
