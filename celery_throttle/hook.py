@@ -341,9 +341,13 @@ def _waited_for_start(ctl: Throttle, call: BoundCall, reply: Any) -> bool:
     time.sleep's clock_nanosleep."""
     replied = time.monotonic()
     threading.Event().wait(reply.wait_us / 1e6)
-    overslept_us = int((time.monotonic() - replied) * 1e6) - reply.wait_us
-    # (The reply took half a round trip to come: the start began that much before it.)
-    late_us = overslept_us + ctl.store.rtt_us // 2
+    # Late is what it overslept. Every start is counted on the script's clock and begins
+    # when its reply has come, half a round trip later: a fresh call's too (counted at now,
+    # run at once). A granted start shifted as much keeps its distance to every other
+    # start, so the reply's trip is not lateness; counted as such, no granted start could
+    # be used with a store more than two slacks' round trip away (bench section 13: each
+    # one claimed again, one more round trip).
+    late_us = int((time.monotonic() - replied) * 1e6) - reply.wait_us
     return reply.start_us + late_us + ctl.checker.slack_us(call.rates) <= reply.latest_us
 
 

@@ -44,6 +44,13 @@ CLAIM_MOST = 32
 #: How long (µs) a claimed key stays its releaser's: one that dies meanwhile leaves it to
 #: the others after this.
 CLAIM_LEASE_US = 10_000_000
+#: Round trips to the store a releaser wakes before a line's due time: the BLPOP it waits
+#: on ends one after its timeout, the index claim takes one, and the release's script runs
+#: half of one after the reads before it. (A store on the same host: a few hundred µs.)
+WAKE_TRIPS = 3
+#: Chores wait for a gap between looks as long as they took last time, at most this many
+#: release intervals (a key due again and again never holds them off for long).
+CHORES_PUT_OFF = 3
 #: The longest (seconds) one wait for a wake-up blocks: a stopping worker waits this at most
 #: for its releaser (and it stays under the store's socket timeout).
 WAKE_SLICE = 1.0
@@ -93,6 +100,8 @@ class Releaser(threading.Thread):
         self.ctl = ctl
         self._stop_event = threading.Event()
         self._chores_at = 0.0
+        #: How long the last chores took (seconds).
+        self._chores_took = 0.0
         self._gauged_at = float("-inf")
         self._watched_at = time.monotonic()
         self._swept_at = time.monotonic() - INDEX_SWEEP_EVERY * random.random()
@@ -124,9 +133,18 @@ class Releaser(threading.Thread):
             except Exception:  # never let the thread die: lines would wait forever
                 logger.exception("releasing lines failed")
                 sleep = self.ctl.settings.release_interval
-            if time.monotonic() - self._chores_at >= self.ctl.settings.release_interval:
+            # (The next look is due that long from now, whatever the chores take: with a
+            # store far away they are several round trips, and a line due meanwhile would
+            # be released that much late. So they wait for a gap as long as they took
+            # last time, for CHORES_PUT_OFF intervals at most.)
+            wake_at = time.monotonic() + sleep
+            since = time.monotonic() - self._chores_at
+            interval = self.ctl.settings.release_interval
+            if since >= interval and (sleep >= self._chores_took or since >= CHORES_PUT_OFF * interval):
                 self._chores_at = time.monotonic()
                 self.chores()
+                self._chores_took = time.monotonic() - self._chores_at
+            sleep = max(wake_at - time.monotonic(), 0.0)
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -168,7 +186,11 @@ class Releaser(threading.Thread):
         interval = self.ctl.settings.release_interval
         if first < 0:
             return interval
-        return min(max((first - now_us) / 1e6, 0.0), interval)
+        # (Less WAKE_TRIPS round trips: the script's now came half of one before its reply,
+        # the wait's BLPOP ends one after its timeout, and the next look claims the key and
+        # reads its controls before its release. Early costs a look more; late, a start.)
+        early = WAKE_TRIPS * store.rtt_us / 1e6
+        return min(max((first - now_us) / 1e6 - early, 0.0), interval)
 
     # -- between rounds -------------------------------------------------------------------
     def chores(self) -> None:
