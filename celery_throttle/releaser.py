@@ -194,7 +194,8 @@ class Releaser(threading.Thread):
 
     # -- between rounds -------------------------------------------------------------------
     def chores(self) -> None:
-        """What is done once a release interval: earlier versions' tasks, lost index
+        """What is done once a release interval (put off while a look is due sooner than they
+        take, CHORES_PUT_OFF intervals at most): earlier versions' tasks, lost index
         entries, a restarted store, gauges."""
         try:
             self._send_on_legacy()
