@@ -167,11 +167,12 @@ def test_set_and_unset_a_live_limit_from_the_command_line(prefix: str) -> None:
         assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr
 
 
-def test_waiting_tasks_by_scope_and_key_and_a_purge(prefix: str) -> None:
+def _three_waiting(prefix: str) -> celery_throttle.Throttle:
+    """A controller of ``prefix`` whose lines hold task-0 and task-1 (scope "exports" key
+    "acme") and task-2 (scope "github-api"), their hourly windows spent."""
     from celery_throttle.messages import encode_message
     from celery_throttle.protocol import Code, Entry
 
-    # Given three tasks waiting in the lines of two keys whose hourly windows are spent
     ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
     for i, (scope, key) in enumerate([("exports", "acme"), ("exports", "acme"), ("github-api", None)]):
         call = ctl._direct_call(scope, key, "1/h", 1, None)
@@ -179,6 +180,12 @@ def test_waiting_tasks_by_scope_and_key_and_a_purge(prefix: str) -> None:
         sig = app.signature("tests.taskapp.below", args=(f"p{i}",), task_id=f"task-{i}")
         entry = Entry(f"task-{i}:e", encode_message(app, sig), f"task-{i}", 0, 0, 8)
         assert ctl.checker.acquire(call, entry=entry).code == Code.QUEUED
+    return ctl
+
+
+def test_waiting_tasks_by_scope_and_key_and_a_purge(prefix: str) -> None:
+    # Given three tasks waiting in the lines of two keys whose hourly windows are spent
+    ctl = _three_waiting(prefix)
     # Then `parked` says how many wait in each line, and lists them with --tasks
     out = _celery(prefix, "parked")
     assert "scope 'exports' key 'acme': 2 waiting, 0 released, the oldest since " in out, out
@@ -194,18 +201,11 @@ def test_waiting_tasks_by_scope_and_key_and_a_purge(prefix: str) -> None:
 
 
 def test_send_now_empties_the_lines_into_the_broker_before_a_rollback(prefix: str) -> None:
-    from celery_throttle.messages import encode_message
-    from celery_throttle.protocol import HEADER, Code, Entry, Header
+    from celery_throttle.protocol import HEADER, Header
 
     # Given two tasks waiting in the line of a key whose hourly window is spent, and one in
     # another key's
-    ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
-    for i, (scope, key) in enumerate([("exports", "acme"), ("exports", "acme"), ("github-api", None)]):
-        call = ctl._direct_call(scope, key, "1/h", 1, None)
-        ctl.checker.acquire(call)
-        sig = app.signature("tests.taskapp.below", args=(f"p{i}",), task_id=f"task-{i}")
-        entry = Entry(f"task-{i}:e", encode_message(app, sig), f"task-{i}", 0, 0, 8)
-        assert ctl.checker.acquire(call, entry=entry).code == Code.QUEUED
+    ctl = _three_waiting(prefix)
     queue, broker = f"{prefix}-q", redis.Redis.from_url(BROKER_URL)
     try:
         # When an operator sends the line of "exports" on now (it asks first: with no
