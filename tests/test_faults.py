@@ -42,6 +42,11 @@ from tests.helpers import (
 )
 
 FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+#: The skew test's clocks are 2 and 3 s off: a start counted on a worker's own clock would
+#: land seconds out of place, so the test loses nothing by allowing a quarter second of noise
+#: between a start and its body. A CI run beside three other suites reached two bodies 70 ms
+#: further apart than their starts, past BODY_NOISE and the 2 % margin together.
+SKEW_NOISE = 0.25
 
 
 def _prefix() -> str:
@@ -410,7 +415,8 @@ def test_workers_with_skewed_clocks_share_one_window(group_factory) -> None:
     starts = group.wait_starts("skew", 20, timeout=60)
     # Then the limit holds (on the true clock) and every task ran once
     _ran_once(group, "skew", ids)
-    assert max_started_in([e["t"] for e in starts], 1.0) <= 5
+    times = sorted(e["t"] for e in starts)
+    assert max_in_window(times, 1.0 - SKEW_NOISE) <= 5, [round(t - times[0], 3) for t in times]
     assert len({e["pid"] for e in starts}) >= 2
 
 
