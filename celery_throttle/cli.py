@@ -449,9 +449,9 @@ def reset(ctx: click.Context, scope: str, key: str | None, all_keys: bool, yes: 
               help="Send the waiting tasks (every task of each key --match selects) to their queues now, whatever "
                    "their keys' room: before rolling back to a version without lines. Asks first.")
 @click.option("--dead", is_flag=True, help="List the dead letters: tasks whose message could not be sent.")
-@click.option("--requeue", is_flag=True, help="Hand every dead letter out again, now.")
+@click.option("--requeue", is_flag=True, help="Hand every dead letter out again, now (asks first).")
 @click.option("--drop", is_flag=True, help="Delete every dead letter (asks first).")
-@click.option("--yes", is_flag=True, help="Do not ask before --purge, --send-now or --drop.")
+@click.option("--yes", is_flag=True, help="Do not ask before --purge, --send-now, --requeue or --drop.")
 @click.pass_context
 def parked(ctx: click.Context, tasks: bool, match: str, key_match: str | None, purge: bool, send_now: bool,
            dead: bool, requeue: bool, drop: bool, yes: bool) -> None:
@@ -523,7 +523,7 @@ def _dead_letters(ctl: Any, requeue: bool, drop: bool, yes: bool) -> None:
         click.echo(f"{parked_id}  {_task_name(ctl.app, message)}  dead since "
                    f"{_when(when_us / 1e6)} after {attempts} attempts")
     ids = [parked_id for parked_id, _, _, _ in letters]
-    if requeue:
+    if requeue and ids and (yes or click.confirm(f"send {len(ids)} dead letter(s) to run again?")):
         click.echo(f"requeued {store.requeue_dead(ids)} dead letter(s)")
     elif drop and ids and (yes or click.confirm(f"delete {len(ids)} dead letter(s) for good?")):
         click.echo(f"dropped {store.drop_dead(ids)} dead letter(s)")

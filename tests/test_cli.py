@@ -24,7 +24,8 @@ def _run(prefix: str, *args: str, store: str | None = None, queue: str | None = 
     if queue:
         env["CT_QUEUE"] = queue
     return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.taskapp", "throttle", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+                          stdin=subprocess.DEVNULL)  # (a question asked is answered by nothing: no)
 
 
 def _celery(prefix: str, *args: str, queue: str | None = None) -> str:

@@ -466,11 +466,15 @@ def test_a_parked_message_that_cannot_be_sent_back_becomes_a_dead_letter_and_the
     assert [(i, n) for i, _, n, _ in ctl.parking.dead_letters()] == [("poison:1", 5)]
     assert ctl.parking.parked_count() == (0, 0, 1)
     assert all(p.poll() is None for p in group.procs)
-    # And the CLI lists it, requeues it (it comes back as a dead letter), and drops it
+    # And the CLI lists it, asks before it requeues it, requeues it (it comes back as a
+    # dead letter), and drops it
     env_prefix = group.prefix
     listed = _run(env_prefix, "parked", "--dead")
     assert "poison:1  <cannot be decoded>  dead since" in listed.stdout and "after 5 attempts" in listed.stdout
-    assert "requeued 1 dead letter(s)" in _run(env_prefix, "parked", "--requeue").stdout
+    unasked = _run(env_prefix, "parked", "--requeue")  # (no answer: its stdin is empty)
+    assert "send 1 dead letter(s) to run again?" in unasked.stdout and "requeued" not in unasked.stdout
+    assert ctl.parking.parked_count() == (0, 0, 1)
+    assert "requeued 1 dead letter(s)" in _run(env_prefix, "parked", "--requeue", "--yes").stdout
     wait_for(lambda: ctl.parking.parked_count()[2] == 1, 30, what="the dead letter back")
     assert "dropped 1 dead letter(s)" in _run(env_prefix, "parked", "--drop", "--yes").stdout
     assert ctl.parking.parked_count() == (0, 0, 0)
