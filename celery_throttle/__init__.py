@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import signals
 from .backoff import Backoff, backoff_from
 from .decorator import throttle
-from .errors import ConfigurationError, KeyBuildError, StoreError, ThrottleError, WaitTooLong
+from .errors import ConfigurationError, KeyBuildError, ResendRefused, StoreError, ThrottleError, WaitTooLong
 from .limiter import Decision, RateStatus, Status, Throttle
 from .rates import Rate, parse_rate
 from .settle import charge
@@ -24,6 +24,7 @@ __all__ = [
     "KeyBuildError",
     "Rate",
     "RateStatus",
+    "ResendRefused",
     "Status",
     "StoreError",
     "Throttle",

@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import secrets
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -19,11 +20,13 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Reject
 
 from . import signals
+from .errors import ResendRefused
 from .keys import encode
+from .locks import ForkSafeLock
 from .messages import encode_message
 from .protocol import HEADER, Entry, Header, without_dead_letter_headers
 from .spec import BoundCall
-from .timing import WORKER_BATCH
+from .timing import RESEND_PATIENCE, RESEND_RETRY_DELAY, RESEND_RETRY_MAX_DELAY, WORKER_BATCH
 
 if TYPE_CHECKING:
     from .limiter import Throttle
@@ -107,6 +110,38 @@ def kept_properties(request: Any) -> dict[str, Any]:
     return {name: properties[name] for name in KEPT_PROPERTIES if properties.get(name) is not None}
 
 
+class _Refusals:
+    """The broker's refusals of this process's re-sends, in a row, whatever task each was
+    for: after each one the next try waits longer (RESEND_RETRY_DELAY, doubling, jittered,
+    up to RESEND_RETRY_MAX_DELAY), so that a broker that refuses every re-send, and hands
+    each message straight back, is not met with a check and a re-send per round trip."""
+
+    def __init__(self) -> None:
+        self._lock = ForkSafeLock()
+        self.in_a_row = 0
+        self._next_try = 0.0  # (monotonic)
+
+    def pause(self) -> float:
+        """How long (seconds) the next try must wait."""
+        with self._lock:
+            return max(self._next_try - time.monotonic(), 0.0) if self.in_a_row else 0.0
+
+    def refused(self) -> int:
+        """Count a refusal; returns how many came in a row."""
+        with self._lock:
+            self.in_a_row += 1
+            delay = min(RESEND_RETRY_DELAY * 2 ** min(self.in_a_row - 1, _BACKOFF_DOUBLINGS), RESEND_RETRY_MAX_DELAY)
+            self._next_try = time.monotonic() + delay * random.uniform(0.5, 1.0)
+            return self.in_a_row
+
+    def accepted(self) -> None:
+        with self._lock:
+            self.in_a_row = 0
+
+
+_refusals = _Refusals()
+
+
 @dataclass
 class TurnedAway:
     """A task a worker could not start now, with what putting it in its line takes."""
@@ -162,17 +197,12 @@ class TurnedAway:
 
     def send_back(self, delay: float) -> None:
         """Send it again in ``delay`` seconds (it waits in a worker meanwhile): same id,
-        arguments, routing and retry count. A broker that refuses the re-send gets the
-        message back (``Reject`` with requeue): it is not acked as done."""
-        task, request = self.task, self.request
+        arguments, routing and retry count. A refused re-send is never acked as done: see
+        :meth:`_resend`."""
         # (It names the entry a call whose reply was lost may have left it in its line.)
         sig = self.signature(Header(self.call.state_key, "", self.header.deferrals + 1, self.header.errors,
                                     self.entry_id))
-        try:
-            sig.apply_async(countdown=max(delay, 0.0))
-        except Exception as exc:  # any broker error: the message must not be acked as done
-            logger.error("could not send %s[%s] back (%r): it is returned to the broker", task.name, request.id, exc)
-            raise Reject(exc, requeue=True) from exc
+        self._resend(sig, delay)
 
     def on_store_error(self, exc: Exception) -> bool:
         """The check could not reach Redis: ``throttle_on_store_error`` decides. True: run
@@ -195,9 +225,38 @@ class TurnedAway:
         mine = h.key == self.call.state_key
         sig = self.signature(Header(self.call.state_key, h.ticket if mine else "", h.deferrals + 1, h.errors + 1,
                                     self.entry_id or (h.pending if mine else "")))
-        try:
-            sig.apply_async(countdown=delay)
-        except Exception as error:
-            logger.error("could not send %s[%s] back (%r): it is returned to the broker", task.name, request.id, error)
-            raise Reject(error, requeue=True) from error
+        self._resend(sig, delay)
         return False
+
+    def _resend(self, sig: Any, delay: float) -> None:
+        """Send ``sig`` to run in ``delay`` seconds, after the pause this process's last
+        refusals ask for. A refusal: with ``acks_late`` the message is still the broker's
+        and goes back to it (``Reject`` with requeue; its next delivery here waits out the
+        pause first); without, it was acked when the pool took it and this is its only
+        copy: tried again, backing off, for RESEND_PATIENCE, then :class:`ResendRefused`."""
+        task, request = self.task, self.request
+        kept_by_broker = bool(getattr(task, "acks_late", False))
+        began = time.monotonic()
+        while True:
+            pause = _refusals.pause()
+            if pause:
+                time.sleep(pause)
+            try:
+                sig.apply_async(countdown=max(delay - (time.monotonic() - began), 0.0))
+            except Exception as exc:  # any broker error: the message must not be acked as done
+                in_a_row = _refusals.refused()
+                if kept_by_broker:
+                    logger.error("the broker refused to take %s[%s] back (%r; %d refusals in a row here): it is "
+                                 "returned to the broker", task.name, request.id, exc, in_a_row)
+                    raise Reject(exc, requeue=True) from exc
+                tried = time.monotonic() - began
+                if tried + _refusals.pause() > RESEND_PATIENCE:
+                    logger.error("the broker refused to take %s[%s] back for %.0fs (%r): its message was acked when "
+                                 "it started (acks_late is off), so the task fails", task.name, request.id, tried, exc)
+                    raise ResendRefused(f"the broker refused to take {task.name}[{request.id}] back for "
+                                        f"{tried:.0f}s: {exc!r}") from exc
+                logger.error("the broker refused to take %s[%s] back (%r; %d refusals in a row here): trying again "
+                             "in %.1fs", task.name, request.id, exc, in_a_row, _refusals.pause())
+                continue
+            _refusals.accepted()
+            return

@@ -7,7 +7,7 @@ silently in the middle of a run.
 
 from __future__ import annotations
 
-__all__ = ["ConfigurationError", "KeyBuildError", "StoreError", "ThrottleError", "WaitTooLong"]
+__all__ = ["ConfigurationError", "KeyBuildError", "ResendRefused", "StoreError", "ThrottleError", "WaitTooLong"]
 
 
 class ThrottleError(Exception):
@@ -34,4 +34,15 @@ class WaitTooLong(ThrottleError):
 
     The task fails visibly (FAILURE state with this error) instead of waiting; nothing is
     reserved for it. The message names the task, scope, key and the wait it would have had.
+    """
+
+
+class ResendRefused(ThrottleError):
+    """The broker kept refusing to take back a task that had to wait (sent back for later
+    while the store was unreachable), and its message was acked when the pool took it
+    (``acks_late`` off), so no copy is left in the broker.
+
+    The task fails visibly (FAILURE state with this error, which names the broker's
+    refusal) after ``RESEND_PATIENCE`` seconds of tries; with ``acks_late`` the message
+    goes back to the broker instead, and this is not raised.
     """

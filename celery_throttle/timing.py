@@ -19,6 +19,9 @@ __all__ = [
     "PUBLISH_HINT_MAX",
     "QUICK_TIMEOUT",
     "RELEASER_BATCH",
+    "RESEND_PATIENCE",
+    "RESEND_RETRY_DELAY",
+    "RESEND_RETRY_MAX_DELAY",
     "SCREEN_RTT_MAX_US",
     "SCRIPT_POLICY",
     "STORE_CONNECT_TIMEOUT",
@@ -53,6 +56,16 @@ STORE_ERROR_PAUSE = 5.0
 #: control set elsewhere is obeyed by every worker within this. One small read per
 #: process per interval, whatever the task rate.
 CONTROL_REFRESH = 0.5
+#: A re-send the broker refused (a deleted exchange, a full queue, a broker out of memory)
+#: is tried again by this process no sooner than this (seconds), doubling with each refusal
+#: in a row up to the cap: with ``acks_late`` the broker hands the message straight back,
+#: and without a pause every process would check and re-send it once per round trip.
+RESEND_RETRY_DELAY, RESEND_RETRY_MAX_DELAY = 0.25, 5.0
+#: How long (seconds) a process keeps trying to send back a task whose message was acked
+#: when its pool took it (``acks_late`` off): it is the only copy, so it is not given up at
+#: the first refusal; past this the task fails visibly (``ResendRefused``) rather than hold
+#: a pool process for the length of a broker's fault.
+RESEND_PATIENCE = 30.0
 
 #: The longest (seconds) a producer trusts a key's room learnt at publish: within it,
 #: it sends up to that room unchecked (a hint, taken from the check's reply; it never

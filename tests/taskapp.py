@@ -2,7 +2,7 @@
 
 Configured from the environment so one module serves every worker a test starts:
 CT_BROKER, CT_STORE (throttle_redis_url), CT_STORE_OPTIONS (JSON), CT_PREFIX (key prefix; also where starts are
-recorded), CT_QUEUE, CT_ON_STORE_ERROR, CT_ACKS_LATE, CT_TASK_SLEEP,
+recorded), CT_QUEUE, CT_ON_STORE_ERROR, CT_ACKS_LATE, CT_CONFIRM_PUBLISH, CT_TASK_SLEEP,
 CT_CLOCK_SKEW (seconds this worker's clock is off, to record true start times).
 Each task body records its start (worker clock) in Redis for the test to read.
 """
@@ -61,6 +61,10 @@ app.conf.update(
 # so -c 20 needs more ("Couldn't ack ... MaxConnectionsError" otherwise).
 if os.environ.get("CT_BROKER_MAX_CONNECTIONS"):
     app.conf.broker_transport_options = {"max_connections": int(os.environ["CT_BROKER_MAX_CONNECTIONS"])}
+# RabbitMQ's publisher confirms (CT_CONFIRM_PUBLISH=1): a publish the broker refuses raises
+# in the sender, as users who must not lose a message configure it.
+if os.environ.get("CT_CONFIRM_PUBLISH") == "1":
+    app.conf.broker_transport_options = {"confirm_publish": True}
 ctl = celery_throttle.install(app)
 
 _records = None

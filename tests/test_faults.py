@@ -27,7 +27,7 @@ from celery_throttle.messages import encode_message
 from celery_throttle.parking import release_parked
 from celery_throttle.protocol import HEADER, Code, Entry, Header
 from celery_throttle.store import RedisStore
-from celery_throttle.timing import SCRIPT_POLICY
+from celery_throttle.timing import RESEND_PATIENCE, SCRIPT_POLICY
 from tests.conftest import BROKER_URL, RABBITMQ_URL, STORE_URL, _clean
 from tests.helpers import (
     RedisServer,
@@ -560,3 +560,92 @@ def test_a_store_100_ms_away_keeps_the_limit_and_loses_nothing(group_factory) ->
         assert trip is not None and float(trip.group(1)) >= 100
     finally:
         proxy.stop()
+
+
+#: How long the resend test's broker refuses every re-send: long enough for a tight loop
+#: to show (one broker round trip a pass: hundreds) and for the back-off to reach its cap.
+REFUSING_FOR = 6.0
+
+
+@pytest.mark.parametrize("acks_late", [True, False], ids=["acks-late", "acked-at-start"])
+def _sent_through_a_deleted_exchange(group: WorkerGroup, channel, gone, count: int) -> list[str]:
+    """``count`` tasks routed to the worker's queue through the exchange ``gone``, which
+    an operator then deletes (before any worker runs): a re-send goes where its message
+    came from, and the broker refuses it."""
+    from kombu import Exchange, Queue
+
+    Queue(group.queue, Exchange(group.queue), routing_key=group.queue)(channel).declare()
+    gone(channel).declare()
+    channel.queue_bind(group.queue, gone.name, group.queue)
+    ids = [group.send("below", "refused", queue=None, exchange=gone.name, routing_key=group.queue)
+           for _ in range(count)]
+    gone(channel).delete()
+    return ids
+
+
+def _refusing_group(group_factory, store: RedisServer, acks_late: bool) -> WorkerGroup:
+    return group_factory(broker=RABBITMQ_URL, store=store.url, count=1, concurrency=1,
+                         env={"CT_ACKS_LATE": "1" if acks_late else "0", "CT_PREFETCH": "1",
+                              "CT_CONFIRM_PUBLISH": "1"})
+
+
+@pytest.mark.parametrize("acks_late", [True, False], ids=["acks-late", "acked-at-start"])
+def test_a_resend_the_broker_keeps_refusing_backs_off_and_loses_nothing(group_factory, acks_late: bool) -> None:
+    from kombu import Connection, Exchange
+
+    rabbitmq_or_skip(RABBITMQ_URL)
+    store = RedisServer()  # (not started yet: its port refuses, as a store that is down)
+    group = _refusing_group(group_factory, store, acks_late)
+    gone = Exchange(f"{group.prefix}-gone", "direct", durable=False)
+    try:
+        with Connection(RABBITMQ_URL, connect_timeout=3) as conn:
+            # Given 3 tasks whose re-sends the broker refuses (their exchange was deleted)
+            channel = conn.channel()
+            ids = _sent_through_a_deleted_exchange(group, channel, gone, 3)
+            # When a worker (acks_late, publisher confirms) takes them while the store is
+            # down: each is to be sent back for later, and the broker refuses every re-send
+            group.start()
+            time.sleep(REFUSING_FOR)
+            refusals = group.log_text().count("the broker refused to take tests.taskapp.below")
+            # Then the worker backs off: a few tries, not one per broker round trip
+            assert 1 <= refusals <= 12, refusals
+            # When the exchange and the store come back
+            gone(channel).declare()
+            channel.queue_bind(group.queue, gone.name, group.queue)
+            store.start()
+            # Then each task runs, once
+            group.wait_starts("refused", 3, timeout=60)
+            _ran_once(group, "refused", ids)
+            assert all(p.poll() is None for p in group.procs)
+    finally:
+        store.stop()
+        with Connection(RABBITMQ_URL, connect_timeout=3) as conn:
+            gone(conn.channel()).delete()
+
+
+@pytest.mark.slow
+def test_a_task_acked_at_start_that_the_broker_never_takes_back_fails_visibly(group_factory) -> None:
+    from kombu import Connection, Exchange
+
+    rabbitmq_or_skip(RABBITMQ_URL)
+    store = RedisServer()  # (never started: the store is down throughout)
+    group = _refusing_group(group_factory, store, acks_late=False)
+    gone = Exchange(f"{group.prefix}-gone", "direct", durable=False)
+    try:
+        with Connection(RABBITMQ_URL, connect_timeout=3) as conn:
+            # Given a task whose re-sends the broker refuses, on a worker without acks_late
+            # (its message is acked when the pool takes it: the worker holds its only copy)
+            [task_id] = _sent_through_a_deleted_exchange(group, conn.channel(), gone, 1)
+            # When the store is down and the exchange never comes back
+            group.start()
+            result = group.client.AsyncResult(task_id)
+            wait_for(lambda: result.state == "FAILURE", RESEND_PATIENCE + 30, what="the task to fail")
+        # Then, after trying for RESEND_PATIENCE, it fails visibly, naming the refusal
+        assert type(result.result).__name__ == "ResendRefused", repr(result.result)
+        assert "refused to take tests.taskapp.below" in str(result.result) and "NOT_FOUND" in str(result.result)
+        assert group.starts("refused") == []
+        assert "so the task fails" in group.log_text()
+    finally:
+        store.stop()
+        with Connection(RABBITMQ_URL, connect_timeout=3) as conn:
+            gone(conn.channel()).delete()
