@@ -166,10 +166,11 @@ def busy_tokens(label):
     record(label)
 
 
-# A key far under a limit of a long window: a lease may be used for 1 s (a tenth of it,
-# timing.LEASE_MAX_US), so a process asks for one while it runs two calls a second, which
-# a loaded machine's pool still does (beside the whole suite, a process of the tests took
-# 40-140 ms a task: past the 50 ms within which busy's 100 ms leases pay).
+# A key far under a limit of a long window: a lease may be used for 1 s (less than a
+# quarter of it: timing.LEASE_MAX_US), so a process asks for one while it runs two calls a
+# second, which a loaded machine's pool still does (beside the whole suite, a process of
+# the tests took 40-140 ms a task: past the 125 ms within which busy's 250 ms leases pay
+# at times).
 @app.task
 @throttle("1500/10s")
 def busy_long(label):

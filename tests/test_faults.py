@@ -45,7 +45,8 @@ FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 #: The skew test's clocks are 2 and 3 s off: a start counted on a worker's own clock would
 #: land seconds out of place, so the test loses nothing by allowing a quarter second of noise
 #: between a start and its body. A CI run beside three other suites reached two bodies 70 ms
-#: further apart than their starts, past BODY_NOISE and the 2 % margin together.
+#: further apart than their starts, past BODY_NOISE and the 2 % margin together. (The
+#: killed-worker test reads body times too, and allows the same.)
 SKEW_NOISE = 0.25
 
 
@@ -170,7 +171,11 @@ def test_worker_killed_mid_burst_loses_no_task(group_factory) -> None:
     # Then no task is lost; only a task whose body was running when killed may run again
     assert set(counts) == set(ids)
     assert sum(n - 1 for n in counts.values()) <= 2
-    assert max_started_in([e["t"] for e in starts], 1.0) <= 5
+    # (Body times lag the starts the store counted by their process's wake-up: the whole
+    # suite on 2 cores once saw 6 bodies within 1.0 s of this 5/s key, whose counted window
+    # is 1.02 s. An overrun puts starts together, not SKEW_NOISE apart.)
+    times = sorted(e["t"] for e in starts)
+    assert max_started_in(times, 1.0 - SKEW_NOISE) <= 5, [round(t - times[0], 3) for t in times]
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ def test_busy_key_far_below_its_limit_is_admitted_from_leases_and_still_held(
         # than tasks (without leases every start is one, plus the consumer's screening).
         # (A lease of a 10 s window lasts 1 s: a process asks for one at two calls a second,
         # which the pool does on a machine as loaded as it gets; one of 1 s windows lasts
-        # 100 ms, and a pool slowed to 50 ms a task asks for none.)
+        # 250 ms, and a pool slowed to 125 ms a task asks for none.)
         assert_each_ran_once(starts, ids)
         assert _script_calls(counted) - before < 120
         counted.close()
