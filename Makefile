@@ -44,6 +44,8 @@ REDIS62_TESTS = tests/test_model_check.py tests/test_line_model.py tests/test_di
 lint:
 	$(PYTHON) -m ruff check celery_throttle tests
 	$(PYTHON) -m mypy
+	@# the layers (CONTRIBUTING.md, "Layout"; the contract is in pyproject.toml)
+	$(PYTHON) -c 'from importlinter.cli import lint_imports_command; lint_imports_command()'
 
 # The inner loop: the pure and script tiers (no worker process; tests/conftest.py says
 # which test is in which tier), with fewer examples per property (CT_QUICK), in 3

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 from .errors import ConfigurationError, StoreError
 from .keys import decode, encode
 from .locks import ForkSafeLock
+from .protocol import CONTROL_STAMP, FOREVER_US
 from .rates import Rate, parse_rates
 from .timing import CONTROL_REFRESH, RTT_COUNTS_FROM_US, STORE_TIMEOUT
 
@@ -48,13 +49,8 @@ logger = logging.getLogger("celery_throttle")
 #: A read of the controls under way for longer than this (seconds: the store's timeout,
 #: and some) is taken for lost, and another thread reads.
 READ_GIVEN_UP = STORE_TIMEOUT + 1.0
-#: The end of a pause with no end: the largest integer a Lua number holds exactly.
-FOREVER_US = 2**53 - 1
 #: The value of a ``replace:`` field (not all digits: pause.lua prunes those as pauses over).
 REPLACE_ALL = "all"
-#: The field every write of the control hash adds one to (not a control: ignored by each
-#: version's reader).
-CONTROL_STAMP = "~stamp"
 #: A stamped hash is read whole at least this often (seconds) even when its stamp has not
 #: moved: a field written by hand (redis-cli HSET, without HINCRBY ~stamp 1) takes effect
 #: within this time. A minute's worth of refreshes: at 50 000 pauses the reads cost a

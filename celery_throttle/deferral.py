@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import random
 import secrets
 import time
@@ -31,7 +30,7 @@ from .timing import RESEND_PATIENCE, RESEND_RETRY_DELAY, RESEND_RETRY_MAX_DELAY,
 if TYPE_CHECKING:
     from .limiter import Throttle
 
-__all__ = ["KEPT_PROPERTIES", "TurnedAway", "expires_us", "holder_id", "kept_properties", "names_task",
+__all__ = ["KEPT_PROPERTIES", "TurnedAway", "expires_us", "kept_properties", "names_task",
            "new_entry_id", "own_header"]
 
 logger = logging.getLogger("celery_throttle")
@@ -44,10 +43,6 @@ KEPT_PROPERTIES = ("app_id", "type", "message_id", "timestamp")
 #: The most store errors in a row that still double a task's back-off (its delay is capped
 #: by ``throttle_store_retry_max_delay`` long before; the count itself goes on).
 _BACKOFF_DOUBLINGS = 30
-#: The worker this process belongs to (its main process's pid): set at worker start, and
-#: inherited by its pool processes, so that a slot held by a body whose process was killed
-#: is found by the main process (:func:`holder_id`).
-WORKER_PID = os.getpid()
 
 
 def new_entry_id(task_id: str) -> str:
@@ -72,17 +67,6 @@ def own_header(header: Header, task_id: str) -> Header:
     if (ticket, pending) == (header.ticket, header.pending):
         return header
     return dataclasses.replace(header, ticket=ticket, pending=pending)
-
-
-def holder_id(task_id: str, nonce: str | None = None) -> str:
-    """A delivery of ``task_id`` holding a concurrency slot: its task id, this worker, and
-    (given, or random) a nonce of its own: two deliveries of one task id hold two slots."""
-    return f"{holder_prefix(task_id)}{nonce or secrets.token_hex(8)}"
-
-
-def holder_prefix(task_id: str) -> str:
-    """What every holder of ``task_id`` in this worker starts with."""
-    return f"{encode(task_id)}@{WORKER_PID}:"
 
 
 def expires_us(expires: Any) -> int:

@@ -27,10 +27,11 @@ from celery.exceptions import Ignore
 from . import settle, signals
 from .backoff import Backoff
 from .controller import controller
-from .deferral import TurnedAway, holder_id, new_entry_id, own_header
+from .deferral import TurnedAway, new_entry_id, own_header
 from .errors import StoreError, WaitTooLong
 from .internals import build_task_tracer, deferred_trace_result, has_own, trace_context
 from .protocol import HEADER, Code, Header
+from .slots import holder_id
 from .spec import BoundCall, ThrottleSpec, declared_spec
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
@@ -32,9 +32,15 @@ from .spec import BoundCall
 from .timing import RELEASER_BATCH
 
 if TYPE_CHECKING:
-    from .limiter import Throttle
+    from celery import Celery
 
-__all__ = ["WAKE_AHEAD_US", "Lines", "Waiting"]
+    from .checker import Checker
+    from .config import Settings
+    from .metrics import Metrics
+    from .parking_store import ParkingStore
+    from .store import RedisStore
+
+__all__ = ["WAKE_AHEAD_US", "Lines", "Owner", "Waiting"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -72,10 +78,33 @@ def _text(name: bytes | str) -> str:
     return name.decode(errors="surrogateescape") if isinstance(name, bytes) else name
 
 
+class Owner(Protocol):
+    """What the lines work with (the app's ``Throttle``): its app, checks, store and
+    metrics. (A protocol, not the controller's class: the controller owns the lines.)"""
+
+    @property
+    def app(self) -> Celery: ...
+
+    @property
+    def checker(self) -> Checker: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def store(self) -> RedisStore: ...
+
+    @property
+    def parking(self) -> ParkingStore: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+
 class Lines:
     """The lines of one app, as this process sees them."""
 
-    def __init__(self, ctl: Throttle) -> None:
+    def __init__(self, ctl: Owner) -> None:
         self.ctl = ctl
         self._lock = ForkSafeLock()
         #: state key -> (task name, args, kwargs) of a task of its line.

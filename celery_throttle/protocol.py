@@ -23,7 +23,9 @@ from .rates import Rate
 
 __all__ = [
     "ALGORITHM_TAGS",
+    "CONTROL_STAMP",
     "DEAD_LETTER_HEADERS",
+    "FOREVER_US",
     "HEADER",
     "HEADER_VERSION",
     "NO_ENTRY",
@@ -105,6 +107,14 @@ class StateLayout:
 
 
 STATE_LAYOUT = StateLayout()
+
+# -- the control hash (controls.py reads it, store.py and pause.lua write it) ----------
+
+#: The end of a pause with no end: the largest integer a Lua number holds exactly.
+FOREVER_US = 2**53 - 1
+#: The field every write of the control hash adds one to (not a control: ignored by each
+#: version's reader).
+CONTROL_STAMP = "~stamp"
 
 
 class Code(IntEnum):

@@ -20,24 +20,44 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .deferral import holder_prefix
 from .errors import StoreError
-from .keys import glob_escape, window_keys
+from .keys import encode, glob_escape, window_keys
 from .locks import ForkSafeLock
 from .protocol import Code
 from .spec import BoundCall
 
 if TYPE_CHECKING:
-    from .limiter import Throttle
+    from .checker import Checker
+    from .config import Settings
+    from .lines import Lines
+    from .metrics import Metrics
+    from .store import RedisStore
 
-__all__ = ["RENEWALS_PER_LEASE", "Slots"]
+__all__ = ["RENEWALS_PER_LEASE", "WORKER_PID", "Slots", "holder_id", "holder_prefix"]
 
 logger = logging.getLogger("celery_throttle")
+
+#: The worker this process belongs to (its main process's pid): set at worker start, and
+#: inherited by its pool processes, so that a slot held by a body whose process was killed
+#: is found by the main process (:func:`holder_id`).
+WORKER_PID = os.getpid()
+
+
+def holder_id(task_id: str, nonce: str | None = None) -> str:
+    """A delivery of ``task_id`` holding a concurrency slot: its task id, this worker, and
+    (given, or random) a nonce of its own: two deliveries of one task id hold two slots."""
+    return f"{holder_prefix(task_id)}{nonce or secrets.token_hex(8)}"
+
+
+def holder_prefix(task_id: str) -> str:
+    """What every holder of ``task_id`` in this worker starts with."""
+    return f"{encode(task_id)}@{WORKER_PID}:"
 
 #: A lease is renewed this many times within its length: a renewal may be late by two
 #: thirds of a lease (a slow store, a stalled process) before the slot is lost.
@@ -51,10 +71,29 @@ class Held:
     call: BoundCall
 
 
+class Owner(Protocol):
+    """What the slots work with (the app's ``Throttle``, which owns them)."""
+
+    @property
+    def checker(self) -> Checker: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def store(self) -> RedisStore: ...
+
+    @property
+    def lines(self) -> Lines: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+
 class Slots:
     """This process's concurrency slots, for one app."""
 
-    def __init__(self, ctl: Throttle) -> None:
+    def __init__(self, ctl: Owner) -> None:
         self.ctl = ctl
         self._lock = ForkSafeLock()
         self._held: dict[str, Held] = {}

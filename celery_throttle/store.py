@@ -25,12 +25,13 @@ from typing import Any
 from redis.exceptions import NoScriptError, RedisError
 
 from .connection import connect, safe_url
-from .controls import CONTROL_STAMP, FOREVER_US
 from .doctor import StoreReport, examine
 from .errors import StoreError
 from .keys import control_key, line_index_keys, window_keys
 from .locks import ForkSafeLock
 from .protocol import (
+    CONTROL_STAMP,
+    FOREVER_US,
     NO_ENTRY,
     STATE_FORMAT,
     STATE_LAYOUT,

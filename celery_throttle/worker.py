@@ -26,7 +26,7 @@ from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.exceptions import TimeLimitExceeded
 from celery.signals import task_failure, task_revoked, worker_init, worker_process_init, worker_shutdown
 
-from . import deferral
+from . import slots
 from .connection import safe_url
 from .controller import controller
 from .errors import StoreError
@@ -66,7 +66,7 @@ class ThrottleStep(bootsteps.StartStopStep):
         self.releaser: Any = None
         # (The holders of slots a pool process takes name this worker: a slot held by a
         # body whose process is killed is found and given back by this process.)
-        deferral.WORKER_PID = os.getpid()
+        slots.WORKER_PID = os.getpid()
         # Runs before the pool forks and before the consumer builds task tracers, so
         # every child sees the hooked classes. A bad rule stops the worker here, loudly.
         self.controller = install(worker.app)
