@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from . import timing
 from .config import Settings
@@ -28,6 +28,9 @@ from .protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowRe
 from .rates import Rate
 from .spec import BoundCall, ThrottleSpec, declared_spec, rate_costs
 from .store import RedisStore
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
 
 __all__ = ["Checker", "Known"]
 
@@ -43,6 +46,18 @@ class Stores(Protocol):
 
     @property
     def quick_store(self) -> RedisStore: ...
+
+
+class Owner(Stores, Protocol):
+    """What this process's side of the lines and slots works with: the app's ``Throttle``
+    (which owns them), seen as its checks, store and metrics. (A protocol, not the
+    controller's class, which imports them.)"""
+
+    @property
+    def checker(self) -> Checker: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
 
 
 class Checker:

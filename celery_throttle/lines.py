@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
+from . import checker
 from .errors import StoreError, ThrottleError
 from .keys import encode, glob_escape, line_index_key, state_key, target_of, window_keys
 from .locks import ForkSafeLock
@@ -34,11 +35,7 @@ from .timing import RELEASER_BATCH
 if TYPE_CHECKING:
     from celery import Celery
 
-    from .checker import Checker
-    from .config import Settings
-    from .metrics import Metrics
     from .parking_store import ParkingStore
-    from .store import RedisStore
 
 __all__ = ["WAKE_AHEAD_US", "Lines", "Owner", "Waiting"]
 
@@ -78,27 +75,15 @@ def _text(name: bytes | str) -> str:
     return name.decode(errors="surrogateescape") if isinstance(name, bytes) else name
 
 
-class Owner(Protocol):
-    """What the lines work with (the app's ``Throttle``): its app, checks, store and
-    metrics. (A protocol, not the controller's class: the controller owns the lines.)"""
+class Owner(checker.Owner, Protocol):
+    """What the lines work with: the app's checks, store and metrics, its app (to send a
+    released task) and its parking store (dead letters, the releasers' wake-up list)."""
 
     @property
     def app(self) -> Celery: ...
 
     @property
-    def checker(self) -> Checker: ...
-
-    @property
-    def settings(self) -> Settings: ...
-
-    @property
-    def store(self) -> RedisStore: ...
-
-    @property
     def parking(self) -> ParkingStore: ...
-
-    @property
-    def metrics(self) -> Metrics: ...
 
 
 class Lines:

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import checker
 from .errors import StoreError
 from .keys import encode, glob_escape, window_keys
 from .locks import ForkSafeLock
@@ -33,11 +34,7 @@ from .protocol import Code
 from .spec import BoundCall
 
 if TYPE_CHECKING:
-    from .checker import Checker
-    from .config import Settings
     from .lines import Lines
-    from .metrics import Metrics
-    from .store import RedisStore
 
 __all__ = ["RENEWALS_PER_LEASE", "WORKER_PID", "Slots", "holder_id", "holder_prefix"]
 
@@ -71,23 +68,12 @@ class Held:
     call: BoundCall
 
 
-class Owner(Protocol):
-    """What the slots work with (the app's ``Throttle``, which owns them)."""
-
-    @property
-    def checker(self) -> Checker: ...
-
-    @property
-    def settings(self) -> Settings: ...
-
-    @property
-    def store(self) -> RedisStore: ...
+class Owner(checker.Owner, Protocol):
+    """What the slots work with: the app's checks, store and metrics, and its lines (a
+    slot given back releases their heads)."""
 
     @property
     def lines(self) -> Lines: ...
-
-    @property
-    def metrics(self) -> Metrics: ...
 
 
 class Slots:
