@@ -89,11 +89,11 @@ class StateLayout:
     (sliding.lua and fixed.lua are loaded with it, and the reference model built with it;
     the tests load both with another, tests/test_model_check.py)."""
 
-    #: Buckets per window of a sliding rate: a bucket spans 1/SLOTS of it (at least 1 ms).
-    slots: int = 100
+    #: Buckets per window of a sliding rate: a bucket spans 1/BUCKETS of it (at least 1 ms).
+    buckets: int = 100
     #: Buckets a sliding rate keeps at most; past it the front is folded even if it could
     #: still decide something (safe, a little late: only a sparse schedule, of a rate that
-    #: another rate holds back, reaches it; a saturated one spans about SLOTS buckets).
+    #: another rate holds back, reaches it; a saturated one spans about BUCKETS buckets).
     max_buckets: int = 200
     #: Windows after the current one a fixed rate keeps before folding the older ones...
     max_ahead: int = 8
@@ -102,7 +102,7 @@ class StateLayout:
 
     def values(self) -> dict[str, int]:
         """The constants the algorithm scripts read, by their names there."""
-        return {"SLOTS": self.slots, "MAX_BUCKETS": self.max_buckets, "MAX_AHEAD": self.max_ahead,
+        return {"BUCKETS": self.buckets, "MAX_BUCKETS": self.max_buckets, "MAX_AHEAD": self.max_ahead,
                 "KEEP_AHEAD": self.keep_ahead}
 
 

@@ -27,7 +27,7 @@ import msgpack
 from celery_throttle.protocol import STATE_LAYOUT, StateLayout
 
 __all__ = [
-    "SLOTS",
+    "BUCKETS",
     "FixedRate",
     "SlidingRate",
     "max_units_in_any_interval",
@@ -37,7 +37,7 @@ __all__ = [
 #: Buckets per period of a sliding window, as the scripts are loaded with it by default
 #: (protocol.StateLayout says what each constant of the layout is; a model built with
 #: another layout uses that one).
-SLOTS = STATE_LAYOUT.slots
+BUCKETS = STATE_LAYOUT.buckets
 
 
 # -- sliding ------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ class Bucket:
 
 
 class SlidingRate:
-    """One rate of a sliding window: buckets keyed by floor(latest / slot)."""
+    """One rate of a sliding window: buckets keyed by floor(latest / width)."""
 
     tag = "s"
 
@@ -59,12 +59,12 @@ class SlidingRate:
         self.period = period_us
         self.layout = layout
         self.unit = unit
-        self.slot = max(math.ceil(period_us / layout.slots), 1000)
+        self.width = max(math.ceil(period_us / layout.buckets), 1000)
         self.field = f"{self.tag}{limit}/{period_us}" + (f".{unit}" if unit else "")
         self.buckets: dict[int, Bucket] = {}
 
     def bucket_of(self, latest: int) -> int:
-        return math.floor(latest / self.slot)
+        return math.floor(latest / self.width)
 
     def load(self, now: int) -> None:
         """What decode() keeps: buckets whose latest start may still count at ``now``."""

@@ -24,7 +24,7 @@ BASE = 1_700_000_000 * SEC
 #: A layout that keeps more buckets than any walk here opens, so that a sliding rate
 #: folds only what cannot decide anything (the cap of buckets, a known limit, is not the
 #: claim), and one of few buckets per window (wide buckets).
-LAYOUTS = (StateLayout(max_buckets=10_000), StateLayout(slots=4, max_buckets=10_000, max_ahead=3, keep_ahead=1))
+LAYOUTS = (StateLayout(max_buckets=10_000), StateLayout(buckets=4, max_buckets=10_000, max_ahead=3, keep_ahead=1))
 
 # A walk: (time that passes before them, µs; how many calls come then) per step.
 walks = st.lists(st.tuples(st.integers(0, 3 * SEC), st.integers(0, 60)), min_size=1, max_size=30)

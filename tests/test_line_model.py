@@ -70,7 +70,7 @@ ODD_POLICY = ScriptPolicy(line_batch=2, send_lease_ms=300, out_lease_ms=900, gra
                           jitter_gain_parts=3)
 #: A state layout unlike the default in every field: few buckets per window and few kept,
 #: so that a sliding state folds, and a fixed one keeps few windows ahead.
-ODD_LAYOUT = StateLayout(slots=7, max_buckets=10, max_ahead=3, keep_ahead=1)
+ODD_LAYOUT = StateLayout(buckets=7, max_buckets=10, max_ahead=3, keep_ahead=1)
 
 
 class FakeClock:

@@ -27,7 +27,7 @@ from celery_throttle.rates import Rate, parse_rate
 from celery_throttle.store import RedisStore
 from celery_throttle.timing import SCRIPT_POLICY, ScriptPolicy
 from tests.helpers import STORE_URL, redis_or_skip
-from tests.reference import SLOTS, FixedRate, SlidingRate, max_units_per_aligned_window
+from tests.reference import BUCKETS, FixedRate, SlidingRate, max_units_per_aligned_window
 
 ALGORITHMS = ("sliding", "fixed")
 #: A plausible "now": late 2023 in µs, well below 2**53.
@@ -289,10 +289,10 @@ def test_sliding_day_limit_memory_stays_flat_after_5000_admissions(
         assert store.acquire(key, WindowCall("sliding", rates, 1, slack_us=2000)).allowed
         if i % 250 == 249:
             worst = max(worst, redis_client.memory_usage(key, samples=0))
-    # Then the hash keeps one field for the rate, holding one bucket per SLOTS-th of the
-    # day (a day's span touches at most SLOTS + 1 of them), and its epoch field; under 4 kB
+    # Then the hash keeps one field for the rate, holding one bucket per BUCKETS-th of the
+    # day (a day's span touches at most BUCKETS + 1 of them), and its epoch field; under 4 kB
     assert sorted(redis_client.hkeys(key)) == [b"e", b"f", b"s100000/86400000000"]
-    assert len(SlidingRate.decode(redis_client.hget(key, "s100000/86400000000"))) <= 2 * (SLOTS + 1)
+    assert len(SlidingRate.decode(redis_client.hget(key, "s100000/86400000000"))) <= 2 * (BUCKETS + 1)
     assert worst < 4096, f"MEMORY USAGE reached {worst} bytes"
 
 

@@ -79,7 +79,7 @@ def test_reply_codes_match_the_script() -> None:
 
 
 #: The layout constants of the other algorithm: given to each script, read by one.
-_OTHER_ALGORITHMS_LAYOUT = {"sliding": {"MAX_AHEAD", "KEEP_AHEAD"}, "fixed": {"SLOTS", "MAX_BUCKETS"}}
+_OTHER_ALGORITHMS_LAYOUT = {"sliding": {"MAX_AHEAD", "KEEP_AHEAD"}, "fixed": {"BUCKETS", "MAX_BUCKETS"}}
 
 
 def test_the_scripts_read_every_constant_they_are_loaded_with_and_no_other() -> None:

@@ -6,8 +6,8 @@
 -- interval, whatever order entries were placed in, so reservations in the future obey it
 -- too (see docs/design.md, "Windows").
 --
--- To keep memory flat however large the limit, entries are merged into SLOTS buckets per
--- period, keyed by floor(latest / slot). A bucket keeps its total units and the greatest
+-- To keep memory flat however large the limit, entries are merged into BUCKETS buckets per
+-- period, keyed by floor(latest / width). A bucket keeps its total units and the greatest
 -- `latest` of what it holds: merging only makes entries look later, which is safe.
 --
 -- The buckets, sorted by latest, are {latest, units} pairs. The last one is "hot": the
@@ -30,7 +30,7 @@
 -- behind the front holds fewer than `limit` units, plus one bucket: about one window of
 -- buckets, whatever waits. Folding only makes units look later, so it is always safe; a
 -- give-back of units folded away finds no bucket and gives nothing back.
--- (SLOTS, and MAX_BUCKETS, the buckets kept at most per rate, are set before the script
+-- (BUCKETS, and MAX_BUCKETS, the buckets kept at most per rate, are set before the script
 -- from celery_throttle.protocol.StateLayout, which says why.)
 -- A stored cold pair takes at least 10 bytes (a time in µs is a 9-byte integer), so a
 -- state that is not decoded holds more than MAX_BUCKETS buckets only past this size.
@@ -64,7 +64,7 @@ function ALGO.fit(raw, now, limit, period, cost, latest, record)
     else
       -- Buckets that left the window (a prefix of the cold ones: they are sorted by
       -- latest) are dropped, as read() drops them: on a busy key one leaves every
-      -- 1/SLOTS of a window, so most calls find one.
+      -- 1/BUCKETS of a window, so most calls find one.
       while cold_at ~= -1 do
         local units_at, first, after, units
         ok, units_at, first = pcall(unpack_one, raw, cold_at)  -- (the next offset, then its latest)
@@ -80,8 +80,8 @@ function ALGO.fit(raw, now, limit, period, cost, latest, record)
   if used + cost > limit then return nil end
   if not record then return used, hot_latest and hot_latest + period or 0, nil, used end
   local cold = cold_at == -1 and '' or string.sub(raw, cold_at + 1)
-  local slot = math.max(math.ceil(period / SLOTS), 1000)  -- (as load() sets r.slot)
-  local b, hot = math.floor(latest / slot), hot_latest and math.floor(hot_latest / slot)
+  local width = math.max(math.ceil(period / BUCKETS), 1000)  -- (as load() sets r.width)
+  local b, hot = math.floor(latest / width), hot_latest and math.floor(hot_latest / width)
   if hot == nil then
     hot_latest, hot_units = latest, cost
   elseif b > hot then  -- the hot bucket turns cold
@@ -105,7 +105,7 @@ function ALGO.fit(raw, now, limit, period, cost, latest, record)
     else
       local last_latest, last_units = got[n + 1], got[n + 2]
       if type(last_latest) ~= 'number' or type(last_units) ~= 'number' then return nil end
-      local last = math.floor(last_latest / slot)
+      local last = math.floor(last_latest / width)
       if last == b then
         local tail = pack(last_latest, last_units)
         if string.sub(cold, -#tail) ~= tail then return nil end
@@ -183,7 +183,7 @@ function ALGO.define()
   end
 
   function ALGO.load(r, raw, now)
-    r.slot = math.max(math.ceil(r.period / SLOTS), 1000)
+    r.width = math.max(math.ceil(r.period / BUCKETS), 1000)
     empty(r)
     -- A value that does not decode to a window state counts for nothing (and is replaced).
     if raw and not pcall(read, r, raw, now) then empty(r) end
@@ -236,17 +236,17 @@ function ALGO.define()
 
   -- Index of the bucket holding `latest`, or of the last entry before it (0 if none).
   local function find(r, t, latest)
-    local b = math.floor(latest / r.slot)
+    local b = math.floor(latest / r.width)
     local i = #t - 1
-    while i >= 1 and math.floor(t[i] / r.slot) > b do i = i - 2 end
-    return i, i >= 1 and math.floor(t[i] / r.slot) == b
+    while i >= 1 and math.floor(t[i] / r.width) > b do i = i - 2 end
+    return i, i >= 1 and math.floor(t[i] / r.width) == b
   end
 
   -- Records `cost` units that start in [at, latest]; returns the latest valid start.
   function ALGO.record(r, at, latest, cost)
     if not r.list then
-      local hot = r.hot_latest and math.floor(r.hot_latest / r.slot)
-      local b = math.floor(latest / r.slot)
+      local hot = r.hot_latest and math.floor(r.hot_latest / r.width)
+      local b = math.floor(latest / r.width)
       if hot == nil or b > hot then
         if hot ~= nil then  -- the hot bucket turns cold
           r.cold = r.cold .. pack(r.hot_latest, r.hot_units)
