@@ -129,7 +129,8 @@ def _controls(sizes: tuple[int, ...], reads: int = 20) -> list[tuple[int, float,
     import subprocess
 
     from bench.backlog import dedicated_redis
-    from celery_throttle.controls import FOREVER_US, Controls, pause_field
+    from celery_throttle.controls import Controls, pause_field
+    from celery_throttle.protocol import FOREVER_US
     from celery_throttle.store import RedisStore
 
     old_lua = subprocess.run(["git", "show", f"{BEFORE}:celery_throttle/lua/pause.lua"], capture_output=True,

@@ -36,11 +36,10 @@ from typing import Any, NamedTuple
 from .errors import ConfigurationError, StoreError
 from .keys import decode, encode
 from .locks import ForkSafeLock
-from .protocol import CONTROL_STAMP, FOREVER_US
 from .rates import Rate, parse_rates
 from .timing import CONTROL_REFRESH, RTT_COUNTS_FROM_US, STORE_TIMEOUT
 
-__all__ = ["CONTROL_REFRESH", "CONTROL_STAMP", "FOREVER_US", "FULL_READ_EVERY", "PRUNE_BATCH", "REPLACE_ALL",
+__all__ = ["CONTROL_REFRESH", "FULL_READ_EVERY", "PRUNE_BATCH", "REPLACE_ALL",
            "ControlSet", "Controls", "control_target", "limit_field", "merged_rates", "pause_field", "replace_field",
            "slots_field"]
 

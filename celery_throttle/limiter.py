@@ -16,7 +16,6 @@ from . import timing
 from .checker import Checker
 from .config import ALGORITHMS, Settings, require_redis_url
 from .controls import (
-    FOREVER_US,
     REPLACE_ALL,
     ControlSet,
     control_target,
@@ -33,7 +32,7 @@ from .lines import Lines
 from .locks import ForkSafeLock
 from .metrics import Metrics
 from .parking_store import ParkingStore
-from .protocol import WindowCall, WindowReply, rate_of_field
+from .protocol import FOREVER_US, WindowCall, WindowReply, rate_of_field
 from .rates import UNIT_NAME, Rate, parse_rates
 from .slots import Slots
 from .spec import BoundCall, ThrottleSpec, declared_spec, rate_costs

@@ -9,9 +9,9 @@ from importlib import resources
 import pytest
 import redis
 
-from celery_throttle.controls import FOREVER_US
 from celery_throttle.errors import StoreError
 from celery_throttle.protocol import (
+    FOREVER_US,
     STATE_FORMAT,
     STATE_LAYOUT,
     Code,
