@@ -203,6 +203,14 @@ def other_user_of_api(label):
     record(label)
 
 
+# A scope of two rates whose second window (30 s) outlasts the CLI calls of a test that
+# reads its counts after a live --replace (a 3 s one left its window under load).
+@app.task
+@throttle("6/s", "9/30s", scope="replaced-api")
+def replaced_api(label):
+    record(label)
+
+
 # -- per-tenant plans via a callable rate ----------------------------------------------
 PLANS = {"free": "2/s", "pro": "6/s"}
 

@@ -103,23 +103,22 @@ def test_an_unreachable_store_is_one_line_of_error_not_a_traceback(prefix: str) 
 
 def test_set_says_which_rates_are_in_force_and_replace_lifts_the_other_windows(prefix: str) -> None:
     ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
-    ctl.acquire("shared-api", rates=["6/s", "9/3s"], cost=2)
-    # Given the scope its tasks declare 6/s and 9/3s for, when 2/s is set live
-    out = _celery(prefix, "set", "shared-api", "2/s")
-    # Then the 9/3s stays in force, and the command says so
-    assert out.splitlines() == ["scope 'shared-api': limit set to 2/s", "in force: 2/s (live), 9/3s (declared)"]
-    # (what it counted, 2, may have left its 3 s window by the time a subprocess reads it)
-    ctl.acquire("shared-api", rates=["6/s", "9/3s"], cost=2)
-    assert sum(map(int, _row(_celery(prefix, "status", "shared-api"), "", "", "9/3s"))) == 9
-    # When set with --replace: the 9/3s is lifted, said when set and in status
-    out = _celery(prefix, "set", "shared-api", "2/s", "--replace")
-    assert out.splitlines() == ["scope 'shared-api': limit set to 2/s in place of every declared rate",
-                                "in force: 2/s (live); lifted until `throttle unset`: 9/3s"]
-    ctl.acquire("shared-api", rates=["6/s", "9/3s"], cost=2)  # (counted by the 2/s alone now)
-    status = _celery(prefix, "status", "shared-api")
-    assert sum(map(int, _row(status, "", "", "9/3s", "(not", "in", "force)"))) == 9, status
-    assert json.loads(_celery(prefix, "status", "shared-api", "--json"))["keys"][0]["live_replaces_all"] is True
-    assert "back to the code's limits" in _celery(prefix, "unset", "shared-api")
+    ctl.acquire("replaced-api", rates=["6/s", "9/30s"], cost=2)
+    # Given the scope its tasks declare 6/s and 9/30s for, when 2/s is set live
+    out = _celery(prefix, "set", "replaced-api", "2/s")
+    # Then the 9/30s stays in force, and the command says so
+    assert out.splitlines() == ["scope 'replaced-api': limit set to 2/s", "in force: 2/s (live), 9/30s (declared)"]
+    ctl.acquire("replaced-api", rates=["6/s", "9/30s"], cost=2)
+    assert sum(map(int, _row(_celery(prefix, "status", "replaced-api"), "", "", "9/30s"))) == 9
+    # When set with --replace: the 9/30s is lifted, said when set and in status
+    out = _celery(prefix, "set", "replaced-api", "2/s", "--replace")
+    assert out.splitlines() == ["scope 'replaced-api': limit set to 2/s in place of every declared rate",
+                                "in force: 2/s (live); lifted until `throttle unset`: 9/30s"]
+    ctl.acquire("replaced-api", rates=["6/s", "9/30s"], cost=2)  # (counted by the 2/s alone now)
+    status = _celery(prefix, "status", "replaced-api")
+    assert sum(map(int, _row(status, "", "", "9/30s", "(not", "in", "force)"))) == 9, status
+    assert json.loads(_celery(prefix, "status", "replaced-api", "--json"))["keys"][0]["live_replaces_all"] is True
+    assert "back to the code's limits" in _celery(prefix, "unset", "replaced-api")
     assert ctl.store.controls() == {}
 
 
