@@ -117,7 +117,7 @@ def _depth(depths: tuple[int, ...]) -> list[tuple[int, float, float]]:
 
 #: Pauses in the control hash the controls rows are measured at (a Backoff per tenant).
 PAUSES = (100, 5_000, 50_000)
-#: pause.lua before the stamp (git show 903274a:celery_throttle/lua/pause.lua): it pruned by
+#: pause.lua before the stamp (git show 903274a:celery_throttle/lua/pause.lua, since moved to celery_throttle/store/lua): it pruned by
 #: reading the whole hash, and every process read the hash whole every refresh.
 BEFORE = "903274a"
 
@@ -129,9 +129,9 @@ def _controls(sizes: tuple[int, ...], reads: int = 20) -> list[tuple[int, float,
     import subprocess
 
     from bench.backlog import dedicated_redis
-    from celery_throttle.controls import Controls, pause_field
-    from celery_throttle.protocol import FOREVER_US
-    from celery_throttle.store import RedisStore
+    from celery_throttle.check.controls import Controls, pause_field
+    from celery_throttle.core.protocol import FOREVER_US
+    from celery_throttle.store.client import RedisStore
 
     old_lua = subprocess.run(["git", "show", f"{BEFORE}:celery_throttle/lua/pause.lua"], capture_output=True,
                              text=True, check=True).stdout

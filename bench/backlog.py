@@ -28,10 +28,10 @@ from typing import Any
 import redis
 
 from bench.common import OUT_DIR, Results, fmt_bytes, wait_until
-from celery_throttle.keys import state_key, window_keys
-from celery_throttle.protocol import Code, Entry, WindowCall
-from celery_throttle.rates import parse_rate
-from celery_throttle.store import RedisStore
+from celery_throttle.core.keys import state_key, window_keys
+from celery_throttle.core.protocol import Code, Entry, WindowCall
+from celery_throttle.core.rates import parse_rate
+from celery_throttle.store.client import RedisStore
 
 SEC = "9 deep line"
 ALGORITHMS = ("sliding", "fixed")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from celery_throttle.protocol import WindowReply
+from celery_throttle.core.protocol import WindowReply
 
 
 def _placeholder() -> list[int]:

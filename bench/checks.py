@@ -26,9 +26,9 @@ from celery import Celery
 import celery_throttle
 from bench.bulk import Bulk, supported
 from bench.common import STORE_URL, Results, fmt_num, limits_peers, percentile
-from celery_throttle.keys import state_key
-from celery_throttle.protocol import WindowCall
-from celery_throttle.rates import Rate
+from celery_throttle.core.keys import state_key
+from celery_throttle.core.protocol import WindowCall
+from celery_throttle.core.rates import Rate
 
 RATE = "1000000/s"
 INCR_LUA = "return redis.call('INCR', KEYS[1])"

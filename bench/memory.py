@@ -22,8 +22,8 @@ import celery_throttle
 from bench.bulk import Bulk, supported
 from bench.common import BROKER_URL, STORE_URL, Results, delete_prefix, fmt_bytes, store_client, used_memory
 from bench.naive import NaiveLimiter
-from celery_throttle.keys import state_key
-from celery_throttle.limiter import Throttle
+from celery_throttle.check.limiter import Throttle
+from celery_throttle.core.keys import state_key
 
 SLIDING_CAP = 4096  # "a few KB": the sliding window's bound whatever the limit
 DAY = 86400

@@ -46,9 +46,9 @@ from bench.common import (
     store_client,
 )
 from bench.naive import NaiveLimiter
-from celery_throttle.config import Settings
-from celery_throttle.keys import parking_keys
-from celery_throttle.rates import parse_rate
+from celery_throttle.core.config import Settings
+from celery_throttle.core.keys import parking_keys
+from celery_throttle.core.rates import parse_rate
 
 SEC = "10 noisy neighbour"
 QUOTA = "100/h"

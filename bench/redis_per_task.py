@@ -55,7 +55,7 @@ import redis
 
 from bench.backlog import DedicatedRedis
 from bench.common import ROOT, Results, new_prefix, percentile, wait_until
-from celery_throttle.keys import line_index_key, parking_keys, window_keys
+from celery_throttle.core.keys import line_index_key, parking_keys, window_keys
 
 SEC = "12 Redis per task"
 APP = "bench.rpt_app"

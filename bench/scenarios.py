@@ -24,7 +24,7 @@ from bench.common import (
     used_memory,
 )
 from bench.workers import WorkerGroup
-from celery_throttle.rates import parse_rate
+from celery_throttle.core.rates import parse_rate
 
 #: (variant shown, task in bench.workerapp)
 BURST_VARIANTS = (

@@ -27,8 +27,8 @@ from typing import Any
 
 import redis
 
-from celery_throttle import protocol
-from celery_throttle.store import window_preamble, window_script
+from celery_throttle.core import protocol
+from celery_throttle.store.client import window_preamble, window_script
 from examples.local_redis import start
 
 ROUNDS, CALLS = 7, 2000
@@ -41,14 +41,19 @@ FLOOR = ("local t = redis.call('TIME') local v = redis.call('HMGET', KEYS[1], 'e
 def script_at(rev: str, algorithm: str) -> str:
     """The window script of ``rev``, loaded with today's constants (a constant it does not
     read costs nothing)."""
-    def show(path: str) -> str:
-        return subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
+    def show(name: str) -> str:
+        # (The scripts moved to store/lua/ with the folders; older revisions have them in lua/.)
+        for folder in ("celery_throttle/store/lua", "celery_throttle/lua"):
+            found = subprocess.run(["git", "show", f"{rev}:{folder}/{name}"], capture_output=True, text=True)
+            if found.returncode == 0:
+                return found.stdout
+        raise FileNotFoundError(f"{name} at {rev}")
 
-    return window_preamble() + show(f"celery_throttle/lua/{algorithm}.lua") + show("celery_throttle/lua/window.lua")
+    return window_preamble() + show(f"{algorithm}.lua") + show("window.lua")
 
 
 def protocol_at(rev: str, into: Path) -> ModuleType:
-    """``celery_throttle.protocol`` as ``rev`` has it (a copy of its package, imported under
+    """``celery_throttle.core.protocol`` as ``rev`` has it (a copy of its package, imported under
     another name): each script is called with the ARGV its own revision builds, since the
     order of the arguments changes between revisions."""
     name = f"celery_throttle_at_{subprocess.run(['git', 'rev-parse', '--short', rev], capture_output=True, text=True, check=True).stdout.strip()}"
@@ -56,7 +61,9 @@ def protocol_at(rev: str, into: Path) -> ModuleType:
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     (into / "celery_throttle").rename(into / name)
     sys.path.insert(0, str(into))
-    return importlib.import_module(f"{name}.protocol")
+    # (The module moved into core/ with the folders; older revisions have it at the top.)
+    folder = "core." if (into / name / "core" / "protocol.py").exists() else ""
+    return importlib.import_module(f"{name}.{folder}protocol")
 
 
 def per_call(client: redis.Redis, sha: str, key: str, args: list[Any]) -> float:

@@ -28,7 +28,7 @@ from celery import Celery
 import celery_throttle
 from bench.naive import NaiveLimiter
 from celery_throttle import throttle
-from celery_throttle.rates import parse_rate
+from celery_throttle.core.rates import parse_rate
 from celery_throttle.signals import task_throttled
 
 PREFIX = os.environ.get("CB_PREFIX", "ct-bench")

@@ -9,13 +9,20 @@
 from __future__ import annotations
 
 from . import signals
-from .backoff import Backoff, backoff_from
-from .decorator import throttle
-from .errors import ConfigurationError, KeyBuildError, ResendRefused, StoreError, ThrottleError, WaitTooLong
-from .limiter import Decision, RateStatus, Status, Throttle
-from .rates import Rate, parse_rate
-from .settle import charge
-from .worker import install
+from .check.limiter import Decision, RateStatus, Status, Throttle
+from .core.backoff import Backoff, backoff_from
+from .core.errors import (
+    ConfigurationError,
+    KeyBuildError,
+    ResendRefused,
+    StoreError,
+    ThrottleError,
+    WaitTooLong,
+)
+from .core.rates import Rate, parse_rate
+from .integration.decorator import throttle
+from .integration.settle import charge
+from .integration.worker import install
 
 __all__ = [
     "Backoff",

@@ -18,7 +18,7 @@ task_throttled = Signal(
 )
 
 #: Sent in the worker when a denied task would wait longer than its ``max_wait``: it
-#: fails with :class:`~celery_throttle.errors.WaitTooLong` instead. ``sender`` is the
+#: fails with :class:`~celery_throttle.core.errors.WaitTooLong` instead. ``sender`` is the
 #: task; keyword arguments: ``request``, ``wait`` (seconds it would have waited),
 #: ``max_wait``, ``scope``, ``key``.
 task_wait_exceeded = Signal(

@@ -4,7 +4,7 @@ and one between; the suite runs it on the newest (the one installed).
 
 For each version: a new virtualenv outside the tree with that Celery (and what the plugin
 needs at import), then the contract's tests, from this checkout. A version whose shapes
-changed fails there, naming the function of celery_throttle/internals.py concerned.
+changed fails there, naming the function of celery_throttle/celery_parts/internals.py concerned.
 """
 
 from __future__ import annotations

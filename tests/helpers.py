@@ -22,7 +22,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_throttle.keys import glob_escape
+from celery_throttle.core.keys import glob_escape
 from examples.local_redis import drop_bindings, server_binary
 from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
 from tests.slow_proxy import spawn

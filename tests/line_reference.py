@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_throttle.protocol import STATE_LAYOUT, Code, StateLayout
-from celery_throttle.timing import SCRIPT_POLICY, ScriptPolicy
+from celery_throttle.core.protocol import STATE_LAYOUT, Code, StateLayout
+from celery_throttle.core.timing import SCRIPT_POLICY, ScriptPolicy
 from tests.reference import FixedRate, SlidingRate
 
 __all__ = ["FOREVER_US", "KeyModel", "Meta", "Rates"]

@@ -19,10 +19,10 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from celery_throttle.keys import state_key, window_keys
-from celery_throttle.protocol import HEADER, Code, Entry, Header, WindowCall
-from celery_throttle.rates import parse_rate
-from celery_throttle.store import RedisStore
+from celery_throttle.core.keys import state_key, window_keys
+from celery_throttle.core.protocol import HEADER, Code, Entry, Header, WindowCall
+from celery_throttle.core.rates import parse_rate
+from celery_throttle.store.client import RedisStore
 from tests.helpers import (
     RedisServer,
     WorkerGroup,

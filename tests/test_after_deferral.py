@@ -22,7 +22,7 @@ import pytest
 import redis
 
 import celery_throttle
-from celery_throttle.keys import line_index_key, state_key
+from celery_throttle.core.keys import line_index_key, state_key
 from tests.helpers import (
     BROKER_URL,
     STORE_URL,

@@ -9,8 +9,8 @@ from celery import Celery
 from hypothesis import given
 from hypothesis import strategies as st
 
-from celery_throttle.keys import parking_keys
-from celery_throttle.protocol import HEADER, HEADER_VERSION, Header
+from celery_throttle.core.keys import parking_keys
+from celery_throttle.core.protocol import HEADER, HEADER_VERSION, Header
 from tests.helpers import WorkerGroup, max_started_in
 
 #: What a JSON (or msgpack, or pickle-less YAML) body can carry.
@@ -91,7 +91,7 @@ JSON_VALUES = st.recursive(
 def test_a_parked_message_reads_back_as_it_was_written(args: Any, kwargs: Any) -> None:
     from celery import Celery, signature
 
-    from celery_throttle.messages import decode_message, encode_message
+    from celery_throttle.celery_parts.messages import decode_message, encode_message
 
     app = Celery("roundtrip", set_as_current=False)
     sig = signature("proj.task", args=[args], kwargs={"value": kwargs}, app=app,
@@ -104,7 +104,7 @@ def test_a_parked_message_reads_back_as_it_was_written(args: Any, kwargs: Any) -
 def test_any_bytes_parked_never_stop_the_releaser_and_end_as_dead_letters(prefix: str) -> None:
     from hypothesis import settings
 
-    from celery_throttle.parking import MAX_ATTEMPTS, release_parked
+    from celery_throttle.waits.parking import MAX_ATTEMPTS, release_parked
 
     app, ctl = _parking_app(prefix)
 
@@ -137,7 +137,7 @@ def test_any_bytes_parked_never_stop_the_releaser_and_end_as_dead_letters(prefix
 def test_a_kept_message_decodes_as_one_task_whatever_else_it_names() -> None:
     from kombu.serialization import dumps
 
-    from celery_throttle.messages import KEPT_FIELDS, decode_message
+    from celery_throttle.celery_parts.messages import KEPT_FIELDS, decode_message
 
     app = Celery("kept", set_as_current=False)
     # Given a stored message that also names a chord (a writer of the store's own)

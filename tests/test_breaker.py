@@ -1,8 +1,8 @@
-"""The pause after a store error of the optional checks (celery_throttle.breaker)."""
+"""The pause after a store error of the optional checks (celery_throttle.check.breaker)."""
 
 from __future__ import annotations
 
-from celery_throttle.breaker import Breaker
+from celery_throttle.check.breaker import Breaker
 
 
 def test_a_breaker_is_closed_until_tripped_then_open_for_its_pause() -> None:

@@ -170,8 +170,8 @@ def test_set_and_unset_a_live_limit_from_the_command_line(prefix: str) -> None:
 def _three_waiting(prefix: str) -> celery_throttle.Throttle:
     """A controller of ``prefix`` whose lines hold task-0 and task-1 (scope "exports" key
     "acme") and task-2 (scope "github-api"), their hourly windows spent."""
-    from celery_throttle.messages import encode_message
-    from celery_throttle.protocol import Code, Entry
+    from celery_throttle.celery_parts.messages import encode_message
+    from celery_throttle.core.protocol import Code, Entry
 
     ctl = celery_throttle.Throttle(app, {"key_prefix": prefix})
     for i, (scope, key) in enumerate([("exports", "acme"), ("exports", "acme"), ("github-api", None)]):
@@ -201,7 +201,7 @@ def test_waiting_tasks_by_scope_and_key_and_a_purge(prefix: str) -> None:
 
 
 def test_send_now_empties_the_lines_into_the_broker_before_a_rollback(prefix: str) -> None:
-    from celery_throttle.protocol import HEADER, Header
+    from celery_throttle.core.protocol import HEADER, Header
 
     # Given two tasks waiting in the line of a key whose hourly window is spent, and one in
     # another key's

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from celery_throttle.keys import state_key, window_keys
+from celery_throttle.core.keys import state_key, window_keys
 from tests.conftest import _clean
 from tests.helpers import (
     BROKER_URL,
@@ -447,7 +447,7 @@ def test_a_corrupt_message_waiting_for_a_slot_is_a_dead_letter_and_those_behind_
     truncation). ``throttle why`` of it answers without a traceback; when the slot comes
     free it is kept as a dead letter (``parked --dead``), its turn given back, and the one
     behind it runs: no orphan holding the line."""
-    from celery_throttle.keys import encode
+    from celery_throttle.core.keys import encode
     from tests.helpers import run_cli
 
     group = group_with_lease("30")

@@ -1,4 +1,4 @@
-"""Live limits and pauses as the control hash holds them (celery_throttle/controls.py):
+"""Live limits and pauses as the control hash holds them (celery_throttle/check/controls.py):
 which rates are in force under a live limit, and what a pause leaves of the other controls."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from celery import Celery
 
 import celery_throttle
 from celery_throttle import throttle
-from celery_throttle.controls import merged_rates, parse_controls
-from celery_throttle.rates import parse_rates
+from celery_throttle.check.controls import merged_rates, parse_controls
+from celery_throttle.core.rates import parse_rates
 from tests.helpers import STORE_URL
 
 

@@ -14,9 +14,9 @@ from celery import Celery, shared_task
 
 import celery_throttle
 from celery_throttle import ConfigurationError, throttle
-from celery_throttle.protocol import Code, Entry
-from celery_throttle.spec import ThrottleSpec
-from celery_throttle.worker import ThrottleStep
+from celery_throttle.core.protocol import Code, Entry
+from celery_throttle.core.spec import ThrottleSpec
+from celery_throttle.integration.worker import ThrottleStep
 from tests.helpers import STORE_URL
 
 STORE = STORE_URL
@@ -381,8 +381,8 @@ def test_a_live_limit_keeps_what_the_declared_sliding_rate_counted_in_the_worker
 
 
 def test_a_start_granted_early_is_used_only_if_the_process_wakes_in_time(ctl: celery_throttle.Throttle) -> None:
-    from celery_throttle.hook import _waited_for_start
-    from celery_throttle.protocol import WindowReply
+    from celery_throttle.core.protocol import WindowReply
+    from celery_throttle.integration.hook import _waited_for_start
 
     call = ctl._direct_call("api", None, "10/s", 1, None)
     slack = ctl.checker.slack_us(call.rates)
@@ -477,7 +477,7 @@ def test_settings_the_line_made_pointless_are_accepted_with_a_warning(caplog: py
 def test_concurrent_pauses_keep_the_longest_and_forget_those_over(ctl: celery_throttle.Throttle) -> None:
     import threading
 
-    from celery_throttle.controls import pause_field
+    from celery_throttle.check.controls import pause_field
 
     # Given a pause that is over, and a live limit, in the controls hash
     store = ctl.store
@@ -508,7 +508,7 @@ def test_concurrent_pauses_keep_the_longest_and_forget_those_over(ctl: celery_th
     assert over not in controls and controls["limit:api"] == "4/s"
     # and a shorter pause set after it does not shorten it; one with no end is forever
     assert store.pause(pause_field("vendor", None), 1.0) == int(controls[pause_field("vendor", None)])
-    assert store.pause(pause_field("vendor", None), None) == celery_throttle.protocol.FOREVER_US
+    assert store.pause(pause_field("vendor", None), None) == celery_throttle.core.protocol.FOREVER_US
     ctl.close()  # (the threads' connections)
 
 
@@ -529,7 +529,7 @@ def test_a_store_password_is_shown_by_no_celery_command_nor_the_settings() -> No
         assert "s3cret-pw" not in text, text
     assert "redis://:**@127.0.0.1:6379/12" in str(app.conf.table(with_defaults=False))
     # and the settings read again (a second install, the worker's start) still connect
-    from celery_throttle.config import Settings
+    from celery_throttle.core.config import Settings
 
     assert Settings.from_app(app).redis_url == url
 
@@ -569,7 +569,8 @@ def test_status_shows_each_rate_as_declared_whatever_margin_it_is_counted_with(p
 def test_a_process_reads_the_control_hash_whole_only_when_its_stamp_moved(
         ctl: celery_throttle.Throttle, store_client: redis.Redis, prefix: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from celery_throttle import controls, protocol
+    from celery_throttle.check import controls
+    from celery_throttle.core import protocol
 
     # Given a stamped control hash (a pause set through the API) this process has read
     ctl.pause("vendor", seconds=60)

@@ -7,9 +7,9 @@ import importlib
 import pytest
 
 from celery_throttle import ConfigurationError, signals, throttle
-from celery_throttle.controller import controller
-from celery_throttle.spec import declared_spec
-from celery_throttle.worker import patch_tasks
+from celery_throttle.check.controller import controller
+from celery_throttle.core.spec import declared_spec
+from celery_throttle.integration.worker import patch_tasks
 
 
 @pytest.mark.parametrize("module", ["examples.external_api", "examples.tenant_quotas",

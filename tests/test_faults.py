@@ -22,12 +22,12 @@ from celery import Celery
 
 import celery_throttle
 from celery_throttle import StoreError
-from celery_throttle.keys import line_index_key, parking_keys, state_key, window_keys
-from celery_throttle.messages import encode_message
-from celery_throttle.parking import release_parked
-from celery_throttle.protocol import HEADER, Code, Entry, Header
-from celery_throttle.store import RedisStore
-from celery_throttle.timing import RESEND_PATIENCE, SCRIPT_POLICY
+from celery_throttle.celery_parts.messages import encode_message
+from celery_throttle.core.keys import line_index_key, parking_keys, state_key, window_keys
+from celery_throttle.core.protocol import HEADER, Code, Entry, Header
+from celery_throttle.core.timing import RESEND_PATIENCE, SCRIPT_POLICY
+from celery_throttle.store.client import RedisStore
+from celery_throttle.waits.parking import release_parked
 from tests.conftest import BROKER_URL, RABBITMQ_URL, STORE_URL, _clean
 from tests.helpers import (
     RedisServer,
@@ -263,8 +263,8 @@ def test_two_releasers_take_each_parked_task_exactly_once(prefix: str) -> None:
     together = threading.Barrier(2)
 
     def drain(slot: int) -> None:
-        from celery_throttle.parking_store import ParkingStore
-        from celery_throttle.store import RedisStore
+        from celery_throttle.store.client import RedisStore
+        from celery_throttle.store.parking import ParkingStore
 
         store = ParkingStore(RedisStore(STORE_URL, prefix))  # each releaser has its own connection
         store.store.client.ping()  # (connected before the race)

@@ -1,4 +1,4 @@
-"""A producer's hints (celery_throttle.hints): what it may send unchecked at publish, and
+"""A producer's hints (celery_throttle.check.hints): what it may send unchecked at publish, and
 the budget it never sends past, whatever the order of its sends or its threads."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_throttle.hints import Hints
+from celery_throttle.check.hints import Hints
 
 SEND, RESERVE, ASK = Hints.SEND, Hints.RESERVE, Hints.ASK
 

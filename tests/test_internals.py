@@ -1,4 +1,4 @@
-"""The contract with Celery's internals: each private shape celery_throttle/internals.py
+"""The contract with Celery's internals: each private shape celery_throttle/celery_parts/internals.py
 leans on, asserted on the installed Celery. CI runs this file on the oldest Celery we
 support and on the newest (.ci/run), so that an upgrade that changes one fails here,
 naming the function of internals.py that needs a change, before a worker misbehaves.
@@ -24,7 +24,7 @@ from celery.worker.consumer import Consumer
 from celery.worker.request import Request
 from kombu.asynchronous.timer import Timer
 
-from celery_throttle import internals
+from celery_throttle.celery_parts import internals
 
 
 @pytest.fixture

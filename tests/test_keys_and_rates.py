@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from celery_throttle.errors import ConfigurationError, KeyBuildError
-from celery_throttle.keys import MAX_TOKEN, check_prefix, encode, state_key
-from celery_throttle.rates import Rate, parse_rate, parse_rates
-from celery_throttle.spec import ThrottleSpec
+from celery_throttle.core.errors import ConfigurationError, KeyBuildError
+from celery_throttle.core.keys import MAX_TOKEN, check_prefix, encode, state_key
+from celery_throttle.core.rates import Rate, parse_rate, parse_rates
+from celery_throttle.core.spec import ThrottleSpec
 
 SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 SPELLINGS = {
@@ -418,7 +418,7 @@ def test_declaring_an_empty_or_non_string_scope_is_refused(scope: Any) -> None:
 
 
 def test_a_task_is_released_from_a_far_store_earlier_by_its_round_trip() -> None:
-    from celery_throttle.timing import release_lead_us, round_trip_allowance_us, slack_us
+    from celery_throttle.core.timing import release_lead_us, round_trip_allowance_us, slack_us
 
     rates = tuple(parse_rates(["10/s"]))
     # A store on this host: released 4 slacks ahead (a released task takes that long to
@@ -433,7 +433,7 @@ def test_a_task_is_released_from_a_far_store_earlier_by_its_round_trip() -> None
 
 def test_tenant_ids_of_a_mebibyte_are_not_kept_by_the_key_encoders_cache() -> None:
     # (an attacker's 100 ids of 1 MiB held 102 MiB in every process that bound them)
-    from celery_throttle import keys
+    from celery_throttle.core import keys
 
     state_key("throttle", "scope", "short")  # (the scope's own encoding is kept: it is short)
     before = keys._encode_cached.cache_info().currsize

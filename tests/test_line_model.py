@@ -36,11 +36,11 @@ import msgpack
 import pytest
 import redis
 
-from celery_throttle.keys import state_key, window_keys
-from celery_throttle.protocol import Code, StateLayout, WindowCall, WindowReply, rate_field
-from celery_throttle.rates import Rate, parse_rate
-from celery_throttle.store import RedisStore
-from celery_throttle.timing import ScriptPolicy
+from celery_throttle.core.keys import state_key, window_keys
+from celery_throttle.core.protocol import Code, StateLayout, WindowCall, WindowReply, rate_field
+from celery_throttle.core.rates import Rate, parse_rate
+from celery_throttle.core.timing import ScriptPolicy
+from celery_throttle.store.client import RedisStore
 from tests.helpers import QUICK, STORE_URL, redis_or_skip
 from tests.line_reference import Call, KeyModel
 from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
@@ -747,7 +747,7 @@ DEEP = 500 if QUICK else 2_000
 def test_a_deep_line_is_released_in_order_and_the_window_stays_small(
     redis_client: redis.Redis, key_prefix: str, algorithm: str
 ) -> None:
-    from celery_throttle.protocol import Entry
+    from celery_throttle.core.protocol import Entry
 
     # Given DEEP tasks waiting in the line of one key of 20/s
     clock = FakeClock(BASE_US)

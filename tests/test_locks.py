@@ -14,9 +14,9 @@ import redis
 from celery import Celery
 
 import celery_throttle
-from celery_throttle import controller as controllers
-from celery_throttle import metrics
-from celery_throttle.locks import ForkSafeLock
+from celery_throttle.check import controller as controllers
+from celery_throttle.check import metrics
+from celery_throttle.core.locks import ForkSafeLock
 from tests.helpers import STORE_URL
 
 #: How long the child of a fork may take to get its locks and run a check (seconds).
@@ -94,7 +94,9 @@ def test_a_child_forked_while_every_lock_of_a_controller_was_held_checks_and_rep
 
 def test_every_lock_of_the_package_is_fork_safe() -> None:
     package = Path(celery_throttle.__file__).parent
-    bare = [f"{path.name}:{n}" for path in sorted(package.glob("*.py")) if path.name != "locks.py"
+    modules = sorted(package.rglob("*.py"))
+    assert len(modules) > 30, f"the package's modules were not all found: {modules}"
+    bare = [f"{path.relative_to(package)}:{n}" for path in modules if path.name != "locks.py"
             for n, line in enumerate(path.read_text().splitlines(), 1)
             if re.search(r"threading\.(R?Lock|Condition|Semaphore)\(", line)]
     assert not bare, f"a bare threading lock (use locks.ForkSafeLock): {bare}"

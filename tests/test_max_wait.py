@@ -9,11 +9,11 @@ import pytest
 from celery.result import AsyncResult
 
 from celery_throttle import WaitTooLong, throttle
-from celery_throttle.config import Settings
-from celery_throttle.errors import ConfigurationError
-from celery_throttle.keys import state_key
-from celery_throttle.spec import ThrottleSpec
-from celery_throttle.timing import default_margin_us
+from celery_throttle.core.config import Settings
+from celery_throttle.core.errors import ConfigurationError
+from celery_throttle.core.keys import state_key
+from celery_throttle.core.spec import ThrottleSpec
+from celery_throttle.core.timing import default_margin_us
 from tests.helpers import WorkerGroup, wait_for
 from tests.reference import SlidingRate
 

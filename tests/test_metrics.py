@@ -66,7 +66,7 @@ def test_counters_by_scope_and_a_summary_of_denials_in_the_log(
 
 def test_the_summary_is_written_on_its_interval_without_a_later_denial(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from celery_throttle import metrics
+    from celery_throttle.check import metrics
 
     monkeypatch.setattr(metrics, "SUMMARY_INTERVAL", 0.3)
     counts = metrics.Metrics()
@@ -81,7 +81,7 @@ def test_the_summary_is_written_on_its_interval_without_a_later_denial(
 
 
 def test_the_summary_escapes_what_would_forge_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
-    from celery_throttle import metrics
+    from celery_throttle.check import metrics
 
     # Given a denial of a key whose id holds a newline and an escape sequence
     counts = metrics.Metrics()

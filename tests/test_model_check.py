@@ -21,11 +21,11 @@ import msgpack
 import pytest
 import redis
 
-from celery_throttle.keys import state_key, window_keys
-from celery_throttle.protocol import STATE_FORMAT, Code, Entry, WindowCall, rate_field
-from celery_throttle.rates import Rate, parse_rate
-from celery_throttle.store import RedisStore
-from celery_throttle.timing import SCRIPT_POLICY, ScriptPolicy
+from celery_throttle.core.keys import state_key, window_keys
+from celery_throttle.core.protocol import STATE_FORMAT, Code, Entry, WindowCall, rate_field
+from celery_throttle.core.rates import Rate, parse_rate
+from celery_throttle.core.timing import SCRIPT_POLICY, ScriptPolicy
+from celery_throttle.store.client import RedisStore
 from tests.helpers import STORE_URL, redis_or_skip
 from tests.reference import BUCKETS, FixedRate, SlidingRate, max_units_per_aligned_window
 
@@ -242,7 +242,7 @@ def test_state_gets_a_ttl_covering_every_counted_unit_then_expires(
 def test_reset_forgets_every_window_of_a_key_and_keeps_its_line(redis_client: redis.Redis, key_prefix: str) -> None:
     from celery import Celery
 
-    from celery_throttle.limiter import Throttle
+    from celery_throttle.check.limiter import Throttle
 
     app = Celery("ct-model-check", set_as_current=False)
     throttle = Throttle(app, {"redis_url": STORE_URL, "key_prefix": key_prefix})

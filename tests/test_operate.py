@@ -16,7 +16,7 @@ import pytest
 from celery import Celery
 
 import celery_throttle
-from celery_throttle.controls import CONTROL_REFRESH
+from celery_throttle.check.controls import CONTROL_REFRESH
 from tests.helpers import (
     BODY_NOISE,
     STORE_URL,
@@ -197,7 +197,7 @@ def test_retry_after_reads_seconds_and_http_dates_and_falls_back_on_anything_els
     from datetime import datetime, timedelta, timezone
     from email.utils import format_datetime
 
-    from celery_throttle.backoff import DEFAULT_BACKOFF, MIN_BACKOFF, retry_after_seconds
+    from celery_throttle.core.backoff import DEFAULT_BACKOFF, MIN_BACKOFF, retry_after_seconds
 
     now = 1_800_000_000.0
     in_two_minutes = format_datetime(datetime.fromtimestamp(now, timezone.utc) + timedelta(minutes=2), usegmt=True)

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from celery_throttle.keys import state_key
-from celery_throttle.lease import Leases, sent_at
+from celery_throttle.check.lease import Leases, sent_at
+from celery_throttle.core.keys import state_key
 from tests.conftest import _clean
 from tests.helpers import (
     BODY_NOISE,

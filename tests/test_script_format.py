@@ -4,13 +4,12 @@ writes sits at the place the script's header documents for it."""
 from __future__ import annotations
 
 import re
-from importlib import resources
 
 import pytest
 import redis
 
-from celery_throttle.errors import StoreError
-from celery_throttle.protocol import (
+from celery_throttle.core.errors import StoreError
+from celery_throttle.core.protocol import (
     FOREVER_US,
     STATE_FORMAT,
     STATE_LAYOUT,
@@ -20,9 +19,9 @@ from celery_throttle.protocol import (
     rate_field,
     window_argv,
 )
-from celery_throttle.rates import Rate
-from celery_throttle.store import RedisStore, window_script
-from celery_throttle.timing import SCRIPT_POLICY
+from celery_throttle.core.rates import Rate
+from celery_throttle.core.timing import SCRIPT_POLICY
+from celery_throttle.store.client import RedisStore, lua, window_script
 from tests.helpers import STORE_URL
 
 #: Each documented ARGV slot of window.lua's head, by the words its header line starts with.
@@ -33,7 +32,7 @@ DOCUMENTED = {
 
 
 def _header(name: str = "window.lua") -> dict[int, str]:
-    text = resources.files("celery_throttle").joinpath("lua", name).read_text("utf-8")
+    text = lua(name)
     return {int(m.group(1)): m.group(2).strip()
             for m in re.finditer(r"^-- ARGV\[(\d+)(?:\.\.\d+)?\]\s+(.*)$", text, re.MULTILINE)}
 
@@ -56,7 +55,7 @@ def test_every_argument_sits_where_window_lua_documents_it() -> None:
 
 
 def test_each_operations_arguments_are_where_line_lua_documents_them() -> None:
-    text = resources.files("celery_throttle").joinpath("lua", "line.lua").read_text("utf-8")
+    text = lua("line.lua")
     documented = " ".join(" ".join(line.removeprefix("--").strip() for line in text.splitlines()
                                    if line.startswith("--")).split())
     for words in ("acquire a fresh call", "[P] lease, [P+1] lease span, [P+2] holder (a delivery id), then the entry's",
@@ -69,7 +68,7 @@ def test_each_operations_arguments_are_where_line_lua_documents_them() -> None:
 
 
 def test_reply_codes_match_the_script() -> None:
-    text = resources.files("celery_throttle").joinpath("lua", "line.lua").read_text("utf-8")
+    text = lua("line.lua")
     header = " ".join(" ".join(line.removeprefix("--").strip() for line in text.splitlines()
                                if line.startswith("--")).split())
     assert "Codes (protocol.Code): RUN, RUN_AT, DENIED, QUEUED, RELEASED, TOO_FAR, TOO_COSTLY, WAITED, LOST" in header
@@ -99,7 +98,7 @@ def test_the_scripts_read_every_constant_they_are_loaded_with_and_no_other() -> 
         used: set[str] = set()
         own: set[str] = set()
         for name in (f"{algorithm}.lua", "window.lua", "line.lua"):
-            text = resources.files("celery_throttle").joinpath("lua", name).read_text("utf-8")
+            text = lua(name)
             code = re.sub(r"'[^']*'", "", "\n".join(line.split("--")[0] for line in text.splitlines()))
             code = re.sub(r"\bM\.[A-Z_]+|local M = \{[^}]*\}", "", code)  # (an entry's fields, M's)
             used |= set(re.findall(r"\b[A-Z][A-Z_]{2,}\b", code)) - {"ARGV", "KEYS", "ALGO"}
@@ -111,7 +110,7 @@ def test_the_scripts_read_every_constant_they_are_loaded_with_and_no_other() -> 
 def test_an_error_in_a_script_names_the_file_and_its_own_line(store_client: redis.Redis, prefix: str) -> None:
     # Given a call whose ARGV says one rate but carries none (its field name missing)
     store = RedisStore(STORE_URL, prefix)
-    window = resources.files("celery_throttle").joinpath("lua", "window.lua").read_text("utf-8").splitlines()
+    window = lua("window.lua").splitlines()
     try:
         argv = window_argv("", "peek", WindowCall("sliding", (Rate(1, 1.0),)))
         # When the script runs it

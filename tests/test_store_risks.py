@@ -15,7 +15,7 @@ import uuid
 
 import redis
 
-from celery_throttle.keys import state_key
+from celery_throttle.core.keys import state_key
 from tests.conftest import RABBITMQ_URL
 from tests.helpers import (
     BROKER_URL,

@@ -14,7 +14,7 @@ import pytest
 import redis
 from celery.result import AsyncResult
 
-from celery_throttle.keys import state_key
+from celery_throttle.core.keys import state_key
 from tests.helpers import (
     RedisServer,
     WorkerGroup,

@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import redis
 
-from celery_throttle.keys import state_key
-from celery_throttle.limiter import Throttle
-from celery_throttle.messages import decode_message
-from celery_throttle.parking import release_parked
-from celery_throttle.protocol import HEADER, Code, Entry, Header
-from celery_throttle.spec import declared_spec
+from celery_throttle.celery_parts.messages import decode_message
+from celery_throttle.check.limiter import Throttle
+from celery_throttle.core.keys import state_key
+from celery_throttle.core.protocol import HEADER, Code, Entry, Header
+from celery_throttle.core.spec import declared_spec
+from celery_throttle.waits.parking import release_parked
 from tests.fixtures.make_corpus import STREAMS, build_app, drained
 from tests.helpers import STORE_URL
 

@@ -19,7 +19,7 @@ from celery.contrib.testing.worker import start_worker
 
 import celery_throttle
 from celery_throttle import throttle
-from celery_throttle.protocol import NO_ENTRY
+from celery_throttle.core.protocol import NO_ENTRY
 from tests.helpers import (
     BROKER_URL,
     STORE_URL,
@@ -116,7 +116,7 @@ def test_install_after_the_worker_was_built_still_releases_parked_tasks(
     # Given a worker built before install() was called, and with no throttled task when it
     # started (so not installed at start either: in this process, the shared tasks of the
     # other test modules join every app, so that start-time install is switched off here)
-    monkeypatch.setattr(celery_throttle.worker, "_install_if_forgotten", lambda app: None)
+    monkeypatch.setattr(celery_throttle.integration.worker, "_install_if_forgotten", lambda app: None)
     starts = Starts()
     with caplog.at_level(logging.WARNING, logger="celery_throttle"), _worker(app) as worker:
         ctl = celery_throttle.install(app)

@@ -1,0 +1,60 @@
+"""Kept messages: a task's message as the store keeps it (waiting in a line, or parked by
+an earlier version), and how it is sent to the broker again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kombu.serialization import dumps, loads, prepare_accept_content
+
+from ..core.protocol import HEADER, Header
+
+__all__ = ["KEPT_FIELDS", "decode_message", "encode_message", "resend", "task_of"]
+
+#: What a kept message holds: encode_message writes these, and decode_message reads no other.
+KEPT_FIELDS = ("task", "args", "kwargs", "options")
+
+
+def encode_message(app: Any, sig: Any) -> bytes:
+    """Serialize a signature with the app's task serializer."""
+    options = {k: v for k, v in sig.options.items() if k not in ("countdown", "eta")}
+    body = {"task": sig.task, "args": list(sig.args), "kwargs": dict(sig.kwargs), "options": options}
+    content_type, encoding, data = dumps(body, serializer=app.conf.task_serializer)
+    if isinstance(data, str):
+        data = data.encode(encoding if encoding != "binary" else "utf-8")
+    return content_type.encode() + b"\n" + encoding.encode() + b"\n" + data
+
+
+def decode_message(app: Any, message: bytes) -> dict[str, Any]:
+    """The body :func:`encode_message` wrote; ValueError for anything else (a foreign
+    writer, a truncated value), so that it is never sent on as a task."""
+    content_type, encoding, data = message.split(b"\n", 2)
+    body = loads(data, content_type.decode(), encoding.decode(), accept=prepare_accept_content(app.conf.accept_content))
+    if not (isinstance(body, dict) and isinstance(body.get("task"), str) and body["task"]
+            and isinstance(body.get("args"), list) and isinstance(body.get("kwargs"), dict)
+            and isinstance(body.get("options"), dict)):
+        raise ValueError(f"not a kept task: {str(body)[:80]!r}")
+    # (Its four fields only: a kept message is one task, never a group, chain or chord a
+    # ``subtask_type`` written beside them would make of it in app.signature.)
+    return {field: body[field] for field in KEPT_FIELDS}
+
+
+def task_of(app: Any, message: bytes) -> tuple[str, list[Any], dict[str, Any]]:
+    """(task name, args, kwargs) of a kept message."""
+    body = decode_message(app, message)
+    return body["task"], body["args"], body["kwargs"]
+
+
+def resend(app: Any, message: bytes, countdown: float = 0.0, *, key: str | None = None,
+           ticket: str | None = None) -> None:
+    """Send a kept message (:func:`encode_message`) to the broker, as its task again; with
+    ``ticket``, as released from the line of state key ``key`` (its header says so)."""
+    body = decode_message(app, message)
+    if ticket is not None:
+        options = body["options"]
+        headers = options.get("headers")
+        headers = dict(headers) if isinstance(headers, dict) else {}
+        deferrals = Header.read(headers.get(HEADER)).deferrals
+        headers[HEADER] = Header(key or "", ticket, deferrals).value()
+        options["headers"] = headers
+    app.signature(body).apply_async(countdown=countdown or None)

@@ -1,0 +1,398 @@
+"""Lines, this process's side: what a call on a key's line hands back, and the look at
+keys whose head may go.
+
+A call of window.lua may release tasks of its key's line on its way (a refund, a body
+that ends, a task that arrives): the caller sends each to the broker with its ticket
+(:meth:`Lines.handle`), says which were sent (``ack``: until then a releaser that died
+between the script and the broker leaves them to be put back), and reports those that
+cannot run. When a reply says the key's next look moved, the caller tells the index of
+keys with a line (index.lua), and wakes a releaser if that look is soon.
+
+The releasers (:mod:`.releaser`, one thread per worker) claim the keys that are due and
+run their line's ``release``; to build the call they run it as, a process binds the
+task at the head of the line (or one it saw of that key) as its own worker would.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgpack
+
+from ..celery_parts.messages import decode_message, resend, task_of
+from ..core.errors import StoreError, ThrottleError
+from ..core.keys import encode, glob_escape, line_index_key, state_key, target_of, window_keys
+from ..core.locks import ForkSafeLock
+from ..core.protocol import Code, WindowReply
+from ..core.spec import BoundCall
+from ..core.timing import RELEASER_BATCH
+from . import checker
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from ..store.parking import ParkingStore
+
+__all__ = ["WAKE_AHEAD_US", "Lines", "Owner", "Waiting"]
+
+logger = logging.getLogger("celery_throttle")
+
+#: A key's next look this close (µs) wakes a releaser at once (they sleep a second at
+#: most between looks, else until the earliest look they know of).
+WAKE_AHEAD_US = 1_000_000
+#: Keys whose task this process remembers, to bind a release of their line (the least
+#: recently seen are forgotten: a worker of many tenants must not grow without bound), and
+#: the largest message whose task it remembers (a task of large arguments is read again).
+CALLS_KEPT, CACHED_MESSAGE = 10_000, 4096
+#: For this long (seconds) after a call of a key had to wait, a task of that key sends its
+#: message with its first try.
+FULL_HINT_S = 1.0
+#: A key whose line this process cannot release (no task of it is known here) is looked at
+#: again this long after (µs), by whichever releaser claims it first.
+UNKNOWN_RETRY_US = 5_000_000
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A task in a key's line (``place`` from 1), or released from it and not started yet
+    (``place`` 0), as ``throttle parked`` lists it."""
+
+    scope: str
+    key: str | None
+    entry: str
+    task_id: str
+    name: str
+    place: int
+    #: When it joined its line (Unix time).
+    since: float
+
+
+def _text(name: bytes | str) -> str:
+    return name.decode(errors="surrogateescape") if isinstance(name, bytes) else name
+
+
+class Owner(checker.Owner, Protocol):
+    """What the lines work with: the app's checks, store and metrics, its app (to send a
+    released task) and its parking store (dead letters, the releasers' wake-up list)."""
+
+    @property
+    def app(self) -> Celery: ...
+
+    @property
+    def parking(self) -> ParkingStore: ...
+
+
+class Lines:
+    """The lines of one app, as this process sees them."""
+
+    def __init__(self, ctl: Owner) -> None:
+        self.ctl = ctl
+        self._lock = ForkSafeLock()
+        #: state key -> (task name, args, kwargs) of a task of its line.
+        self._calls: OrderedDict[str, tuple[str, Any, Any]] = OrderedDict()
+        #: state key -> when a call of it last had to wait (monotonic seconds).
+        self._full_at: dict[str, float] = {}
+
+    # -- whether a task's message goes with its first try ---------------------------------
+    def looks_full(self, call: BoundCall) -> bool:
+        """Whether a call of ``call``'s key had to wait a moment ago (FULL_HINT_S): its task's
+        message then goes with its first try (one call, not two, for a task that waits)."""
+        return time.monotonic() - self._full_at.get(call.state_key, float("-inf")) < FULL_HINT_S
+
+    def full(self, call: BoundCall) -> None:
+        """A call of ``call``'s key had to wait."""
+        if len(self._full_at) >= CALLS_KEPT and call.state_key not in self._full_at:
+            self._full_at.clear()
+        self._full_at[call.state_key] = time.monotonic()
+
+    # -- what a call hands back ------------------------------------------------------------
+    def handle(self, call: BoundCall, reply: WindowReply) -> int:
+        """Send the tasks ``reply`` released (each with its ticket), report the others,
+        ack those sent and tell the index what the reply says. Returns how many were sent.
+        Never raises: a task that could not be sent is put back in its place after the
+        send lease, and the index hears of the key from its next call."""
+        sent: list[str] = []
+        app, metrics = self.ctl.app, self.ctl.metrics
+        for task in reply.reported:
+            if task.kind in ("r", "x", "c") and isinstance(task.payload, bytes):
+                try:
+                    task_of(app, task.payload)
+                except Exception:  # noqa: BLE001 - a message no serializer reads: not sent, not lost
+                    self._bury(call, task.id, task.payload, task.kind == "r")
+                    continue
+                try:
+                    if task.kind == "r":
+                        resend(app, task.payload, key=call.state_key, ticket=task.id)
+                        sent.append(task.id)
+                    else:
+                        # (expired while it waited, or costing more than the limit now in
+                        # force: sent as it is, its worker discards it, or fails it visibly)
+                        if task.kind == "c":
+                            logger.error("a task waiting in the line of scope %r%s costs more than its limit in "
+                                         "force now: it is sent on, and its worker fails it", call.scope,
+                                         "" if call.key is None else f" key {call.key!r}")
+                        resend(app, task.payload)
+                except Exception:
+                    logger.exception("could not send task %s released from the line of %s; it is put back "
+                                     "in its place", task.id, call.state_key)
+            elif task.kind == "l":
+                logger.error("task %s waited in the line of scope %r%s, but its message is gone from the store "
+                             "(evicted, or deleted by hand): it cannot run", task.payload, call.scope,
+                             "" if call.key is None else f" key {call.key!r}")
+                metrics.lost()
+            elif task.kind == "f":
+                logger.warning("task %s was released from the line of scope %r%s and has not started within "
+                               "%.0fs: its room is given back; if it still comes, it is checked as a new task",
+                               task.payload, call.scope, "" if call.key is None else f" key {call.key!r}",
+                               self.ctl.store.policy.out_lease_ms / 1000)
+        try:
+            if sent:
+                metrics.released(len(sent))
+                # (Its own look may move the key's due time earlier: what it sent is now
+                # out for longer. Never dropped: the index would keep the later one.)
+                acked = self.ctl.checker.ack(call, sent)
+                if acked.tell_index:
+                    self.note(call.state_key, acked.due_us, acked.now_us)
+            if reply.tell_index:
+                self.note(call.state_key, reply.due_us, reply.now_us)
+        except (StoreError, ThrottleError) as exc:
+            logger.warning("could not tell the store about the line of %s: %s", call.state_key, exc)
+        return len(sent)
+
+    def _bury(self, call: BoundCall, entry: str, message: bytes, released: bool) -> None:
+        """A message of ``call``'s line that cannot be decoded: kept as a dead letter, and its
+        room given back. Never raises."""
+        logger.error("a task waiting in the line of scope %r%s has a message that cannot be decoded: it is kept "
+                     "as a dead letter (throttle parked --dead)", call.scope,
+                     "" if call.key is None else f" key {call.key!r}")
+        self.ctl.metrics.lost()
+        try:
+            self.ctl.parking.bury(entry, message)
+            if released:
+                self.handle(call, self.ctl.checker.give_back(call, entry))
+        except (StoreError, ThrottleError) as exc:
+            logger.warning("could not keep the dead letter %s: %s", entry, exc)
+
+    def note(self, key: str, due_us: int, now_us: int) -> None:
+        """Tell the index when ``key`` next needs a look (as its line's script computed it
+        at ``now_us``), and wake a releaser if soon."""
+        if self.ctl.store.index_note(key, due_us, now_us) and due_us - now_us < WAKE_AHEAD_US:
+            self.wake_releasers()
+
+    def wake_releasers(self) -> None:
+        """Wake one releaser now (it looks at every key due)."""
+        self.ctl.parking.wake_releasers()
+
+    def wake(self, scope: str, key: str | None = None) -> int:
+        """Something gave ``scope`` (or its ``key``) room (a raised or cleared limit, a
+        reset, a resume): every line of it gets a look now. Returns how many."""
+        store = self.ctl.store
+        prefix = self.ctl.settings.key_prefix
+        if key is not None:
+            patterns = [glob_escape(state_key(prefix, scope, key))]
+        else:
+            head = glob_escape(f"{prefix}:{{{encode(scope)}")
+            patterns = [head + "}", head + ":*}"]
+        woken = 0
+        with store.errors():
+            index = line_index_key(prefix)
+            for pattern in patterns:
+                batch: list[str] = []
+                for member, _ in store.client.zscan_iter(index, match=pattern, count=1000):
+                    batch.append(_text(member))
+                    if len(batch) >= 500:
+                        woken += store.index_wake(batch)
+                        batch = []
+                woken += store.index_wake(batch)
+        if woken:
+            self.wake_releasers()
+        return woken
+
+    # -- releasing --------------------------------------------------------------------------
+    def call_for(self, key: str) -> BoundCall | None:
+        """The call a release of ``key``'s line runs as: the task at the head of its line
+        (or one released from it) bound as its worker binds it, under the live limits of
+        now. None: no task of it is known here."""
+        with self._lock:
+            seen = self._calls.get(key)
+        if seen is None:
+            message = self._sample(key)
+            if message is None:
+                return None
+            try:
+                seen = task_of(self.ctl.app, message)
+            except Exception:  # noqa: BLE001 - a message we cannot read is reported by the release
+                return None
+            if len(message) <= CACHED_MESSAGE:
+                with self._lock:
+                    self._calls[key] = seen
+                    while len(self._calls) > CALLS_KEPT:
+                        self._calls.popitem(last=False)
+        name, args, kwargs = seen
+        known = self.ctl.checker.known(self.ctl.app, name, None)
+        if known is None:
+            return None
+        try:
+            call = self.ctl.checker.bind_spec(name, known.spec, known.signature, args, kwargs)
+        except ThrottleError:
+            return None
+        return call if call.state_key == key else None
+
+    def _sample(self, key: str) -> bytes | None:
+        """A message of ``key``'s line: its head's, else one released and not started."""
+        _, _, line, msgs, out, _, _ = window_keys(key)
+        with self.ctl.store.errors():
+            client = self.ctl.store.client
+            ids = [*client.zrange(line, 0, 0), *client.zrange(out, 0, 3)]
+            for message in (client.hmget(msgs, ids) if ids else []):
+                if message is not None:
+                    return bytes(message)
+        return None
+
+    def release(self, key: str, *, drain: bool = False) -> tuple[int, int]:
+        """Release the heads of ``key``'s line that fit (``drain``: whatever the room), and
+        send them. Returns when the key next needs a look (µs, Redis clock; 0: nothing
+        waits), and when that was computed (the script's now)."""
+        call = self.call_for(key)
+        if call is None:
+            waiting, out = self._counts(key)
+            now_us = self.ctl.store.now_us()
+            if waiting:
+                logger.debug("no task of the line %s is known here: left to another worker", key)
+                return now_us + UNKNOWN_RETRY_US, now_us
+            if not out:
+                return 0, now_us
+            # Only tasks released and not started, none kept to bind: a call of no rate
+            # puts back or forgets those whose time is up (nothing waits to be released).
+            target = target_of(self.ctl.settings.key_prefix, key)
+            if target is None:
+                return 0, now_us
+            call = BoundCall(target[0], target[1], (), 1, "sliding", key)
+        reply = self.ctl.checker.release(call, RELEASER_BATCH, drain=drain)
+        self.handle(call, reply)
+        if reply.code == Code.RUN and drain and reply.waiting:
+            return reply.now_us, reply.now_us  # (more to drain: at once)
+        return reply.due_us, reply.now_us
+
+    # -- for people on call ------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """The state keys that have a line: the index's, and (by SCAN, for the operator's
+        tools: one missing from the index is still shown) every one with line counts."""
+        store = self.ctl.store
+        found: dict[str, None] = {}
+        with store.errors():
+            for member, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000):
+                found[_text(member)] = None
+            for name in store.client.scan_iter(match=f"{glob_escape(store.prefix)}:{{*}}:lm", count=1000):
+                found[_text(name)[: -len(":lm")]] = None
+        return list(found)
+
+    def count(self) -> int:
+        """How many keys have tasks waiting in their line, or released from it (the index)."""
+        store = self.ctl.store
+        with store.errors():
+            return int(store.client.zcard(line_index_key(store.prefix)))
+
+    def total_waiting(self) -> int:
+        """How many tasks wait in every line (the gauge): one ZCARD per key of the index,
+        pipelined a thousand at a time."""
+        store, total = self.ctl.store, 0
+        with store.errors():
+            keys = [_text(m) for m, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000)]
+            for start in range(0, len(keys), 1000):
+                pipe = store.client.pipeline(transaction=False)
+                for key in keys[start:start + 1000]:
+                    pipe.zcard(window_keys(key)[2])
+                total += sum(int(n) for n in pipe.execute())
+        return total
+
+    def waiting(self, limit: int = 10_000) -> list[Waiting]:
+        """The tasks in every line (and those released from one, not started), at most
+        ``limit``, each line in its order."""
+        store, prefix, out = self.ctl.store, self.ctl.settings.key_prefix, []
+        for key in self.keys():
+            target = target_of(prefix, key)
+            if target is None:
+                continue
+            _, _, line, msgs, released, _, _ = window_keys(key)
+            with store.errors():
+                entries = [(e, 0) for e in store.client.zrange(released, 0, limit - 1)]
+                entries += [(e, n) for n, e in enumerate(store.client.zrange(line, 0, limit - 1), 1)]
+                metas = store.client.hmget(msgs, [e + b"#" for e, _ in entries]) if entries else []
+                bodies = store.client.hmget(msgs, [e for e, _ in entries]) if entries else []
+            for (entry, place), meta, body in zip(entries, metas, bodies):
+                task_id, since = _meta(meta)
+                name = "<message gone>" if body is None else _name(self.ctl.app, body)
+                out.append(Waiting(target[0], target[1], entry.decode(errors="surrogateescape"), task_id, name, place,
+                                   since))
+                if len(out) >= limit:
+                    return out
+        return out
+
+    def purge(self, tasks: list[Waiting]) -> int:
+        """Delete ``tasks`` from their lines (they never run; one released meanwhile goes
+        on). Returns how many were deleted."""
+        by_key: dict[tuple[str, str | None], list[str]] = {}
+        for task in tasks:
+            if task.place:
+                by_key.setdefault((task.scope, task.key), []).append(task.entry)
+        deleted = 0
+        prefix = self.ctl.settings.key_prefix
+        for (scope, key), entries in by_key.items():
+            call = BoundCall(scope, key, (), 1, "sliding", state_key(prefix, scope, key))
+            reply = self.ctl.checker.drop(call, entries)
+            deleted += sum(1 for r in reply.reported if r.kind == "d")
+            if reply.tell_index:
+                self.note(call.state_key, reply.due_us, reply.now_us)
+        return deleted
+
+    def send_now(self, tasks: list[Waiting]) -> tuple[int, int]:
+        """Release the whole line of each key of ``tasks`` whatever its room, and send what
+        leaves, each with its ticket: before a rollback to a version that does not read the
+        lines, whose workers check each one as a new task. A worker of this version that
+        takes one claims it, and puts it back in its place if its key has no room. Returns
+        (tasks sent, tasks still waiting: a send that failed puts its task back in its place
+        after the send lease)."""
+        prefix = self.ctl.settings.key_prefix
+        targets = sorted({(t.scope, t.key) for t in tasks if t.place}, key=lambda k: (k[0], k[1] or ""))
+        sent = 0
+        for scope, key in targets:
+            # (No rates: the drain releases whatever the room, and needs no task to bind.)
+            call = BoundCall(scope, key, (), 1, "sliding", state_key(prefix, scope, key))
+            while True:
+                reply = self.ctl.checker.release(call, RELEASER_BATCH, drain=True)
+                sent += self.handle(call, reply)
+                if not reply.waiting or not any(r.kind == "r" for r in reply.reported):
+                    break
+        left = sum(self._counts(state_key(prefix, scope, key))[0] for scope, key in targets)
+        return sent, left
+
+    def _counts(self, key: str) -> tuple[int, int]:
+        """(tasks in line, tasks released and not started) of ``key``."""
+        _, _, line, _, out, _, _ = window_keys(key)
+        with self.ctl.store.errors():
+            pipe = self.ctl.store.client.pipeline(transaction=False)
+            pipe.zcard(line)
+            pipe.zcard(out)
+            waiting, released = pipe.execute()
+        return int(waiting), int(released)
+
+
+def _meta(raw: bytes | None) -> tuple[str, float]:
+    """(task id, when it joined its line, Unix time) of an entry's stored fields."""
+    try:
+        meta: Any = msgpack.unpackb(raw)
+        return str(meta[0]), int(meta[2]) / 1e6
+    except Exception:  # noqa: BLE001 - a field we did not write (or none)
+        return "?", 0.0
+
+
+def _name(app: Any, message: bytes) -> str:
+    try:
+        return str(decode_message(app, message)["task"])
+    except Exception:  # noqa: BLE001
+        return "<cannot be decoded>"

@@ -1,0 +1,170 @@
+"""What the throttle did, for people on call: Prometheus metrics and a log summary.
+
+Metrics come with the ``prometheus`` extra (``pip install ".[prometheus]"``):
+counters and a gauge in prometheus-client's default registry, so the worker's existing
+exporter (``prometheus_client.start_http_server``, or multiprocess mode with prefork)
+serves them. Labelled by scope; by key too only with ``throttle_metrics_keys = True``
+(a tenant id per label value can grow without bound). Without the extra, nothing is
+counted and nothing is imported.
+
+Each process also logs, at INFO, a summary of its denials per scope and key once a
+``SUMMARY_INTERVAL`` (when there were any; a thread of its own writes it, started at the
+process's first denial), and a DEBUG line per denial.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+from ..core.locks import ForkSafeLock
+
+__all__ = ["SUMMARY_INTERVAL", "Metrics"]
+
+logger = logging.getLogger("celery_throttle")
+
+#: Seconds between two INFO summaries of one process's denials.
+SUMMARY_INTERVAL = 60.0
+
+try:  # the prometheus extra
+    import prometheus_client
+except ImportError:  # pragma: no cover - exercised where the extra is not installed
+    prometheus_client = None  # type: ignore[assignment]
+
+_instruments: dict[str, Any] = {}
+_instruments_lock = ForkSafeLock()
+
+
+def _instrument(kind: str, name: str, documentation: str, labels: tuple[str, ...], **options: Any) -> Any:
+    """One instrument per name and label set in this process (the default registry
+    refuses a second one of the same name)."""
+    ident = f"{name}:{','.join(labels)}"
+    with _instruments_lock:
+        if ident not in _instruments:
+            cls = getattr(prometheus_client, kind)
+            try:
+                _instruments[ident] = cls(name, documentation, labels, **options)
+            except ValueError:  # registered by another app of this process with other labels
+                _instruments[ident] = None
+        return _instruments[ident]
+
+
+class Metrics:
+    """Counts what the throttle does in this process (a no-op without the extra)."""
+
+    def __init__(self, with_keys: bool = False) -> None:
+        self.with_keys = with_keys
+        self.enabled = prometheus_client is not None
+        labels = ("scope", "key") if with_keys else ("scope",)
+        if self.enabled:
+            self._admitted = _instrument("Counter", "celery_throttle_admitted",
+                                         "Task starts the throttle admitted", labels)
+            self._denied = _instrument("Counter", "celery_throttle_denied",
+                                       "Task starts the throttle deferred", labels)
+            self._deferred = _instrument("Counter", "celery_throttle_deferred_seconds",
+                                         "Seconds denied tasks were deferred for", labels)
+            self._parked = _instrument("Counter", "celery_throttle_parked",
+                                       "Denied tasks parked in Redis for a long wait", labels)
+            self._released = _instrument("Counter", "celery_throttle_released",
+                                         "Parked tasks sent back to the broker", ())
+            self._store_errors = _instrument("Counter", "celery_throttle_store_errors",
+                                             "Checks that could not reach Redis", ("where",))
+            self._lost = _instrument("Counter", "celery_throttle_parked_lost",
+                                     "Parked tasks found due with their message gone from the store", ())
+            self._waiting = _instrument("Gauge", "celery_throttle_parked_waiting",
+                                        "Tasks parked in Redis, waiting for their start", ())
+            # (Each process counts the slots it holds; with prefork's multiprocess mode the
+            # live processes' values are summed: the slots held on this host.)
+            self._running = _instrument("Gauge", "celery_throttle_slots_running",
+                                        "Concurrency slots held by bodies that run", labels,
+                                        multiprocess_mode="livesum")
+        self._lock = ForkSafeLock()
+        self._denials: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0, 0.0, 0])
+        self._summary_at = time.monotonic()
+        self._summarizer_pid: int | None = None
+
+    def _labels(self, scope: str, key: str | None) -> tuple[str, ...]:
+        return (scope, key or "") if self.with_keys else (scope,)
+
+    def admitted(self, scope: str, key: str | None) -> None:
+        if self.enabled and self._admitted is not None:
+            self._admitted.labels(*self._labels(scope, key)).inc()
+
+    def denied(self, scope: str, key: str | None, delay: float, parked: bool) -> None:
+        if self.enabled and self._denied is not None:
+            labels = self._labels(scope, key)
+            self._denied.labels(*labels).inc()
+            self._deferred.labels(*labels).inc(max(delay, 0.0))
+            if parked:
+                self._parked.labels(*labels).inc()
+        with self._lock:
+            entry = self._denials[(scope, key)]
+            entry[0] += 1
+            entry[1] += max(delay, 0.0)
+            entry[2] += 1 if parked else 0
+        if self._summarizer_pid != os.getpid():
+            self._start_summarizer()
+        self.summarize()
+
+    def _start_summarizer(self) -> None:
+        """A thread that writes the summary on its interval, denials or not (one per
+        process: a prefork child does not inherit its parent's)."""
+        self._summarizer_pid = os.getpid()
+
+        def loop() -> None:
+            while True:
+                time.sleep(max(self._summary_at + SUMMARY_INTERVAL - time.monotonic(), 0.0) + 0.01)
+                try:
+                    self.summarize()
+                except Exception:  # never let a log line end the thread
+                    logger.exception("could not write the throttle summary")
+
+        threading.Thread(target=loop, name="celery-throttle-summary", daemon=True).start()
+
+    def running(self, scope: str, key: str | None, change: int) -> None:
+        """A body took (1) or gave back (-1) a concurrency slot."""
+        if self.enabled and self._running is not None:
+            self._running.labels(*self._labels(scope, key)).inc(change)
+
+    def lost(self, count: int = 1) -> None:
+        if self.enabled and self._lost is not None:
+            self._lost.inc(count)
+
+    def released(self, count: int) -> None:
+        if self.enabled and self._released is not None and count:
+            self._released.inc(count)
+
+    def store_error(self, where: str) -> None:
+        if self.enabled and self._store_errors is not None:
+            self._store_errors.labels(where).inc()
+
+    def parked_waiting(self, count: int) -> None:
+        if self.enabled and self._waiting is not None:
+            self._waiting.set(count)
+
+    def summarize(self, force: bool = False) -> None:
+        """Log the denials since the last summary, once SUMMARY_INTERVAL has passed."""
+        now = time.monotonic()
+        if not force and now - self._summary_at < SUMMARY_INTERVAL:
+            return
+        with self._lock:
+            denials, self._denials = self._denials, defaultdict(lambda: [0, 0.0, 0])
+            span, self._summary_at = now - self._summary_at, now
+        for (scope, key), (count, seconds, parked) in sorted(denials.items(), key=lambda i: -i[1][0]):
+            # (Each waits in its key's line; one that could not is sent back a moment.)
+            # (scope and key quoted: user data, whose newlines would forge log lines)
+            logger.info("throttled in the last %.0fs: scope=%s key=%s: %d task(s) deferred, %.1fs on "
+                        "average%s", span, _shown(scope), _shown(key), count, seconds / count,
+                        f", {count - parked} sent back a moment" if count - parked else "")
+
+
+def _shown(text: str | None) -> str:
+    """User data in a log line: as it is, unless it holds what is not printable (then
+    its repr, so a newline or an escape sequence never reaches the log raw)."""
+    if text is None:
+        return "None"
+    return text if text.isprintable() else repr(text)

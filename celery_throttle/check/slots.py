@@ -1,0 +1,177 @@
+"""Concurrency slots, this process's side: at most K bodies of a scope and key run at once.
+
+A task with ``concurrency=K`` takes a slot in the same check as its rates (window.lua):
+the slot is its delivery's (a holder id: its task id, this worker and a nonce of its own,
+so that two deliveries of one task id hold two), a lease this process renews while the
+body runs (a thread, every third of ``throttle_concurrency_lease``) and gives back when
+the body ends, however it ends (:meth:`Slots.release`). A task that finds every slot
+taken waits in its key's line with every other task that cannot start; the body that
+gives a slot back releases the line's head in the same call, and a released task is
+handed its slot with its ticket, so a fresh arrival cannot take it first. A worker that
+dies holding slots stops renewing them: their leases run out, and the next call on the
+key, or a releaser's look (the key's next look is when its first lease runs out), hands
+them on.
+
+Threads: the table of held slots is the process's, shared by a threads or gevent pool's
+threads, under a lock held for dict operations only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..core.errors import StoreError
+from ..core.keys import encode, glob_escape, window_keys
+from ..core.locks import ForkSafeLock
+from ..core.protocol import Code
+from ..core.spec import BoundCall
+from . import checker
+
+if TYPE_CHECKING:
+    from .lines import Lines
+
+__all__ = ["RENEWALS_PER_LEASE", "WORKER_PID", "Slots", "holder_id", "holder_prefix"]
+
+logger = logging.getLogger("celery_throttle")
+
+#: The worker this process belongs to (its main process's pid): set at worker start, and
+#: inherited by its pool processes, so that a slot held by a body whose process was killed
+#: is found by the main process (:func:`holder_id`).
+WORKER_PID = os.getpid()
+
+
+def holder_id(task_id: str, nonce: str | None = None) -> str:
+    """A delivery of ``task_id`` holding a concurrency slot: its task id, this worker, and
+    (given, or random) a nonce of its own: two deliveries of one task id hold two slots."""
+    return f"{holder_prefix(task_id)}{nonce or secrets.token_hex(8)}"
+
+
+def holder_prefix(task_id: str) -> str:
+    """What every holder of ``task_id`` in this worker starts with."""
+    return f"{encode(task_id)}@{WORKER_PID}:"
+
+#: A lease is renewed this many times within its length: a renewal may be late by two
+#: thirds of a lease (a slow store, a stalled process) before the slot is lost.
+RENEWALS_PER_LEASE = 3
+
+
+@dataclass(frozen=True)
+class Held:
+    """A slot this process holds: the call its body runs as."""
+
+    call: BoundCall
+
+
+class Owner(checker.Owner, Protocol):
+    """What the slots work with: the app's checks, store and metrics, and its lines (a
+    slot given back releases their heads)."""
+
+    @property
+    def lines(self) -> Lines: ...
+
+
+class Slots:
+    """This process's concurrency slots, for one app."""
+
+    def __init__(self, ctl: Owner) -> None:
+        self.ctl = ctl
+        self._lock = ForkSafeLock()
+        self._held: dict[str, Held] = {}
+        self._pid = os.getpid()
+        self._renewer: threading.Thread | None = None
+
+    def _forked(self) -> None:
+        """A child of a fork holds nothing of its parent's (and runs no renewer yet)."""
+        if os.getpid() != self._pid:
+            self._pid, self._held, self._renewer = os.getpid(), {}, None
+
+    # -- holding and giving back ---------------------------------------------------------
+    def took(self, holder: str, call: BoundCall) -> None:
+        """A body of ``call`` starts holding a slot as ``holder``: renewed until it ends."""
+        self._forked()
+        with self._lock:
+            self._held[holder] = Held(call)
+        self.ctl.metrics.running(call.scope, call.key, 1)
+        self._start_renewer()
+
+    def holds(self, holder: str) -> bool:
+        with self._lock:
+            return holder in self._held
+
+    def release(self, holder: str) -> None:
+        """Give back ``holder``'s slot (its body ended), releasing the line's head."""
+        self._forked()
+        with self._lock:
+            held = self._held.pop(holder, None)
+        if held is None:
+            return
+        call = self.ctl.checker.with_live_concurrency(held.call)
+        self.ctl.metrics.running(call.scope, call.key, -1)
+        reply = self.ctl.checker.ended(call, holder)
+        if reply.code == Code.LOST:
+            self._lost(call.state_key, holder)
+        self.ctl.lines.handle(call, reply)
+
+    def release_killed(self, task: Any, task_id: str, args: Any, kwargs: Any) -> int:
+        """Give back the slots held by bodies of ``task_id`` in this worker whose process
+        was killed (a hard time limit, a revoke that terminated it, a lost process): the
+        worker's main process finds them by their holder's name. Returns how many."""
+        call = self.ctl.checker.bind(task, args or (), kwargs or {})
+        store = self.ctl.store
+        slots_key = window_keys(call.state_key)[5]
+        with store.errors():
+            holders = [h.decode(errors="surrogateescape") if isinstance(h, bytes) else h
+                       for h, _ in store.client.zscan_iter(slots_key, match=glob_escape(holder_prefix(task_id)) + "*")]
+        for holder in holders:
+            self.ctl.lines.handle(call, self.ctl.checker.ended(call, holder))
+        return len(holders)
+
+    def _lost(self, state_key: str, holder: str) -> None:
+        self.ctl.metrics.store_error("slot-lease-lost")
+        logger.warning("%s ran past the lease of its concurrency slot (%s): the lease ran out (not renewed "
+                       "for %.0fs: a stalled process, or the store unreachable), and another task may have "
+                       "run beside it", holder, state_key, self.ctl.settings.concurrency_lease)
+
+    # -- renewing ---------------------------------------------------------------------------
+    def _start_renewer(self) -> None:
+        if self._renewer is not None and self._renewer.is_alive():
+            return
+        with self._lock:
+            if self._renewer is None or not self._renewer.is_alive():
+                self._renewer = threading.Thread(target=self._renew_forever, name="celery-throttle-slots",
+                                                 daemon=True)
+                self._renewer.start()
+
+    def _renew_forever(self) -> None:
+        while True:
+            time.sleep(self.ctl.settings.concurrency_lease / RENEWALS_PER_LEASE)
+            try:
+                self.renew()
+            except Exception as exc:  # noqa: BLE001 - never let the thread die: tried again next round
+                logger.warning("could not renew concurrency slots: %r", exc)
+
+    def renew(self) -> None:
+        """Extend the lease of every slot this process holds (one call per key)."""
+        with self._lock:
+            by_key: dict[str, tuple[BoundCall, list[str]]] = {}
+            for holder, held in self._held.items():
+                by_key.setdefault(held.call.state_key, (held.call, []))[1].append(holder)
+        for call, holders in by_key.values():
+            try:
+                reply = self.ctl.checker.renew(call, holders)
+            except StoreError as exc:
+                logger.warning("could not renew the concurrency slots of %s: %s", call.state_key, exc)
+                continue
+            for lost in reply.reported:
+                with self._lock:
+                    still = lost.id in self._held
+                if still:
+                    self._lost(call.state_key, lost.id)
+            if reply.tell_index:  # (a lease that ran out may let the line's head go sooner)
+                self.ctl.lines.note(call.state_key, reply.due_us, reply.now_us)

@@ -1,0 +1,287 @@
+"""Settings, read the Celery way: lowercase ``throttle_*`` keys in ``app.conf``."""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import ConfigurationError
+from .keys import check_prefix
+from .urls import SENTINEL_SCHEMES, safe_url
+
+logger = logging.getLogger("celery_throttle")
+
+__all__ = ["ALGORITHMS", "STORE_ERROR_POLICIES", "Settings", "check_margin", "check_max_wait", "require_redis_url"]
+
+ALGORITHMS = ("sliding", "fixed")
+STORE_ERROR_POLICIES = ("defer", "allow", "fail")
+PARK_IN = ("auto", "broker", "store")
+_DEFAULT_REDIS = "redis://localhost:6379/0"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every ``throttle_*`` setting, with its default (see README, "Settings")."""
+
+    #: Where window state and the lines live: ``redis://``, ``rediss://``,
+    #: ``sentinel://`` (or ``redis+sentinel://``), ``redis+cluster://``. (Not in the
+    #: repr: it may hold a password.)
+    redis_url: str | None = field(default=_DEFAULT_REDIS, repr=False)
+    #: Passed to the redis-py client: TLS certificates, ``username``/``password``,
+    #: timeouts; for Sentinel ``master_name`` and ``sentinel_kwargs`` (connection.py).
+    redis_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    #: Every Redis key the plugin writes starts with it.
+    key_prefix: str = "throttle"
+    #: Limits for tasks by name glob, for tasks you do not own.
+    rules: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: "sliding" or "fixed".
+    default_algorithm: str = "sliding"
+    #: What a task does when Redis cannot be reached: "defer", "allow" or "fail".
+    on_store_error: str = "defer"
+    #: No effect since the line (a task that must wait waits in its key's line, however
+    #: long): accepted, with a warning, so that a deploy that still sets it starts.
+    park_after: float = 60.0
+    #: Where an earlier version parked tasks: "broker" (RabbitMQ's delay queues, and a
+    #: held queue), "store", or "auto" (the broker when it is an AMQP one). Read only to
+    #: send on what such a version left there.
+    park_in: str = "auto"
+    #: No effect since the line (a start is granted when there is room): accepted, with a
+    #: warning.
+    start_grace: float | None = None
+    #: How often (seconds) each worker does its chores: what earlier versions left, lost
+    #: index entries, the store's watch (the lines themselves are released when due).
+    release_interval: float = 1.0
+    #: False turns every throttle off (tests, an emergency): tasks run unchecked, and the
+    #: worker says so when it starts.
+    enabled: bool = True
+    #: Whether the producer checks a throttled task when it sends it, and defers one
+    #: that does not fit (so floods of one key never queue in front of other keys).
+    check_at_publish: bool = True
+    #: A denied task whose reserved start would be further away than this (seconds)
+    #: fails with WaitTooLong instead of waiting; None: no cap. Per throttle: max_wait.
+    max_wait: float | None = None
+    #: Seconds added to every sliding window (per throttle: margin=): any two starts N
+    #: apart are then at least a window plus this apart, so that the requests they make
+    #: still arrive a window apart at an API that limits them (its clock, and the time
+    #: from a task's start to its request reaching it, differ from ours). None: 2% of
+    #: each window, at most 20 ms (timing.MARGIN_SHARE); 0: none.
+    margin: float | None = None
+    #: How long (seconds) a concurrency slot stays held without a renewal: the worker
+    #: holding it renews it while the body runs, so this bounds how long a slot of a
+    #: worker that died (SIGKILL, a lost host) stays taken before it is reclaimed.
+    concurrency_lease: float = 30.0
+    #: Label metrics by key as well as scope (a tenant id per label value: unbounded).
+    metrics_keys: bool = False
+    #: Backoff (seconds) for tasks deferred because Redis could not be reached.
+    store_retry_delay: float = 1.0
+    store_retry_max_delay: float = 30.0
+
+    @classmethod
+    def from_app(cls, app: Any, overrides: Mapping[str, Any] | None = None) -> Settings:
+        """Read ``throttle_*`` from ``app.conf``; ``overrides`` (without prefix) win."""
+        names = {f.name for f in fields(cls)}
+        overrides = dict(overrides or {})
+        unknown = set(overrides) - names
+        if unknown:
+            raise ConfigurationError(
+                f"unknown throttle setting(s) {sorted(unknown)}; known: {sorted(names)}"
+            )
+        _warn_unknown(app, names | {_SECRET_URL[len("throttle_"):]})
+        _hide_password(app)
+        values: dict[str, Any] = {}
+        for name in names:
+            conf_value = app.conf.get(f"throttle_{name}")
+            if conf_value is not None:
+                values[name] = conf_value
+        secret = app.conf.get(_SECRET_URL)
+        if secret and values.get("redis_url") == safe_url(secret):
+            values["redis_url"] = secret  # (the URL as given: see _hide_password)
+        values.update(overrides)
+        ignored = sorted(f"throttle_{name}" for name in _NO_EFFECT if values.get(name) is not None)
+        if ignored:
+            logger.warning("celery_throttle: %s no longer ha%s an effect (a task that must wait waits in its key's "
+                           "line and starts when the key has room): remove %s", " and ".join(ignored),
+                           "ve" if len(ignored) > 1 else "s", "them" if len(ignored) > 1 else "it")
+        if "redis_url" not in values:
+            values["redis_url"] = _default_redis_url(app)
+            if "redis_options" not in values and str(values["redis_url"]).startswith(SENTINEL_SCHEMES):
+                values["redis_options"] = _broker_sentinel_options(app)
+        if "park_after" not in values:
+            values["park_after"] = _default_park_after(app)
+        return cls(**values).validated()
+
+    def validated(self) -> Settings:
+        check_prefix(self.key_prefix)
+        if self.default_algorithm not in ALGORITHMS:
+            raise ConfigurationError(
+                f"throttle_default_algorithm {self.default_algorithm!r}: use one of {ALGORITHMS}"
+            )
+        if self.on_store_error not in STORE_ERROR_POLICIES:
+            raise ConfigurationError(
+                f"throttle_on_store_error {self.on_store_error!r}: use one of {STORE_ERROR_POLICIES}"
+            )
+        if not isinstance(self.redis_options, Mapping):
+            raise ConfigurationError("throttle_redis_options must be a dict of redis-py client options")
+        if self.redis_url is not None and not isinstance(self.redis_url, str):
+            raise ConfigurationError(f"throttle_redis_url must be a URL string, got {self.redis_url!r}")
+        if not isinstance(self.rules, Mapping):
+            raise ConfigurationError("throttle_rules must be a dict of task-name glob -> options")
+        if self.park_in not in PARK_IN:
+            raise ConfigurationError(f"throttle_park_in {self.park_in!r}: use one of {PARK_IN}")
+        check_max_wait(self.max_wait, "throttle_max_wait")
+        check_margin(self.margin, "throttle_margin")
+        if not isinstance(self.metrics_keys, bool):
+            raise ConfigurationError("throttle_metrics_keys must be True or False")
+        if not isinstance(self.enabled, bool):
+            raise ConfigurationError("throttle_enabled must be True or False")
+        if not isinstance(self.check_at_publish, bool):
+            raise ConfigurationError("throttle_check_at_publish must be True or False")
+        for name in ("park_after", "release_interval", "store_retry_delay", "store_retry_max_delay",
+                     "concurrency_lease"):
+            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
+                raise ConfigurationError(f"throttle_{name} must be a positive number of seconds")
+        return self
+
+
+#: Where the store's URL is kept when it holds a password: Celery masks the value of a
+#: setting whose name says SECRET (``celery inspect conf``, ``celery report``).
+_SECRET_URL = "throttle_redis_secret_url"
+
+
+def _hide_password(app: Any) -> None:
+    """A ``throttle_redis_url`` with a password is shown to anyone who can send a
+    ``celery inspect conf`` over the broker: its value becomes the masked URL, and the URL
+    itself moves to _SECRET_URL, which Celery masks, for the settings to read."""
+    try:
+        url = app.conf.get("throttle_redis_url")
+        if isinstance(url, str) and safe_url(url) != url:
+            app.conf[_SECRET_URL] = url
+            app.conf["throttle_redis_url"] = safe_url(url)
+    except Exception:  # noqa: BLE001 - a conf we cannot rewrite keeps its value: never fail for it
+        return
+
+
+#: Settings an earlier version used that the line made pointless: read and warned about.
+_NO_EFFECT = ("park_after", "start_grace")
+
+
+def check_max_wait(value: Any, what: str) -> None:
+    """A wait cap is a positive number of seconds, or None for none."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ConfigurationError(f"{what} must be a positive number of seconds or None, got {value!r}")
+
+
+#: The largest margin: more is a different rate, not a margin (write "10/2s" then).
+MAX_MARGIN = 60.0
+
+
+def check_margin(value: Any, what: str) -> None:
+    """A margin is a number of seconds, 0 to MAX_MARGIN, or None for the setting's."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 <= value <= MAX_MARGIN):
+        raise ConfigurationError(f"{what} must be a number of seconds from 0 to {MAX_MARGIN:.0f}, got {value!r}")
+
+
+def _default_redis_url(app: Any) -> str | None:
+    """The broker's URL when the broker is a Redis; None with any other broker: there is
+    no Redis to guess (a silent localhost would defer every task forever on a machine that
+    has none), and :func:`require_redis_url` says so when the store is first needed."""
+    broker = app.conf.broker_url
+    if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
+        return broker.split(";")[0]
+    if isinstance(broker, str) and broker.startswith(SENTINEL_SCHEMES):
+        return broker  # every Sentinel of the list: any one of them finds the master
+    if not broker:
+        return _DEFAULT_REDIS  # Celery's own default broker is local too
+    return None
+
+
+def _broker_sentinel_options(app: Any) -> dict[str, Any]:
+    """The Sentinel group a Sentinel broker names (kombu's transport options)."""
+    transport = app.conf.broker_transport_options or {}
+    return {k: transport[k] for k in ("master_name", "sentinel_kwargs") if k in transport}
+
+
+def require_redis_url(app: Any, settings: Settings) -> str:
+    """The store's URL, or a clear error naming the setting to give."""
+    if settings.redis_url:
+        return settings.redis_url
+    scheme = str(app.conf.broker_url).split("://", 1)[0]
+    raise ConfigurationError(
+        f"the broker is {scheme}://, not a Redis: set throttle_redis_url to the Redis that "
+        "holds the throttle's windows (e.g. app.conf.throttle_redis_url = 'redis://host:6379/0')"
+    )
+
+
+def _default_park_after(app: Any) -> float:
+    # With a Redis broker, an ETA message unacked for longer than visibility_timeout is
+    # delivered again: park well before that.
+    broker = app.conf.broker_url or ""
+    if isinstance(broker, str) and broker.startswith(("redis", "sentinel")):
+        timeout = (app.conf.broker_transport_options or {}).get("visibility_timeout", 3600)
+        return float(min(60.0, timeout / 2))
+    return 60.0
+
+
+def _warn_unknown(app: Any, names: set[str]) -> None:
+    """A misspelt setting would be ignored without a word: say so, with the known name
+    nearest to it, in the spelling it was given (a warning, not an error: another package
+    may share the prefix). Celery reads ``throttle_rules`` as it is and, under
+    ``config_from_object(..., namespace="CELERY")`` (Django), as ``CELERY_THROTTLE_RULES``."""
+    try:
+        keys = [k for k in app.conf if isinstance(k, str)]
+        namespace = app.conf.prefix or ""  # e.g. "CELERY_"; "" without a namespace
+    except Exception:  # noqa: BLE001 - a conf we cannot list is not worth failing for
+        return
+    for key in sorted(keys):
+        advice = _unknown_setting(key, names, namespace)
+        if advice is not None:
+            logger.warning("celery_throttle: unknown setting %s is ignored%s", key, advice)
+
+
+#: The name every setting's spelling has after its namespace.
+_PREFIX = "throttle_"
+#: A namespace Django projects use: a ``CELERY_THROTTLE_*`` setting read without it is
+#: ignored, and the advice says how to read it.
+_DJANGO_NAMESPACE = "CELERY_"
+
+
+def _unknown_setting(key: str, names: set[str], namespace: str) -> str | None:
+    """None for a setting we read, or one that is not ours; else the advice (" (did you
+    mean ...?)", or "") that follows "unknown setting KEY is ignored"."""
+    def spelt(name: str, spelling_prefix: str) -> str:
+        # Celery's own rule: a namespace's case is the whole key's (celery.utils.text.match_case).
+        whole = spelling_prefix + _PREFIX + name
+        return whole.upper() if spelling_prefix.isupper() else whole.lower()
+
+    def nearest(rest: str) -> str | None:
+        close = difflib.get_close_matches(rest.lower(), sorted(names), n=1)
+        return close[0] if close else None
+
+    lowered = key.lower()
+    if namespace and lowered.startswith((namespace + _PREFIX).lower()):
+        rest = key[len(namespace) + len(_PREFIX):]
+        if any(key == spelt(name, namespace) for name in names):
+            return None
+        close = nearest(rest)
+        return f" (did you mean {spelt(close, namespace)}?)" if close else ""
+    if lowered.startswith(_PREFIX):
+        rest = key[len(_PREFIX):]
+        if key.startswith(_PREFIX) and rest in names:
+            return None
+        close = nearest(rest)
+        if close is None:
+            return ""
+        # An upper-case THROTTLE_KEY_PREFIX means the namespace's spelling, if there is one.
+        return f" (did you mean {spelt(close, namespace if key.isupper() and namespace.isupper() else '')}?)"
+    if not namespace and lowered.startswith((_DJANGO_NAMESPACE + _PREFIX).lower()):
+        rest = key[len(_DJANGO_NAMESPACE) + len(_PREFIX):].lower()
+        how = f"app.config_from_object(..., namespace={_DJANGO_NAMESPACE[:-1]!r}) reads {_DJANGO_NAMESPACE}THROTTLE_*"
+        if rest in names:
+            return f" (this app has no namespace: {how}, or spell it {spelt(rest, '')})"
+        close = nearest(rest)
+        return f" (did you mean {spelt(close, _DJANGO_NAMESPACE)}? and {how})" if close else f" ({how})"
+    return None

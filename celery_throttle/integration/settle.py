@@ -1,0 +1,142 @@
+"""Costs settled after the call: ``celery_throttle.charge(units)`` in a throttled body, or
+``cost_after=`` on the decorator.
+
+A call is counted with its estimate (``cost``) when it is admitted; once the body knows
+what it really used (the tokens an LLM reply reports), :func:`charge` replaces that
+estimate: the difference is added to (a refund: taken from) the span the window counted
+the call in (window.lua's ``settle``), so a refund lets the tasks waiting in its key's line
+go at once, and an overrun holds them back. The window then holds at most N *reported* units in any
+window, estimates standing in until the report. A call admitted from a process's lease
+(a busy key far under its limit) keeps a refund counted (where in the lease it counts is
+not known) and counts an overrun from the report.
+
+A throttle whose rates count different units (``"500/m"`` and ``"30000 tokens/m"``)
+is charged by unit: ``charge(tokens=1234)`` settles the rates counting tokens, and the
+others keep what they counted.
+
+The hook notes, in the thread (or greenlet) that runs the body, where the call was
+counted; :func:`charge` reads it there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from celery import current_task
+
+from ..check.controller import controller
+from ..core.errors import StoreError, ThrottleError
+from ..core.protocol import Cost, Counted, one_cost, per_rate
+from ..core.spec import BoundCall
+
+__all__ = ["charge"]
+
+logger = logging.getLogger("celery_throttle")
+
+
+@dataclass
+class _Running:
+    task_id: str
+    call: BoundCall
+    counted: Counted
+    #: The units the window counts the call with now (of every rate, or per rate).
+    units: Cost
+
+
+class _Bodies(threading.local):
+    running: dict[str, _Running]
+
+    def __init__(self) -> None:
+        self.running = {}
+
+
+_bodies = _Bodies()
+
+
+def started(task_id: str, call: BoundCall, counted: Counted | None) -> None:
+    """The hook admitted ``task_id`` (in this thread), counted as ``counted``."""
+    if counted is not None:
+        _bodies.running[task_id] = _Running(task_id, call, counted, counted.units)
+
+
+def ended(task_id: str) -> None:
+    _bodies.running.pop(task_id, None)
+
+
+def charge(units: int | None = None, **by_unit: int) -> None:
+    """Report what this throttled body really used: ``units`` replace the estimate its
+    ``cost`` was counted with (call it again to correct it; the last report stands). For
+    rates of named units, by name: ``charge(tokens=1234)`` settles the rates that count
+    tokens (a rate of a unit not named keeps its count); ``charge(n)`` (or ``units=n``) is
+    for a throttle whose rates all count one unit.
+
+    Does nothing in a call that is not throttled: a direct call, ``.apply()``, or
+    ``task_always_eager`` (a unit test of the body). Raises
+    :class:`~celery_throttle.core.errors.ThrottleError` outside the body of a task, for a unit
+    count that is not an integer >= 0, or a unit its rates do not count. A store that
+    cannot be reached is logged, not raised: the body's own outcome stands.
+    """
+    if (units is None) == (not by_unit):
+        raise ThrottleError("charge() takes the units used: charge(1234), or by unit, charge(tokens=1234)")
+    for name, value in by_unit.items() if units is None else (("units", units),):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ThrottleError(f"charge() takes the units used, each an integer >= 0, got {name}={value!r}")
+    request = getattr(current_task, "request", None)
+    task_id = getattr(request, "id", None)
+    running = _bodies.running.get(task_id) if task_id else None
+    if running is None and request is not None and (request.is_eager or request.called_directly):
+        return  # (never throttled: nothing was counted to settle)
+    if running is None:
+        raise ThrottleError("charge() is called in the body of a task with a @throttle (or a rule), "
+                            "while it runs; this is not one")
+    reported = _reported(running.call, running.units, units, by_unit)
+    n = len(running.call.rates)
+    delta = one_cost([r - c for r, c in zip(per_rate(reported, n), per_rate(running.units, n))])
+    if delta == 0:
+        return
+    ctl = controller(current_task.app)
+    try:
+        reply = ctl.checker.settle(running.call, running.counted, delta)
+        ctl.lines.handle(running.call, reply)  # (a refund lets the line's head go at once)
+    except StoreError as exc:
+        ctl.metrics.store_error("settle")
+        logger.warning("could not settle the cost of %s[%s] (%s units, estimated %s): %s", current_task.name,
+                       task_id, units if units is not None else by_unit, running.units, exc)
+        return
+    running.units = reported
+
+
+def _reported(call: BoundCall, counted: Cost, units: int | None, by_unit: dict[str, int]) -> Cost:
+    """What a call of ``call``'s rates now counts in each, after a report of ``units`` (of
+    every rate) or ``by_unit``; ``counted``: what each counted before."""
+    named = {rate.unit for rate in call.rates}
+    if units is not None:
+        if len(named) > 1:
+            example = max(named)
+            raise ThrottleError(f"this throttle's rates count several units ({', '.join(u or 'calls' for u in sorted(named))}): "
+                                f"charge them by name, e.g. charge({example}=1234)")
+        return units
+    unknown = sorted(set(by_unit) - named)
+    if unknown:
+        counts = ", ".join(sorted(u for u in named if u)) or "no named unit"
+        raise ThrottleError(f"charge() names unit(s) {unknown} that this throttle's rates do not count "
+                            f"(they count: {counts}; a rate counts a unit when it names it, \"30000 tokens/m\")")
+    before = per_rate(counted, len(call.rates))
+    return one_cost([by_unit.get(rate.unit, old) for rate, old in zip(call.rates, before)])
+
+
+def charge_after(spec_cost_after: Any, result: Any, task: Any) -> None:
+    """``cost_after(result)`` of a body that returned, charged; a cost_after that fails
+    or answers something else is logged (the task's result stands)."""
+    try:
+        units = spec_cost_after(result)
+        if isinstance(units, dict):
+            charge(**units)
+        else:
+            charge(units)
+    except Exception as exc:  # noqa: BLE001 - the result stands; the estimate stays counted
+        logger.warning("cost_after of %s[%s] failed (%r): its estimate stays counted", task.name,
+                       getattr(task.request, "id", None), exc)

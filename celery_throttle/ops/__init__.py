@@ -1,0 +1,1 @@
+"""Operations: ``celery -A proj throttle ...`` and how it shows what it found."""

@@ -1,0 +1,269 @@
+"""How ``celery -A proj throttle ...`` shows what it found: the status table, the JSON
+documents, where a task waits (``why``), times and durations as people on call read
+them. User data (scopes, keys, task ids) is shown as it is, with control characters
+escaped, and never read as markup.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import click
+from kombu.exceptions import ContentDisallowed, DecodeError
+
+from ..celery_parts.messages import decode_message
+
+__all__ = ["UNITS", "WHERE", "as_dict", "by_window", "clock", "duration", "empty", "escaped", "from_now", "in_force",
+           "iso", "mark", "nothing_matched", "pause_end", "pause_fields", "scope_and_key", "slots_cell",
+           "status_table", "task_name", "waiting_cell", "when", "whereabouts_dict", "whereabouts_lines"]
+
+
+def nothing_matched(match: str, key_match: str | None) -> str:
+    line = f"nothing matched --match {match!r}" + ("" if key_match is None else f" --key-match {key_match!r}")
+    line += " (--match selects scopes, --key-match keys"
+    if key_match is None and ":" in match:
+        scope_glob, _, key_glob = match.partition(":")
+        line += f": a key of a scope is --match {scope_glob!r} --key-match {key_glob!r}"
+    return line + ")"
+
+
+def empty(status: Any) -> bool:
+    """Nothing counted, paused, limited, running or waiting."""
+    return not (status.rates or status.paused_until is not None or status.live_limit or status.live_concurrency
+                or status.running or status.waiting)
+
+
+def scope_and_key(scope: str, key: str | None) -> str:
+    """A scope and key as the CLI names them (quoted: user data, printed as it is)."""
+    return f"scope {scope!r}" + ("" if key is None else f" key {key!r}")
+
+
+def slots_cell(status: Any) -> str:
+    """The slots cell of a row: "2/4" (held of the limit; "(live)" when a live limit sets it)."""
+    if not (status.concurrency or status.running):
+        return ""
+    return f"{status.running}/{status.concurrency or '?'}" + (" (live)" if status.live_concurrency else "")
+
+
+def waiting_cell(status: Any) -> str:
+    """The waiting cell of a row: tasks in the line, and "+n out" released and not started."""
+    if not (status.waiting or status.released):
+        return ""
+    return str(status.waiting) + (f" +{status.released} out" if status.released else "")
+
+
+def as_dict(status: Any) -> dict[str, Any]:
+    return {
+        "scope": status.scope, "key": status.key,
+        **pause_fields(status.paused_until),
+        "live_limit": [str(r) for r in status.live_limit] if status.live_limit else None,
+        "waiting": status.waiting, "released": status.released,
+        "running": status.running, "concurrency": status.concurrency,
+        "live_replaces_all": status.live_replaces_all,
+        "live_concurrency": status.live_concurrency,
+        "rates": [{"rate": str(r.rate), "algorithm": r.algorithm, "used": r.used, "remaining": r.remaining,
+                   "reset_at": iso(r.reset_at)} for r in status.rates],
+    }
+
+
+def status_table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    zone = dt.datetime.now().astimezone().strftime("%Z")
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    # (Columns only when they say something: 80 columns.)
+    waiting = any(s.waiting or s.released for s in found)
+    slots = any(s.concurrency or s.running for s in found)
+    counted = any(s.rates or s.live_limit for s in found)
+    paused_any = any(s.paused_until is not None for s in found)
+    shown = {"waiting": waiting, "slots": slots, "rate": counted, "used": counted, "left": counted,
+             f"resets ({zone})": counted, "paused": paused_any}
+    for name, justify in (("scope", "left"), ("key", "left"), ("rate", "right"), ("used", "right"),
+                          ("left", "right"), (f"resets ({zone})", "right"), ("waiting", "right"), ("slots", "right"),
+                          ("paused", "left")):
+        if shown.get(name, True):
+            table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for s in found:
+        paused = "" if s.paused_until is None else (
+            "until resumed" if s.paused_until == float("inf") else f"until {clock(s.paused_until)}")
+        live = set(s.live_limit or ())
+        # A row per stored rate, marked when a live limit sets it (or, set with --replace,
+        # lifts it); a scope with only a control (a pause, a live limit) gets one row for it.
+        rows = [(f"{r.rate}{mark(r.rate, live, s.live_replaces_all)}", str(r.used), str(r.remaining),
+                 clock(r.reset_at))
+                for r in s.rates] or [(", ".join(f"{r} (live)" for r in sorted(live)) or "-", "", "", "")]
+        for i, (rate, used, left, resets) in enumerate(rows):
+            first = i == 0
+            # Scopes and keys are user data: Text, never read as rich markup ("[red]acme").
+            cells = [Text(escaped(s.scope)) if first else "", Text("-" if s.key is None else escaped(s.key)) if first else "",
+                     *([rate, used, left, resets] if counted else []),
+                     *([waiting_cell(s) if first else ""] if waiting else []),
+                     *([slots_cell(s) if first else ""] if slots else []), *([paused if first else ""] if paused_any else [])]
+            table.add_row(*cells)
+    console = Console(width=None if Console().is_terminal else 80, soft_wrap=False)
+    if found:
+        console.print(table)
+    if more:
+        click.echo("... more not shown (narrow with --match, or raise --limit)")
+    if waiting:
+        click.echo("waiting: tasks in the key's line, waiting for room (+ released to a worker, not started yet)")
+    if slots:
+        click.echo("slots: concurrency slots held (bodies running) of the limit")
+    if listing and any(parked):
+        click.echo(f"parked by an earlier version: {parked[0]} waiting, {parked[1]} being released, "
+                   f"{parked[2]} dead")
+
+
+def in_force(ctl: Any, scope: str, key: str | None, live: set[Any]) -> str:
+    """The line that says which rates are in force after a live limit: each one, live or
+    declared, and the declared ones it lifted."""
+    declared, by_callable = ctl.declared_rates(scope)
+    rates = ctl.rates_in_force(scope, key)
+    line = "in force: " + ", ".join(f"{r} ({'live' if r in live else 'declared'})" for r in sorted(rates, key=by_window))
+    windows = {(r.period_us, r.unit) for r in live}
+    lifted = sorted((r for r in declared if r not in rates and (r.period_us, r.unit) not in windows), key=by_window)
+    if lifted:
+        line += f"; lifted until `throttle unset`: {', '.join(map(str, lifted))}"
+    if by_callable:
+        line += "; and the rates of other windows that a task's rate callable returns, per call"
+    elif not declared:
+        line += " (no task of this app declares rates for it)"
+    return line
+
+
+def by_window(rate: Any) -> tuple[int, str, int]:
+    """Rates as people read them: the shortest window first."""
+    return rate.period_us, rate.unit, rate.limit
+
+
+WHERE = {
+    "line": "waiting in the line of {target}",
+    "released": "released from the line of {target}, on its way to a worker",
+    "parked": "parked in the store by an earlier version, due {until}",
+    "releasing": "being sent back from the store (taken at {until})",
+    "dead": "a dead letter since {until}: it could not be sent back (throttle parked --dead)",
+    "delayed": "parked in the broker's delay queues, due in its queue at {until}",
+    "held": "held in the broker until the pause holding it is over",
+    "countdown": "held by worker {worker} as a countdown until {until}",
+    "received": "received by worker {worker}, waiting for a pool process",
+    "running": "running on worker {worker}",
+}
+
+
+def whereabouts_lines(found: Any) -> list[str]:
+    head = f"task {found.task_id}" + (f" ({found.name})" if found.name else "")
+    if found.where == "unknown":
+        return [(f"{head}: not waiting in the throttle: it is not parked, and none of the {found.workers_asked} "
+                "worker(s) that answered holds it (it may be in a queue no worker has taken it from yet, done, "
+                "or unknown)")]
+    until = "?" if found.until is None else f"{when(found.until)} ({from_now(found.until)})"
+    target = scope_and_key(found.scope or "?", found.key)
+    lines = [f"{head}: {WHERE[found.where].format(until=until, worker=found.worker, target=target)}"]
+    if found.where == "line":
+        estimate = "" if found.start is None else (f"; it may start about {when(found.start)} "
+                                                   f"({from_now(found.start)})")
+        lines.append(f"{target}: place {found.place} of {found.waiting} waiting{estimate}")
+    elif found.scope is not None and found.where != "released":
+        lines.append(target)
+    if found.held_by_pause or found.paused_until is not None:
+        lines.append("held by: a pause " + ("that has ended" if found.paused_until is None else pause_end(found.paused_until)))
+    elif found.concurrency and found.running is not None and found.running >= found.concurrency:
+        lines.append(f"held by: its concurrency limit ({found.running} of {found.concurrency} slots held); the next "
+                     "slot to free goes to the head of the line")
+    elif found.fullest is not None and found.where in ("line", "countdown", "received", "parked"):
+        r = found.fullest
+        lines.append(f"held by: the rate {r.rate} ({r.used} used, {r.remaining} left now, resets "
+                     f"{when(r.reset_at)})")
+    return lines
+
+
+def whereabouts_dict(found: Any) -> dict[str, Any]:
+    r = found.fullest
+    return {
+        "task_id": found.task_id, "where": found.where, "name": found.name, "scope": found.scope, "key": found.key,
+        "until": None if found.until is None else iso(found.until),
+        "estimated_start": None if found.start is None else iso(found.start), "worker": found.worker,
+        "held_by_pause": found.held_by_pause,
+        **pause_fields(found.paused_until),
+        "fullest_rate": None if r is None else {"rate": str(r.rate), "used": r.used, "remaining": r.remaining,
+                                                "reset_at": iso(r.reset_at)},
+        "line": None if found.where != "line" else {"place": found.place, "waiting": found.waiting,
+                                                    "running": found.running, "concurrency": found.concurrency},
+    }
+
+
+def pause_fields(paused_until: float | None) -> dict[str, Any]:
+    """A pause in JSON: whether there is one, its end (an ISO time, or null: none, or
+    open-ended) and whether it lasts until resumed, so that every time field is a time or null."""
+    open_ended = paused_until == float("inf")
+    return {"paused": paused_until is not None,
+            "paused_until": None if paused_until is None or open_ended else iso(paused_until),
+            "paused_until_resumed": open_ended}
+
+
+def from_now(timestamp: float) -> str:
+    seconds = timestamp - dt.datetime.now().timestamp()
+    return f"in {seconds:.1f}s" if seconds >= 0 else f"{-seconds:.1f}s ago"
+
+
+def escaped(text: str) -> str:
+    """User data as it is, with its control characters escaped (a newline or an escape
+    sequence in an id never reaches the terminal raw)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def task_name(app: Any, message: bytes | None) -> str:
+    if message is None:
+        return "<message gone>"
+    try:
+        return str(decode_message(app, message).get("task"))
+    except (ValueError, TypeError, AttributeError, DecodeError, ContentDisallowed):
+        return "<cannot be decoded>"  # the reason it is a dead letter, often
+
+
+def when(timestamp: float) -> str:
+    """A time as people on call read it: local, with its zone."""
+    return dt.datetime.fromtimestamp(timestamp).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def mark(rate: Any, live: set[Any], replaces_all: bool) -> str:
+    if rate in live:
+        return " (live)"
+    return " (not in force)" if replaces_all else ""
+
+
+def iso(timestamp: float) -> str:
+    return dt.datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="milliseconds")
+
+
+def clock(timestamp: float) -> str:
+    """A time in a table: the clock only when it is today."""
+    moment = dt.datetime.fromtimestamp(timestamp).astimezone()
+    today = dt.datetime.now().astimezone().date()
+    return moment.strftime("%H:%M:%S" if moment.date() == today else "%Y-%m-%d %H:%M:%S")
+
+
+def pause_end(timestamp: float) -> str:
+    return "until resumed" if timestamp == float("inf") else f"until {when(timestamp)}"
+
+
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(text: str | None) -> float | None:
+    """90s, 5m, 2h, 1d, or a number of seconds; None stays None."""
+    if text is None:
+        return None
+    value, unit = text.strip(), "s"
+    if value[-1:].lower() in UNITS:
+        value, unit = value[:-1], value[-1].lower()
+    try:
+        seconds = float(value) * UNITS[unit]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: use e.g. 90s, 5m, 2h, 1d", param_hint="--for") from None
+    if not seconds > 0:
+        raise click.BadParameter(f"{text!r}: must be more than 0", param_hint="--for")
+    return seconds

@@ -1,0 +1,291 @@
+"""The releaser: a thread in every worker that releases the heads of lines when their key
+has room.
+
+It claims the keys whose next look is due from the index of keys with a line (index.lua:
+a key is claimed by one releaser at a time), runs each line's ``release`` (window.lua)
+and sends what it released (:meth:`.lines.Lines.release`), settles each key's next look,
+and sleeps until the earliest look in the index, or until woken (a refund, a raised
+limit, a resume, a line that begins: BLPOP on a wake list). So a key's head goes within
+milliseconds of its room, with no polling of keys that have none.
+
+Between rounds, once a ``throttle_release_interval``, it also sends on what earlier
+versions left (parked tasks, tasks a pause held in RabbitMQ, tasks waiting for a slot),
+gives the index back any line it lost (a line whose writer died between its script and
+the index), notes a store that restarted, and reads gauges. An outage of the store is
+logged once, summed up while it lasts, and its end logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ..celery_parts.messages import resend
+from ..core.errors import StoreError
+from ..core.keys import glob_escape, legacy_slot_index_key, legacy_slot_keys, line_index_key
+from .broker_parking import broker_parking
+from .parking import BATCH, release_parked
+
+if TYPE_CHECKING:
+    from ..check.limiter import Throttle
+
+__all__ = ["CLAIM_LEASE_US", "Releaser"]
+
+logger = logging.getLogger("celery_throttle")
+
+#: A releaser looks at keys due within this much of now (µs): its wake-ups are no more
+#: precise than a millisecond or two.
+LOOKAHEAD_US = 2_000
+#: Keys one claim takes at most (a round claims again while it gets this many).
+CLAIM_MOST = 32
+#: How long (µs) a claimed key stays its releaser's: one that dies meanwhile leaves it to
+#: the others after this.
+CLAIM_LEASE_US = 10_000_000
+#: Round trips to the store a releaser wakes before a line's due time: the BLPOP it waits
+#: on ends one after its timeout, the index claim takes one, and the release's script runs
+#: half of one after the reads before it. (A store on the same host: a few hundred µs.)
+WAKE_TRIPS = 3
+#: Chores wait for a gap between looks as long as they took last time, at most this many
+#: release intervals (a key due again and again never holds them off for long).
+CHORES_PUT_OFF = 3
+#: The longest (seconds) one wait for a wake-up blocks: a stopping worker waits this at most
+#: for its releaser (and it stays under the store's socket timeout).
+WAKE_SLICE = 1.0
+#: Seconds between two looks at the store's run id (a restart is logged within this).
+STORE_WATCH_EVERY = 10.0
+#: Seconds between two searches for lines missing from the index (one worker a round).
+INDEX_SWEEP_EVERY = 60.0
+#: Seconds between two reads of the gauges.
+GAUGE_EVERY = 10.0
+#: While the store is unreachable, the releaser says so again this often (seconds).
+OUTAGE_REPORT_EVERY = 60.0
+
+
+class Outage:
+    """Store errors of one loop, logged once, summed up while they last, and their end."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.since: float | None = None
+        self.errors = 0
+        self._reported_at = 0.0
+
+    def failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        self.errors += 1
+        if self.since is None:
+            self.since, self._reported_at = now, now
+            logger.warning("celery_throttle: could not %s: %s (said once; summed up every %.0fs until the "
+                           "store is back)", self.what, exc, OUTAGE_REPORT_EVERY)
+        elif now - self._reported_at >= OUTAGE_REPORT_EVERY:
+            self._reported_at = now
+            logger.warning("celery_throttle: still could not %s: %d errors in %.0fs; last: %s", self.what,
+                           self.errors, now - self.since, exc)
+
+    def ok(self) -> None:
+        if self.since is not None:
+            logger.warning("celery_throttle: the store is back: could %s again after %.1fs (%d errors)",
+                           self.what, time.monotonic() - self.since, self.errors)
+            self.since, self.errors = None, 0
+
+
+class Releaser(threading.Thread):
+    """Releases the heads of lines as their keys get room; sends on what earlier versions left."""
+
+    def __init__(self, ctl: Throttle) -> None:
+        super().__init__(name="celery-throttle-releaser", daemon=True)
+        self.ctl = ctl
+        self._stop_event = threading.Event()
+        self._chores_at = 0.0
+        #: How long the last chores took (seconds).
+        self._chores_took = 0.0
+        self._gauged_at = float("-inf")
+        self._watched_at = time.monotonic()
+        self._swept_at = time.monotonic() - INDEX_SWEEP_EVERY * random.random()
+        self._outage = Outage("release the lines that have room")
+        #: (keys with a line, when: Unix time) at the last watch of the store, to say what
+        #: a restart that emptied it lost.
+        self._lines_seen: tuple[int, float] | None = None
+        #: Woken (BLPOP) since the last round, rather than timed out.
+        self._woken = False
+        self._chores_outage = Outage("send on the tasks an earlier version left")
+
+    def run(self) -> None:
+        sleep = 0.0
+        while not self._wait(sleep):
+            if self._woken:
+                # (Woken by a resume, a raised limit: what it changed is read now, not
+                # within CONTROL_REFRESH, so that the lines it woke are looked at under it.)
+                self._woken = False
+                try:
+                    self.ctl.checker.refresh_controls()
+                except StoreError:
+                    pass  # (the round that follows says what is wrong)
+            try:
+                sleep = self.release_due()
+                self._outage.ok()
+            except StoreError as exc:
+                self._outage.failed(exc)
+                sleep = self.ctl.settings.release_interval * random.uniform(0.5, 1.0)
+            except Exception:  # never let the thread die: lines would wait forever
+                logger.exception("releasing lines failed")
+                sleep = self.ctl.settings.release_interval
+            # (The next look is due that long from now, whatever the chores take: with a
+            # store far away they are several round trips, and a line due meanwhile would
+            # be released that much late. So they wait for a gap as long as they took
+            # last time, for CHORES_PUT_OFF intervals at most.)
+            wake_at = time.monotonic() + sleep
+            since = time.monotonic() - self._chores_at
+            interval = self.ctl.settings.release_interval
+            if since >= interval and (sleep >= self._chores_took or since >= CHORES_PUT_OFF * interval):
+                self._chores_at = time.monotonic()
+                self.chores()
+                self._chores_took = time.monotonic() - self._chores_at
+            sleep = max(wake_at - time.monotonic(), 0.0)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def _wait(self, seconds: float) -> bool:
+        """Wait for the next round: ``seconds``, or less when woken (BLPOP, in slices of
+        WAKE_SLICE so a stop is seen). True once stopped."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0.0005 and not self._stop_event.is_set():
+            try:
+                if self.ctl.parking.wait_for_wake(min(left, WAKE_SLICE)):
+                    self._woken = True
+                    break
+            except StoreError:
+                self._stop_event.wait(left)  # the round that follows says what is wrong
+        return self._stop_event.is_set()
+
+    def release_due(self) -> float:
+        """Release the heads of every line due now; returns how long (seconds) to sleep
+        before the next look (the earliest due in the index, at most the release
+        interval)."""
+        store, lines = self.ctl.store, self.ctl.lines
+        drain = not self.ctl.settings.enabled  # (throttling switched off: every line goes)
+        while True:
+            now_us, _, claimed = store.index_claim(LOOKAHEAD_US, CLAIM_MOST, CLAIM_LEASE_US)
+            settled = []
+            for key, token in claimed:
+                try:
+                    due, at = lines.release(key, drain=drain)
+                except StoreError:
+                    raise
+                except Exception:
+                    logger.exception("could not release the line of %s", key)
+                    due, at = now_us + CLAIM_LEASE_US, now_us
+                settled.append((key, token, due, at))
+            now_us, first = store.index_settle(settled)
+            if len(claimed) < CLAIM_MOST:
+                break
+        interval = self.ctl.settings.release_interval
+        if first < 0:
+            return interval
+        # (Less WAKE_TRIPS round trips: the script's now came half of one before its reply,
+        # the wait's BLPOP ends one after its timeout, and the next look claims the key and
+        # reads its controls before its release. Early costs a look more; late, a start.)
+        early = WAKE_TRIPS * store.rtt_us / 1e6
+        return min(max((first - now_us) / 1e6 - early, 0.0), interval)
+
+    # -- between rounds -------------------------------------------------------------------
+    def chores(self) -> None:
+        """What is done once a release interval (put off while a look is due sooner than they
+        take, CHORES_PUT_OFF intervals at most): earlier versions' tasks, lost index
+        entries, a restarted store, gauges."""
+        try:
+            self._send_on_legacy()
+            now = time.monotonic()
+            if now - self._swept_at >= INDEX_SWEEP_EVERY:
+                self._swept_at = now
+                self.index_lost_lines()
+            if now - self._watched_at >= STORE_WATCH_EVERY:
+                self._watched_at = now
+                self._watch_store()
+                broker = broker_parking(self.ctl)
+                if broker is not None:
+                    broker.move_held()
+            if self.ctl.metrics.enabled and now - self._gauged_at >= GAUGE_EVERY:
+                self._gauged_at = now
+                self.ctl.metrics.parked_waiting(self.ctl.lines.total_waiting() + self.ctl.parking.parked_count()[0])
+            self._chores_outage.ok()
+        except StoreError as exc:
+            self._chores_outage.failed(exc)
+        except Exception:
+            logger.exception("celery_throttle: a releaser's chores failed")
+
+    def _send_on_legacy(self) -> None:
+        """Tasks an earlier version parked (in the store, or held by a pause in RabbitMQ)
+        or kept waiting for a slot: sent on now, each checked as a new task."""
+        parking = self.ctl.parking
+        if parking.parked_count()[0]:
+            parking.hasten(["*"], self.ctl.store.now_us())
+            while release_parked(self.ctl) >= BATCH and not self._stop_event.is_set():
+                pass
+        self._send_on_legacy_slots()
+
+    def _send_on_legacy_slots(self) -> None:
+        store = self.ctl.store
+        index = legacy_slot_index_key(store.prefix)
+        with store.errors():
+            keys = [k.decode(errors="surrogateescape") for k in store.client.hkeys(index)]
+        for key in keys:
+            queue, messages = legacy_slot_keys(key)
+            with store.errors():
+                ids = store.client.zrange(queue, 0, BATCH - 1)
+                bodies = store.client.hmget(messages, ids) if ids else []
+            for task_id, message in zip(ids, bodies):
+                if message is not None:
+                    try:
+                        resend(self.ctl.app, bytes(message))
+                    except Exception:
+                        logger.exception("could not send on task %r that waited for a slot before the upgrade",
+                                         task_id)
+                        continue
+                with store.errors():
+                    store.client.zrem(queue, task_id)
+                    store.client.hdel(messages, task_id)
+            with store.errors():
+                if not store.client.exists(queue):
+                    store.client.hdel(index, key)
+
+    def index_lost_lines(self) -> int:
+        """Give the index back every line it does not hold (its writer died between its
+        script and the index, or the index was evicted): SCAN, one worker a round."""
+        store = self.ctl.store
+        prefix = store.prefix
+        with store.errors():
+            if not store.client.set(f"{line_index_key(prefix)}:sweep", "1", nx=True,
+                                    px=int(INDEX_SWEEP_EVERY * 1000 * 0.8)):
+                return 0
+            now_us = store.now_us()
+            found = 0
+            for name in store.client.scan_iter(match=f"{glob_escape(prefix)}:{{*}}:lm", count=1000):
+                key = (name.decode(errors="surrogateescape") if isinstance(name, bytes) else name)[: -len(":lm")]
+                if store.client.zscore(line_index_key(prefix), key) is None:
+                    store.index_note(key, now_us, now_us)
+                    found += 1
+        if found:
+            logger.warning("celery_throttle: %d line(s) were missing from the index; they are looked at now", found)
+            self.ctl.lines.wake_releasers()
+        return found
+
+    def _watch_store(self) -> None:
+        """Say so when the store restarted (its run id changed) while this worker ran:
+        whatever it did not keep on disk (lines, counts) may be lost."""
+        ctl = self.ctl
+        report = ctl.store.report()
+        before, ctl.store_run_id = ctl.store_run_id, report.run_id
+        if before is not None and report.run_id is not None and report.run_id != before:
+            ctl.metrics.store_error("restart")
+            seen = self._lines_seen
+            lines = (f" ({seen[0]} key(s) had tasks waiting in their lines {time.time() - seen[1]:.0f}s before)"
+                     if seen and seen[0] else "")
+            logger.error("celery_throttle: the throttle store restarted (run id %s -> %s): tasks waiting in its "
+                         "lines and counts it did not keep on disk are lost%s%s", before[:8], report.run_id[:8],
+                         lines, "".join(f"; {risk}" for risk in report.risks))
+        self._lines_seen = (ctl.lines.count(), time.time())

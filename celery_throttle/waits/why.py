@@ -1,0 +1,163 @@
+"""``throttle why TASK_ID``: where one task waits, until when, and what holds it.
+
+The store answers for a task in a key's line (its place, and an estimate of its start),
+one released from it and on its way, and what an earlier version parked (waiting for its
+time, being released, or a dead letter; or, noted in its index, parked in the broker).
+The workers answer, through Celery's remote control (the ``throttle_why`` command
+registered here, in every process that imports the plugin), for a task they hold: as a
+countdown in the worker's timer, received and waiting for a pool process, or running. A
+task found in neither waits in a queue no worker has taken it from, or is done. No answer
+carries a ticket (what would let a client forge a released task's header).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from celery.worker.control import inspect_command
+from celery.worker.request import Request
+from kombu.exceptions import ContentDisallowed, DecodeError
+
+from ..celery_parts.internals import held_requests
+from ..celery_parts.messages import decode_message
+from ..core.keys import PARKED_TAG_END, encode, glob_escape, line_index_key, state_of, window_keys
+from ..core.protocol import HEADER, Header
+
+if TYPE_CHECKING:
+    from ..check.limiter import RateStatus, Throttle
+
+__all__ = ["Whereabouts", "explain", "parked_call"]
+
+#: Seconds ``throttle why`` waits for the workers' answers.
+REPLY_TIMEOUT = 1.0
+
+
+@dataclass
+class Whereabouts:
+    """Where a task waits (``where``), and what is known of why."""
+
+    task_id: str
+    #: ``line`` (waiting in its key's line), ``released`` (released from it, on its way to
+    #: a worker), ``parked`` | ``releasing`` | ``dead`` | ``delayed`` | ``held`` (left by an
+    #: earlier version, in the store or the broker), ``countdown`` | ``received`` |
+    #: ``running`` (a worker), or ``unknown``.
+    where: str
+    name: str | None = None
+    scope: str | None = None
+    key: str | None = None
+    #: Unix time: due (parked), the countdown's end, or when it became a dead letter.
+    until: float | None = None
+    #: An estimate of its start (Unix time), waiting in a line.
+    start: float | None = None
+    #: The worker that holds it.
+    worker: str | None = None
+    #: Whether an earlier version's pause holds it.
+    held_by_pause: bool = False
+    #: When a pause of its scope or key ends (``inf``: until resumed), if one is set.
+    paused_until: float | None = None
+    #: The fullest rate of its scope and key now.
+    fullest: RateStatus | None = None
+    #: Workers that answered (for a task no store or worker holds).
+    workers_asked: int = 0
+    #: Waiting in a line: its place (1: next), the tasks waiting, the slots held and the
+    #: concurrency limit.
+    place: int | None = None
+    waiting: int | None = None
+    running: int | None = None
+    concurrency: int | None = None
+
+
+def parked_call(ctl: Throttle, message: bytes | None) -> tuple[str, Header]:
+    """(task name, its ``celery_throttle`` header as read) of a kept message."""
+    try:
+        body = decode_message(ctl.app, message or b"")
+    except (ValueError, TypeError, AttributeError, DecodeError, ContentDisallowed):
+        return "<cannot be decoded>", Header()
+    return body["task"], Header.read((body["options"].get("headers") or {}).get(HEADER))
+
+
+def find_in_lines(ctl: Throttle, task_id: str) -> tuple[str, str, int, bytes | None] | None:
+    """(``line`` | ``released``, state key, place in the line from 1 (0: released), its
+    message) of task ``task_id``, among the keys with a line (the index)."""
+    store = ctl.store
+    pattern = glob_escape(encode(task_id)) + ":*"
+    with store.errors():
+        client = store.client
+        for member, _ in client.zscan_iter(line_index_key(store.prefix), count=1000):
+            key = member.decode(errors="surrogateescape") if isinstance(member, bytes) else member
+            _, _, line, msgs, out, _, _ = window_keys(key)
+            for entry, _ in client.zscan_iter(line, match=pattern, count=1000):
+                rank = client.zrank(line, entry)
+                return "line", key, int(rank or 0) + 1, client.hget(msgs, entry)
+            for entry, _ in client.zscan_iter(out, match=pattern, count=1000):
+                return "released", key, 0, client.hget(msgs, entry)
+    return None
+
+
+def explain(ctl: Throttle, task_id: str, timeout: float = REPLY_TIMEOUT) -> Whereabouts:
+    """Where task ``task_id`` waits, asking the store, then the workers."""
+    key: str | None = None
+    if (lined := find_in_lines(ctl, task_id)) is not None:
+        where, key, place, message = lined
+        name, _ = parked_call(ctl, message)
+        out = Whereabouts(task_id, where, name, place=place or None)
+    elif found := ctl.parking.find_parked(task_id):
+        where, parked_id, when_us, message = min(found, key=lambda f: ("waiting", "releasing", "dead").index(f[0]))
+        name, header = parked_call(ctl, message)
+        key = header.key or None
+        out = Whereabouts(task_id, "parked" if where == "waiting" else where, name, until=when_us / 1e6,
+                          held_by_pause=PARKED_TAG_END in parked_id)
+        if message is None:
+            out.name = "<message gone>"
+    elif (noted := ctl.parking.find_in_broker(task_id)) is not None:
+        due_us, info = noted
+        entry = json.loads(info)
+        in_held_queue = bool(entry.get("held"))
+        key = Header.read(entry.get("h")).key or None
+        out = Whereabouts(task_id, "held" if in_held_queue else "delayed", entry.get("t"),
+                          until=None if in_held_queue else due_us / 1e6, held_by_pause=in_held_queue)
+    else:
+        replies = ctl.app.control.broadcast("throttle_why", arguments={"task_id": task_id}, reply=True,
+                                            timeout=timeout)
+        answers = [(worker, answer) for reply in replies or () for worker, answer in reply.items()]
+        holder = next(((w, a) for w, a in answers if isinstance(a, dict) and a.get("where")), None)
+        if holder is None:
+            return Whereabouts(task_id, "unknown", workers_asked=len(answers))
+        worker, answer = holder
+        eta = answer.get("eta")
+        key = answer.get("key") if isinstance(answer.get("key"), str) else None
+        out = Whereabouts(task_id, str(answer["where"]), answer.get("name"), worker=worker,
+                          until=dt.datetime.fromisoformat(eta).timestamp() if isinstance(eta, str) else None,
+                          workers_asked=len(answers))
+    named = state_of(ctl.settings.key_prefix, key) if key else None
+    if named is not None:
+        out.scope, out.key = named
+        status = ctl.status(*named)
+        out.paused_until = status.paused_until
+        out.fullest = min(status.rates, key=lambda r: (r.remaining, -r.reset_at), default=None)
+        out.running, out.waiting, out.concurrency = status.running, status.waiting, status.concurrency
+        if out.where == "line" and out.place is not None:
+            out.start = status.estimate(out.place)
+    return out
+
+
+@inspect_command(args=[("task_id", str)], signature="<task_id>")
+def throttle_why(state: Any, task_id: str, **kwargs: Any) -> dict[str, Any]:
+    """Where this worker holds task ``task_id``: a countdown in its timer, received and
+    waiting for a pool process, or running (``{}``: it does not hold it)."""
+    for where, request in held_requests(state.consumer):
+        if request.id == task_id:
+            return _answer(where, request)
+    return {}
+
+
+def _answer(where: str, request: Request) -> dict[str, Any]:
+    held = request.request_dict
+    header = Header.read(held.get(HEADER) or (held.get("headers") or {}).get(HEADER))
+    eta = request.eta
+    # (Its key, and never its ticket: any client of the broker may ask.)
+    return {"where": where, "name": request.name, "key": header.key or None,
+            "eta": eta.isoformat() if isinstance(eta, dt.datetime) else None}
