@@ -28,7 +28,7 @@ from typing import Any
 import redis
 
 from celery_throttle.core import protocol
-from celery_throttle.store.client import window_preamble, window_script
+from celery_throttle.store.window import window_preamble, window_script
 from examples.local_redis import start
 
 ROUNDS, CALLS = 7, 2000

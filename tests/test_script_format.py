@@ -21,7 +21,9 @@ from celery_throttle.core.protocol import (
 )
 from celery_throttle.core.rates import Rate
 from celery_throttle.core.timing import SCRIPT_POLICY
-from celery_throttle.store.client import RedisStore, lua, window_script
+from celery_throttle.store.client import RedisStore
+from celery_throttle.store.scripts import lua
+from celery_throttle.store.window import window_script
 from tests.helpers import STORE_URL
 
 #: Each documented ARGV slot of window.lua's head, by the words its header line starts with.

@@ -22,7 +22,8 @@ from ..core.keys import (
     parking_keys,
     wake_key,
 )
-from .client import RedisStore, lua
+from .client import RedisStore
+from .scripts import lua
 
 __all__ = ["WAKE_TTL_MS", "ParkingStore"]
 

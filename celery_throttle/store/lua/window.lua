@@ -2,12 +2,12 @@
 -- operation on a key is one run of this script, so that counting a start, joining the
 -- line and releasing its head are each atomic.
 --
--- Put together at load time (store.py, window_script): a line of constants (the timing
+-- Put together at load time (store/window.py, window_script): a line of constants (the timing
 -- policy, ScriptPolicy in celery_throttle/timing.py, which says what each is and why; the
 -- state layout, protocol.StateLayout; the reply codes; the state format), the algorithm
 -- (sliding.lua or fixed.lua, which defines ALGO), this file (the windows: what every
 -- operation shares) and line.lua (the line, the operations and their dispatch). An
--- error's line is told as its file's own (store.py, true_lines). tests/reference.py and
+-- error's line is told as its file's own (store/scripts.py, true_lines). tests/reference.py and
 -- tests/line_reference.py are the twins, function by function.
 --
 -- KEYS[1]  hash: the state of every rate of this (scope, key), one field per rate (named

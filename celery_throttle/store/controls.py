@@ -1,0 +1,74 @@
+"""The operations on the control hash: pauses (pause.lua: the compare and the write at
+once) and the live limits, every write stamped."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..core.keys import control_key
+from ..core.protocol import CONTROL_STAMP, FOREVER_US
+from .scripts import ScriptClient, lua
+
+__all__ = ["ControlOps"]
+
+
+class ControlOps(ScriptClient):
+    """The control operations of a store."""
+
+    def add_control_scripts(self) -> None:
+        self.add_scripts({"pause": lua("pause.lua")})
+
+    # -- controls -----------------------------------------------------------------------
+    def pause(self, field: str, seconds: float | None) -> int:
+        """Pause what ``field`` names for ``seconds`` (None: until resumed) from the Redis
+        clock's now; returns the end (µs). A longer pause already set stays (pause.lua:
+        the compare and the write at once)."""
+        length = "" if seconds is None else int(seconds * 1_000_000)
+        return int(self.run("pause", [control_key(self.prefix)], [self.now_arg(), field, length, FOREVER_US]))
+
+    def prune_pauses(self, fields: Sequence[str]) -> int:
+        """Delete the pauses ``fields`` that are over (a reader saw them so; each is
+        looked at again in the script, as a pause may have been set since). How many."""
+        if not fields:
+            return 0
+        return int(self.run("pause", [control_key(self.prefix)], [self.now_arg(), "", "", FOREVER_US, *fields]))
+
+    def clear_control(self, field: str) -> bool:
+        """Remove a pause or a live limit; True if it was set."""
+        return bool(self.set_controls({}, (field,))[-2])  # (the HDEL's reply: before the stamp's)
+
+    def controls(self) -> dict[str, str]:
+        """Every control set (pauses, live limits): field to value."""
+        return self.stamped_controls()[1]
+
+    def stamped_controls(self) -> tuple[str | None, dict[str, str]]:
+        """The controls' stamp (see :meth:`control_stamp`) and every control set."""
+        with self.errors():
+            raw = {k.decode(): v.decode(errors="replace")
+                   for k, v in self.client.hgetall(control_key(self.prefix)).items()}
+        return raw.pop(CONTROL_STAMP, None), raw
+
+    def control_stamp(self) -> str | None:
+        """The controls' stamp (every write adds one to it: see :meth:`set_controls`),
+        or None if no write ever stamped them."""
+        with self.errors():
+            raw = self.client.hget(control_key(self.prefix), CONTROL_STAMP)
+        return None if raw is None else raw.decode(errors="replace")
+
+    def set_control(self, field: str, value: str) -> None:
+        self.set_controls({field: value})
+
+    def set_controls(self, values: Mapping[str, str], clear: Sequence[str] = ()) -> list[Any]:
+        """Set the controls ``values``, remove those named in ``clear`` and add one to the
+        stamp, at once (MULTI, one round trip): a process that reads the same stamp after
+        this has read what it wrote. Returns the replies (the stamp's last)."""
+        with self.errors():
+            pipe = self.client.pipeline(transaction=True)
+            if values:
+                pipe.hset(control_key(self.prefix), mapping=dict(values))
+            if clear:
+                pipe.hdel(control_key(self.prefix), *clear)
+            pipe.hincrby(control_key(self.prefix), CONTROL_STAMP, 1)
+            return list(pipe.execute())
+

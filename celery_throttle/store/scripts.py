@@ -1,0 +1,210 @@
+"""The store's client: the connection, and the scripts run on it.
+
+One client per store, created lazily in the process that uses it (redis-py's pool
+resets itself after a fork, so a prefork child gets its own connections). Scripts are
+registered once by name; a restarted or flushed Redis answers NOSCRIPT and the script is
+loaded again, so it loses nothing but one round trip, and a script's error names the file
+and its own line. The operations on it are by family: :mod:`.window` (a key's windows,
+line and slots, and the index of keys with a line), :mod:`.controls` (pauses and live
+limits), :mod:`.parking` (what earlier versions parked); :class:`.client.RedisStore` is
+them all over one client.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from importlib import resources
+from typing import Any
+
+from redis.exceptions import NoScriptError, RedisError
+
+from ..core.errors import StoreError
+from ..core.locks import ForkSafeLock
+from ..core.timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
+from ..core.urls import safe_url
+from .connection import connect
+from .doctor import StoreReport, examine
+
+__all__ = ["ScriptClient", "lua", "true_lines"]
+
+
+def lua(name: str) -> str:
+    """The source of one of the package's scripts (``celery_throttle/store/lua/``)."""
+    return resources.files("celery_throttle.store").joinpath("lua", name).read_text("utf-8")
+
+
+#: The gain of the round-trip estimator, as 1/this (TCP's smoothed round trip, RFC 6298).
+RTT_GAIN_PARTS = 8
+
+
+class ScriptClient:
+    """One Redis (or Redis Cluster) and the scripts registered on it, by name."""
+
+    def __init__(self, url: str, prefix: str, clock: Callable[[], int] | None = None,
+                 timeout: float = STORE_TIMEOUT, connect_timeout: float = STORE_CONNECT_TIMEOUT,
+                 options: Mapping[str, Any] | None = None, policy: ScriptPolicy = SCRIPT_POLICY) -> None:
+        self.url = url
+        self.prefix = prefix
+        #: ``throttle_redis_options``: passed to redis-py (see connection.py).
+        self.options = dict(options or {})
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        #: The timing policy window.lua is loaded with (tests load it with others).
+        self.policy = policy
+        # Test-only: a callable returning "now" in microseconds instead of Redis TIME.
+        self._clock = clock
+        self._lock = ForkSafeLock()
+        self._client: Any = None
+        #: Every script's source by name, registered at connect (and again after a close),
+        #: and where each of its lines comes from.
+        self._sources: dict[str, str] = {}
+        self._lines: dict[str, list[tuple[int, str]]] = {}
+        self._scripts: dict[str, Any] = {}
+        #: The smoothed round trip of a script call (µs; TCP's estimator, gain 1/8), as
+        #: this process measures it: a store far away (another region, a slow link)
+        #: answers that late, and a claim that waits for its start allows for it.
+        self.rtt_us = 0
+
+    # -- connection -------------------------------------------------------------------
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._connect()
+        return self._client
+
+    def _connect(self) -> Any:
+        defaults = {"socket_timeout": self.timeout, "socket_connect_timeout": self.connect_timeout,
+                    "health_check_interval": 30}
+        client = connect(self.url, self.options, **defaults)
+        self._scripts = {name: client.register_script(source) for name, source in self._sources.items()}
+        return client
+
+    def add_scripts(self, sources: Mapping[str, str], lines: Mapping[str, list[tuple[int, str]]] | None = None) -> None:
+        """Register more scripts by name, for :meth:`run` (``lines``: where the lines of a
+        script made of several files come from, for its errors)."""
+        with self._lock:
+            self._sources.update(sources)
+            self._lines.update(lines or {})
+            if self._client is not None:
+                self._scripts.update({name: self._client.register_script(source) for name, source in sources.items()})
+
+    @contextmanager
+    def errors(self) -> Iterator[None]:
+        """Any Redis error inside becomes a StoreError naming the (masked) URL."""
+        try:
+            yield
+        except RedisError as exc:
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
+
+    def run(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        client = self.client
+        # EVALSHA straight from the client: redis-py's Script.__call__ costs a few µs
+        # more per call. A restarted or flushed Redis answers NOSCRIPT: load, run again.
+        registered = self._scripts[script]
+        sent = time.perf_counter()
+        try:  # (inline, not self.errors(): this is every check's path)
+            try:
+                reply = client.evalsha(registered.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                client.script_load(registered.script)
+                return client.evalsha(registered.sha, len(keys), *keys, *args)
+        except RedisError as exc:
+            lines = self._lines.get(script, [(1, f"{script}.lua")])
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {true_lines(str(exc), lines)}") from exc
+        sample = int((time.perf_counter() - sent) * 1e6)
+        self.rtt_us += (sample - self.rtt_us) // RTT_GAIN_PARTS
+        return reply
+
+    def measure_rtt(self, times: int = 3) -> int:
+        """Set the round-trip estimate from the quickest of ``times`` PINGs (after one that
+        connects); returns it (µs). At worker start, before the pool forks: every process
+        starts with it, and the first claims of a store far away already allow for it."""
+        with self.errors():
+            self.client.ping()
+            samples = []
+            for _ in range(times):
+                sent = time.perf_counter()
+                self.client.ping()
+                samples.append(int((time.perf_counter() - sent) * 1e6))
+        self.rtt_us = min(samples)
+        return self.rtt_us
+
+    def warm(self, connections: int) -> None:
+        """Open ``connections`` connections to the store side by side, kept in the pool for
+        the calls to come (see timing.FAR_WARM_CONNECTIONS): each PING is sent by a thread
+        of its own at once, so each needs a connection of its own."""
+        client = self.client
+        start = threading.Barrier(connections)
+        failed: list[BaseException] = []
+
+        def ping() -> None:
+            try:
+                start.wait()
+                client.ping()
+            except (RedisError, threading.BrokenBarrierError) as exc:
+                failed.append(exc)
+
+        threads = [threading.Thread(target=ping, name="celery_throttle warm") for _ in range(connections)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failed:
+            raise StoreError(f"Redis at {safe_url(self.url)} failed: {failed[0]}")
+
+    def now_arg(self) -> str:
+        """ARGV[1] of a script that reads the clock: '' (Redis TIME) but under a test clock."""
+        return "" if self._clock is None else str(int(self._clock()))
+
+    def read(self, key: str) -> dict[str, bytes]:
+        """The raw state hash: field name to value (a rate's value is MessagePack)."""
+        with self.errors():
+            raw = self.client.hgetall(key)
+        return {k.decode(): v for k, v in raw.items()}
+
+    def report(self) -> StoreReport:
+        """What this store risks (eviction, persistence) and its run id: see doctor.py."""
+        with self.errors():
+            return examine(self.client)
+
+    def now_us(self) -> int:
+        """The Redis clock (or the test clock)."""
+        if self._clock is not None:
+            return int(self._clock())
+        with self.errors():
+            secs, micros = self.client.time()
+        return int(secs) * 1_000_000 + int(micros)
+
+    def scan(self, pattern: str) -> Iterator[str]:
+        """Key names matching ``pattern``, by SCAN (never KEYS: a busy Redis is not blocked)."""
+        with self.errors():
+            for name in self.client.scan_iter(match=pattern, count=500):
+                yield name.decode(errors="surrogateescape") if isinstance(name, bytes) else name
+
+    def delete(self, key: str) -> int:
+        with self.errors():
+            return int(self.client.delete(key))
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+
+_SCRIPT_LINE = re.compile(r"user_script:(\d+)")
+
+
+def true_lines(message: str, lines: Sequence[tuple[int, str]]) -> str:
+    """``message`` (a script's error) with each ``user_script:N`` told as ``file.lua:M``."""
+    def place(match: re.Match[str]) -> str:
+        line = int(match.group(1))
+        first, name = max(((f, n) for f, n in lines if f <= line), default=(1, "script"))
+        return f"{name}:{line - first + 1}"
+
+    return _SCRIPT_LINE.sub(place, message)

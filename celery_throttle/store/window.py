@@ -1,0 +1,184 @@
+"""The operations of a key's window, its line and its slots (window.lua with its algorithm
+and line.lua, loaded as one script), and of the index of keys with a line (index.lua).
+
+One method per operation of window.lua (line.lua's header says what each does), each
+taking what the script is told about the call as a :class:`.protocol.WindowCall`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..core.keys import line_index_keys, window_keys
+from ..core.protocol import (
+    FOREVER_US,
+    NO_ENTRY,
+    STATE_FORMAT,
+    STATE_LAYOUT,
+    Code,
+    Cost,
+    Counted,
+    Entry,
+    StateLayout,
+    WindowCall,
+    WindowReply,
+    window_argv,
+)
+from ..core.timing import SCRIPT_POLICY, ScriptPolicy
+from .scripts import ScriptClient, lua
+
+__all__ = ["ALGORITHMS", "WindowOps", "window_preamble", "window_script"]
+
+#: The window scripts, one per algorithm, each with window.lua and line.lua after it.
+ALGORITHMS = ("sliding", "fixed")
+
+
+class WindowOps(ScriptClient):
+    """The window, line and index operations of a store."""
+
+    def add_window_scripts(self, layout: StateLayout) -> None:
+        """Register the window scripts (with this store's timing policy and ``layout``)
+        and the index's."""
+        parts = {algorithm: _window_parts(algorithm, self.policy, layout) for algorithm in ALGORITHMS}
+        self.add_scripts({algorithm: "".join(text for _, text in p) for algorithm, p in parts.items()},
+                         {algorithm: _line_map(p) for algorithm, p in parts.items()})
+        self.add_scripts({"index": lua("index.lua")})
+
+    # -- windows and lines -------------------------------------------------------------
+    # One method per operation of window.lua (line.lua's header says what each does).
+    def window(self, key: str, op: str, call: WindowCall, *args: Any, cost: Cost | None = None) -> WindowReply:
+        """Run operation ``op`` of window.lua on state key ``key`` for ``call``, with the
+        operation's own ``args``."""
+        raw = self.run(call.algorithm, window_keys(key), window_argv(self.now_arg(), op, call, *args, cost=cost))
+        return WindowReply.of(raw)
+
+    def acquire(self, key: str, call: WindowCall, *, lease: int = 0, lease_span_us: int = 0, holder: str = "",
+                entry: Entry = NO_ENTRY) -> WindowReply:
+        """A fresh call: ``RUN`` (recorded; a lease of ``lease`` units for calls to come
+        within ``lease_span_us`` if nothing waits and every rate stays at most half full;
+        with a concurrency limit, a slot for ``holder``), else ``QUEUED`` in the key's line
+        with ``entry``'s message, ``DENIED`` without one, ``TOO_FAR`` past its max wait."""
+        return self.window(key, "acquire", call, lease, lease_span_us, holder, *entry.args())
+
+    def screen(self, key: str, call: WindowCall, entry: Entry = NO_ENTRY) -> WindowReply:
+        """As :meth:`acquire`, but a call that fits is not recorded (the pool's acquire will)."""
+        return self.window(key, "screen", call, 0, 0, "", *entry.args())
+
+    def admit(self, key: str, call: WindowCall, entry: Entry) -> WindowReply:
+        """At publish: ``RUN`` (nothing recorded) if nothing waits and every rate stays at
+        most half full; else ``RELEASED`` if it fits now (``entry.id`` is its ticket), else
+        as :meth:`acquire`."""
+        return self.window(key, "admit", call, *entry.args())
+
+    def front(self, key: str, call: WindowCall, entry: Entry) -> WindowReply:
+        """``entry`` joins the line before everyone (a task that backs off)."""
+        return self.window(key, "front", call, *entry.args())
+
+    def claim(self, key: str, call: WindowCall, ticket: str, *, early_us: int, holder: str, granted_us: int = 0,
+              entry: Entry = NO_ENTRY, stale_ok: bool = False) -> WindowReply:
+        """A released task arrives with ``ticket``: ``RUN``, ``RUN_AT`` (at most ``early_us``
+        before its start), back in line (``QUEUED``; ``DENIED`` if no message is kept nor
+        given), ``WAITED``; an unknown ticket is a fresh call (``holder``, ``entry``).
+        ``granted_us``: the start granted to this process before, which it woke too late for.
+        ``stale_ok``: answer ``STALE`` rather than send it back under other controls than
+        it was released under."""
+        return self.window(key, "claim", call, ticket, early_us, holder, granted_us, *entry.args(),
+                           "1" if stale_ok else "0")
+
+    def release(self, key: str, call: WindowCall, batch: int) -> WindowReply:
+        """Release the heads of the key's line that fit (the releasers)."""
+        return self.window(key, "release", call, batch)
+
+    def drain(self, key: str, call: WindowCall, batch: int) -> WindowReply:
+        """Release the heads of the key's line whatever the room."""
+        return self.window(key, "drain", call, batch)
+
+    def ack(self, key: str, call: WindowCall, tickets: Sequence[str]) -> WindowReply:
+        """The tasks released with ``tickets`` were sent to the broker."""
+        return self.window(key, "ack", call, *tickets)
+
+    def give_back(self, key: str, call: WindowCall, ticket: str, batch: int) -> WindowReply:
+        """The task released with ``ticket`` will not start: its room comes back."""
+        return self.window(key, "give_back", call, ticket, batch)
+
+    def settle(self, key: str, call: WindowCall, counted: Counted, delta: Cost, batch: int) -> WindowReply:
+        """A call that started, counted as ``counted``, reports its real cost: ``delta``
+        more units (negative: fewer) in the span it was counted in."""
+        return self.window(key, "settle", call, counted.start_us, counted.latest_us, counted.epoch, batch,
+                           cost=delta)
+
+    def ended(self, key: str, call: WindowCall, holder: str, batch: int) -> WindowReply:
+        """A body ended: ``holder``'s slot goes (``LOST``: its lease had run out)."""
+        return self.window(key, "ended", call, holder, batch)
+
+    def renew(self, key: str, call: WindowCall, holders: Sequence[str]) -> WindowReply:
+        """Extend the slot leases of ``holders``; those lost come back in ``reported``."""
+        return self.window(key, "renew", call, *holders)
+
+    def drop(self, key: str, call: WindowCall, entries: Sequence[str]) -> WindowReply:
+        """Delete ``entries`` waiting in the key's line (an operator's purge)."""
+        return self.window(key, "drop", call, *entries)
+
+    def peek(self, key: str, call: WindowCall) -> WindowReply:
+        """Usage and the line, recording nothing."""
+        return self.window(key, "peek", call)
+
+    # -- the index of keys with a line ---------------------------------------------------
+    def index_claim(self, lookahead_us: int, most: int, lease_us: int) -> tuple[int, int, list[tuple[str, int]]]:
+        """(now, the earliest due left (-1: none), [(state key, token)]) of the keys due
+        within ``lookahead_us``, each claimed for ``lease_us``."""
+        reply = self.run("index", list(line_index_keys(self.prefix)), [self.now_arg(), "claim", lookahead_us, most,
+                                                                       lease_us])
+        return int(reply[0]), int(reply[1]), [(_text(reply[i]), int(reply[i + 1])) for i in range(2, len(reply), 2)]
+
+    def index_settle(self, settled: Sequence[tuple[str, int, int, int]]) -> tuple[int, int]:
+        """Each (state key, token, due, computed at) claimed: its due time, unless a newer
+        one was written since. Returns (now, the earliest due in the index now, -1: none)."""
+        reply = self.run("index", list(line_index_keys(self.prefix)),
+                         [self.now_arg(), "settle", *(v for quad in settled for v in quad)])
+        return int(reply[0]), int(reply[1])
+
+    def index_note(self, key: str, due_us: int, at_us: int) -> bool:
+        """Tell the index when ``key`` next needs a look, as computed at ``at_us`` (the
+        line script's now): written unless a newer due time was. True if written."""
+        return bool(self.run("index", list(line_index_keys(self.prefix)), [self.now_arg(), "note", key, due_us, at_us]))
+
+    def index_wake(self, keys: Sequence[str]) -> int:
+        """Each of ``keys`` the index holds is due now. Returns how many."""
+        if not keys:
+            return 0
+        return int(self.run("index", list(line_index_keys(self.prefix)), [self.now_arg(), "wake", *keys]))
+
+
+def window_script(algorithm: str, policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> str:
+    """window.lua with its algorithm and the constants they read: the timing policy, the
+    reply codes, the state format and layout (on a first line of their own: an error's
+    line is told as the file's own by :func:`.scripts.true_lines`)."""
+    return "".join(text for _, text in _window_parts(algorithm, policy, layout))
+
+
+def window_preamble(policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> str:
+    """The line of constants put before the window scripts."""
+    constants = {**policy.values(), **layout.values(), **{code.name: int(code) for code in Code},
+                 "STATE_FORMAT": STATE_FORMAT, "FOREVER_US": FOREVER_US}
+    return f"local {', '.join(constants)} = {', '.join(map(str, constants.values()))}\n"
+
+
+def _window_parts(algorithm: str, policy: ScriptPolicy, layout: StateLayout) -> list[tuple[str, str]]:
+    preamble = window_preamble(policy, layout)
+    return [("(constants)", preamble), (f"{algorithm}.lua", lua(f"{algorithm}.lua")), ("window.lua", lua("window.lua")),
+            ("line.lua", lua("line.lua"))]
+
+
+def _line_map(parts: Sequence[tuple[str, str]]) -> list[tuple[int, str]]:
+    """(first line in the script, file) of each part."""
+    out, first = [], 1
+    for name, text in parts:
+        out.append((first, name))
+        first += text.count("\n")
+    return out
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="surrogateescape") if isinstance(value, bytes) else value
