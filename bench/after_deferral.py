@@ -130,7 +130,7 @@ def _controls(sizes: tuple[int, ...], reads: int = 20) -> list[tuple[int, float,
 
     from bench.backlog import dedicated_redis
     from celery_throttle.check.controls import Controls, pause_field
-    from celery_throttle.core.protocol import FOREVER_US
+    from celery_throttle.core.state import FOREVER_US
     from celery_throttle.store.client import RedisStore
 
     old_lua = subprocess.run(["git", "show", f"{BEFORE}:celery_throttle/lua/pause.lua"], capture_output=True,

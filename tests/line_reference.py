@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_throttle.core.protocol import STATE_LAYOUT, Code, StateLayout
+from celery_throttle.core.protocol import Code
+from celery_throttle.core.state import STATE_LAYOUT, StateLayout
 from celery_throttle.core.timing import SCRIPT_POLICY, ScriptPolicy
 from tests.reference import FixedRate, SlidingRate
 

@@ -2,7 +2,7 @@
 
 ``SlidingRate`` and ``FixedRate`` do what ``sliding.lua`` and ``fixed.lua`` do to one
 rate's state (load, usage, earliest, record, unrecord, fold, and the stored encoding),
-under the same layout (``celery_throttle.core.protocol.StateLayout``): same state, same
+under the same layout (``celery_throttle.core.state.StateLayout``): same state, same
 arithmetic (the Lua numbers are doubles; every time here stays below 2**53, where Python
 ints and Lua doubles agree, and divisions are written as float divisions like the Lua's).
 ``tests/line_reference.py`` builds the twin of the whole script on them.
@@ -24,7 +24,7 @@ from io import BytesIO
 
 import msgpack
 
-from celery_throttle.core.protocol import STATE_LAYOUT, StateLayout
+from celery_throttle.core.state import STATE_LAYOUT, StateLayout
 
 __all__ = [
     "BUCKETS",
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 #: Buckets per period of a sliding window, as the scripts are loaded with it by default
-#: (protocol.StateLayout says what each constant of the layout is; a model built with
+#: (state.StateLayout says what each constant of the layout is; a model built with
 #: another layout uses that one).
 BUCKETS = STATE_LAYOUT.buckets
 

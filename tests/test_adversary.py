@@ -19,8 +19,9 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from celery_throttle.core.header import HEADER, Header
 from celery_throttle.core.keys import state_key, window_keys
-from celery_throttle.core.protocol import HEADER, Code, Entry, Header, WindowCall
+from celery_throttle.core.protocol import Code, Entry, WindowCall
 from celery_throttle.core.rates import parse_rate
 from celery_throttle.store.client import RedisStore
 from tests.helpers import (

@@ -9,8 +9,8 @@ from celery import Celery
 from hypothesis import given
 from hypothesis import strategies as st
 
+from celery_throttle.core.header import HEADER, HEADER_VERSION, Header
 from celery_throttle.core.keys import parking_keys
-from celery_throttle.core.protocol import HEADER, HEADER_VERSION, Header
 from tests.helpers import WorkerGroup, max_started_in
 
 #: What a JSON (or msgpack, or pickle-less YAML) body can carry.

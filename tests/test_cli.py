@@ -201,7 +201,7 @@ def test_waiting_tasks_by_scope_and_key_and_a_purge(prefix: str) -> None:
 
 
 def test_send_now_empties_the_lines_into_the_broker_before_a_rollback(prefix: str) -> None:
-    from celery_throttle.core.protocol import HEADER, Header
+    from celery_throttle.core.header import HEADER, Header
 
     # Given two tasks waiting in the line of a key whose hourly window is spent, and one in
     # another key's

@@ -508,7 +508,7 @@ def test_concurrent_pauses_keep_the_longest_and_forget_those_over(ctl: celery_th
     assert over not in controls and controls["limit:api"] == "4/s"
     # and a shorter pause set after it does not shorten it; one with no end is forever
     assert store.pause(pause_field("vendor", None), 1.0) == int(controls[pause_field("vendor", None)])
-    assert store.pause(pause_field("vendor", None), None) == celery_throttle.core.protocol.FOREVER_US
+    assert store.pause(pause_field("vendor", None), None) == celery_throttle.core.state.FOREVER_US
     ctl.close()  # (the threads' connections)
 
 
@@ -570,7 +570,7 @@ def test_a_process_reads_the_control_hash_whole_only_when_its_stamp_moved(
         ctl: celery_throttle.Throttle, store_client: redis.Redis, prefix: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     from celery_throttle.check import controls
-    from celery_throttle.core import protocol
+    from celery_throttle.core import state
 
     # Given a stamped control hash (a pause set through the API) this process has read
     ctl.pause("vendor", seconds=60)
@@ -586,11 +586,11 @@ def test_a_process_reads_the_control_hash_whole_only_when_its_stamp_moved(
     assert [str(r) for r in ctl.checker.controls.rates_for(ctl.store, "vendor", None, ())] == ["3/s"]
     monkeypatch.setattr(controls, "FULL_READ_EVERY", 60.0)
     store_client.hset(f"{prefix}:control", "limit:vendor", "5/s")
-    store_client.hincrby(f"{prefix}:control", protocol.CONTROL_STAMP, 1)  # (another process's write)
+    store_client.hincrby(f"{prefix}:control", state.CONTROL_STAMP, 1)  # (another process's write)
     ctl.checker.refresh_controls()
     assert [str(r) for r in ctl.checker.controls.rates_for(ctl.store, "vendor", None, ())] == ["5/s"]
     # And a hash no write ever stamped (an earlier version's) is read whole every time
-    store_client.hdel(f"{prefix}:control", protocol.CONTROL_STAMP)
+    store_client.hdel(f"{prefix}:control", state.CONTROL_STAMP)
     store_client.hset(f"{prefix}:control", "limit:vendor", "7/s")
     ctl.checker.refresh_controls()
     assert [str(r) for r in ctl.checker.controls.rates_for(ctl.store, "vendor", None, ())] == ["7/s"]

@@ -23,8 +23,9 @@ from celery import Celery
 import celery_throttle
 from celery_throttle import StoreError
 from celery_throttle.celery_parts.messages import encode_message
+from celery_throttle.core.header import HEADER, Header
 from celery_throttle.core.keys import line_index_key, parking_keys, state_key, window_keys
-from celery_throttle.core.protocol import HEADER, Code, Entry, Header
+from celery_throttle.core.protocol import Code, Entry
 from celery_throttle.core.timing import RESEND_PATIENCE, SCRIPT_POLICY
 from celery_throttle.store.client import RedisStore
 from celery_throttle.waits.parking import release_parked

@@ -16,7 +16,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_throttle.core.protocol import StateLayout
+from celery_throttle.core.state import StateLayout
 from tests.reference import FixedRate, SlidingRate
 
 SEC = 1_000_000

@@ -37,8 +37,9 @@ import pytest
 import redis
 
 from celery_throttle.core.keys import state_key, window_keys
-from celery_throttle.core.protocol import Code, StateLayout, WindowCall, WindowReply, rate_field
+from celery_throttle.core.protocol import Code, WindowCall, WindowReply
 from celery_throttle.core.rates import Rate, parse_rate
+from celery_throttle.core.state import StateLayout, rate_field
 from celery_throttle.core.timing import ScriptPolicy
 from celery_throttle.store.client import RedisStore
 from tests.helpers import QUICK, STORE_URL, redis_or_skip

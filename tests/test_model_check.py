@@ -22,8 +22,9 @@ import pytest
 import redis
 
 from celery_throttle.core.keys import state_key, window_keys
-from celery_throttle.core.protocol import STATE_FORMAT, Code, Entry, WindowCall, rate_field
+from celery_throttle.core.protocol import Code, Entry, WindowCall
 from celery_throttle.core.rates import Rate, parse_rate
+from celery_throttle.core.state import STATE_FORMAT, rate_field
 from celery_throttle.core.timing import SCRIPT_POLICY, ScriptPolicy
 from celery_throttle.store.client import RedisStore
 from tests.helpers import STORE_URL, redis_or_skip

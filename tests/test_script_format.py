@@ -9,17 +9,9 @@ import pytest
 import redis
 
 from celery_throttle.core.errors import StoreError
-from celery_throttle.core.protocol import (
-    FOREVER_US,
-    STATE_FORMAT,
-    STATE_LAYOUT,
-    Code,
-    Entry,
-    WindowCall,
-    rate_field,
-    window_argv,
-)
+from celery_throttle.core.protocol import Code, Entry, WindowCall, window_argv
 from celery_throttle.core.rates import Rate
+from celery_throttle.core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, rate_field
 from celery_throttle.core.timing import SCRIPT_POLICY
 from celery_throttle.store.client import RedisStore
 from celery_throttle.store.scripts import lua

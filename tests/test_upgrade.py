@@ -22,8 +22,9 @@ import redis
 
 from celery_throttle.celery_parts.messages import decode_message
 from celery_throttle.check.limiter import Throttle
+from celery_throttle.core.header import HEADER, Header
 from celery_throttle.core.keys import state_key
-from celery_throttle.core.protocol import HEADER, Code, Entry, Header
+from celery_throttle.core.protocol import Code, Entry
 from celery_throttle.core.spec import declared_spec
 from celery_throttle.waits.parking import release_parked
 from tests.fixtures.make_corpus import STREAMS, build_app, drained

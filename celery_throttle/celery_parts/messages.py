@@ -7,7 +7,7 @@ from typing import Any
 
 from kombu.serialization import dumps, loads, prepare_accept_content
 
-from ..core.protocol import HEADER, Header
+from ..core.header import HEADER, Header
 
 __all__ = ["KEPT_FIELDS", "decode_message", "encode_message", "resend", "task_of"]
 

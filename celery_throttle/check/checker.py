@@ -22,19 +22,10 @@ from ..celery_parts.internals import registered_task
 from ..core import timing
 from ..core.config import Settings
 from ..core.errors import ThrottleError
-from ..core.protocol import (
-    NO_ENTRY,
-    Code,
-    Cost,
-    Counted,
-    Entry,
-    WindowCall,
-    WindowReply,
-    per_rate,
-    rate_field,
-)
+from ..core.protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowReply, per_rate
 from ..core.rates import Rate
 from ..core.spec import BoundCall, ThrottleSpec, declared_spec, rate_costs
+from ..core.state import rate_field
 from ..store.client import RedisStore
 from .controls import Controls
 from .lease import Leases, sent_at

@@ -17,9 +17,10 @@ from ..core.config import ALGORITHMS, Settings, require_redis_url
 from ..core.errors import ConfigurationError
 from ..core.keys import scan_pattern, state_key, target_matches, target_of
 from ..core.locks import ForkSafeLock
-from ..core.protocol import FOREVER_US, WindowCall, WindowReply, rate_of_field
+from ..core.protocol import WindowCall, WindowReply
 from ..core.rates import UNIT_NAME, Rate, parse_rates
 from ..core.spec import BoundCall, ThrottleSpec, declared_spec, rate_costs
+from ..core.state import FOREVER_US, rate_of_field
 from ..store.client import RedisStore
 from ..store.parking import ParkingStore
 from .checker import Checker

@@ -1,5 +1,4 @@
-"""The protocol between the plugin and its store, and what a task carries: pure data, no
-Redis.
+"""The protocol between the plugin and its store's window script: pure data, no Redis.
 
 - :class:`Code`: what the window script decided (its reply's first field; the script gets
   each code by name, :func:`.store.window_script`).
@@ -7,8 +6,8 @@ Redis.
   that may join the line), :func:`window_argv` (the ARGV of one operation) and
   :class:`WindowReply` (what it answered, with the tasks it released or reported).
 - :class:`Counted`: where a call that started is counted (what a settle adjusts).
-- The ``celery_throttle`` message header (:data:`HEADER`, :class:`Header`), versioned by
-  :data:`HEADER_VERSION`: CHANGELOG.md records each change of it.
+
+What a task carries is in :mod:`.header`; the state hash's format, in :mod:`.state`.
 """
 
 from __future__ import annotations
@@ -20,33 +19,21 @@ from functools import lru_cache
 from typing import Any, NamedTuple
 
 from .rates import Rate
+from .state import rate_field
 
 __all__ = [
-    "ALGORITHM_TAGS",
-    "CONTROL_STAMP",
-    "DEAD_LETTER_HEADERS",
-    "FOREVER_US",
-    "HEADER",
-    "HEADER_VERSION",
     "NO_ENTRY",
-    "STATE_FORMAT",
-    "STATE_LAYOUT",
     "Code",
     "Cost",
     "Counted",
     "Entry",
-    "Header",
     "Reported",
-    "StateLayout",
     "WindowCall",
     "WindowReply",
     "cost_arg",
     "one_cost",
     "per_rate",
-    "rate_field",
-    "rate_of_field",
     "window_argv",
-    "without_dead_letter_headers",
 ]
 
 
@@ -74,47 +61,6 @@ def per_rate(cost: Cost, rates: int) -> tuple[int, ...]:
 def one_cost(counts: Sequence[int]) -> Cost:
     """A count per rate as a :data:`Cost`: one number when it is the same for every rate."""
     return counts[0] if counts and all(c == counts[0] for c in counts) else tuple(counts)
-
-
-#: The layout of a window state hash (window.lua's field 'f'; absent: written before the
-#: field, format 1). A hash of another format (a later version's, and the deploy rolled
-#: back) is started afresh, as if it had expired: what it counted is forgotten (at most
-#: one window's starts counted twice over). CHANGELOG.md records each format.
-STATE_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class StateLayout:
-    """How a rate's state is laid out in its field of the hash: part of the state's format
-    (sliding.lua and fixed.lua are loaded with it, and the reference model built with it;
-    the tests load both with another, tests/test_model_check.py)."""
-
-    #: Buckets per window of a sliding rate: a bucket spans 1/BUCKETS of it (at least 1 ms).
-    buckets: int = 100
-    #: Buckets a sliding rate keeps at most; past it the front is folded even if it could
-    #: still decide something (safe, a little late: only a sparse schedule, of a rate that
-    #: another rate holds back, reaches it; a saturated one spans about BUCKETS buckets).
-    max_buckets: int = 200
-    #: Windows after the current one a fixed rate keeps before folding the older ones...
-    max_ahead: int = 8
-    #: ... and how many of the last of them stay as they are.
-    keep_ahead: int = 4
-
-    def values(self) -> dict[str, int]:
-        """The constants the algorithm scripts read, by their names there."""
-        return {"BUCKETS": self.buckets, "MAX_BUCKETS": self.max_buckets, "MAX_AHEAD": self.max_ahead,
-                "KEEP_AHEAD": self.keep_ahead}
-
-
-STATE_LAYOUT = StateLayout()
-
-# -- the control hash (controls.py reads it, store.py and pause.lua write it) ----------
-
-#: The end of a pause with no end: the largest integer a Lua number holds exactly.
-FOREVER_US = 2**53 - 1
-#: The field every write of the control hash adds one to (not a control: ignored by each
-#: version's reader).
-CONTROL_STAMP = "~stamp"
 
 
 class Code(IntEnum):
@@ -300,32 +246,6 @@ def window_argv(now: str, op: str, call: WindowCall, *args: Any, cost: Cost | No
     return [*call.head(now, op, cost), *args]
 
 
-#: The first letter of a rate's field in the state hash: "s25/1000000" holds sliding
-#: "25/s". ``Throttle.status`` reads the rates a hash holds back from these names.
-ALGORITHM_TAGS = {"sliding": "s", "fixed": "f"}
-
-
-def rate_field(algorithm: str, rate: Rate) -> str:
-    """The state hash's field of ``rate``: "s25/1000000" holds sliding "25/s", and
-    "s30000/60000000.tokens" sliding "30000 tokens/m"."""
-    unit = f".{rate.unit}" if rate.unit else ""
-    return f"{ALGORITHM_TAGS[algorithm]}{rate.limit}/{rate.period_us}{unit}"
-
-
-def rate_of_field(field: str) -> tuple[str, int, int, str] | None:
-    """(algorithm, limit, period in µs, unit) of a field :func:`rate_field` named, or None
-    for any other field."""
-    algorithm = _ALGORITHM_OF_TAG.get(field[:1])
-    limit, _, rest = field[1:].partition("/")
-    period_us, _, unit = rest.partition(".")
-    if algorithm is None or not (limit.isdigit() and period_us.isdigit()) or (unit and not unit.isidentifier()):
-        return None
-    return algorithm, int(limit), int(period_us), unit
-
-
-_ALGORITHM_OF_TAG = {tag: algorithm for algorithm, tag in ALGORITHM_TAGS.items()}
-
-
 @lru_cache(maxsize=1024)
 def _rate_args(algorithm: str, rates: tuple[Rate, ...], fields: tuple[str, ...] | None = None,
                ) -> tuple[int | str, ...]:
@@ -335,90 +255,3 @@ def _rate_args(algorithm: str, rates: tuple[Rate, ...], fields: tuple[str, ...] 
     return tuple(args)
 
 
-# -- the message header --------------------------------------------------------------
-#: Message header of a task the throttle let go after it waited: its ticket, and counters.
-HEADER = "celery_throttle"
-#: The header's format as this version writes it. Format 3 carries a ticket (``t``): the
-#: entry id of the line it was released from, which grants it nothing by itself (the
-#: store must hold it out, unused). Formats 1 and 2 carried a start reserved for it
-#: (``r``), which is not honoured any more: such a task is checked as a fresh one (it runs
-#: once; the start it held stays counted until it leaves its window). A header of a later
-#: format (a deploy rolled back while such messages wait) is read as absent: a fresh call.
-#: CHANGELOG.md records each format.
-HEADER_VERSION = 3
-#: The most deferrals and store errors in a row a header counts (a counter that reads
-#: more, written by hand, counts this many).
-_COUNTER_MAX = 1 << 20
-
-
-@dataclass(frozen=True)
-class Header:
-    """The ``celery_throttle`` header: ``key``, the state key of the line the task was
-    released from, and ``ticket``, its entry there (both "" for none); ``deferrals``, how
-    many times it was turned away (observability); ``errors``, store errors in a row (its
-    back-off); ``pending``, the entry it may hold in the line of ``key`` already (a call
-    that put it there, whose reply was lost: the store went away mid-call), so that it is
-    not let in twice. Every field is read from whatever a message holds: anything that is
-    not what this version writes counts as absent, field by field, and never raises.
-    Nothing in it grants anything by itself: a ticket is one the store holds out, and a
-    pending entry one it holds waiting."""
-
-    key: str = ""
-    ticket: str = ""
-    deferrals: int = 0
-    errors: int = 0
-    pending: str = ""
-
-    @classmethod
-    def read(cls, value: Any) -> Header:
-        if not isinstance(value, dict):
-            return _EMPTY
-        version = value.get("v", 1)
-        if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= HEADER_VERSION:
-            return _EMPTY
-        key = value.get("k")
-        ticket, pending = (value.get("t"), value.get("i")) if version >= 3 else (None, None)
-        return cls(_text(key), _text(ticket), _counter(value.get("n")), _counter(value.get("e")), _text(pending))
-
-    def value(self) -> dict[str, Any]:
-        """The header to send."""
-        out: dict[str, Any] = {"v": HEADER_VERSION, "n": self.deferrals}
-        if self.key:
-            out["k"] = self.key
-        if self.ticket:
-            out["t"] = self.ticket
-        if self.errors:
-            out["e"] = self.errors
-        if self.pending:
-            out["i"] = self.pending
-        return out
-
-
-_EMPTY = Header()
-#: The longest key or ticket a header is read with (a state key is bounded: keys.MAX_TOKEN).
-_TEXT_MAX = 1024
-
-
-def _text(value: Any) -> str:
-    return value if isinstance(value, str) and len(value) <= _TEXT_MAX else ""
-
-
-def _counter(value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return min(value, _COUNTER_MAX)
-    return 0
-
-
-#: Headers RabbitMQ adds to a message it dead-letters, as the delay topology of broker
-#: parking does at each hop (the names Celery's own retry() drops, X_DEATH_HEADERS). A
-#: re-send that kept them would pass the same delay queue a second time with them, which
-#: RabbitMQ takes for a dead-letter cycle and drops the message, without a word.
-DEAD_LETTER_HEADERS = frozenset({"x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
-                                 "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason"})
-
-
-def without_dead_letter_headers(headers: Any) -> dict[str, Any]:
-    """A copy of a message's headers without DEAD_LETTER_HEADERS."""
-    if not isinstance(headers, dict):
-        return {}
-    return {name: value for name, value in headers.items() if name not in DEAD_LETTER_HEADERS}

@@ -30,7 +30,8 @@ from ..check.controller import controller
 from ..check.slots import holder_id
 from ..core.backoff import Backoff
 from ..core.errors import StoreError, WaitTooLong
-from ..core.protocol import HEADER, Code, Header
+from ..core.header import HEADER, Header
+from ..core.protocol import Code
 from ..core.spec import BoundCall, ThrottleSpec, declared_spec
 from ..waits.deferral import TurnedAway, new_entry_id, own_header
 from . import settle

@@ -43,7 +43,8 @@ from ..check.breaker import Breaker
 from ..check.checker import Known
 from ..check.hints import Hints
 from ..core.errors import StoreError, ThrottleError
-from ..core.protocol import HEADER, Code, Cost, Entry, Header
+from ..core.header import HEADER, Header
+from ..core.protocol import Code, Cost, Entry
 from ..core.spec import BoundCall
 from ..core.timing import PUBLISH_HINT_MAX, STORE_ERROR_PAUSE, WORKER_BATCH, shortest_us
 from ..waits.deferral import expires_us, new_entry_id

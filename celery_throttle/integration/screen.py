@@ -26,7 +26,8 @@ from ..celery_parts.internals import request_context_factory
 from ..check.breaker import Breaker
 from ..check.controller import controller
 from ..core.errors import StoreError, ThrottleError
-from ..core.protocol import HEADER, Code, Header
+from ..core.header import HEADER, Header
+from ..core.protocol import Code
 from ..core.timing import SCREEN_RTT_MAX_US, STORE_ERROR_PAUSE
 from ..waits.deferral import TurnedAway, own_header
 

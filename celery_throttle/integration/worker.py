@@ -31,7 +31,7 @@ from ..check import slots
 from ..check.controller import controller
 from ..check.limiter import Throttle
 from ..core.errors import StoreError
-from ..core.protocol import HEADER, Header
+from ..core.header import HEADER, Header
 from ..core.spec import declared_spec
 from ..core.timing import FAR_WARM_CONNECTIONS, RTT_COUNTS_FROM_US
 from ..core.urls import safe_url

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..core.protocol import STATE_LAYOUT, StateLayout
+from ..core.state import STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 from .controls import ControlOps
 from .window import WindowOps

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..core.keys import control_key
-from ..core.protocol import CONTROL_STAMP, FOREVER_US
+from ..core.state import CONTROL_STAMP, FOREVER_US
 from .scripts import ScriptClient, lua
 
 __all__ = ["ControlOps"]

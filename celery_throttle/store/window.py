@@ -11,20 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..core.keys import line_index_keys, window_keys
-from ..core.protocol import (
-    FOREVER_US,
-    NO_ENTRY,
-    STATE_FORMAT,
-    STATE_LAYOUT,
-    Code,
-    Cost,
-    Counted,
-    Entry,
-    StateLayout,
-    WindowCall,
-    WindowReply,
-    window_argv,
-)
+from ..core.protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowReply, window_argv
+from ..core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, ScriptPolicy
 from .scripts import ScriptClient, lua
 

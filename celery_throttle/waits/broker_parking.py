@@ -22,8 +22,8 @@ try:  # kombu 5.5+ (Celery 5.5's native delayed delivery)
 except ImportError:  # pragma: no cover - an older kombu: nothing was parked there
     MAX_LEVEL = -1
 
+from ..core.header import without_dead_letter_headers
 from ..core.locks import ForkSafeLock
-from ..core.protocol import without_dead_letter_headers
 
 if TYPE_CHECKING:
     from ..check.limiter import Throttle

@@ -21,9 +21,10 @@ from celery.exceptions import Reject
 from .. import signals
 from ..celery_parts.messages import encode_message
 from ..core.errors import ResendRefused
+from ..core.header import HEADER, Header, without_dead_letter_headers
 from ..core.keys import encode
 from ..core.locks import ForkSafeLock
-from ..core.protocol import HEADER, Entry, Header, without_dead_letter_headers
+from ..core.protocol import Entry
 from ..core.spec import BoundCall
 from ..core.timing import RESEND_PATIENCE, RESEND_RETRY_DELAY, RESEND_RETRY_MAX_DELAY, WORKER_BATCH
 

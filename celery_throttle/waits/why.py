@@ -23,8 +23,8 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 
 from ..celery_parts.internals import held_requests
 from ..celery_parts.messages import decode_message
+from ..core.header import HEADER, Header
 from ..core.keys import PARKED_TAG_END, encode, glob_escape, line_index_key, state_of, window_keys
-from ..core.protocol import HEADER, Header
 
 if TYPE_CHECKING:
     from ..check.limiter import RateStatus, Throttle

@@ -18,7 +18,7 @@ local ALGO = {}
 
 -- MAX_AHEAD (windows after the current one that may hold units before the older ones are
 -- folded) and KEEP_AHEAD (how many of the last of them stay as they are) are set before
--- the script from celery_throttle.protocol.StateLayout.
+-- the script from celery_throttle.core.state.StateLayout.
 
 -- The fast path of window.lua, for one rate: an answer only where it is the general
 -- path's own (load, usage, earliest at now, record, clear_at, dump), worked out in one

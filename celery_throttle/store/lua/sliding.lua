@@ -31,7 +31,7 @@
 -- buckets, whatever waits. Folding only makes units look later, so it is always safe; a
 -- give-back of units folded away finds no bucket and gives nothing back.
 -- (BUCKETS, and MAX_BUCKETS, the buckets kept at most per rate, are set before the script
--- from celery_throttle.protocol.StateLayout, which says why.)
+-- from celery_throttle.core.state.StateLayout, which says why.)
 -- A stored cold pair takes at least 10 bytes (a time in µs is a 9-byte integer), so a
 -- state that is not decoded holds more than MAX_BUCKETS buckets only past this size.
 local MAX_COLD_BYTES = 10 * (MAX_BUCKETS - 1)

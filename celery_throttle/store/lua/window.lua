@@ -4,7 +4,7 @@
 --
 -- Put together at load time (store/window.py, window_script): a line of constants (the timing
 -- policy, ScriptPolicy in celery_throttle/timing.py, which says what each is and why; the
--- state layout, protocol.StateLayout; the reply codes; the state format), the algorithm
+-- state layout, state.StateLayout; the reply codes; the state format), the algorithm
 -- (sliding.lua or fixed.lua, which defines ALGO), this file (the windows: what every
 -- operation shares) and line.lua (the line, the operations and their dispatch). An
 -- error's line is told as its file's own (store/scripts.py, true_lines). tests/reference.py and
