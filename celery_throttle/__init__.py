@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 from . import signals
-from .check.limiter import Decision, RateStatus, Status, Throttle
+from .check.limiter import Throttle
+from .check.status import Decision, RateStatus, Status
 from .core.backoff import Backoff, backoff_from
 from .core.errors import (
     ConfigurationError,

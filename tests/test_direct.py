@@ -102,7 +102,7 @@ def test_a_task_released_by_unit_is_counted_by_unit_under_a_live_limit_of_other_
 
 
 def test_a_cost_by_unit_is_checked_against_the_rates_that_count_it(ctl: celery_throttle.Throttle) -> None:
-    with pytest.raises(ConfigurationError, match="none of the rates"):
+    with pytest.raises(ConfigurationError, match="that no rate counts"):
         ctl.acquire("llm", rates=["3/m"], cost={"tokens": 2})
     with pytest.raises(ConfigurationError, match="positive integer"):
         ctl.acquire("llm", rates=["3/m", "10 tokens/m"], cost={"tokens": 0})

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from ..celery_parts.internals import registered_task
 from ..core import timing
 from ..core.config import Settings
+from ..core.cost import rate_costs
 from ..core.errors import ThrottleError
 from ..core.protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowReply, per_rate
 from ..core.rates import Rate
-from ..core.spec import BoundCall, ThrottleSpec, declared_spec, rate_costs
+from ..core.spec import BoundCall, ThrottleSpec, declared_spec
 from ..core.state import rate_field
 from ..store.client import RedisStore
 from .controls import Controls

@@ -244,6 +244,33 @@ class Controls:
             except StoreError:
                 pass  # pruned by the next reader
 
+    # -- the operators' writes: to the store, and noted here at once ----------------------
+    def write_limit(self, store: Any, scope: str, key: str | None, rates: tuple[Rate, ...], replace: bool) -> str:
+        """Set the live limit of ``scope``/``key`` to ``rates`` (``replace``: in place of
+        every declared rate, else of those of the same window). Returns it as written."""
+        field, value, replacing = limit_field(scope, key), ",".join(map(str, rates)), replace_field(scope, key)
+        if replace:
+            store.set_controls({field: value, replacing: REPLACE_ALL})
+        else:
+            store.set_controls({field: value}, clear=(replacing,))
+        self.note(field, value)
+        self.note(replacing, REPLACE_ALL if replace else None)
+        return value
+
+    def write_concurrency(self, store: Any, scope: str, key: str | None, concurrency: int) -> None:
+        field = slots_field(scope, key)
+        store.set_control(field, str(concurrency))
+        self.note(field, str(concurrency))
+
+    def clear_limits(self, store: Any, scope: str, key: str | None) -> bool:
+        """Clear the live limits of ``scope``/``key`` (rates, concurrency, replace). True if
+        one was set."""
+        found = False
+        for field in (limit_field(scope, key), slots_field(scope, key), replace_field(scope, key)):
+            self.note(field, None)
+            found = store.clear_control(field) or found
+        return found
+
     def note(self, field: str, value: str | None) -> None:
         """A control (or, with None, its removal) this process just wrote: obeyed at once."""
         with self._lock:

@@ -14,17 +14,15 @@ from functools import lru_cache
 from typing import Any
 
 from .config import ALGORITHMS, check_margin, check_max_wait
+from .cost import CostArg, check_positive, declared_cost, direct_cost, rate_costs
 from .errors import ConfigurationError, KeyBuildError
 from .keys import state_key
-from .protocol import Cost, one_cost
-from .rates import UNIT_NAME, Rate, parse_rates
+from .protocol import Cost
+from .rates import Rate, parse_rates
 
-__all__ = ["RULE_OPTIONS", "BoundCall", "CostArg", "ThrottleSpec", "declared_spec", "rate_costs"]
+__all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec", "declared_spec", "direct_call"]
 
 RateArg = str | Rate | Sequence[str | Rate] | Callable[..., Any]
-#: A declared cost: units of every rate (an int, or a callable over the task's arguments),
-#: or a cost per unit its rates name, ``{"tokens": estimate}`` (any other unit: 1).
-CostArg = int | Callable[..., Any] | Mapping[str, int | Callable[..., Any]]
 RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin", "concurrency", "cost_after")
 
 
@@ -53,13 +51,6 @@ class BoundCall:
     #: The K the code declares (0: none): what a slot falls back to when a live K is
     #: cleared (see :mod:`.slots`).
     declared_concurrency: int = 0
-
-
-def rate_costs(rates: Sequence[Rate], unit_costs: Sequence[tuple[str, int]]) -> Cost:
-    """What a call costing ``unit_costs`` (by unit; a unit not named: 1) counts in each of
-    ``rates``: one int when that is the same for every rate, else a count per rate."""
-    table = dict(unit_costs)
-    return one_cost([table.get(r.unit, 1) for r in rates]) if rates else 1
 
 
 @dataclass(frozen=True)
@@ -101,7 +92,7 @@ class ThrottleSpec:
         if cost_after is not None and not rates:
             raise ConfigurationError("cost_after settles what a rate counted: give the throttle a rate")
         if concurrency is not None:
-            _check_cost(concurrency, "concurrency")
+            check_positive(concurrency, "concurrency")
         if not rates and concurrency is None:
             raise ConfigurationError(
                 'a throttle needs a rate, a concurrency, or both, e.g. throttle("10/s") or throttle(concurrency=4)'
@@ -124,7 +115,7 @@ class ThrottleSpec:
             _template_fields(key)
         if scope is not None and (not isinstance(scope, str) or not scope):
             raise ConfigurationError(f"scope must be a non-empty string, got {scope!r}")
-        declared = _declared_cost(cost, parsed)
+        declared = declared_cost(cost, parsed)
         if isinstance(parsed, tuple):
             fixed = dict(declared) if isinstance(declared, tuple) else None
             for rate in parsed:
@@ -225,7 +216,7 @@ class ThrottleSpec:
             return cost
         value = _call(cost, task_name, what, args, kwargs)
         try:
-            _check_cost(value, what)
+            check_positive(value, what)
         except ConfigurationError as exc:
             raise KeyBuildError(f"task {task_name}: {exc}") from None
         return int(value)
@@ -295,40 +286,6 @@ def _template_fields(template: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _declared_cost(cost: Any, rates: tuple[Rate, ...] | Callable[..., Any]
-                   ) -> int | Callable[..., Any] | tuple[tuple[str, int | Callable[..., Any]], ...]:
-    """``cost`` as a spec keeps it, checked: an int, a callable, or by unit."""
-    if callable(cost):
-        return cost  # (a class too: what it answers is checked per call)
-    if not isinstance(cost, Mapping):
-        _check_cost(cost, "cost")
-        return int(cost)
-    if not cost:
-        raise ConfigurationError('cost by unit names at least one unit, e.g. cost={"tokens": 500}')
-    by_unit = []
-    for unit, units in cost.items():
-        if not isinstance(unit, str) or not UNIT_NAME.match(unit):
-            raise ConfigurationError(f"cost names units by their rates' names, such as 'tokens' in "
-                                     f"\"30000 tokens/m\"; got {unit!r}")
-        if not callable(units):
-            _check_cost(units, f"cost of {unit!r}")
-        by_unit.append((unit, units))
-    if isinstance(rates, tuple):
-        counted = {r.unit for r in rates}
-        unknown = [unit for unit, _ in by_unit if unit not in counted]
-        if unknown:
-            raise ConfigurationError(
-                f"cost names unit(s) {unknown} that no rate counts; rates: {[str(r) for r in rates]} "
-                '(a rate counts a unit when it names it: "30000 tokens/m")'
-            )
-    return tuple(sorted(by_unit, key=lambda pair: pair[0]))
-
-
-def _check_cost(cost: Any, what: str) -> None:
-    if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
-        raise ConfigurationError(f"{what} must be a positive integer, got {cost!r}")
-
-
 def _call(fn: Callable[..., Any], task_name: str, what: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     try:
         return fn(*args, **kwargs)
@@ -342,3 +299,22 @@ def declared_spec(task: Any) -> ThrottleSpec | None:
     if spec is None:
         spec = getattr(getattr(task, "run", None), "__throttle__", None)
     return spec if isinstance(spec, ThrottleSpec) else None
+
+
+def direct_call(prefix: str, default_algorithm: str, scope: Any, key: Any, rates: Any, cost: Any,
+                algorithm: str | None) -> BoundCall:
+    """A call of :meth:`.Throttle.acquire` (and of the operators' calls, to check a scope
+    and key), bound: its scope, key, rates, cost and algorithm checked."""
+    if not isinstance(scope, str) or not scope:
+        raise ConfigurationError(f"scope must be a non-empty string, got {scope!r}")
+    if key is not None and not isinstance(key, str):
+        raise ConfigurationError(f"key must be a string or None, got {key!r}")
+    algorithm = algorithm or default_algorithm
+    if algorithm not in ALGORITHMS:
+        raise ConfigurationError(f"unknown algorithm {algorithm!r}: use one of {ALGORITHMS}")
+    parsed = parse_rates(rates)
+    checked = direct_cost(cost, parsed)
+    if isinstance(checked, int):
+        return BoundCall(scope, key, parsed, checked, algorithm, state_key(prefix, scope, key))
+    return BoundCall(scope, key, parsed, rate_costs(parsed, checked), algorithm, state_key(prefix, scope, key),
+                     unit_costs=checked)

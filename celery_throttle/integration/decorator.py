@@ -9,8 +9,9 @@ from celery.app.task import Task
 from celery.local import PromiseProxy, Proxy
 
 from ..celery_parts.internals import proxied_function
+from ..core.cost import CostArg
 from ..core.errors import ConfigurationError
-from ..core.spec import CostArg, RateArg, ThrottleSpec, declared_spec
+from ..core.spec import RateArg, ThrottleSpec, declared_spec
 from .hook import attach
 
 __all__ = ["throttle"]

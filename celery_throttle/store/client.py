@@ -28,3 +28,17 @@ class RedisStore(WindowOps, ControlOps):
         self.layout = layout
         self.add_window_scripts(layout)
         self.add_control_scripts()
+
+    @classmethod
+    def opened(cls, url: str, prefix: str, options: Mapping[str, Any], quick_timeout: float | None = None,
+               clock: Callable[[], int] | None = None) -> RedisStore:
+        """A store of ``url`` with ``throttle_redis_options``; ``quick_timeout``: one that
+        gives up after it (the consumer's screen and the check at publish)."""
+        options = dict(options)
+        timeout, connect_timeout = STORE_TIMEOUT, STORE_CONNECT_TIMEOUT
+        if quick_timeout is not None:
+            # The quick store's timeouts are the point of it, whatever the options say.
+            options.pop("socket_timeout", None)
+            options.pop("socket_connect_timeout", None)
+            timeout = connect_timeout = quick_timeout
+        return cls(url, prefix, clock=clock, timeout=timeout, connect_timeout=connect_timeout, options=options)

@@ -27,7 +27,8 @@ from ..core.header import HEADER, Header
 from ..core.keys import PARKED_TAG_END, encode, glob_escape, line_index_key, state_of, window_keys
 
 if TYPE_CHECKING:
-    from ..check.limiter import RateStatus, Throttle
+    from ..check.limiter import Throttle
+    from ..check.status import RateStatus
 
 __all__ = ["Whereabouts", "explain", "parked_call"]
 
