@@ -12,7 +12,7 @@ from ..celery_parts.internals import proxied_function
 from ..core.cost import CostArg
 from ..core.errors import ConfigurationError
 from ..core.spec import RateArg, ThrottleSpec, declared_spec
-from .hook import attach
+from .trace import attach
 
 __all__ = ["throttle"]
 

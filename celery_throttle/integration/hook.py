@@ -1,216 +1,31 @@
-"""The task side: decides before Celery's trace starts; a task that cannot start now
-waits in its key's line (:mod:`.deferral` puts it there).
-
-Every execution in a worker, in any pool, goes through the task's ``__trace__`` (the
-tracer Celery builds per task, in the consumer and again in each pool child). A hooked
-task's class turns that attribute into a property that wraps each tracer it is given:
-the wrapper checks first, and a task that must wait is put in its key's line and handed
-back to the pool as Celery's own ``Ignore`` would be (acked, nothing stored, nothing logged)
-without the trace ever running. So ``task_prerun``/``task_postrun`` see real executions
-only. An outcome the trace must report (``WaitTooLong``, a store error under ``fail``, a
-re-send the broker refused) is raised from ``before_start``, inside the trace, where
-Celery records it as the task's failure or rejection. ``before_start`` also checks by
-itself when a tracer was built some other way (a fallback, never the usual path).
+"""The pool's hook: the decision before Celery's trace starts (:func:`guard`): run now, wait
+for a start granted early, or wait in its key's line (:mod:`.deferral` puts it there). The
+trace that calls it is in :mod:`.trace`; a body's ``Backoff`` is in :mod:`.backing_off`.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery.exceptions import Ignore
-
 from .. import signals
-from ..celery_parts.internals import build_task_tracer, deferred_trace_result, has_own, trace_context
 from ..check.controller import controller
 from ..check.slots import holder_id
-from ..core.backoff import Backoff
 from ..core.errors import StoreError, WaitTooLong
 from ..core.header import HEADER, Header
 from ..core.protocol import Code
-from ..core.spec import BoundCall, ThrottleSpec, declared_spec
+from ..core.spec import BoundCall, ThrottleSpec
 from ..waits.deferral import TurnedAway, new_entry_id, own_header
 from . import settle
 
 if TYPE_CHECKING:
     from ..check.limiter import Throttle
 
-__all__ = ["HEADER", "attach", "declared_spec"]
+__all__ = ["guard"]
 
 logger = logging.getLogger("celery_throttle")
-
-def attach(task: Any, spec: ThrottleSpec) -> None:
-    """Make ``task`` check ``spec`` before its body runs (idempotent)."""
-    cls = type(task)
-    cls._throttle_spec = spec
-    if cls.__dict__.get("_throttle_hooked"):
-        return
-    original = cls.before_start if has_own(task, "before_start") else None
-
-    def before_start(self: Any, task_id: str, args: Any, kwargs: Any) -> None:
-        if _decided.task_id == task_id:
-            error, _decided.task_id, _decided.error = _decided.error, None, None
-            if error is not None:
-                raise error
-        elif not guard(self, args, kwargs):
-            # Raised here, not deeper: Celery copies every frame between its trace
-            # and the raise into the ExceptionInfo it builds for Ignore.
-            raise Ignore()
-        if original is not None:
-            original(self, task_id, args, kwargs)
-
-    built = task.__dict__.pop("__trace__", None)
-    cls._throttle_signature = _signature(task)
-    cls.before_start = before_start
-    cls.run = _catching_backoff(cls.__dict__.get("run", cls.run), task)
-    cls.__trace__ = property(_tracer, _set_tracer)
-    cls._throttle_hooked = True
-    if built is not None:
-        # Hooked after the worker built its tracer (a task defined after the worker
-        # started, then reload()): build it again, now with our before_start in it.
-        task.__trace__ = build_task_tracer(task)
-
-
-def _catching_backoff(run: Any, task: Any) -> Any:
-    """``run`` (a staticmethod, or a method taking the task first) that turns a
-    :class:`Backoff` raised by the body into a pause and a re-send."""
-    if isinstance(run, staticmethod):
-        fun = run.__func__
-
-        @functools.wraps(fun)
-        def run_static(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return _settled(task, fun(*args, **kwargs))
-            except Backoff as exc:
-                back_off(task, exc, args, kwargs)
-
-        return staticmethod(run_static)
-
-    @functools.wraps(run)
-    def run_bound(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return _settled(self, run(self, *args, **kwargs))
-        except Backoff as exc:
-            back_off(self, exc, args, kwargs)
-
-    return run_bound
-
-
-def _settled(task: Any, result: Any) -> Any:
-    """``result`` of a body, its ``cost_after(result)`` charged first (see :mod:`.settle`)."""
-    cost_after = getattr(type(task)._throttle_spec, "cost_after", None)
-    if cost_after is not None and not (task.request.is_eager or task.request.called_directly):
-        settle.charge_after(cost_after, result, task)
-    return result
-
-
-def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
-    """Pause the task's scope (and key) for every worker, and put the task at the front of
-    its key's line, to run when the pause is over, its retries untouched. Raises Ignore
-    (or ``exc`` for a call that is not a task execution: eager, direct)."""
-    request = task.request
-    if request.is_eager or request.called_directly:
-        raise exc
-    ctl = controller(task.app)
-    call = ctl.checker.bind(task, args, kwargs)
-    key = None if exc.whole_scope else call.key
-    try:
-        ctl.pause(call.scope, key, exc.seconds)
-    except StoreError as error:
-        logger.warning("could not pause scope %r for %s[%s]: %s", call.scope, task.name, request.id, error)
-    logger.warning("%s[%s] backs off: scope %r%s paused for %.1fs on every worker", task.name, request.id,
-                   call.scope, "" if key is None else f" key {key!r}", exc.seconds)
-    turned = TurnedAway(ctl, task, request, args, kwargs, call, _header(request))
-    try:
-        reply = ctl.checker.front(call, turned.entry(with_message=True))
-    except StoreError as error:
-        # Not kept in its line: sent back for the pause all the same.
-        logger.warning("could not put %s[%s] back in its line (%s): it is sent back for the pause", task.name,
-                       request.id, error)
-        turned.send_back(exc.seconds)
-        raise Ignore() from None
-    ctl.lines.handle(call, reply)
-    turned.waits(reply.wait_us, reason="backoff")
-    raise Ignore()
-
-
-class _Decided(threading.local):
-    """The task id the wrapper just decided to run, in this thread (or greenlet), and
-    the error the trace must raise for it, if any."""
-
-    task_id: str | None = None
-    error: BaseException | None = None
-
-
-_decided = _Decided()
-
-
-class Deferred:
-    """What the pool hands back for a task deferred before its trace: Celery reads it
-    as an ``Ignore`` (the message is acked, nothing is stored or logged). Picklable:
-    a prefork child sends it to the parent."""
-
-    internal = True
-    traceback = ""
-    exc_info = None
-
-    def __init__(self) -> None:
-        self.exception = Ignore()
-
-
-def _tracer(task: Any) -> Any:
-    return task.__dict__.get("_throttle_tracer")
-
-
-def _set_tracer(task: Any, tracer: Any) -> None:
-    task.__dict__["_throttle_tracer"] = None if tracer is None else _deciding(task, tracer)
-
-
-def _deciding(task: Any, tracer: Any) -> Any:
-    """``tracer``, preceded by the throttle's decision."""
-
-    def trace(uuid: str, args: Any, kwargs: Any, request: Any = None) -> Any:
-        context = trace_context(request, args, kwargs)
-        task.request_stack.push(context)
-        error: BaseException | None = None
-        try:
-            run = guard(task, args, kwargs)
-        except Exception as exc:  # noqa: BLE001 - the trace reports it, as the task's own outcome
-            run, error = True, exc
-        finally:
-            task.request_stack.pop()
-        if not run:
-            return deferred_trace_result(Deferred())
-        if error is None and isinstance(request, dict):
-            _forget_header_of(request)
-        _decided.task_id, _decided.error = uuid, error
-        try:
-            return tracer(uuid, args, kwargs, request)
-        finally:
-            _decided.task_id = _decided.error = None
-            body_ended(task, uuid)
-
-    trace.__wrapped__ = tracer  # type: ignore[attr-defined]
-    return trace
-
-
-def body_ended(task: Any, task_id: str) -> None:
-    """The body of ``task_id`` ended (however it ended): give its concurrency slot back, if
-    this process holds one for it. Never raises: the task's outcome stands."""
-    settle.ended(task_id)
-    holder = _holders.running.pop(task_id, None)
-    if holder is None:
-        return
-    try:
-        controller(task.app).slots.release(holder)
-    except Exception as exc:  # noqa: BLE001 - its lease runs out, and the slot is reclaimed
-        logger.warning("could not give back the concurrency slot of %s[%s]: %r; it is reclaimed when its lease "
-                       "runs out", task.name, task_id, exc)
-
 
 class _Holders(threading.local):
     """The delivery that holds a concurrency slot, by task id, of the bodies this thread
@@ -222,14 +37,7 @@ class _Holders(threading.local):
         self.running = {}
 
 
-_holders = _Holders()
-
-
-def _signature(task: Any) -> inspect.Signature | None:
-    try:
-        return inspect.signature(task.run)
-    except (TypeError, ValueError):
-        return None
+holders = _Holders()
 
 
 def guard(task: Any, args: Any, kwargs: Any) -> bool:
@@ -242,7 +50,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
         return True
     spec: ThrottleSpec = type(task)._throttle_spec
     call = ctl.checker.bind(task, args, kwargs)
-    header = _header(request)
+    header = header_of(request)
     max_wait = ctl.checker.max_wait(spec)
     turned = TurnedAway(ctl, task, request, args, kwargs, call, header,
                         max_wait_us=int(max_wait * 1_000_000) if max_wait else 0)
@@ -285,7 +93,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
         ctl.metrics.admitted(call.scope, call.key)
         settle.started(request.id, call, ctl.checker.counted(call, reply))
         if reply.held:
-            _holders.running[request.id] = holder
+            holders.running[request.id] = holder
             ctl.slots.took(holder, call)
         return True
     if reply.code == Code.QUEUED:
@@ -376,7 +184,7 @@ def _seconds(value: float) -> str:
     return f"{minutes // 60}h {minutes % 60}m"
 
 
-def _header(request: Any) -> Header:
+def header_of(request: Any) -> Header:
     """The task's header, its ticket and pending entry kept only if they are its own (a
     header copied onto another task id makes that task a new one, never a copy)."""
     headers = request.headers if isinstance(request.headers, dict) else {}
@@ -386,10 +194,10 @@ def _header(request: Any) -> Header:
 def _forget_header(request: Any) -> None:
     """A task that runs is done with its ticket: its own ``self.retry()`` (which copies the
     request's headers) is a new call, checked afresh."""
-    _forget_header_of(request.__dict__)
+    forget_header_of(request.__dict__)
 
 
-def _forget_header_of(request: dict[str, Any]) -> None:
+def forget_header_of(request: dict[str, Any]) -> None:
     request.pop(HEADER, None)
     if isinstance(request.get("headers"), dict):
         request["headers"].pop(HEADER, None)

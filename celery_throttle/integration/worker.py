@@ -37,9 +37,9 @@ from ..core.timing import FAR_WARM_CONNECTIONS, RTT_COUNTS_FROM_US
 from ..core.urls import safe_url
 from ..waits.releaser import Releaser
 from ..waits.why import throttle_why as _why_command  # noqa: F401 - registers the remote control command
-from .hook import attach
 from .publish import wrap_send_task
 from .screen import ScreenStep, screen_strategies
+from .trace import attach
 
 __all__ = ["ThrottleStep", "attach_to_running_workers", "install", "patch_tasks"]
 
