@@ -18,26 +18,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
-import msgpack
-
-from ..celery_parts.messages import decode_message, resend, task_of
+from ..celery_parts.messages import resend, task_of
 from ..core.errors import StoreError, ThrottleError
 from ..core.keys import encode, glob_escape, line_index_key, state_key, target_of, window_keys
 from ..core.locks import ForkSafeLock
 from ..core.protocol import Code, WindowReply
 from ..core.spec import BoundCall
 from ..core.timing import RELEASER_BATCH
-from . import checker
+from .lines_on_call import OnCall, Owner, text
 
-if TYPE_CHECKING:
-    from celery import Celery
-
-    from ..store.parking import ParkingStore
-
-__all__ = ["WAKE_AHEAD_US", "Lines", "Owner", "Waiting"]
+__all__ = ["WAKE_AHEAD_US", "Lines"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -56,37 +48,7 @@ FULL_HINT_S = 1.0
 UNKNOWN_RETRY_US = 5_000_000
 
 
-@dataclass(frozen=True)
-class Waiting:
-    """A task in a key's line (``place`` from 1), or released from it and not started yet
-    (``place`` 0), as ``throttle parked`` lists it."""
-
-    scope: str
-    key: str | None
-    entry: str
-    task_id: str
-    name: str
-    place: int
-    #: When it joined its line (Unix time).
-    since: float
-
-
-def _text(name: bytes | str) -> str:
-    return name.decode(errors="surrogateescape") if isinstance(name, bytes) else name
-
-
-class Owner(checker.Owner, Protocol):
-    """What the lines work with: the app's checks, store and metrics, its app (to send a
-    released task) and its parking store (dead letters, the releasers' wake-up list)."""
-
-    @property
-    def app(self) -> Celery: ...
-
-    @property
-    def parking(self) -> ParkingStore: ...
-
-
-class Lines:
+class Lines(OnCall):
     """The lines of one app, as this process sees them."""
 
     def __init__(self, ctl: Owner) -> None:
@@ -203,7 +165,7 @@ class Lines:
             for pattern in patterns:
                 batch: list[str] = []
                 for member, _ in store.client.zscan_iter(index, match=pattern, count=1000):
-                    batch.append(_text(member))
+                    batch.append(text(member))
                     if len(batch) >= 500:
                         woken += store.index_wake(batch)
                         batch = []
@@ -277,122 +239,3 @@ class Lines:
         if reply.code == Code.RUN and drain and reply.waiting:
             return reply.now_us, reply.now_us  # (more to drain: at once)
         return reply.due_us, reply.now_us
-
-    # -- for people on call ------------------------------------------------------------------
-    def keys(self) -> list[str]:
-        """The state keys that have a line: the index's, and (by SCAN, for the operator's
-        tools: one missing from the index is still shown) every one with line counts."""
-        store = self.ctl.store
-        found: dict[str, None] = {}
-        with store.errors():
-            for member, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000):
-                found[_text(member)] = None
-            for name in store.client.scan_iter(match=f"{glob_escape(store.prefix)}:{{*}}:lm", count=1000):
-                found[_text(name)[: -len(":lm")]] = None
-        return list(found)
-
-    def count(self) -> int:
-        """How many keys have tasks waiting in their line, or released from it (the index)."""
-        store = self.ctl.store
-        with store.errors():
-            return int(store.client.zcard(line_index_key(store.prefix)))
-
-    def total_waiting(self) -> int:
-        """How many tasks wait in every line (the gauge): one ZCARD per key of the index,
-        pipelined a thousand at a time."""
-        store, total = self.ctl.store, 0
-        with store.errors():
-            keys = [_text(m) for m, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000)]
-            for start in range(0, len(keys), 1000):
-                pipe = store.client.pipeline(transaction=False)
-                for key in keys[start:start + 1000]:
-                    pipe.zcard(window_keys(key)[2])
-                total += sum(int(n) for n in pipe.execute())
-        return total
-
-    def waiting(self, limit: int = 10_000) -> list[Waiting]:
-        """The tasks in every line (and those released from one, not started), at most
-        ``limit``, each line in its order."""
-        store, prefix, out = self.ctl.store, self.ctl.settings.key_prefix, []
-        for key in self.keys():
-            target = target_of(prefix, key)
-            if target is None:
-                continue
-            _, _, line, msgs, released, _, _ = window_keys(key)
-            with store.errors():
-                entries = [(e, 0) for e in store.client.zrange(released, 0, limit - 1)]
-                entries += [(e, n) for n, e in enumerate(store.client.zrange(line, 0, limit - 1), 1)]
-                metas = store.client.hmget(msgs, [e + b"#" for e, _ in entries]) if entries else []
-                bodies = store.client.hmget(msgs, [e for e, _ in entries]) if entries else []
-            for (entry, place), meta, body in zip(entries, metas, bodies):
-                task_id, since = _meta(meta)
-                name = "<message gone>" if body is None else _name(self.ctl.app, body)
-                out.append(Waiting(target[0], target[1], entry.decode(errors="surrogateescape"), task_id, name, place,
-                                   since))
-                if len(out) >= limit:
-                    return out
-        return out
-
-    def purge(self, tasks: list[Waiting]) -> int:
-        """Delete ``tasks`` from their lines (they never run; one released meanwhile goes
-        on). Returns how many were deleted."""
-        by_key: dict[tuple[str, str | None], list[str]] = {}
-        for task in tasks:
-            if task.place:
-                by_key.setdefault((task.scope, task.key), []).append(task.entry)
-        deleted = 0
-        prefix = self.ctl.settings.key_prefix
-        for (scope, key), entries in by_key.items():
-            call = BoundCall(scope, key, (), 1, "sliding", state_key(prefix, scope, key))
-            reply = self.ctl.checker.drop(call, entries)
-            deleted += sum(1 for r in reply.reported if r.kind == "d")
-            if reply.tell_index:
-                self.note(call.state_key, reply.due_us, reply.now_us)
-        return deleted
-
-    def send_now(self, tasks: list[Waiting]) -> tuple[int, int]:
-        """Release the whole line of each key of ``tasks`` whatever its room, and send what
-        leaves, each with its ticket: before a rollback to a version that does not read the
-        lines, whose workers check each one as a new task. A worker of this version that
-        takes one claims it, and puts it back in its place if its key has no room. Returns
-        (tasks sent, tasks still waiting: a send that failed puts its task back in its place
-        after the send lease)."""
-        prefix = self.ctl.settings.key_prefix
-        targets = sorted({(t.scope, t.key) for t in tasks if t.place}, key=lambda k: (k[0], k[1] or ""))
-        sent = 0
-        for scope, key in targets:
-            # (No rates: the drain releases whatever the room, and needs no task to bind.)
-            call = BoundCall(scope, key, (), 1, "sliding", state_key(prefix, scope, key))
-            while True:
-                reply = self.ctl.checker.release(call, RELEASER_BATCH, drain=True)
-                sent += self.handle(call, reply)
-                if not reply.waiting or not any(r.kind == "r" for r in reply.reported):
-                    break
-        left = sum(self._counts(state_key(prefix, scope, key))[0] for scope, key in targets)
-        return sent, left
-
-    def _counts(self, key: str) -> tuple[int, int]:
-        """(tasks in line, tasks released and not started) of ``key``."""
-        _, _, line, _, out, _, _ = window_keys(key)
-        with self.ctl.store.errors():
-            pipe = self.ctl.store.client.pipeline(transaction=False)
-            pipe.zcard(line)
-            pipe.zcard(out)
-            waiting, released = pipe.execute()
-        return int(waiting), int(released)
-
-
-def _meta(raw: bytes | None) -> tuple[str, float]:
-    """(task id, when it joined its line, Unix time) of an entry's stored fields."""
-    try:
-        meta: Any = msgpack.unpackb(raw)
-        return str(meta[0]), int(meta[2]) / 1e6
-    except Exception:  # noqa: BLE001 - a field we did not write (or none)
-        return "?", 0.0
-
-
-def _name(app: Any, message: bytes) -> str:
-    try:
-        return str(decode_message(app, message)["task"])
-    except Exception:  # noqa: BLE001
-        return "<cannot be decoded>"

@@ -39,8 +39,8 @@ from kombu.exceptions import EncodeError
 
 from .. import signals
 from ..celery_parts.messages import encode_message
+from ..check.binding import Known
 from ..check.breaker import Breaker
-from ..check.checker import Known
 from ..check.hints import Hints
 from ..core.errors import StoreError, ThrottleError
 from ..core.header import HEADER, Header
