@@ -13,11 +13,10 @@ import click
 
 from ..check.controller import controller
 from ..core.errors import ThrottleError
-from ..core.keys import target_matches
 from ..core.urls import safe_url
-from ..waits.broker_parking import broker_parking
 from ..waits.why import REPLY_TIMEOUT, explain
 from . import show
+from .parked import parked
 
 __all__ = ["throttle"]
 
@@ -248,88 +247,4 @@ def reset(ctx: click.Context, scope: str, key: str | None, all_keys: bool, yes: 
                + (" (its keys have windows of their own: --key KEY, or --all-keys)" if keyed else ""))
 
 
-@throttle.command()
-@click.option("--tasks", is_flag=True, help="List each waiting task (id, task, scope, key, place) instead of a summary.")
-@click.option("--match", default="*", show_default=True, help="Only tasks whose scope matches this glob.")
-@click.option("--key-match", default=None, metavar="GLOB", help="Only tasks whose key matches this glob.")
-@click.option("--purge", is_flag=True, help="Delete the waiting tasks (those --match selects); asks first.")
-@click.option("--send-now", is_flag=True,
-              help="Send the waiting tasks (every task of each key --match selects) to their queues now, whatever "
-                   "their keys' room: before rolling back to a version without lines. Asks first.")
-@click.option("--dead", is_flag=True, help="List the dead letters: tasks whose message could not be sent.")
-@click.option("--requeue", is_flag=True, help="Hand every dead letter out again, now (asks first).")
-@click.option("--drop", is_flag=True, help="Delete every dead letter (asks first).")
-@click.option("--yes", is_flag=True, help="Do not ask before --purge, --send-now, --requeue or --drop.")
-@click.pass_context
-def parked(ctx: click.Context, tasks: bool, match: str, key_match: str | None, purge: bool, send_now: bool,
-           dead: bool, requeue: bool, drop: bool, yes: bool) -> None:
-    """Tasks waiting in the lines (in the store, off the broker), by scope and key; dead letters.
-
-    Without options: a summary per scope and key (waiting, released to a worker and not
-    started, and since when the oldest waits). A purged task is gone for good: it never
-    runs. ``--send-now`` empties the lines into the broker (each task is then checked by
-    the worker that takes it), for a rollback to a version that does not read them.
-    """
-    ctl = _controller(ctx)
-    store = ctl.parking
-    if dead or requeue or drop:
-        _dead_letters(ctl, requeue, drop, yes)
-        return
-    found = [w for w in ctl.lines.waiting() if target_matches(w.scope, w.key, match, key_match)]
-    if purge:
-        lined = [w for w in found if w.place]
-        if lined and (yes or click.confirm(f"delete {len(lined)} waiting task(s) for good (they never run)?")):
-            click.echo(f"purged {ctl.lines.purge(lined)} waiting task(s)")
-        elif not lined:
-            click.echo("no waiting task to purge")
-        return
-    if send_now:
-        lined = [w for w in found if w.place]
-        if lined and (yes or click.confirm(f"send {len(lined)} waiting task(s) to their queues now, whatever "
-                                           "their keys' room?")):
-            sent, left = ctl.lines.send_now(lined)
-            click.echo(f"sent {sent} waiting task(s) to their queues" + (f"; {left} still waiting" if left else ""))
-        elif not lined:
-            click.echo("no waiting task to send")
-        return
-    if tasks:
-        for w in found:
-            where = f"place {w.place}" if w.place else "released"
-            click.echo(f"{show.escaped(w.task_id)}  {w.name}  {show.scope_and_key(w.scope, w.key)}  {where}  since {show.when(w.since)}")
-    else:
-        groups: dict[tuple[str, str | None], list[Any]] = {}
-        for w in found:
-            groups.setdefault((w.scope, w.key), []).append(w)
-        for (scope, key), listed in sorted(groups.items(), key=lambda g: (g[0][0], g[0][1] or "")):
-            lined = [w for w in listed if w.place]
-            oldest = min((w.since for w in listed), default=0.0)
-            click.echo(f"{show.scope_and_key(scope, key)}: {len(lined)} waiting, {len(listed) - len(lined)} released, "
-                       f"the oldest since {show.when(oldest)}")
-    if not found:
-        click.echo("no task waits in a line")
-    count, in_flight, dead_count = store.parked_count()
-    if count or in_flight or dead_count:
-        click.echo(f"parked by an earlier version: {count} waiting, {in_flight} being released, {dead_count} dead")
-    broker = broker_parking(ctl)
-    if broker is not None:
-        delayed, held = broker.counts()
-        if delayed or held:
-            click.echo(f"in the broker: {delayed} in its delay queues (of every app on it), {held} held by a pause "
-                       "of an earlier version")
-
-
-def _dead_letters(ctl: Any, requeue: bool, drop: bool, yes: bool) -> None:
-    store = ctl.parking
-    letters = store.dead_letters()
-    for parked_id, when_us, attempts, message in letters:
-        click.echo(f"{parked_id}  {show.task_name(ctl.app, message)}  dead since "
-                   f"{show.when(when_us / 1e6)} after {attempts} attempts")
-    ids = [parked_id for parked_id, _, _, _ in letters]
-    if requeue and ids and (yes or click.confirm(f"send {len(ids)} dead letter(s) to run again?")):
-        click.echo(f"requeued {store.requeue_dead(ids)} dead letter(s)")
-    elif drop and ids and (yes or click.confirm(f"delete {len(ids)} dead letter(s) for good?")):
-        click.echo(f"dropped {store.drop_dead(ids)} dead letter(s)")
-    if not letters:
-        click.echo("no dead letters")
-
-
+throttle.add_command(parked)
