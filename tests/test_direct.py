@@ -14,6 +14,7 @@ from celery import Celery, shared_task
 
 import celery_throttle
 from celery_throttle import ConfigurationError, throttle
+from celery_throttle.core.keys import state_key
 from celery_throttle.core.protocol import Code, Entry
 from celery_throttle.core.spec import ThrottleSpec
 from celery_throttle.integration.worker import ThrottleStep
@@ -594,3 +595,15 @@ def test_a_process_reads_the_control_hash_whole_only_when_its_stamp_moved(
     store_client.hset(f"{prefix}:control", "limit:vendor", "7/s")
     ctl.checker.refresh_controls()
     assert [str(r) for r in ctl.checker.controls.rates_for(ctl.store, "vendor", None, ())] == ["7/s"]
+
+
+def test_a_state_field_written_by_hand_that_names_no_rate_is_skipped_by_status(
+        ctl: celery_throttle.Throttle, store_client: redis.Redis, prefix: str) -> None:
+    # Given a key that counted a call, and fields written by hand into its state hash that
+    # look like a rate's but name none (digits other than ASCII, a limit or window of 0)
+    ctl.acquire("hand-api", rates=["5/s"])
+    hash_key = state_key(prefix, "hand-api", None)
+    store_client.hset(hash_key, mapping={"s\u00b2/100": b"", "s10/0": b"", "f0/1000000": b""})
+    # Then status shows the one rate counted, and reads the rest as no rate (no traceback)
+    shown = ctl.status("hand-api")
+    assert [(str(r.rate), r.used) for r in shown.rates] == [("5/s", 1)], shown

@@ -5,6 +5,7 @@ pause.lua write it). CHANGELOG.md records each change of a format.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .rates import Rate
@@ -67,13 +68,17 @@ def rate_field(algorithm: str, rate: Rate) -> str:
 
 def rate_of_field(field: str) -> tuple[str, int, int, str] | None:
     """(algorithm, limit, period in µs, unit) of a field :func:`rate_field` named, or None
-    for any other field."""
-    algorithm = _ALGORITHM_OF_TAG.get(field[:1])
-    limit, _, rest = field[1:].partition("/")
-    period_us, _, unit = rest.partition(".")
-    if algorithm is None or not (limit.isdigit() and period_us.isdigit()) or (unit and not unit.isidentifier()):
+    for any other field (one written by hand included: a limit or a window of 0, digits
+    other than ASCII, a unit no rate can name)."""
+    named = _RATE_FIELD.match(field)
+    if named is None:
         return None
-    return algorithm, int(limit), int(period_us), unit
+    tag, limit, period_us, unit = named.groups()
+    return _ALGORITHM_OF_TAG[tag], int(limit), int(period_us), unit or ""
+
+
+#: A rate's field as :func:`rate_field` writes it (a unit as ``rates.UNIT_NAME`` has it).
+_RATE_FIELD = re.compile(f"([{''.join(ALGORITHM_TAGS.values())}])" r"([1-9][0-9]*)/([1-9][0-9]*)(?:\.([a-z_][a-z0-9_]*))?\Z")
 
 
 _ALGORITHM_OF_TAG = {tag: algorithm for algorithm, tag in ALGORITHM_TAGS.items()}
