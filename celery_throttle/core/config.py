@@ -10,7 +10,7 @@ from typing import Any
 
 from .errors import ConfigurationError
 from .keys import check_prefix
-from .urls import SENTINEL_SCHEMES, safe_url
+from .urls import SENTINEL_SCHEMES, check_store_url, safe_url
 
 logger = logging.getLogger("celery_throttle")
 
@@ -127,6 +127,8 @@ class Settings:
             raise ConfigurationError("throttle_redis_options must be a dict of redis-py client options")
         if self.redis_url is not None and not isinstance(self.redis_url, str):
             raise ConfigurationError(f"throttle_redis_url must be a URL string, got {self.redis_url!r}")
+        if self.redis_url is not None:
+            check_store_url(self.redis_url)
         if not isinstance(self.rules, Mapping):
             raise ConfigurationError("throttle_rules must be a dict of task-name glob -> options")
         if self.park_in not in PARK_IN:

@@ -25,11 +25,10 @@ from kombu.utils.url import url_to_parts
 from redis.sentinel import Sentinel
 
 from ..core.errors import ConfigurationError
-from ..core.urls import SENTINEL_SCHEMES, safe_url
+from ..core.urls import CLUSTER_SCHEMES, SENTINEL_SCHEMES, safe_url
 
 __all__ = ["connect"]
 
-_CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 #: Options that name the Sentinel group or talk to the Sentinels, not to Redis.
 _SENTINEL_OPTIONS = ("master_name", "service_name", "sentinel_kwargs")
 
@@ -42,7 +41,7 @@ def connect(url: str, options: Mapping[str, Any] | None = None, **defaults: Any)
     for key in _SENTINEL_OPTIONS:
         options.pop(key, None)  # a broker's Sentinel options copied along: not ours here
     kwargs = {**defaults, **options}
-    if url.startswith(_CLUSTER_SCHEMES):
+    if url.startswith(CLUSTER_SCHEMES):
         return redis.RedisCluster.from_url(url.replace("+cluster", "", 1), **kwargs)
     return redis.Redis.from_url(url, **kwargs)
 
@@ -60,8 +59,9 @@ def _sentinel_master(url: str, options: dict[str, Any], defaults: Mapping[str, A
         path = path or part_path or ""
     segments = [s for s in path.strip("/").split("/") if s]
     master = options.pop("master_name", None) or options.pop("service_name", None)
-    if segments and not segments[0].isdigit():
-        master = master or segments.pop(0)
+    if segments and not (segments[0].isascii() and segments[0].isdigit()):
+        named = segments.pop(0)  # (the group's name in the path: the option's wins)
+        master = master or named
     if not master:
         raise ConfigurationError(
             f"throttle_redis_url {safe_url(url)!r} is a Sentinel URL: name the master group, "
@@ -69,6 +69,9 @@ def _sentinel_master(url: str, options: dict[str, Any], defaults: Mapping[str, A
             "(or redis+sentinel://host:26379/mymaster/0)"
         )
     kwargs = {**defaults, **options}
+    if segments and not (segments[0].isascii() and segments[0].isdigit()):
+        raise ConfigurationError(f"throttle_redis_url {safe_url(url)!r}: after the master group's name, the path "
+                                 f"holds the database number (e.g. /mymaster/0), not {segments[0]!r}")
     kwargs.setdefault("db", int(segments[0]) if segments else 0)
     if password and "password" not in options:
         kwargs["password"] = password
