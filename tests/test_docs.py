@@ -21,7 +21,8 @@ from tests.helpers import ROOT
 
 DOCS = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")])
 #: Where a file named without its folder may live.
-SOURCE_DIRS = ("celery_throttle", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "celery_throttle").glob("*/"))),
+SOURCE_DIRS = ("celery_throttle", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "celery_throttle").glob("*/"))
+                                  if p.name != "__pycache__"),
                "celery_throttle/store/lua", "tests", "tests/fixtures", "bench", "examples", ".ci", ".")
 #: ``throttle_*`` names that are not settings: the remote-control command of ``throttle why``.
 NOT_SETTINGS = frozenset({"throttle_why"})

@@ -174,7 +174,7 @@ class Throttle:
 
     def status(self, scope: str, key: str | None = None) -> Status:
         """Usage of every rate stored for ``scope``/``key``, consuming nothing."""
-        return self._status(scope, key, parse_controls(self.store.controls()))
+        return self._status(scope, key, parse_controls(self.store.controls()), self._known_specs())
 
     def statuses(self, match: str = "*", limit: int = 200, scope: str | None = None,
                  key_match: str | None = None) -> tuple[list[Status], bool]:
@@ -184,7 +184,8 @@ class Throttle:
         SCAN, never KEYS. At most ``limit`` of them; the flag is True if more were left."""
         controls = parse_controls(self.store.controls())
         ordered, more = find_targets(self.store, self.settings.key_prefix, controls, match, limit, scope, key_match)
-        return [self._status(scope, key, controls) for scope, key in ordered], more
+        specs = self._known_specs()  # (once for every status listed)
+        return [self._status(scope, key, controls, specs) for scope, key in ordered], more
 
     def known_scopes(self) -> list[str]:
         """The scopes this app's throttled tasks use (declared or by rule; a scope that
@@ -194,9 +195,8 @@ class Throttle:
     def _known_specs(self) -> list[tuple[str, ThrottleSpec]]:
         return known_specs(self.app, self.checker.rule_for)
 
-    def _status(self, scope: str, key: str | None, controls: ControlSet) -> Status:
-        return read_status(self.store, self.settings.key_prefix, self.settings.margin, self._known_specs(), controls,
-                           scope, key)
+    def _status(self, scope: str, key: str | None, controls: ControlSet, specs: list[tuple[str, ThrottleSpec]]) -> Status:
+        return read_status(self.store, self.settings.key_prefix, self.settings.margin, specs, controls, scope, key)
 
     def pause(self, scope: str, key: str | None = None, seconds: float | None = None) -> float:
         """Start nothing of ``scope`` (or of its ``key``) for ``seconds`` (None: until

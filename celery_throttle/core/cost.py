@@ -6,7 +6,7 @@ safe against a message written by hand (a count per rate, each a positive intege
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .errors import ConfigurationError
 from .protocol import Cost, one_cost
@@ -55,10 +55,11 @@ def declared_cost(cost: Any, rates: tuple[Rate, ...] | Callable[..., Any]
     return tuple(sorted(by_unit, key=lambda pair: pair[0]))
 
 
-def check_positive(cost: Any, what: str) -> None:
-    """``cost`` is a positive integer, else a ConfigurationError naming ``what``."""
-    if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
-        raise ConfigurationError(f"{what} must be a positive integer, got {cost!r}")
+def check_positive(value: Any, what: str) -> None:
+    """``value`` (a cost, a concurrency) is a positive integer, else a ConfigurationError
+    naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigurationError(f"{what} must be a positive integer, got {value!r}")
 
 
 def direct_cost(cost: Any, rates: tuple[Rate, ...]) -> int | tuple[tuple[str, int], ...]:
@@ -66,6 +67,4 @@ def direct_cost(cost: Any, rates: tuple[Rate, ...]) -> int | tuple[tuple[str, in
     cost by unit of the ``rates`` (no callable: there are no task arguments to call it on)."""
     if callable(cost) or (isinstance(cost, Mapping) and any(callable(v) for v in cost.values())):
         raise ConfigurationError(f"acquire takes a cost of units (an int, or by unit), not a callable: {cost!r}")
-    checked = declared_cost(cost, rates)
-    assert not callable(checked)
-    return checked  # type: ignore[return-value]
+    return cast("int | tuple[tuple[str, int], ...]", declared_cost(cost, rates))
