@@ -139,6 +139,10 @@ def test_a_task_that_backs_off_pauses_its_scope_on_every_worker(
     first = workers.send("vendor_call", label, True)
     wait_for(lambda: workers.records.get(f"{workers.prefix}:backed-off:{label}"), 15, what="the back-off")
     backed_off_at = float(workers.records.get(f"{workers.prefix}:backed-off:{label}"))
+    # (The body writes its record before it raises Backoff, and the pause is set after:
+    # wait for the pause, or a call sent in between starts before any pause exists. Seen
+    # once in a loaded run, 0.05 s after the record.)
+    wait_for(lambda: ctl.paused_until("vendor-api") is not None, 5, what="the pause")
     # When 8 more calls to the same API are sent right after
     ids = [first] + [workers.send("vendor_call", label) for _ in range(8)]
     starts = workers.wait_starts(label, 9, timeout=30)
