@@ -93,3 +93,26 @@ def test_the_summary_escapes_what_would_forge_a_log_line(caplog: pytest.LogCaptu
     line = next(r.getMessage() for r in caplog.records if "throttled in the last" in r.getMessage())
     assert "\n" not in line and "\x1b" not in line
     assert "key='acme\\n[2026-12-03" in line, line
+
+
+def test_a_task_that_would_wait_past_its_max_wait_is_counted(app: Celery) -> None:
+    from celery_throttle import WaitTooLong
+
+    scope = f"metrics-capped-{uuid.uuid4().hex[:6]}"
+    ran: list[float] = []
+
+    @app.task(shared=False)
+    @throttle("1/m", scope=scope, max_wait=2)
+    def capped() -> None:
+        ran.append(time.time())
+
+    # When 3 calls are sent at once to a worker: the first runs, the next two would wait
+    # a minute for their start, past their max_wait of 2 s
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=20):
+        results = [capped.delay() for _ in range(3)]
+        wait_for(lambda: sum(r.ready() for r in results) == 3, 30, 0.1, "3 results")
+    # Then the two that failed with WaitTooLong are counted under the scope, and only they
+    failed = [r for r in results if r.failed()]
+    assert len(ran) == 1 and len(failed) == 2
+    assert all(isinstance(r.result, WaitTooLong) for r in failed), [r.result for r in failed]
+    assert _sample("celery_throttle_wait_exceeded_total", scope=scope) == 2

@@ -69,6 +69,9 @@ class Metrics:
                                          "Seconds denied tasks were deferred for", labels)
             self._parked = _instrument("Counter", "celery_throttle_parked",
                                        "Denied tasks parked in Redis for a long wait", labels)
+            self._wait_exceeded = _instrument("Counter", "celery_throttle_wait_exceeded",
+                                              "Tasks failed with WaitTooLong: their wait was past their max_wait",
+                                              labels)
             self._released = _instrument("Counter", "celery_throttle_released",
                                          "Parked tasks sent back to the broker", ())
             self._store_errors = _instrument("Counter", "celery_throttle_store_errors",
@@ -124,6 +127,11 @@ class Metrics:
                     logger.exception("could not write the throttle summary")
 
         threading.Thread(target=loop, name="celery-throttle-summary", daemon=True).start()
+
+    def wait_exceeded(self, scope: str, key: str | None) -> None:
+        """A task failed with WaitTooLong (signal ``task_wait_exceeded``)."""
+        if self.enabled and self._wait_exceeded is not None:
+            self._wait_exceeded.labels(*self._labels(scope, key)).inc()
 
     def running(self, scope: str, key: str | None, change: int) -> None:
         """A body took (1) or gave back (-1) a concurrency slot."""

@@ -165,7 +165,8 @@ def _waited_for_start(ctl: Throttle, call: BoundCall, reply: Any) -> bool:
 def _too_long(task: Any, request: Any, call: BoundCall, wait: float, max_wait: float, verb: str,
               what: str) -> WaitTooLong:
     """The error of a task that waits (``verb``) longer than its max_wait for ``what``, its
-    signal sent."""
+    signal sent and counted (``celery_throttle_wait_exceeded_total``)."""
+    controller(task.app).metrics.wait_exceeded(call.scope, call.key)
     signals.task_wait_exceeded.send(sender=task, request=request, wait=wait, max_wait=max_wait,
                                     scope=call.scope, key=call.key)
     return WaitTooLong(
