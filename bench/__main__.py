@@ -7,7 +7,9 @@ neighbour), ``api429`` (11 429s from a real rate-limited API: Flask-Limiter unde
 ``rpt`` (12 Redis per task, from usual producers, each run on a redis-server of its own),
 ``slow`` (13 a store 100 ms away, behind a delaying proxy), ``concurrency`` (14 slots: a
 tenant's flood beside another, Redis per task, a SIGKILLed holder's slot reclaimed), ``llm``
-(15 an LLM-style API limiting requests and tokens: estimates, settling, Celery's rate_limit).
+(15 an LLM-style API limiting requests and tokens: estimates, settling, Celery's rate_limit),
+``llmsweep`` (15b the same API per 10 s, calls of 0-3 s, against the fastest compliant
+makespan: the throttle settled, Celery's rate_limit, a by-hand ``limits`` check).
 Starts its own workers against the local Redis (dbs 10 and 11, which it owns; not touched
 when only ``rpt`` runs), prints a table, writes bench/out/ (results.md, results.json,
 chart.png, worker logs). A full run also writes bench/results.md and bench/chart.png, to
@@ -28,10 +30,10 @@ from typing import Any
 from bench.common import BENCH_DIR, OUT_DIR, Results, broker_client, delete_prefix, new_prefix, store_client
 
 SECTIONS = ("burst", "cost", "overhead", "memory", "long", "backlog", "neighbour", "api429", "rpt", "slow",
-            "concurrency", "llm")
+            "concurrency", "llm", "llmsweep")
 #: Sections that use only servers of their own: a run of these alone leaves the local
 #: Redis's databases 10 and 11 alone.
-OWN_SERVERS = frozenset({"rpt", "concurrency", "llm"})
+OWN_SERVERS = frozenset({"rpt", "concurrency", "llm", "llmsweep"})
 ALIASES = {"1": "burst", "2": "burst", "3": "burst", "4": "burst", "violation": "burst",
            "makespan": "burst", "resends": "burst", "naive": "burst", "chart": "burst",
            "5": "cost", "checks": "cost", "6": "overhead", "7": "memory", "8": "long",
@@ -39,7 +41,7 @@ ALIASES = {"1": "burst", "2": "burst", "3": "burst", "4": "burst", "violation": 
            "neighbor": "neighbour", "noisy-neighbour": "neighbour", "11": "api429", "api": "api429",
            "429": "api429", "429s": "api429", "12": "rpt", "redis-per-task": "rpt", "per-task": "rpt",
            "13": "slow", "slow-store": "slow", "14": "concurrency", "slots": "concurrency", "15": "llm",
-           "tokens": "llm"}
+           "tokens": "llm", "15b": "llmsweep", "issue26": "llmsweep"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,9 @@ class Scale:
     slot_floods: tuple[int, ...]
     #: Calls sent at once per client in the LLM section.
     llm_calls: int
+    #: Calls per client, and the latencies swept, in section 15b.
+    sweep_calls: int = 120
+    sweep_latencies: tuple[float, ...] = (0.0, 1.0, 2.0, 3.0)
 
 
 FULL = Scale("25/s", 250, 700, 5, 0.5, 6, (10, 1000, 100000), 100000, 20000, 150,
@@ -84,14 +89,14 @@ FULL = Scale("25/s", 250, 700, 5, 0.5, 6, (10, 1000, 100000), 100000, 20000, 150
 QUICK = Scale("20/s", 100, 400, 2, 0.25, 2, (10, 1000, 10000), 10000, 2000, 20,
               backlog_depths=(100, 1000, 10000), fit_calls=5000, fit_rounds=2,
               backlog_tasks=1000, floods=(1000, 10000), api_tasks=50, api_margins=(0.05,),
-              api_cold=("moving",), slot_floods=(200,), llm_calls=60)
+              api_cold=("moving",), slot_floods=(200,), llm_calls=60, sweep_calls=60, sweep_latencies=(0.0, 3.0))
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small scale, 1-2 minutes")
     p.add_argument("--only", action="append", default=[], metavar="NAME",
-                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-15")
+                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-15, 15b")
     args = p.parse_args(argv)
     chosen = []
     for item in args.only:
@@ -217,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"LLM API: {scale.llm_calls} calls at once per client against 60 requests and 10 000 tokens "
                   "a minute, the clients side by side, a redis-server of its own each ...", flush=True)
             _guard(res, LLM_SEC, run_llm, res, prefix, scale.llm_calls)
+        if "llmsweep" in args.sections:
+            from bench.llm import SWEEP_SEC, run_sweep
+
+            print(f"LLM sweep: {scale.sweep_calls} calls at once per client against 20 requests and 4 000 tokens "
+                  f"per 10 s, calls of {', '.join(f'{x:g}' for x in scale.sweep_latencies)} s, the 3 clients side by "
+                  "side, a redis-server of its own each ...", flush=True)
+            _guard(res, SWEEP_SEC, run_sweep, res, prefix, scale.sweep_calls, scale.sweep_latencies)
     except KeyboardInterrupt:
         res.notes.append("interrupted")
     finally:

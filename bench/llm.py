@@ -19,12 +19,49 @@ sends the N calls at once. Reported per variant: 429s per 100 calls (counted by 
 makespan (first send to last 200) against the ideal 60 s x max(N / 60, T / 10 000), the
 most requests and tokens the API accepted (and was offered) in any 60 s, and whether every
 call got exactly one 200.
+
+Section 15b (issue 26, :func:`run_sweep`): the API at 20 requests and 4 000 tokens per
+sliding 10 s (bench.llmapi.PLAN26: a call's prompt of 50..250 tokens, known to the client,
+and a completion of 20..200, known from the reply), answering L seconds after a call
+arrives, L = 0, 1, 2, 3 s in turn. Three clients side by side in each round, 120 calls each
+sent at once by a producer process, on 2 workers x 4 prefork processes of their own:
+``@throttle`` estimating the prompt + 200 (the most a call uses: docs/design.md's advice)
+settled by ``charge()``; Celery's ``rate_limit="1/s"`` per worker; a by-hand check with
+``limits`` (bench/llmworker.py says how each is written).
+
+The denominator of 15b's ratios, the fastest compliant makespan F(L) (first send to last
+200), from the calls' true tokens c_i, the limits (R = 20 requests, K = 4 000 tokens in any
+W = 10 s, counted at arrival), P = 8 processes (a call holds one from its arrival to its
+reply, L s later) and L:
+
+* A lower bound. Arrivals from the first send (0) to the last (a) lie in floor(a / W) + 1
+  half-open windows ``[kW, (k + 1)W)``, each holding at most K tokens and R requests (the
+  API counts ``(t - W, t]``), so a >= W x (ceil(T / K) - 1) for T = sum c_i, and
+  a >= W x (ceil(N / R) - 1); P processes take N calls in ceil(N / P) rounds of L.
+  F >= the largest of these + L.
+* A schedule. :func:`greedy` sends calls in a given order, each at the earliest moment a
+  process is free and the API's window (bench.llmapi.Window, the API's own rule) admits
+  it. In call order this is the fastest any first-come-first-served client can do (by
+  induction: each greedy arrival is no later than the same call's in any compliant
+  in-call-order schedule, which therefore sees no less in any window). :func:`fastest_any`
+  then swaps calls in the order (a seeded local search, kept when no slower) until the
+  schedule meets the lower bound: F is then exact. If it never does (within its budget),
+  the best schedule found is the denominator, an upper bound on F, and the report says so.
+
+For this draw (T = 29 411 tokens) F = 70 + L s: the lower bound, met by a reordered
+schedule. In call order the best is 70 + 2L: with 8 calls in flight the last window's 11
+calls arrive in two rounds, L apart. Both are reported; the ratios are of F.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import heapq
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -35,23 +72,15 @@ from dataclasses import dataclass, field
 
 from bench.backlog import dedicated_redis
 from bench.common import OUT_DIR, ROOT, Results, max_in_window
-from bench.llmapi import (
-    HIGH,
-    LOW,
-    REQUESTS,
-    TOKENS,
-    WINDOW_S,
-    Arrival,
-    LlmApi,
-    Tally,
-    Window,
-    tokens,
-)
+from bench.llmapi import PLAN15, PLAN26, Arrival, LlmApi, Plan, Tally, Window
 from bench.redis_per_task import redis_binary
 from bench.workers import WorkerGroup
 
 SEC = "15 llm"
+SWEEP_SEC = "15b llm sweep"
 APP = "bench.llmworker"
+REQUESTS, TOKENS, WINDOW_S = PLAN15.requests, PLAN15.tokens, PLAN15.window
+(LOW, HIGH) = PLAN15.completion
 
 
 @dataclass(frozen=True)
@@ -66,6 +95,8 @@ class Variant:
     latency: float = 0.0
     #: ``throttle_start_grace`` of its workers and producer (seconds; None: the default).
     start_grace: float | None = None
+    #: Prefork processes of each of its 2 workers.
+    concurrency: int = 2
 
     @property
     def slug(self) -> str:
@@ -96,6 +127,16 @@ VARIANTS = (
             no_429=True, latency=0.5, start_grace=4.0),
     Variant('cost={"tokens": 450}, charge(tokens=n), start grace 4 s', "settled", no_429=True, start_grace=4.0),
 )
+
+
+#: Section 15b's clients (each run at every latency of the sweep).
+SWEEP = (
+    Variant('@throttle("20/10s", "4000 tokens/10s", cost={"tokens": prompt + 200}), charge(tokens=n)',
+            "prompt_settled", no_429=True, concurrency=4),
+    Variant('Celery rate_limit="1/s" per worker', "builtin_10s", concurrency=4),
+    Variant("by hand: limits moving window, requests and prompt + 200 tokens", "by_hand", concurrency=4),
+)
+SWEEP_TARGET = 1.05
 
 
 @dataclass
@@ -134,19 +175,54 @@ class Run:
 
 def ideal(calls: int) -> float:
     """60 s x max(N / 60, T / 10 000): the API's limits as steady rates."""
-    total = sum(tokens(i) for i in range(calls))
-    return WINDOW_S * max(calls / REQUESTS, total / TOKENS)
+    return WINDOW_S * max(calls / REQUESTS, PLAN15.total(calls) / TOKENS)
+
+
+def greedy(plan: Plan, order: Sequence[int], processes: int = 0, latency: float = 0.0) -> float:
+    """The makespan of a client that knew every call's tokens and sent each, in ``order``,
+    the moment one of ``processes`` (0: no bound) was free and the API's window had room;
+    a call holds its process ``latency`` s and ends then (a fresh account takes a whole
+    window's worth at once, so in section 15 this is below :func:`ideal`)."""
+    window, at, free = Window(plan), 0.0, [0.0] * processes
+    for i in order:
+        if free:
+            at = max(at, heapq.heappop(free))
+        while wait := window.admit(at, plan.cost(i)):
+            at += wait + 1e-6
+        if processes:
+            heapq.heappush(free, at + latency)
+    return at + latency
 
 
 def fastest(calls: int) -> float:
-    """The makespan of a client that knew every call's tokens and sent each, in order, the
-    moment the API's window had room (a fresh account takes a whole window's worth at once,
-    so this is below :func:`ideal`)."""
-    window, at = Window(), 0.0
-    for i in range(calls):
-        while wait := window.admit(at, tokens(i)):
-            at += wait + 1e-6
-    return at
+    """Section 15's fastest makespan: its calls in order, no bound on processes."""
+    return greedy(PLAN15, range(calls))
+
+
+def lower_bound(plan: Plan, calls: int, processes: int, latency: float) -> float:
+    """No compliant schedule ends sooner (the module's docstring)."""
+    w = plan.window
+    return latency + max(w * (math.ceil(plan.total(calls) / plan.tokens) - 1),
+                         w * (math.ceil(calls / plan.requests) - 1), latency * (math.ceil(calls / processes) - 1))
+
+
+@functools.cache
+def fastest_any(plan: Plan, calls: int, processes: int, latency: float, tries: int = 20_000) -> tuple[float, bool]:
+    """The fastest compliant makespan in any order, and whether it is exact (it met the
+    lower bound); else the best schedule found, an upper bound."""
+    bound, order = lower_bound(plan, calls, processes, latency), list(range(calls))
+    best, rng = greedy(plan, order, processes, latency), random.Random(26)
+    for _ in range(tries):
+        if best <= bound + 1e-3:
+            break
+        a, b = rng.randrange(calls), rng.randrange(calls)
+        order[a], order[b] = order[b], order[a]
+        made = greedy(plan, order, processes, latency)
+        if made <= best:
+            best = made
+        else:
+            order[a], order[b] = order[b], order[a]
+    return best, best <= bound + 1e-3
 
 
 def most_tokens(arrivals: Sequence[Arrival], window: float = WINDOW_S) -> int:
@@ -168,7 +244,7 @@ def _start(stack: ExitStack, prefix: str, api_url: str, variant: Variant, calls:
     env = {"CB_BROKER": server.url, "CB_PREFIX": run, "CB_QUEUE": f"{run}-q", "CB_API_URL": api_url}
     if variant.start_grace is not None:
         env["CB_START_GRACE"] = str(variant.start_grace)
-    group = WorkerGroup(run, f"llm-{variant.slug}", count=2, concurrency=2, env=env, app=APP)
+    group = WorkerGroup(run, f"llm-{variant.slug}", count=2, concurrency=variant.concurrency, env=env, app=APP)
     group.queue = env["CB_QUEUE"]
     stack.callback(group.stop)  # (before start: a group that fails to start is stopped too)
     group.start()
@@ -196,13 +272,23 @@ def _sent(run: Run) -> None:
 
 def run_llm(res: Results, prefix: str, calls: int, variants: Sequence[Variant] = VARIANTS) -> None:
     started = time.time()
+    with LlmApi() as api:
+        runs = _drive(api, prefix, variants, calls, PLAN15, 3 * ideal(calls) + 120)
+    _report(res, runs, calls, time.time() - started)
+
+
+def _drive(api: LlmApi, prefix: str, variants: Sequence[Variant], calls: int, plan: Plan,
+           timeout: float) -> list[Run]:
+    """Start each variant's server and workers, send its calls, wait for every 200."""
+    started = time.time()
     runs: list[Run] = []
-    timeout = 3 * ideal(calls) + 120
-    with LlmApi() as api, ExitStack() as stack:
+    with ExitStack() as stack:
         for variant in variants:
-            print(f"  llm: starting {variant.name}: a redis-server, 2 workers x 2 processes ...", flush=True)
+            print(f"  llm: starting {variant.name}: a redis-server, 2 workers x {variant.concurrency} processes ...",
+                  flush=True)
             runs.append(_start(stack, prefix, api.url, variant, calls))
             api.latency[runs[-1].label] = variant.latency
+            api.plans[runs[-1].label] = plan
         for run in runs:  # every producer at once: the variants share the machine alike
             _send(run, account=run.label)
         for run in runs:
@@ -223,12 +309,12 @@ def run_llm(res: Results, prefix: str, calls: int, variants: Sequence[Variant] =
         for run in runs:
             run.tally = api.tally(run.label)
             run.errors = run.group.errors()
-    _report(res, runs, calls, time.time() - started)
+    return runs
 
 
 def _report(res: Results, runs: Sequence[Run], calls: int, elapsed: float) -> None:
     best, fast = ideal(calls), fastest(calls)
-    total = sum(tokens(i) for i in range(calls))
+    total = PLAN15.total(calls)
     lines = [(f"LLM API ({calls} calls per variant, sent at once unless paced, T = {total:,} tokens, ideal {best:.0f} s, "
               f"{elapsed:.0f} s):\n"),
              ("| client | 429s per 100 calls | makespan / ideal | most accepted in any 60 s: requests / tokens "
@@ -272,3 +358,56 @@ def _report(res: Results, runs: Sequence[Run], calls: int, elapsed: float) -> No
         "the same time, each with a redis-server, an account, a producer process and 2 workers x 2 prefork "
         "processes of its own. Celery's rate_limit is per worker: 30/m on each of 2 workers. Ideal: 60 s x "
         f"max(N / {REQUESTS}, T / {TOKENS:,}).")
+
+
+def run_sweep(res: Results, prefix: str, calls: int, latencies: Sequence[float] = (0.0, 1.0, 2.0, 3.0)) -> None:
+    """Section 15b: the clients of :data:`SWEEP` side by side, one round per latency."""
+    started, rounds = time.time(), []
+    with LlmApi() as api:
+        for latency in latencies:
+            best, _ = fastest_any(PLAN26, calls, 8, latency)
+            print(f"  llm sweep: calls of {latency:g} s (fastest compliant {best:.1f} s) ...", flush=True)
+            variants = [dataclasses.replace(v, latency=latency) for v in SWEEP]
+            rounds.append((latency, _drive(api, prefix, variants, calls, PLAN26, 3 * best + 120)))
+    _report_sweep(res, rounds, calls, time.time() - started)
+
+
+def _report_sweep(res: Results, rounds: Sequence[tuple[float, Sequence[Run]]], calls: int, elapsed: float) -> None:
+    plan = PLAN26
+    lines = [(f"LLM API of {plan.requests} requests and {plan.tokens:,} tokens per {plan.window:g} s ({calls} calls "
+              f"per client sent at once, T = {plan.total(calls):,} tokens, 2 workers x 4 processes, {elapsed:.0f} s):\n"),
+             "| L | client | 429s per 100 calls | makespan / fastest compliant | / fastest in call order | each call once |",
+             "|---|---|---|---|---|---|"]
+    for latency, runs in rounds:
+        best, exact = fastest_any(plan, calls, 8, latency)
+        in_order = greedy(plan, range(calls), 8, latency)
+        for run in runs:
+            v, tally = run.variant, run.tally
+            per100, ratio = tally.refused * 100 / calls, run.makespan / best
+            what = f"{v.name}, calls of {latency:g} s"
+            res.add(SWEEP_SEC, "429s per 100 calls", what, f"{per100:.1f}", "0" if v.no_429 else "",
+                    tally.refused == 0 if v.no_429 else None, f"{tally.requests} requests for {calls} calls")
+            res.add(SWEEP_SEC, "makespan / fastest compliant", what,
+                    f"{run.makespan:.1f} s / {best:.1f} s = {ratio:.3f}", f"<= {SWEEP_TARGET}" if v.no_429 else "",
+                    ratio <= SWEEP_TARGET if v.no_429 else None,
+                    f"{'exact' if exact else 'an upper bound'}; in call order {in_order:.1f} s; "
+                    f"sends took {run.send_s:.1f} s")
+            res.add(SWEEP_SEC, "every call got exactly one 200", what, "yes" if run.exactly_once else "NO",
+                    "yes", run.exactly_once, "" if run.done_at else f"not all answered in {run.makespan:.0f} s")
+            lines.append(f"| {latency:g} s | {v.name} | {per100:.1f} | {run.makespan:.1f} s / "
+                         f"{best:.0f}{'' if exact else ' (upper bound)'} s = {ratio:.3f} | {run.makespan / in_order:.3f} "
+                         f"| {'yes' if run.exactly_once else 'NO'} |")
+    res.tables.append("\n".join(lines))
+    res.series["llm sweep"] = {f"{r.variant.name}, L={lat:g}": [
+        (round(a.at - r.t0, 3), a.status, a.tokens, round(a.answered - r.t0, 3) if a.answered else None,
+         r.ids.index(a.task_id) if a.task_id in r.ids else -1) for a in r.tally.arrivals]
+        for lat, runs in rounds for r in runs}
+    errors = sorted({e for _, runs in rounds for r in runs for e in r.errors})
+    if errors:
+        res.notes.append(f"LLM sweep: worker log errors ({len(errors)}): " + " | ".join(errors[:5]))
+    res.notes.append(
+        f"LLM sweep: {plan.requests} requests and {plan.tokens:,} tokens per account in any {plan.window:g} s, counted "
+        f"at arrival; a call's tokens are its prompt's ({plan.prompt[0]}..{plan.prompt[1]}) and its completion's "
+        f"({plan.completion[0]}..{plan.completion[1]}), drawn from its index; the 200 is sent L s after the arrival. "
+        "Each round's three clients ran side by side, each with a redis-server, an account, a producer process and "
+        "2 workers x 4 prefork processes of its own. Fastest compliant: the module docstring of bench/llm.py.")

@@ -1,16 +1,19 @@
-"""The fake LLM API of section 15: 60 requests and 10 000 tokens per minute per account.
+"""The fake LLM API of sections 15 and 15b: requests and tokens per sliding window per account.
 
 A stdlib ``ThreadingHTTPServer`` on a free loopback port, run in a thread of the bench's
 own process: one process and one lock, so the limit is exact and global, and the counts
-are read back without a store. ``GET /v1/complete?account=A&label=L&i=I&id=T`` draws the
-call's tokens (:func:`tokens`: uniform 50..450 from the call index ``I`` alone, so every
-variant, and every run, sees the same sequence, and a retry of a call draws what it drew
-the first time) and answers:
+are read back without a store. An account's :class:`Plan` (:attr:`LlmApi.plans`; section
+15's, :data:`PLAN15`, unless set) holds its limits and its calls: ``GET
+/v1/complete?account=A&label=L&i=I&id=T`` costs the tokens of call ``I``
+(:meth:`Plan.tokens`: its prompt's, which the client knows, and its completion's, which it
+learns from the reply; each drawn from the call index alone, so every variant, and every
+run, sees the same sequence, and a retry of a call draws what it drew the first time) and
+answers:
 
-* 200 with ``{"tokens": n}`` if the account's sliding 60 s window of accepted calls then
-  holds at most 60 requests and at most 10 000 tokens, this call included (counted at its
-  arrival; the reply then waits the account's latency, 0 unless set in
-  :attr:`LlmApi.latency`, as a model's generation would);
+* 200 with ``{"tokens": n}`` if the account's sliding window of accepted calls then holds
+  at most the plan's requests and tokens, this call included (counted at its arrival; the
+  reply then waits the account's latency, 0 unless set in :attr:`LlmApi.latency`, as a
+  model's generation would);
 * else 429 at once, with ``Retry-After``: whole seconds until the window has room for
   this call (at least 1). A 429 counts toward neither limit.
 
@@ -31,17 +34,42 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Self
 from urllib.parse import parse_qs, urlparse
 
-REQUESTS = 60
-TOKENS = 10_000
-WINDOW_S = 60.0
-LOW, HIGH = 50, 450
-#: The seed of the draw: fixed, so two runs of the section face the same calls.
-SEED = "bench-llm-15"
+
+@dataclass(frozen=True)
+class Plan:
+    """An account's limits (``requests`` and ``tokens`` in any ``window`` seconds) and its
+    calls: call ``i`` uses :meth:`prompt` tokens (uniform over ``prompt``; the client knows
+    them before the call) and :meth:`completion` tokens (uniform over ``completion``; known
+    only from the reply). The seed is fixed, so two runs face the same calls."""
+
+    requests: int
+    tokens: int
+    window: float
+    prompt: tuple[int, int]
+    completion: tuple[int, int]
+    seed: str
+
+    def prompt_tokens(self, i: int) -> int:
+        low, high = self.prompt
+        return random.Random(f"{self.seed}:prompt:{i}").randint(low, high) if high else 0
+
+    def completion_tokens(self, i: int) -> int:
+        return random.Random(f"{self.seed}:{i}").randint(*self.completion)
+
+    def cost(self, i: int) -> int:
+        """The tokens call ``i`` uses, as the API counts them."""
+        return self.prompt_tokens(i) + self.completion_tokens(i)
+
+    def total(self, calls: int) -> int:
+        return sum(self.cost(i) for i in range(calls))
 
 
-def tokens(i: int) -> int:
-    """The tokens call ``i`` uses (the API draws them; the client learns them from the reply)."""
-    return random.Random(f"{SEED}:{i}").randint(LOW, HIGH)
+#: Section 15: 60 requests and 10 000 tokens a minute; no prompt, a reply of 50..450 tokens.
+PLAN15 = Plan(60, 10_000, 60.0, prompt=(0, 0), completion=(50, 450), seed="bench-llm-15")
+#: Section 15b (issue 26): 20 requests and 4 000 tokens per 10 s; a prompt of 50..250
+#: tokens, a completion of 20..200 (``max_tokens`` 200: a call uses at most its prompt + 200).
+PLAN26 = Plan(20, 4_000, 10.0, prompt=(50, 250), completion=(20, 200), seed="bench-llm-26")
+MAX_COMPLETION = PLAN26.completion[1]
 
 
 @dataclass
@@ -73,20 +101,22 @@ class Tally:
 
 
 class Window:
-    """One account's accepted calls of the last 60 s: (arrival, tokens)."""
+    """One account's accepted calls of the plan's last window: (arrival, tokens)."""
 
-    def __init__(self) -> None:
+    def __init__(self, plan: Plan = PLAN15) -> None:
+        self.plan = plan
         self.calls: deque[tuple[float, int]] = deque()
         self.tokens = 0
 
     def _expire(self, now: float) -> None:
-        while self.calls and self.calls[0][0] <= now - WINDOW_S:
+        while self.calls and self.calls[0][0] <= now - self.plan.window:
             self.tokens -= self.calls.popleft()[1]
 
     def admit(self, now: float, cost: int) -> float:
         """Count the call and return 0, or return the seconds until it would fit."""
         self._expire(now)
-        if len(self.calls) + 1 <= REQUESTS and self.tokens + cost <= TOKENS:
+        limit = self.plan
+        if len(self.calls) + 1 <= limit.requests and self.tokens + cost <= limit.tokens:
             self.calls.append((now, cost))
             self.tokens += cost
             return 0.0
@@ -94,9 +124,9 @@ class Window:
         count, held = len(self.calls), self.tokens
         for at, used in self.calls:
             count, held = count - 1, held - used
-            if count + 1 <= REQUESTS and held + cost <= TOKENS:
-                return at + WINDOW_S - now
-        return WINDOW_S  # (a call over the whole limit alone: never, as HIGH < TOKENS)
+            if count + 1 <= limit.requests and held + cost <= limit.tokens:
+                return at + limit.window - now
+        return limit.window  # (a call over the whole limit alone: never, in these plans)
 
 
 class LlmApi:
@@ -106,6 +136,8 @@ class LlmApi:
         self.lock = threading.Lock()
         self.windows: dict[str, Window] = {}
         self.tallies: dict[str, Tally] = {}
+        #: Each account's plan (PLAN15 unless set).
+        self.plans: dict[str, Plan] = {}
         #: Seconds a 200 of an account waits before it is sent (a model generating).
         self.latency: dict[str, float] = {}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -123,10 +155,11 @@ class LlmApi:
 
     def call(self, account: str, label: str, i: int, task_id: str) -> tuple[Arrival, float]:
         """Decide one call: its arrival, and the seconds until it would fit (0: accepted)."""
-        cost = tokens(i)
+        plan = self.plans.get(account, PLAN15)
+        cost = plan.cost(i)
         with self.lock:
             now = time.time()
-            wait = self.windows.setdefault(account, Window()).admit(now, cost)
+            wait = self.windows.setdefault(account, Window(plan)).admit(now, cost)
             arrival = Arrival(now, 429 if wait else 200, cost, task_id)
             self.tallies.setdefault(label, Tally()).arrivals.append(arrival)
         return arrival, wait
