@@ -3,7 +3,9 @@
 Configured from the environment so one module serves every worker a test starts:
 CT_BROKER, CT_STORE (throttle_redis_url), CT_STORE_OPTIONS (JSON), CT_PREFIX (key prefix; also where starts are
 recorded), CT_QUEUE, CT_ON_STORE_ERROR, CT_ACKS_LATE, CT_CONFIRM_PUBLISH, CT_TASK_SLEEP,
-CT_CLOCK_SKEW (seconds this worker's clock is off, to record true start times).
+CT_CLOCK_SKEW (seconds this worker's clock is off, to record true start times),
+CT_CHECK_AT_PUBLISH (0: a producer sends unchecked, the workers check), CT_METRICS_PORT (the
+worker serves its metrics there; with PROMETHEUS_MULTIPROC_DIR, its pool processes' too).
 Each task body records its start (worker clock) in Redis for the test to read.
 """
 
@@ -49,6 +51,7 @@ app.conf.update(
     throttle_release_interval=0.5,
     throttle_concurrency_lease=float(os.environ.get("CT_SLOT_LEASE", "30")),
     throttle_enabled=os.environ.get("CT_ENABLED", "1") == "1",
+    throttle_check_at_publish=os.environ.get("CT_CHECK_AT_PUBLISH", "1") == "1",
     throttle_rules={
         # First match wins: the specific name before the glob.
         "tests.taskapp.unowned_fixed": {"rate": ["3/s"], "algorithm": "fixed"},
@@ -66,6 +69,30 @@ if os.environ.get("CT_BROKER_MAX_CONNECTIONS"):
 if os.environ.get("CT_CONFIRM_PUBLISH") == "1":
     app.conf.broker_transport_options = {"confirm_publish": True}
 ctl = celery_throttle.install(app)
+
+# The worker's metrics on CT_METRICS_PORT, as docs/operations.md tells users to serve them:
+# from the worker's main process, and with prefork in prometheus-client's multiprocess mode
+# (PROMETHEUS_MULTIPROC_DIR, set before the worker starts), its pool processes' summed in.
+if os.environ.get("CT_METRICS_PORT"):
+    from celery.signals import worker_init, worker_process_shutdown
+
+    @worker_init.connect
+    def _serve_metrics(**_):
+        import prometheus_client
+        from prometheus_client import multiprocess
+
+        registry = prometheus_client.REGISTRY
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = prometheus_client.CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        prometheus_client.start_http_server(int(os.environ["CT_METRICS_PORT"]), addr="127.0.0.1", registry=registry)
+
+    @worker_process_shutdown.connect
+    def _metrics_of_a_process_gone(pid, **_):
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid)  # (its live gauges: the slots it held)
 
 _records = None
 
