@@ -1,5 +1,6 @@
-"""``python -m bench.after_deferral [--only rows|depth|controls] [--runs N]``: capacity that
-appears after tasks were deferred, and what a deep line and a large control hash cost.
+"""``python -m bench.after_deferral [--only rows|depth|controls|journal] [--runs N]``: capacity
+that appears after tasks were deferred, and what a deep line, a large control hash and the
+journal cost.
 
 rows: each row of the scheduler issue's table, on real workers fed by a producer process
 that imports the task module and sends (the test harness of tests/test_after_deferral.py,
@@ -25,6 +26,13 @@ a store of its own: the time of one process's refresh when it reads the hash who
 each did every 0.5 s before the stamp) and by the stamp, and the script time of one pause
 (Redis' commandstats) with pause.lua before the stamp (it read the whole hash to prune)
 and now.
+
+journal: with RabbitMQ as broker, a producer sends D tasks (D = 1 000 … 100 000) of a spent
+key (``1/h``), which wait in its line, on a store of its own; with the journal off, then
+on (side by side, one key each): the producer's seconds per task sent, and then the
+keeper's: a pass over the journal (each task's copy read and published again) and, once
+the store is emptied, the two passes that send every task on (seconds per task). What the
+journal costs should not grow with the depth of the lines.
 """
 
 from __future__ import annotations
@@ -168,12 +176,75 @@ def _controls(sizes: tuple[int, ...], reads: int = 20) -> list[tuple[int, float,
     return out
 
 
+#: Tasks waiting in a line the journal rows are measured at.
+JOURNALED = (1_000, 10_000, 100_000)
+
+
+def _journal(sizes: tuple[int, ...]) -> list[tuple[int, float, float, float, float]]:
+    """(tasks, µs per send with the journal off, on, µs per task of a pass, of the
+    recovery's two passes): a producer and a keeper in this process, RabbitMQ as broker,
+    a redis-server of its own as store."""
+    from celery import Celery
+    from kombu.connection import Connection
+    from kombu.entity import Queue
+
+    from bench.backlog import dedicated_redis
+    from celery_throttle import throttle
+    from celery_throttle.check.limiter import Throttle
+    from celery_throttle.core import journal
+    from celery_throttle.integration.publish import wrap_send_task
+    from celery_throttle.waits.keeper import Keeper
+    from tests.conftest import RABBITMQ_URL
+    from tests.helpers import delete_queues
+
+    journal.LOST_AFTER_US = 0  # (the two passes of a recovery back to back: the keeper's cost alone)
+    out = []
+    with dedicated_redis("journal") as red:
+        for size in sizes:
+            per_send, queues = {}, []
+            for on in (False, True):
+                prefix = f"ct-bench-{uuid.uuid4().hex[:8]}"
+                app = Celery("journal-bench", broker=RABBITMQ_URL, set_as_current=False)
+                app.conf.task_default_queue = f"{prefix}-q"
+
+                @app.task(name="bench.journaled", shared=False)
+                @throttle("1/h")
+                def work(n: int) -> None: ...
+
+                ctl = Throttle(app, {"redis_url": red.url, "key_prefix": prefix, "journal": on})
+                wrap_send_task(ctl)
+                queues += [f"{prefix}-q", ctl.lines.journal.broker.name]
+                t = time.perf_counter()
+                for n in range(size):
+                    work.delay(n)
+                per_send[on] = (time.perf_counter() - t) / size * 1e6
+            keeper = Keeper(ctl)
+            keeper.pass_now()  # (the first adopts what it holds too: not timed)
+            t = time.perf_counter()
+            keeper.pass_now()
+            one_pass = (time.perf_counter() - t) / size * 1e6
+            red.client.flushall()
+            t = time.perf_counter()
+            keeper.pass_now()
+            keeper.pass_now()
+            recovery = (time.perf_counter() - t) / size * 1e6
+            with Connection(RABBITMQ_URL) as conn:
+                sent_on = Queue(f"{prefix}-q")(conn.default_channel).queue_declare(passive=True).message_count
+            assert sent_on >= size - 1, (sent_on, size)
+            keeper._close()
+            ctl.close()
+            delete_queues(RABBITMQ_URL, queues)
+            red.client.flushall()
+            out.append((size, per_send[False], per_send[True], one_pass, recovery))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.after_deferral", description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=("rows", "depth", "controls"), action="append", default=[])
+    p.add_argument("--only", choices=("rows", "depth", "controls", "journal"), action="append", default=[])
     p.add_argument("--runs", type=int, default=3, help="runs of each row (default 3)")
     args = p.parse_args(argv)
-    only = set(args.only) or {"rows", "depth", "controls"}
+    only = set(args.only) or {"rows", "depth", "controls", "journal"}
     os.environ.setdefault("CT_QUICK", "0")
     if "rows" in only:
         print(f"| capacity after the deferral ({args.runs} runs) | runs | ideal | worst / ideal | before |")
@@ -193,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|")
         for size, whole, stamped, before, now in _controls(PAUSES):
             print(f"| {size:,} | {whole:.2f} | {stamped:.3f} | {before:.0f} | {now:.0f} |")
+    if "journal" in only:
+        print("\n| tasks waiting | producer µs per task, journal off | on | on / off | keeper's pass, µs per task "
+              "| recovery's two passes, µs per task |")
+        print("|---|---|---|---|---|---|")
+        for size, off, on, one_pass, recovery in _journal(JOURNALED):
+            print(f"| {size:,} | {off:.0f} | {on:.0f} | {on / off:.2f} | {one_pass:.0f} | {recovery:.0f} |")
     return 0
 
 

@@ -22,6 +22,7 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_throttle.celery_parts.journal import journal_queue_name
 from celery_throttle.core.keys import glob_escape
 from examples.local_redis import drop_bindings, server_binary
 from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
@@ -252,9 +253,9 @@ class WorkerGroup:
 
     @property
     def queues(self) -> list[str]:
-        """The broker queues this group's tasks use: its own, the second one, and the
-        queue where tasks a pause holds wait when parking is in the broker."""
-        return [self.queue, f"{self.queue}-alt", f"{self.prefix}.held"]
+        """The broker queues this group's tasks use: its own, the second one, the queue
+        where tasks a pause holds wait when parking is in the broker, and the journal."""
+        return [self.queue, f"{self.queue}-alt", f"{self.prefix}.held", journal_queue_name(self.prefix)]
 
     def _environ(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -27,6 +27,7 @@ from ..core.locks import ForkSafeLock
 from ..core.protocol import Code, WindowReply
 from ..core.spec import BoundCall
 from ..core.timing import RELEASER_BATCH
+from .journaling import Journaling
 from .lines_on_call import OnCall, Owner, text
 
 __all__ = ["WAKE_AHEAD_US", "Lines"]
@@ -58,6 +59,8 @@ class Lines(OnCall):
         self._calls: OrderedDict[str, tuple[str, Any, Any]] = OrderedDict()
         #: state key -> when a call of it last had to wait (monotonic seconds).
         self._full_at: dict[str, float] = {}
+        #: The copy of every task waiting in a line in the broker (when on).
+        self.journal = Journaling(ctl)
 
     # -- whether a task's message goes with its first try ---------------------------------
     def looks_full(self, call: BoundCall) -> bool:
@@ -78,6 +81,7 @@ class Lines(OnCall):
         Never raises: a task that could not be sent is put back in its place after the
         send lease, and the index hears of the key from its next call."""
         sent: list[str] = []
+        gone: list[str] = []  # (sent to the broker, or buried: out of their lines for good)
         app, metrics = self.ctl.app, self.ctl.metrics
         for task in reply.reported:
             if task.kind in ("r", "x", "c") and isinstance(task.payload, bytes):
@@ -85,11 +89,13 @@ class Lines(OnCall):
                     task_of(app, task.payload)
                 except Exception:  # noqa: BLE001 - a message no serializer reads: not sent, not lost
                     self._bury(call, task.id, task.payload, task.kind == "r")
+                    gone.append(task.id)
                     continue
                 try:
                     if task.kind == "r":
                         resend(app, task.payload, key=call.state_key, ticket=task.id)
                         sent.append(task.id)
+                        gone.append(task.id)
                     else:
                         # (expired while it waited, or costing more than the limit now in
                         # force: sent as it is, its worker discards it, or fails it visibly)
@@ -98,19 +104,22 @@ class Lines(OnCall):
                                          "force now: it is sent on, and its worker fails it", call.scope,
                                          "" if call.key is None else f" key {call.key!r}")
                         resend(app, task.payload)
+                        gone.append(task.id)
                 except Exception:
                     logger.exception("could not send task %s released from the line of %s; it is put back "
                                      "in its place", task.id, call.state_key)
             elif task.kind == "l":
                 logger.error("task %s waited in the line of scope %r%s, but its message is gone from the store "
-                             "(evicted, or deleted by hand): it cannot run", task.payload, call.scope,
-                             "" if call.key is None else f" key {call.key!r}")
+                             "(evicted, or deleted by hand): %s", task.payload, call.scope,
+                             "" if call.key is None else f" key {call.key!r}",
+                             "the journal sends it on at its next pass" if self.journal.enabled else "it cannot run")
                 metrics.lost()
             elif task.kind == "f":
                 logger.warning("task %s was released from the line of scope %r%s and has not started within "
                                "%.0fs: its room is given back; if it still comes, it is checked as a new task",
                                task.payload, call.scope, "" if call.key is None else f" key {call.key!r}",
                                self.ctl.store.policy.out_lease_ms / 1000)
+        self.journal.gone(call.state_key, gone, reply.now_us)
         try:
             if sent:
                 metrics.released(len(sent))

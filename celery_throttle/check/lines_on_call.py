@@ -15,6 +15,7 @@ from ..core.protocol import WindowReply
 from ..core.spec import BoundCall
 from ..core.timing import RELEASER_BATCH
 from . import checker
+from .journaling import Journaling
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -58,6 +59,7 @@ class OnCall:
     """The operators' look at the lines of one app."""
 
     ctl: Owner
+    journal: Journaling
 
     def handle(self, call: BoundCall, reply: WindowReply) -> int:
         raise NotImplementedError
@@ -131,7 +133,9 @@ class OnCall:
         for (scope, key), entries in by_key.items():
             call = BoundCall(scope, key, (), 1, "sliding", state_key(prefix, scope, key))
             reply = self.ctl.checker.drop(call, entries)
-            deleted += sum(1 for r in reply.reported if r.kind == "d")
+            dropped = [r.id for r in reply.reported if r.kind == "d"]
+            deleted += len(dropped)
+            self.journal.gone(call.state_key, dropped, reply.now_us)
             if reply.tell_index:
                 self.note(call.state_key, reply.due_us, reply.now_us)
         return deleted

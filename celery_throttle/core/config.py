@@ -75,6 +75,10 @@ class Settings:
     concurrency_lease: float = 30.0
     #: Label metrics by key as well as scope (a tenant id per label value: unbounded).
     metrics_keys: bool = False
+    #: Keep a copy of every task waiting in a line in the broker's journal queue, so that
+    #: a store that loses them (restarted empty, evicting) loses none: the keeper sends
+    #: them on. None: when the broker is RabbitMQ (check/journaling.py says why).
+    journal: bool | None = None
     #: Backoff (seconds) for tasks deferred because Redis could not be reached.
     store_retry_delay: float = 1.0
     store_retry_max_delay: float = 30.0
@@ -139,6 +143,8 @@ class Settings:
             raise ConfigurationError("throttle_metrics_keys must be True or False")
         if not isinstance(self.enabled, bool):
             raise ConfigurationError("throttle_enabled must be True or False")
+        if self.journal is not None and not isinstance(self.journal, bool):
+            raise ConfigurationError("throttle_journal must be True, False or None (None: on with a RabbitMQ broker)")
         if not isinstance(self.check_at_publish, bool):
             raise ConfigurationError("throttle_check_at_publish must be True or False")
         for name in ("park_after", "release_interval", "store_retry_delay", "store_retry_max_delay",

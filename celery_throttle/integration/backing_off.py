@@ -81,5 +81,5 @@ def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
         turned.send_back(exc.seconds)
         raise Ignore() from None
     ctl.lines.handle(call, reply)
-    turned.waits(reply.wait_us, reason="backoff")
+    turned.waits(reply, reason="backoff")
     raise Ignore()

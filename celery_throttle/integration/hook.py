@@ -97,7 +97,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
             ctl.slots.took(holder, call)
         return True
     if reply.code == Code.QUEUED:
-        turned.waits(reply.wait_us, reason="concurrency" if call.concurrency and not call.rates else "rate")
+        turned.waits(reply, reason="concurrency" if call.concurrency and not call.rates else "rate")
         return False
     if reply.code == Code.DUPLICATE:
         # A copy of a task that started lately (sent again after a store error whose reply

@@ -148,9 +148,10 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
         return encode_message(app, app.signature(name, args, kwargs, **kept))
 
     try:
-        reply = None
+        reply, kept = None, b""
         for with_message in (hint == Hints.RESERVE or ctl.lines.looks_full(call), True):
-            entry = Entry(entry_id, message() if with_message else b"", task_id, expires_us(expires),
+            kept = message() if with_message else b""
+            entry = Entry(entry_id, kept, task_id, expires_us(expires),
                           int(max_wait * 1_000_000) if max_wait else 0, WORKER_BATCH)
             reply = ctl.checker.admit(call, entry)
             ctl.lines.handle(call, reply)
@@ -187,6 +188,9 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
     if reply.code != Code.QUEUED:
         return None  # too far for its max wait, or not kept: the worker decides, visibly
     ctl.lines.full(call)
+    # (Kept in its line instead of the broker's queue: the journal, when on, holds its copy
+    # in the broker all the same.)
+    ctl.lines.journal.kept(ident, entry_id, reply.now_us, kept or message())
     ctl.metrics.denied(call.scope, call.key, reply.wait_us / 1e6, True)
     request = Context(id=task_id, task=name, args=args, kwargs=kwargs, headers={HEADER: Header(deferrals=1).value()})
     signals.task_throttled.send(sender=known.task if known.task is not None else name, request=request,

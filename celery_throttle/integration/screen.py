@@ -135,7 +135,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             return handler(message, body, ack, reject, callbacks, **kw)
         fits_in_a_row = 0
         ctl.lines.full(call)
-        turned.waits(reply.wait_us)
+        turned.waits(reply)
         ack(logger, errors)
         return None
 

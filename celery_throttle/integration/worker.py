@@ -107,14 +107,15 @@ def _say_what_is_throttled(ctl: Throttle) -> None:
     try:
         # (Before the pool forks: every child starts knowing how far away the store is.)
         rtt_us = store.measure_rtt()
-        report = store.report()
+        report = store.report(ctl.lines.journal.enabled)
     except StoreError as exc:
         logger.warning("celery_throttle: throttling %d task(s) (%s); store %s not checked: %s", len(names), shown,
                        safe_url(store.url), exc)
         return
     logger.info("celery_throttle: throttling %d task(s) (%s); store %s: %s, round trip %.1f ms; tasks that "
-                "must wait do so in their key's line, in the store", len(names), shown, safe_url(store.url),
-                report.summary(), rtt_us / 1000)
+                "must wait do so in their key's line, in the store%s", len(names), shown, safe_url(store.url),
+                report.summary(), rtt_us / 1000,
+                ", with a copy in the broker's journal" if ctl.lines.journal.enabled else "")
     for risk in report.risks:
         logger.warning("celery_throttle: the throttle store %s: %s", safe_url(store.url), risk)
     ctl.store_run_id = report.run_id

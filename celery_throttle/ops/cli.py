@@ -184,7 +184,7 @@ def doctor(ctx: click.Context) -> None:
     """Check the store: can it evict or lose the tasks waiting in its lines, and its counts?
     Exit 1 if so."""
     ctl = _controller(ctx)
-    report = ctl.store.report()
+    report = ctl.store.report(ctl.lines.journal.enabled)
     click.echo(f"store {safe_url(ctl.store.url)} (run id {(report.run_id or '?')[:8]})")
     for risk in report.risks:
         click.echo(f"RISK: {risk}")

@@ -56,12 +56,14 @@ def _config(client: Any, name: str) -> str | None:
     return None if value is None else str(value)
 
 
-def examine(client: Any) -> StoreReport:
+def examine(client: Any, journaled: bool = False) -> StoreReport:
     """Read the store's eviction policy, persistence and run id (raises RedisError only
-    if the server cannot be reached at all)."""
+    if the server cannot be reached at all). ``journaled``: the tasks waiting in the lines
+    have a copy in the broker's journal, and are not at risk."""
     info = _one_node(client.info())
-    # (The tasks waiting in the lines are kept in the store whatever the broker.)
-    parked = "the tasks waiting in the lines (they are lost), "
+    # (The tasks waiting in the lines are kept in the store whatever the broker; with the
+    # journal on, a copy of each is in the broker too, and the keeper sends them on.)
+    parked = "" if journaled else "the tasks waiting in the lines (they are lost), "
     risks: list[str] = []
     unchecked: list[str] = []
     policy = _config(client, "maxmemory-policy") or info.get("maxmemory_policy")
@@ -82,5 +84,7 @@ def examine(client: Any) -> StoreReport:
                              f"on disk, a restart loses {parked}counts and pauses")
     elif not aof and not (save or "").strip():
         risks.append("the store keeps nothing on disk (save \"\", appendonly no): a restart empties it and "
-                     f"loses {parked}counts and pauses; turn on appendonly yes (or RDB snapshots)")
+                     f"loses {parked}counts and pauses; turn on appendonly yes (or RDB snapshots)"
+                     + ("; the tasks waiting in the lines are sent on from the journal in the broker" if journaled
+                        else ""))
     return StoreReport(info.get("run_id"), tuple(risks), tuple(unchecked))

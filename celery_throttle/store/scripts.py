@@ -167,10 +167,11 @@ class ScriptClient:
             raw = self.client.hgetall(key)
         return {k.decode(): v for k, v in raw.items()}
 
-    def report(self) -> StoreReport:
-        """What this store risks (eviction, persistence) and its run id: see doctor.py."""
+    def report(self, journaled: bool = False) -> StoreReport:
+        """What this store risks (eviction, persistence) and its run id: see doctor.py
+        (``journaled``: the lines have a copy in the broker)."""
         with self.errors():
-            return examine(self.client)
+            return examine(self.client, journaled)
 
     def now_us(self) -> int:
         """The Redis clock (or the test clock)."""

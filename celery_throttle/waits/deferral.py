@@ -24,7 +24,7 @@ from ..core.errors import ResendRefused
 from ..core.header import HEADER, Header, without_dead_letter_headers
 from ..core.keys import encode
 from ..core.locks import ForkSafeLock
-from ..core.protocol import Entry
+from ..core.protocol import Entry, WindowReply
 from ..core.spec import BoundCall
 from ..core.timing import RESEND_PATIENCE, RESEND_RETRY_DELAY, RESEND_RETRY_MAX_DELAY, WORKER_BATCH
 
@@ -144,6 +144,8 @@ class TurnedAway:
     entry_id: str = field(default="")
     #: The longest it may wait (µs; 0: no cap).
     max_wait_us: int = 0
+    #: Its message as last given to its line (the journal keeps a copy of it).
+    kept_message: bytes = field(default=b"", repr=False)
 
     def entry(self, with_message: bool) -> Entry:
         """Its entry in the line (with its message, or without: the script then answers
@@ -153,7 +155,9 @@ class TurnedAway:
         if not self.entry_id:
             header, mine = self.header, self.header.key == self.call.state_key
             self.entry_id = (mine and (header.ticket or header.pending)) or new_entry_id(self.request.id)
-        return Entry(self.entry_id, self.message() if with_message else b"", self.request.id,
+        if with_message:
+            self.kept_message = self.message()
+        return Entry(self.entry_id, self.kept_message if with_message else b"", self.request.id,
                      expires_us(getattr(self.request, "expires", None)), self.max_wait_us, WORKER_BATCH)
 
     def message(self) -> bytes:
@@ -170,10 +174,14 @@ class TurnedAway:
         return self.task.signature_from_request(self.request, self.args, self.kwargs, headers=headers,
                                                 **kept_properties(self.request))
 
-    def waits(self, wait_us: int, reason: str = "rate") -> None:
-        """Say that it waits in its key's line (it is acked; its release sends it again)."""
+    def waits(self, reply: WindowReply, reason: str = "rate") -> None:
+        """It waits in its key's line (``reply``: the call that put it there, or kept it
+        there): its copy goes to the journal, before its message is acked (its release
+        sends it again), and it is said."""
         task, request, call = self.task, self.request, self.call
-        delay = max(wait_us, 0) / 1e6
+        self.ctl.lines.journal.kept(call.state_key, self.entry_id, reply.now_us,
+                                    self.kept_message or self.message())
+        delay = max(reply.wait_us, 0) / 1e6
         signals.task_throttled.send(sender=task, request=request, delay=delay, scope=call.scope, key=call.key,
                                     parked=True, reason=reason)
         self.ctl.metrics.denied(call.scope, call.key, delay, True)

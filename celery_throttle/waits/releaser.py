@@ -21,18 +21,20 @@ import logging
 import random
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..celery_parts.messages import resend
 from ..core.errors import StoreError
 from ..core.keys import glob_escape, legacy_slot_index_key, legacy_slot_keys, line_index_key
 from .broker_parking import broker_parking
+from .keeper import Keeper
+from .outage import Outage
 from .parking import BATCH, release_parked
 
 if TYPE_CHECKING:
     from ..check.limiter import Throttle
 
-__all__ = ["CLAIM_LEASE_US", "Releaser"]
+__all__ = ["CLAIM_LEASE_US", "Outage", "Releaser"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -60,36 +62,6 @@ STORE_WATCH_EVERY = 10.0
 INDEX_SWEEP_EVERY = 60.0
 #: Seconds between two reads of the gauges.
 GAUGE_EVERY = 10.0
-#: While the store is unreachable, the releaser says so again this often (seconds).
-OUTAGE_REPORT_EVERY = 60.0
-
-
-class Outage:
-    """Store errors of one loop, logged once, summed up while they last, and their end."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.since: float | None = None
-        self.errors = 0
-        self._reported_at = 0.0
-
-    def failed(self, exc: BaseException) -> None:
-        now = time.monotonic()
-        self.errors += 1
-        if self.since is None:
-            self.since, self._reported_at = now, now
-            logger.warning("celery_throttle: could not %s: %s (said once; summed up every %.0fs until the "
-                           "store is back)", self.what, exc, OUTAGE_REPORT_EVERY)
-        elif now - self._reported_at >= OUTAGE_REPORT_EVERY:
-            self._reported_at = now
-            logger.warning("celery_throttle: still could not %s: %d errors in %.0fs; last: %s", self.what,
-                           self.errors, now - self.since, exc)
-
-    def ok(self) -> None:
-        if self.since is not None:
-            logger.warning("celery_throttle: the store is back: could %s again after %.1fs (%d errors)",
-                           self.what, time.monotonic() - self.since, self.errors)
-            self.since, self.errors = None, 0
 
 
 class Releaser(threading.Thread):
@@ -112,8 +84,16 @@ class Releaser(threading.Thread):
         #: Woken (BLPOP) since the last round, rather than timed out.
         self._woken = False
         self._chores_outage = Outage("send on the tasks an earlier version left")
+        #: The journal's keeper (started with this thread when the journal is on).
+        self.keeper: Any = None
 
     def run(self) -> None:
+        try:
+            if self.ctl.lines.journal.enabled:
+                self.keeper = Keeper(self.ctl)
+                self.keeper.start()
+        except Exception:  # never let the thread die: lines would wait forever
+            logger.exception("celery_throttle: could not start the journal's keeper")
         sleep = 0.0
         while not self._wait(sleep):
             if self._woken:
@@ -148,6 +128,8 @@ class Releaser(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+        if self.keeper is not None:
+            self.keeper.stop()
 
     def _wait(self, seconds: float) -> bool:
         """Wait for the next round: ``seconds``, or less when woken (BLPOP, in slices of
@@ -278,14 +260,19 @@ class Releaser(threading.Thread):
         """Say so when the store restarted (its run id changed) while this worker ran:
         whatever it did not keep on disk (lines, counts) may be lost."""
         ctl = self.ctl
-        report = ctl.store.report()
+        report = ctl.store.report(self.keeper is not None)
         before, ctl.store_run_id = ctl.store_run_id, report.run_id
         if before is not None and report.run_id is not None and report.run_id != before:
             ctl.metrics.store_error("restart")
             seen = self._lines_seen
             lines = (f" ({seen[0]} key(s) had tasks waiting in their lines {time.time() - seen[1]:.0f}s before)"
                      if seen and seen[0] else "")
-            logger.error("celery_throttle: the throttle store restarted (run id %s -> %s): tasks waiting in its "
-                         "lines and counts it did not keep on disk are lost%s%s", before[:8], report.run_id[:8],
-                         lines, "".join(f"; {risk}" for risk in report.risks))
+            if self.keeper is not None:
+                self.keeper.urge()
+                lost = "counts it did not keep on disk are lost; the tasks waiting in its lines are sent on from " \
+                       "the journal"
+            else:
+                lost = "tasks waiting in its lines and counts it did not keep on disk are lost"
+            logger.error("celery_throttle: the throttle store restarted (run id %s -> %s): %s%s%s", before[:8],
+                         report.run_id[:8], lost, lines, "".join(f"; {risk}" for risk in report.risks))
         self._lines_seen = (ctl.lines.count(), time.time())

@@ -1,0 +1,85 @@
+"""The journal in the broker: one durable queue per app (per key prefix) holding a copy of
+every task waiting in a line, as the events of :mod:`celery_throttle.core.journal`.
+
+Written by whoever puts a task in a line or takes one out (a producer at publish, a
+worker's consumer or pool, a releaser), through the app's own producer pool: a ``kept``
+event is published before the task's own message is acked (or, at publish, instead of
+sending it), persistent, to a durable queue, so the broker keeps it as durably as it
+would have kept the task in its queue. Read only by the keeper
+(:mod:`celery_throttle.waits.keeper`), on a connection of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from kombu.connection import Connection
+from kombu.entity import Exchange, Queue
+from kombu.messaging import Producer
+
+from ..core.journal import CONTENT_TYPE, GONE_BATCH, gone_message, kept_headers
+
+__all__ = ["BrokerJournal", "journal_queue_name"]
+
+#: How a journal publish retries a broker connection that broke (kombu's retry policy):
+#: briefly, as the task's own send would; a journal that cannot be written is logged by
+#: the caller, and the task still waits in its line.
+_RETRY_POLICY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.2, "interval_max": 0.5}
+
+
+def journal_queue_name(prefix: str) -> str:
+    """The journal's queue for the throttle of key prefix ``prefix``."""
+    return f"celery_throttle.journal.{prefix}"
+
+
+class BrokerJournal:
+    """The journal queue of one app."""
+
+    def __init__(self, app: Any, prefix: str) -> None:
+        self.app = app
+        self.name = journal_queue_name(prefix)
+        self.queue = Queue(self.name, Exchange(""), routing_key=self.name, durable=True, auto_delete=False)
+
+    # -- writing (any process) ----------------------------------------------------------
+    def kept(self, key: str, entry: str, us: int, message: bytes) -> None:
+        """``entry`` joined the line of state key ``key`` at ``us`` (the store's clock)
+        with ``message``. Raises the broker's error."""
+        self._publish(kept_headers(key, entry, us), message)
+
+    def gone(self, events: Sequence[tuple[str, str, int]]) -> None:
+        """These entries (key, entry, us) left their lines for good. Raises the broker's
+        error."""
+        for start in range(0, len(events), GONE_BATCH):
+            headers, body = gone_message(events[start:start + GONE_BATCH])
+            self._publish(headers, body)
+
+    def _publish(self, headers: dict[str, Any], body: bytes) -> None:
+        with self.app.producer_or_acquire() as producer:
+            self.publish(producer, headers, body, declare=True)
+
+    def publish(self, producer: Producer, headers: dict[str, Any], body: bytes, declare: bool = False) -> None:
+        """Publish one journal message with ``producer`` (persistent, to the durable queue)."""
+        producer.publish(body, exchange="", routing_key=self.name, declare=[self.queue] if declare else [],
+                         headers=headers, delivery_mode=2, content_type=CONTENT_TYPE, content_encoding="binary",
+                         serializer=None, retry=True, retry_policy=_RETRY_POLICY)
+
+    # -- reading (the keeper) -----------------------------------------------------------
+    def connect(self) -> Connection:
+        """A connection of the keeper's own to the broker."""
+        return self.app.connection_for_read()
+
+    def length(self, connection: Connection) -> int:
+        """How many messages the journal holds (declaring it if it does not exist)."""
+        _, count, _ = self.queue(connection.default_channel).queue_declare()
+        return int(count or 0)
+
+    def take(self, connection: Connection, most: int) -> Iterator[Any]:
+        """Up to ``most`` messages from the journal's head, each unacked until the caller
+        acks it (a keeper that dies leaves them to the broker, which gives them back)."""
+        bound = self.queue(connection.default_channel)
+        for _ in range(most):
+            message = bound.get(no_ack=False, accept=[CONTENT_TYPE])
+            if message is None:
+                return
+            yield message

@@ -1,0 +1,99 @@
+"""This process's writes to the journal (:mod:`celery_throttle.core.journal`): a task that
+joins a line is ``kept`` there, one that leaves it for good is ``gone``.
+
+On by default when the broker is RabbitMQ (``throttle_journal``, None: by the broker),
+whose queues keep messages on disk while the store that holds the lines may not. Off with
+a Redis broker: the store is then usually the broker itself, and a copy in it would be
+no more durable than the line (``throttle_journal = True`` writes one all the same).
+
+A write that fails (the broker unreachable) is logged and counted, and nothing else
+happens: the task still waits in its line, as it would without a journal. Never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..celery_parts.journal import BrokerJournal
+from ..core.locks import ForkSafeLock
+
+if TYPE_CHECKING:
+    from .lines_on_call import Owner
+
+__all__ = ["RABBITMQ_SCHEMES", "Journaling", "journal_on"]
+
+logger = logging.getLogger("celery_throttle")
+
+#: Broker URL schemes of RabbitMQ, with which the journal is on by default.
+RABBITMQ_SCHEMES = ("amqp", "amqps", "pyamqp", "librabbitmq")
+#: A failing journal is said again at most this often (seconds) by one process.
+REPORT_EVERY = 60.0
+
+
+def journal_on(app: Any, setting: bool | None) -> bool:
+    """Whether tasks waiting in lines are journaled in ``app``'s broker."""
+    if setting is not None:
+        return setting
+    url = app.conf.broker_url
+    url = url[0] if isinstance(url, (list, tuple)) and url else url
+    scheme = str(url or "").split(";", 1)[0].split("://", 1)[0].lower()
+    return scheme in RABBITMQ_SCHEMES
+
+
+class Journaling:
+    """The journal of one app, as this process writes it."""
+
+    def __init__(self, ctl: Owner) -> None:
+        self.ctl = ctl
+        self._broker: BrokerJournal | None = None
+        self._enabled = False
+        #: The settings ``_enabled`` and ``_broker`` were made for (install() again with
+        #: other settings makes new ones).
+        self._for: Any = None
+        self._lock = ForkSafeLock()
+        self._reported_at = float("-inf")
+        self._failures = 0
+
+    @property
+    def enabled(self) -> bool:
+        settings = self.ctl.settings
+        if self._for is not settings:
+            self._enabled = journal_on(self.ctl.app, settings.journal)
+            self._broker = BrokerJournal(self.ctl.app, settings.key_prefix)
+            self._for = settings
+        return self._enabled
+
+    @property
+    def broker(self) -> BrokerJournal:
+        """The journal's queue (whether or not it is on)."""
+        _ = self.enabled
+        assert self._broker is not None
+        return self._broker
+
+    def kept(self, key: str, entry: str, us: int, message: bytes) -> None:
+        """``entry`` joined the line of ``key`` at ``us`` with ``message``."""
+        if self.enabled and entry and message:
+            self._write(lambda: self.broker.kept(key, entry, us, message), f"task {entry} of the line of {key}")
+
+    def gone(self, key: str, entries: Sequence[str], us: int) -> None:
+        """``entries`` left the line of ``key`` for good at ``us``."""
+        if self.enabled and entries:
+            self._write(lambda: self.broker.gone([(key, entry, us) for entry in entries]),
+                        f"{len(entries)} task(s) leaving the line of {key}")
+
+    def _write(self, write: Any, what: str) -> None:
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001 - the broker's any error: the line still holds the task
+            self.ctl.metrics.store_error("journal")
+            with self._lock:
+                self._failures += 1
+                now = time.monotonic()
+                if now - self._reported_at < REPORT_EVERY:
+                    return
+                self._reported_at, failures, self._failures = now, self._failures, 0
+            logger.warning("celery_throttle: could not write %s to the journal in the broker (%d failure(s) "
+                           "since said): %r; the task(s) wait in the store alone", what, failures, exc)
