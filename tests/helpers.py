@@ -229,6 +229,9 @@ def _pings(client: redis.Redis) -> bool:
 class WorkerGroup:
     """Celery worker subprocesses running ``tests.taskapp``, and a client to send to them."""
 
+    #: The Celery app module the workers run; :meth:`send` names its tasks under it.
+    app = "tests.taskapp"
+
     def __init__(self, prefix: str, broker: str, store: str, count: int = 2, concurrency: int = 2,
                  env: dict[str, str] | None = None, queue: str | None = None,
                  records: str = STORE_URL, pool: str = "prefork") -> None:
@@ -276,7 +279,7 @@ class WorkerGroup:
 
     def start_one(self, i: int) -> None:
         log = self.logdir / f"worker{i}-{uuid.uuid4().hex[:6]}.log"
-        cmd = [sys.executable, "-m", "celery", "-A", "tests.taskapp", "worker",
+        cmd = [sys.executable, "-m", "celery", "-A", self.app, "worker",
                "-Q", f"{self.queue},{self.queue}-alt",
                "-c", str(self.concurrency), "-P", self.pool, "-n", f"w{i}-{self.prefix}@%h",
                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
@@ -343,7 +346,7 @@ class WorkerGroup:
     def send(self, name: str, *args: Any, **options: Any) -> str:
         kwargs = options.pop("kwargs", None)
         options.setdefault("queue", self.queue)
-        result = self.client.send_task(f"tests.taskapp.{name}", args=args, kwargs=kwargs, **options)
+        result = self.client.send_task(f"{self.app}.{name}", args=args, kwargs=kwargs, **options)
         self.sent.append(result.id)
         return result.id
 
