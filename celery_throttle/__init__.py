@@ -11,6 +11,7 @@ from __future__ import annotations
 from . import signals
 from .check.limiter import Throttle
 from .check.status import Decision, RateStatus, Status
+from .core.adapt import Adapt
 from .core.backoff import Backoff, backoff_from
 from .core.errors import (
     ConfigurationError,
@@ -26,6 +27,7 @@ from .integration.settle import charge
 from .integration.worker import install
 
 __all__ = [
+    "Adapt",
     "Backoff",
     "ConfigurationError",
     "Decision",

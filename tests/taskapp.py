@@ -579,3 +579,33 @@ def overrunning(label, tenant, used=5):
     """Estimated at 1 unit, reports ``used`` as it starts (an overrun)."""
     record(label)
     celery_throttle.charge(used)
+
+
+# -- limits that learn the downstream ----------------------------------------------------
+#: A downstream API that takes at most ``limit`` calls in any second (a sliding log in the
+#: records' Redis, the limit set by the test at ``<prefix>:downstream-limit``): its
+#: refusals are the 429s an adaptive throttle learns from.
+_DOWNSTREAM = """
+local now = tonumber(ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 1000000)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(redis.call('GET', KEYS[2]) or '5') then return 0 end
+redis.call('ZADD', KEYS[1], now, ARGV[2])
+redis.call('PEXPIRE', KEYS[1], 5000)
+return 1
+"""
+
+
+def downstream_takes(call_id: str) -> bool:
+    client = _records_client()
+    return bool(client.eval(_DOWNSTREAM, 2, f"{PREFIX}:downstream", f"{PREFIX}:downstream-limit",
+                            int(time.time() * 1_000_000), call_id))
+
+
+@app.task(bind=True)
+@throttle("20/s", scope="adaptive-api", adapt=True)
+def adaptive_call(self, label, n):
+    """A call of a downstream whose limit the throttle does not know: a 429 raises Backoff."""
+    if not downstream_takes(f"{self.request.id}:{time.time()}"):
+        _records_client().rpush(f"{PREFIX}:refused", json.dumps({"label": label, "n": n, "t": time.time()}))
+        raise celery_throttle.Backoff(retry_after=1)
+    record(label, n=n)

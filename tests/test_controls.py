@@ -9,7 +9,7 @@ from celery import Celery
 
 import celery_throttle
 from celery_throttle import throttle
-from celery_throttle.check.controls import merged_rates, parse_controls
+from celery_throttle.check.control_set import merged_rates, parse_controls
 from celery_throttle.core.rates import parse_rates
 from tests.helpers import STORE_URL
 

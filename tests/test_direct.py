@@ -478,7 +478,7 @@ def test_settings_the_line_made_pointless_are_accepted_with_a_warning(caplog: py
 def test_concurrent_pauses_keep_the_longest_and_forget_those_over(ctl: celery_throttle.Throttle) -> None:
     import threading
 
-    from celery_throttle.check.controls import pause_field
+    from celery_throttle.check.control_set import pause_field
 
     # Given a pause that is over, and a live limit, in the controls hash
     store = ctl.store

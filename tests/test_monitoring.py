@@ -33,7 +33,7 @@ from tests.prometheus import (
 )
 
 ALERT_NAMES = ("CeleryThrottleStoreUnreachable", "CeleryThrottleParkedTasksLost", "CeleryThrottleStoreRestarted",
-               "CeleryThrottleWaitOverMaxWait")
+               "CeleryThrottleWaitOverMaxWait", "CeleryThrottleAdaptiveLimitAtFloor")
 
 
 def _binary_or_skip(name: str) -> str:
@@ -163,8 +163,11 @@ def test_a_real_prometheus_scraping_a_real_worker_answers_the_dashboard_and_rais
     # Given a producer (which imports the tasks and sends, unchecked at publish: the workers
     # are what Prometheus scrapes) that sends well over the limits: 30 calls of a 5/s task,
     # 6 of a task of 2 slots, 6 of a 2/m task that waits 5 s at most (4 fail with
-    # WaitTooLong), 9 of a 3/4s task (a line that waits for seconds)
+    # WaitTooLong), 9 of a 3/4s task (a line that waits for seconds), 12 of an adaptive task
+    # whose downstream takes 3 a second (its level falls below its declared 20/s)
+    live.records.set(f"{live.prefix}:downstream-limit", 3)
     live.produce({"how": "delay", "task": "below", "args": [label], "count": 30},
+                 {"how": "delay", "task": "adaptive_call", "args": [label, 0], "count": 12},
                  {"how": "delay", "task": "exporting", "args": [label, "acme", 0.5], "count": 6},
                  {"how": "delay", "task": "capped", "args": [label, "t1"], "count": 6},
                  {"how": "delay", "task": "slow_quota", "args": [label, "t2"], "count": 9},
@@ -173,7 +176,7 @@ def test_a_real_prometheus_scraping_a_real_worker_answers_the_dashboard_and_rais
     for _ in range(3):
         dead.send("below", label)
     # When they have run (the 3/4s line takes 8 s or more)
-    live.wait_starts(label, 30 + 2 + 9, timeout=180, settle=0)
+    live.wait_starts(label, 30 + 2 + 9 + 12, timeout=180, settle=0)
     wait_for(lambda: len(live.notes("spans")) == 6, 60, 0.2, "the 6 bodies of 2 slots")
     wait_for(lambda: len(live.notes("gave-up")) >= 4, 60, 0.2, "the 4 tasks that waited past their max_wait")
     assert len(live.notes("gave-up")) == 4, live.notes("gave-up")
@@ -194,7 +197,7 @@ def test_a_real_prometheus_scraping_a_real_worker_answers_the_dashboard_and_rais
     def total(expr: str) -> float:
         return sum(float(s["value"][1]) for s in prometheus.query(expr))
 
-    wait_for(lambda: total('sum(celery_throttle_admitted_total{job="celery-live"})') >= 30 + 6 + 2 + 9, 60, 0.5,
+    wait_for(lambda: total('sum(celery_throttle_admitted_total{job="celery-live"})') >= 30 + 6 + 2 + 9 + 12, 60, 0.5,
              "the admitted starts scraped")
     assert total('sum(celery_throttle_denied_total{job="celery-live", scope="tests.taskapp.below"})') >= 15
     exceeded = 'sum(celery_throttle_wait_exceeded_total{job="celery-live", scope="tests.taskapp.capped"})'

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ..celery_parts.internals import registered_task
 from ..core import timing
+from ..core.adapt import Adapt
 from ..core.config import Settings
 from ..core.cost import rate_costs
 from ..core.rates import Rate
@@ -106,13 +107,17 @@ class Binder:
         settings = self.settings
         declared = spec.bind(name, signature, args or (), kwargs or {}, settings.default_algorithm,
                              settings.key_prefix)
-        return self.finish_bind(declared, spec.margin, quick=quick)
+        return self.finish_bind(declared, spec.margin, quick=quick, adapt=spec.adapt)
 
-    def finish_bind(self, declared: BoundCall, margin: float | None, *, quick: bool = False) -> BoundCall:
-        """A call bound as declared, under the live limits, each sliding window widened by
+    def finish_bind(self, declared: BoundCall, margin: float | None, *, quick: bool = False,
+                    adapt: Adapt | None = None) -> BoundCall:
+        """A call bound as declared, under the live limits (an ``adapt`` throttle's at the
+        share of them its key is at: window.lua scales them), each sliding window widened by
         ``margin`` (None: ``throttle_margin``): a task's call and a direct ``acquire`` of the
         same scope and rates count in the same fields."""
         call = self.live(declared, quick=quick)
+        if adapt is not None and call.rates:
+            call = replace(call, adapt=adapt)
         margin = margin if margin is not None else self.settings.margin
         if call.algorithm == "sliding" and margin != 0:
             margin_us = -1 if margin is None else round(margin * 1_000_000)  # -1: the default, per rate

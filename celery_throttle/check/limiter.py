@@ -20,7 +20,7 @@ from ..core.state import FOREVER_US
 from ..store.client import RedisStore
 from ..store.parking import ParkingStore
 from .checker import Checker
-from .controls import (
+from .control_set import (
     ControlSet,
     limit_field,
     parse_controls,

@@ -85,6 +85,14 @@ class Metrics:
             self._running = _instrument("Gauge", "celery_throttle_slots_running",
                                         "Concurrency slots held by bodies that run", labels,
                                         multiprocess_mode="livesum")
+            # (Every worker's releaser reads the same levels from the store: the lowest of
+            # their values is the level, whichever worker is scraped.)
+            self._adaptive = _instrument("Gauge", "celery_throttle_adaptive_level",
+                                         "Share of its declared rates an adaptive throttle is in force at (1: all)",
+                                         labels, multiprocess_mode="min")
+            self._adaptive_floor = _instrument("Gauge", "celery_throttle_adaptive_floor",
+                                               "The lowest share of its declared rates an adaptive throttle goes to",
+                                               labels, multiprocess_mode="min")
         self._lock = ForkSafeLock()
         self._denials: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0, 0.0, 0])
         self._summary_at = time.monotonic()
@@ -149,6 +157,13 @@ class Metrics:
     def store_error(self, where: str) -> None:
         if self.enabled and self._store_errors is not None:
             self._store_errors.labels(where).inc()
+
+    def adaptive(self, scope: str, key: str | None, share: float, floor: float) -> None:
+        """An adaptive throttle's level now, and its floor (shares of its declared rates)."""
+        if self.enabled and self._adaptive is not None:
+            labels = self._labels(scope, key)
+            self._adaptive.labels(*labels).set(share)
+            self._adaptive_floor.labels(*labels).set(floor)
 
     def parked_waiting(self, count: int) -> None:
         if self.enabled and self._waiting is not None:

@@ -12,13 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core import timing
+from ..core.adapt import scaled_limit
 from ..core.keys import scan_pattern, state_key, target_matches, target_of
 from ..core.protocol import WindowCall, WindowReply
 from ..core.rates import Rate
 from ..core.spec import ThrottleSpec, declared_spec
 from ..core.state import FOREVER_US, rate_of_field
 from ..store.client import RedisStore
-from .controls import ControlSet, control_target
+from .adaptive import Level, level_of
+from .control_set import ControlSet, control_target
 
 __all__ = [
     "Decision",
@@ -83,6 +85,8 @@ class Status:
     #: Whether the live limit replaces every declared rate (``set_limit(..., replace=True)``):
     #: else a declared rate of a window it does not set stays in force beside it.
     live_replaces_all: bool = False
+    #: An adaptive throttle's level (its rates show the limits in force at it), or None.
+    adaptive: Level | None = None
 
     @property
     def remaining(self) -> int | None:
@@ -172,7 +176,8 @@ def read_status(store: RedisStore, prefix: str, margin: float | None, specs: Spe
     live = {(r.period_us, r.unit): r for r in live_rates or ()}
     seen: set[tuple[str, Rate, Rate, str]] = set()
     declared = declared_windows(margin, specs, scope, live_rates or ())
-    for field in store.read(hash_key):
+    state = store.read(hash_key)
+    for field in state:
         named = rate_of_field(field)
         if named is not None:
             algorithm, limit, stored_us, unit = named
@@ -185,8 +190,16 @@ def read_status(store: RedisStore, prefix: str, margin: float | None, specs: Spe
                     or stored_us
             rate = live.get((declared_us, unit)) or Rate(limit, declared_us / 1_000_000, unit)
             seen.add((algorithm, rate, Rate(rate.limit, stored_us / 1_000_000, unit), field))
+    adapt = next((spec.adapt for known, spec in specs if known == scope and spec.adapt is not None), None)
+    adaptive = None
+    if adapt is not None and seen:
+        window_us = min(counted.period_us for _, _, counted, _ in seen)
+        adaptive = level_of(adapt, state.get("A"), store.now_us(), window_us)
     out = []
     for algorithm, rate, counted, field in sorted(seen):
+        if adaptive is not None:  # (shown and counted at the limit in force)
+            rate = Rate(scaled_limit(rate.limit, adaptive.share), rate.period, rate.unit)
+            counted = Rate(rate.limit, counted.period, counted.unit)
         reply = store.peek(hash_key, WindowCall(algorithm, (counted,), fields=(field,)))
         used = rate.limit - reply.remaining
         reset_at = (reply.clear_at_us or reply.now_us) / 1e6
@@ -196,7 +209,7 @@ def read_status(store: RedisStore, prefix: str, margin: float | None, specs: Spe
     live_slots = controls.concurrency_of(scope, key)
     return Status(scope, key, tuple(out), paused_until(store, controls, scope, key), live_rates or None,
                   line.out, line.running, line.waiting, live_slots or max(slot_limits, default=None), live_slots,
-                  live_rates is not None and controls.replaces_all(scope, key))
+                  live_rates is not None and controls.replaces_all(scope, key), adaptive)
 
 
 def paused_until(store: RedisStore, controls: ControlSet, scope: str, key: str | None) -> float | None:

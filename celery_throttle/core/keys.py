@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import inspect
 import string
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from typing import Any
 from urllib.parse import quote, unquote
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, KeyBuildError
 
 __all__ = [
     "MAX_TOKEN",
@@ -25,6 +28,7 @@ __all__ = [
     "dead_letter_keys",
     "decode",
     "encode",
+    "format_key",
     "glob_escape",
     "legacy_slot_index_key",
     "legacy_slot_keys",
@@ -38,6 +42,7 @@ __all__ = [
     "state_tag",
     "target_matches",
     "target_of",
+    "template_fields",
     "wake_key",
     "window_keys",
 ]
@@ -207,3 +212,59 @@ def target_matches(scope: str, key: str | None, scope_glob: str = "*", key_glob:
     if not fnmatch.fnmatchcase(scope, scope_glob):
         return False
     return key_glob is None or (key is not None and fnmatch.fnmatchcase(key, key_glob))
+
+
+def format_key(template: str, task_name: str, signature: inspect.Signature | None, args: Sequence[Any],
+               kwargs: Mapping[str, Any]) -> str:
+    """The key a template (``"{tenant_id}"``) names for one call of ``task_name``, whose
+    arguments bind to ``signature`` (None: unknown, keyword arguments only); KeyBuildError
+    when an argument it names is missing, None or empty."""
+    if signature is None:
+        # (A task this process does not have, sent by name under a rule: its keyword
+        # arguments are all there is to go by.)
+        if args:
+            raise KeyBuildError(f"task {task_name}: cannot read its parameters to build key {template!r}")
+        values = dict(kwargs)
+    else:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise KeyBuildError(f"task {task_name}: arguments do not fit its signature: {exc}") from None
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        for name, param in signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                values.update(values.pop(name, {}))
+    for name in template_fields(template):
+        if name not in values:
+            raise KeyBuildError(f"task {task_name}: key {template!r} needs argument {name!r}, not given")
+        if values[name] is None or values[name] == "":
+            raise KeyBuildError(
+                f"task {task_name}: argument {name!r} is {values[name]!r}, "
+                f"but the throttle key {template!r} needs a value"
+            )
+    try:
+        return template.format(**values)
+    except (AttributeError, IndexError, KeyError, ValueError) as exc:
+        raise KeyBuildError(f"task {task_name}: cannot build key {template!r}: {exc!r}") from None
+
+
+@lru_cache(maxsize=256)
+def template_fields(template: str) -> tuple[str, ...]:
+    """The arguments a key template names (ConfigurationError for a template that names
+    none, or positions)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ConfigurationError(f"bad key template {template!r}: {exc}") from None
+    names = []
+    for _, field, _, _ in parsed:
+        if field is None:
+            continue
+        base = field.split(".", 1)[0].split("[", 1)[0]
+        if not base or base.isdigit():
+            raise ConfigurationError(
+                f"key template {template!r} must name arguments, as in '{{tenant_id}}'"
+            )
+        names.append(base)
+    return tuple(names)

@@ -127,6 +127,10 @@ class WindowCall:
     slot_lease_us: int = 0
     #: How long before its start a task is released while nothing is learnt of the key.
     lead_us: int = 0
+    #: An adaptive throttle's law, (floor, decrease, growth) (core/adapt.py): the rates are
+    #: its ceiling, each in force at the share the key's last pushback leaves (None: not
+    #: adaptive).
+    adapt: tuple[float, float, float] | None = None
 
     def head(self, now: str, op: str, cost: Cost | None = None) -> list[int | str]:
         """ARGV[1..] of window.lua up to the operation's own arguments."""
@@ -137,7 +141,7 @@ class WindowCall:
 def _head_tail(call: WindowCall) -> tuple[int | str, ...]:
     """ARGV[4..] of a call up to the operation's own arguments (made once per call shape)."""
     return (call.slack_us, call.not_before_us, call.concurrency, call.slot_lease_us, call.lead_us,
-            *_rate_args(call.algorithm, call.rates, call.fields))
+            *_rate_args(call.algorithm, call.rates, call.fields, call.adapt))
 
 
 @dataclass(frozen=True)
@@ -248,8 +252,10 @@ def window_argv(now: str, op: str, call: WindowCall, *args: Any, cost: Cost | No
 
 @lru_cache(maxsize=1024)
 def _rate_args(algorithm: str, rates: tuple[Rate, ...], fields: tuple[str, ...] | None = None,
-               ) -> tuple[int | str, ...]:
-    args: list[int | str] = [len(rates)]
+               adapt: tuple[float, float, float] | None = None) -> tuple[int | str, ...]:
+    # (An adaptive throttle's law follows the count: '2;0.1,0.7,0.005'; repr, the shortest
+    # text that reads back as the same double in Lua.)
+    args: list[int | str] = [len(rates) if adapt is None else f"{len(rates)};{','.join(map(repr, adapt))}"]
     for i, rate in enumerate(rates):
         args += [rate.limit, rate.period_us, fields[i] if fields else rate_field(algorithm, rate)]
     return tuple(args)

@@ -7,23 +7,22 @@ is declared, so a mistake fails at import time, not in the worker.
 from __future__ import annotations
 
 import inspect
-import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
+from .adapt import Adapt, adapt_of
 from .config import ALGORITHMS, check_margin, check_max_wait
 from .cost import CostArg, check_positive, declared_cost, direct_cost, rate_costs
 from .errors import ConfigurationError, KeyBuildError
-from .keys import state_key
+from .keys import format_key, state_key, template_fields
 from .protocol import Cost
 from .rates import Rate, parse_rates
 
 __all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec", "declared_spec", "direct_call"]
 
 RateArg = str | Rate | Sequence[str | Rate] | Callable[..., Any]
-RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin", "concurrency", "cost_after")
+RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin", "concurrency", "cost_after", "adapt")
 
 
 @dataclass(frozen=True)
@@ -51,6 +50,9 @@ class BoundCall:
     #: The K the code declares (0: none): what a slot falls back to when a live K is
     #: cleared (see :mod:`.slots`).
     declared_concurrency: int = 0
+    #: The rates are a ceiling, each in force at the share of it the key's last pushback
+    #: leaves (:mod:`.adapt`; window.lua scales them), or None.
+    adapt: Adapt | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class ThrottleSpec:
     #: A callable over the body's result returning what the call really cost (units):
     #: charged when the body returns (see :mod:`.settle`).
     cost_after: Callable[[Any], Any] | None = None
+    #: The rates are a ceiling, the limit in force learns the downstream (:mod:`.adapt`).
+    adapt: Adapt | None = None
 
     @classmethod
     def declare(
@@ -86,7 +90,11 @@ class ThrottleSpec:
         margin: float | None = None,
         concurrency: int | None = None,
         cost_after: Callable[[Any], Any] | None = None,
+        adapt: Any = None,
     ) -> ThrottleSpec:
+        adapted = adapt_of(adapt)
+        if adapted is not None and not rates:
+            raise ConfigurationError("adapt moves a rate's limit: give the throttle a rate")
         if cost_after is not None and not callable(cost_after):
             raise ConfigurationError(f"cost_after must be a callable over the task's result, got {cost_after!r}")
         if cost_after is not None and not rates:
@@ -112,7 +120,7 @@ class ThrottleSpec:
                 raise ConfigurationError(
                     f"key must be a format string such as '{{tenant_id}}' or a callable, got {key!r}"
                 )
-            _template_fields(key)
+            template_fields(key)
         if scope is not None and (not isinstance(scope, str) or not scope):
             raise ConfigurationError(f"scope must be a non-empty string, got {scope!r}")
         declared = declared_cost(cost, parsed)
@@ -126,7 +134,7 @@ class ThrottleSpec:
                     )
         check_max_wait(max_wait, "max_wait")
         check_margin(margin, "margin")
-        return cls(parsed, key, scope, declared, algorithm, max_wait, margin, concurrency, cost_after)
+        return cls(parsed, key, scope, declared, algorithm, max_wait, margin, concurrency, cost_after, adapted)
 
     @classmethod
     def from_rule(cls, pattern: str, options: Mapping[str, Any]) -> ThrottleSpec:
@@ -154,6 +162,7 @@ class ThrottleSpec:
                 margin=options.get("margin"),
                 concurrency=options.get("concurrency"),
                 cost_after=options.get("cost_after"),
+                adapt=options.get("adapt"),
             )
         except ConfigurationError as exc:
             raise ConfigurationError(f"throttle_rules[{pattern!r}]: {exc}") from None
@@ -168,7 +177,7 @@ class ThrottleSpec:
             return
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             return
-        missing = [name for name in _template_fields(self.key) if name not in params]
+        missing = [name for name in template_fields(self.key) if name not in params]
         if missing:
             raise ConfigurationError(
                 f"{where}: key {self.key!r} names {', '.join(map(repr, missing))}, "
@@ -237,53 +246,7 @@ class ThrottleSpec:
                     f"task {task_name}: the key callable returned {value!r}; it must return a non-empty string"
                 )
             return str(value)
-        if signature is None:
-            # (A task this process does not have, sent by name under a rule: its keyword
-            # arguments are all there is to go by.)
-            if args:
-                raise KeyBuildError(f"task {task_name}: cannot read its parameters to build key {self.key!r}")
-            values = dict(kwargs)
-        else:
-            try:
-                bound = signature.bind(*args, **kwargs)
-            except TypeError as exc:
-                raise KeyBuildError(f"task {task_name}: arguments do not fit its signature: {exc}") from None
-            bound.apply_defaults()
-            values = dict(bound.arguments)
-            for name, param in signature.parameters.items():
-                if param.kind is inspect.Parameter.VAR_KEYWORD:
-                    values.update(values.pop(name, {}))
-        for name in _template_fields(self.key):
-            if name not in values:
-                raise KeyBuildError(f"task {task_name}: key {self.key!r} needs argument {name!r}, not given")
-            if values[name] is None or values[name] == "":
-                raise KeyBuildError(
-                    f"task {task_name}: argument {name!r} is {values[name]!r}, "
-                    f"but the throttle key {self.key!r} needs a value"
-                )
-        try:
-            return self.key.format(**values)
-        except (AttributeError, IndexError, KeyError, ValueError) as exc:
-            raise KeyBuildError(f"task {task_name}: cannot build key {self.key!r}: {exc!r}") from None
-
-
-@lru_cache(maxsize=256)
-def _template_fields(template: str) -> tuple[str, ...]:
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise ConfigurationError(f"bad key template {template!r}: {exc}") from None
-    names = []
-    for _, field, _, _ in parsed:
-        if field is None:
-            continue
-        base = field.split(".", 1)[0].split("[", 1)[0]
-        if not base or base.isdigit():
-            raise ConfigurationError(
-                f"key template {template!r} must name arguments, as in '{{tenant_id}}'"
-            )
-        names.append(base)
-    return tuple(names)
+        return format_key(self.key, task_name, signature, args, kwargs)
 
 
 def _call(fn: Callable[..., Any], task_name: str, what: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:

@@ -10,9 +10,11 @@ from typing import Any
 
 from celery.exceptions import Ignore
 
+from ..check.adaptive import lower
 from ..check.controller import controller
 from ..core.backoff import Backoff
 from ..core.errors import StoreError
+from ..core.timing import shortest_us
 from ..waits.deferral import TurnedAway
 from . import settle
 from .hook import header_of
@@ -65,12 +67,22 @@ def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
     ctl = controller(task.app)
     call = ctl.checker.bind(task, args, kwargs)
     key = None if exc.whole_scope else call.key
-    try:
-        ctl.pause(call.scope, key, exc.seconds)
-    except StoreError as error:
-        logger.warning("could not pause scope %r for %s[%s]: %s", call.scope, task.name, request.id, error)
-    logger.warning("%s[%s] backs off: scope %r%s paused for %.1fs on every worker", task.name, request.id,
-                   call.scope, "" if key is None else f" key {key!r}", exc.seconds)
+    adapt = type(task)._throttle_spec.adapt
+    if adapt is not None and call.rates:
+        try:
+            lower(ctl.store, call, adapt)
+        except StoreError as error:
+            logger.warning("could not lower the adaptive limit of scope %r for %s[%s]: %s", call.scope, task.name,
+                           request.id, error)
+    # (An adaptive limit lowered is the answer to a refusal that asks for a moment: only a
+    # downstream that asks for more than a window of the rate is paused for it.)
+    if adapt is None or not call.rates or exc.seconds * 1_000_000 > shortest_us(call.rates):
+        try:
+            ctl.pause(call.scope, key, exc.seconds)
+        except StoreError as error:
+            logger.warning("could not pause scope %r for %s[%s]: %s", call.scope, task.name, request.id, error)
+        logger.warning("%s[%s] backs off: scope %r%s paused for %.1fs on every worker", task.name, request.id,
+                       call.scope, "" if key is None else f" key {key!r}", exc.seconds)
     turned = TurnedAway(ctl, task, request, args, kwargs, call, header_of(request))
     try:
         reply = ctl.checker.front(call, turned.entry(with_message=True))

@@ -9,6 +9,7 @@ from celery.app.task import Task
 from celery.local import PromiseProxy, Proxy
 
 from ..celery_parts.internals import proxied_function
+from ..core.adapt import Adapt
 from ..core.cost import CostArg
 from ..core.errors import ConfigurationError
 from ..core.spec import RateArg, ThrottleSpec, declared_spec
@@ -27,6 +28,7 @@ def throttle(
     margin: float | None = None,
     concurrency: int | None = None,
     cost_after: Callable[[Any], Any] | None = None,
+    adapt: bool | Adapt | dict[str, float] | None = None,
 ) -> Callable[[Any], Any]:
     """Limit a task globally, across every worker, before its body runs.
 
@@ -52,11 +54,15 @@ def throttle(
     the scope and key run at once, across every worker (a slot, held from the body's
     start to its end; with rates or without). ``cost_after``: a callable over the body's
     result returning what the call really cost; the window then counts that instead of
-    ``cost`` (as :func:`celery_throttle.charge` in the body does).
+    ``cost`` (as :func:`celery_throttle.charge` in the body does). ``adapt``: the rates are
+    a ceiling, and the limit in force learns the downstream: lowered on each
+    :class:`~celery_throttle.Backoff` (a 429, a 503), raised again while none comes, shared by
+    every worker (``True``, or :class:`~celery_throttle.Adapt` for its floor and pace).
     Mistakes raise :class:`~celery_throttle.core.errors.ConfigurationError` here.
     """
     spec = ThrottleSpec.declare(rates, key=key, scope=scope, cost=cost, algorithm=algorithm,
-                                max_wait=max_wait, margin=margin, concurrency=concurrency, cost_after=cost_after)
+                                max_wait=max_wait, margin=margin, concurrency=concurrency, cost_after=cost_after,
+                                adapt=adapt)
 
     def decorate(obj: Any) -> Any:
         if isinstance(obj, PromiseProxy):

@@ -62,6 +62,7 @@ def as_dict(status: Any) -> dict[str, Any]:
         "running": status.running, "concurrency": status.concurrency,
         "live_replaces_all": status.live_replaces_all,
         "live_concurrency": status.live_concurrency,
+        "adaptive": adaptive_dict(status.adaptive),
         "rates": [{"rate": str(r.rate), "algorithm": r.algorithm, "used": r.used, "remaining": r.remaining,
                    "reset_at": iso(r.reset_at)} for r in status.rates],
     }
@@ -92,7 +93,8 @@ def status_table(found: list[Any], more: bool, parked: tuple[int, int, int], lis
         live = set(s.live_limit or ())
         # A row per stored rate, marked when a live limit sets it (or, set with --replace,
         # lifts it); a scope with only a control (a pause, a live limit) gets one row for it.
-        rows = [(f"{r.rate}{mark(r.rate, live, s.live_replaces_all)}", str(r.used), str(r.remaining),
+        rows = [(f"{r.rate}{mark(r.rate, live, s.live_replaces_all)}{adaptive_mark(s.adaptive)}", str(r.used),
+                 str(r.remaining),
                  clock(r.reset_at))
                 for r in s.rates] or [(", ".join(f"{r} (live)" for r in sorted(live)) or "-", "", "", "")]
         for i, (rate, used, left, resets) in enumerate(rows):
@@ -177,7 +179,32 @@ def whereabouts_lines(found: Any) -> list[str]:
         r = found.fullest
         lines.append(f"held by: the rate {r.rate} ({r.used} used, {r.remaining} left now, resets "
                      f"{when(r.reset_at)})")
+    if found.adaptive is not None:
+        lines.append(adaptive_line(found.adaptive))
     return lines
+
+
+def adaptive_mark(level: Any) -> str:
+    """A rate cell's mark for an adaptive throttle below its ceiling: " (adapt 35%)"."""
+    return "" if level is None or level.share >= 1.0 else f" (adapt {100 * level.share:.0f}%)"
+
+
+def adaptive_line(level: Any) -> str:
+    """Where an adaptive throttle stands, and why it moved."""
+    if level.pushback is None:
+        return "adaptive: at its declared rates (no pushback from its downstream lately)"
+    return (f"adaptive: at {100 * level.share:.0f}% of its declared rates; its downstream pushed back "
+            f"({level.pushback.reason}) {level.ago:.1f}s ago, at {100 * level.pushback.w_max:.0f}%, and it "
+            "rises again while none comes")
+
+
+def adaptive_dict(level: Any) -> dict[str, Any] | None:
+    if level is None:
+        return None
+    pushed = level.pushback
+    return {"share": round(level.share, 4),
+            "last_pushback": None if pushed is None else {"at": iso(pushed.at_us / 1e6), "share": pushed.w_max,
+                                                          "reason": pushed.reason}}
 
 
 def whereabouts_dict(found: Any) -> dict[str, Any]:
@@ -188,6 +215,7 @@ def whereabouts_dict(found: Any) -> dict[str, Any]:
         "estimated_start": None if found.start is None else iso(found.start), "worker": found.worker,
         "held_by_pause": found.held_by_pause,
         **pause_fields(found.paused_until),
+        "adaptive": adaptive_dict(found.adaptive),
         "fullest_rate": None if r is None else {"rate": str(r.rate), "used": r.used, "remaining": r.remaining,
                                                 "reset_at": iso(r.reset_at)},
         "line": None if found.where != "line" else {"place": found.place, "waiting": found.waiting,

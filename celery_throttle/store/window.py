@@ -31,7 +31,18 @@ class WindowOps(ScriptClient):
         parts = {algorithm: _window_parts(algorithm, self.policy, layout) for algorithm in ALGORITHMS}
         self.add_scripts({algorithm: "".join(text for _, text in p) for algorithm, p in parts.items()},
                          {algorithm: _line_map(p) for algorithm, p in parts.items()})
-        self.add_scripts({"index": lua("index.lua")})
+        self.add_scripts({"index": lua("index.lua"), "adapt": lua("adapt.lua")})
+
+    def lower(self, key: str, law: tuple[float, float, float], window_us: int, reason: str,
+              used: float = 1.0, unit: float = 0.0) -> tuple[float, float, bool]:
+        """An adaptive throttle's downstream refused a call (``unit``: its share of the
+        ceiling) with ``used`` (a share of the ceiling) of the key's starts in its window:
+        state key ``key``'s level goes down by ``law`` (floor, decrease, growth), once per
+        ``window_us``, and further ones in that window refine it (adapt.lua). Returns the
+        level in force before, after, and whether this call lowered it."""
+        before, after, lowered = self.run("adapt", [key], [self.now_arg(), ",".join(map(repr, law)), window_us,
+                                                           reason, repr(float(used)), repr(float(unit))])
+        return float(before), float(after), bool(lowered)
 
     # -- windows and lines -------------------------------------------------------------
     # One method per operation of window.lua (line.lua's header says what each does).

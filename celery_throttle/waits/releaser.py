@@ -24,6 +24,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..celery_parts.messages import resend
+from ..check.adaptive import gauge_levels
+from ..check.status import known_specs
 from ..core.errors import StoreError
 from ..core.keys import glob_escape, legacy_slot_index_key, legacy_slot_keys, line_index_key
 from .broker_parking import broker_parking
@@ -194,6 +196,7 @@ class Releaser(threading.Thread):
             if self.ctl.metrics.enabled and now - self._gauged_at >= GAUGE_EVERY:
                 self._gauged_at = now
                 self.ctl.metrics.parked_waiting(self.ctl.lines.total_waiting() + self.ctl.parking.parked_count()[0])
+                gauge_levels(self.ctl.store, known_specs(self.ctl.app, self.ctl.checker.rule_for), self.ctl.metrics)
             self._chores_outage.ok()
         except StoreError as exc:
             self._chores_outage.failed(exc)

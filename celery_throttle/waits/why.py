@@ -61,6 +61,8 @@ class Whereabouts:
     paused_until: float | None = None
     #: The fullest rate of its scope and key now.
     fullest: RateStatus | None = None
+    #: An adaptive throttle's level now, or None.
+    adaptive: Any = None
     #: Workers that answered (for a task no store or worker holds).
     workers_asked: int = 0
     #: Waiting in a line: its place (1: next), the tasks waiting, the slots held and the
@@ -139,6 +141,7 @@ def explain(ctl: Throttle, task_id: str, timeout: float = REPLY_TIMEOUT) -> Wher
         status = ctl.status(*named)
         out.paused_until = status.paused_until
         out.fullest = min(status.rates, key=lambda r: (r.remaining, -r.reset_at), default=None)
+        out.adaptive = status.adaptive
         out.running, out.waiting, out.concurrency = status.running, status.waiting, status.concurrency
         if out.where == "line" and out.place is not None:
             out.start = status.estimate(out.place)

@@ -12,7 +12,7 @@
 --
 -- KEYS[1]  hash: the state of every rate of this (scope, key), one field per rate (named
 --          by the caller), and 'e' (epoch), 'd' and 'v' (the learnt dispatch delay and its
---          deviation), 'f' (format)
+--          deviation), 'f' (format), 'A' (an adaptive throttle's last pushback)
 -- KEYS[2]  hash: the line's own counts (line.lua says which)
 -- KEYS[3]  sorted set: the line, entry -> its place (FIFO)
 -- KEYS[4]  hash: entry -> its message, and entry .. '#' -> what it is (line.lua)
@@ -33,7 +33,9 @@
 -- ARGV[7]  a running body's slot lease (µs): a holder that does not renew it loses it
 -- ARGV[8]  lead (µs) while nothing is learnt: how long before its start a task is released
 -- ARGV[9]  number of rates, then ARGV[10..]: limit, period (µs) and field name per rate
---          (a field named 'name.unit' counts that unit)
+--          (a field named 'name.unit' counts that unit). An adaptive throttle's count is
+--          followed by its law, '2;floor,decrease,growth' (core/adapt.py): each limit is
+--          then in force at the share of it field 'A' of KEYS[1] says (adapt.lua writes it)
 -- ARGV[10 + 3 * rates ..]  the operation's own (line.lua)
 --
 -- Replies (times in µs of the Redis clock; protocol.WindowReply names each):
@@ -52,7 +54,9 @@ local op = ARGV[2]
 local slack, not_before = tonumber(ARGV[4]), tonumber(ARGV[5])
 local concurrency, slot_lease, lead_default = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 if not_before <= now then not_before = 0 end  -- a pause that is over changes nothing
-local n_rates, fields = tonumber(ARGV[9]), {'e', 'd', 'v', 'f'}
+local n_rates, adapt_law = string.match(ARGV[9], '^(%d+);?(.*)$')
+local fields = {'e', 'd', 'v', 'f'}
+n_rates = tonumber(n_rates)
 -- The operation's own arguments start here.
 local P = 10 + 3 * n_rates
 -- The cost: `cost` of every rate, or (rates of different units) `costs[i]` of rate i.
@@ -64,6 +68,7 @@ if cost == nil then
 end
 
 for i = 1, n_rates do fields[4 + i] = ARGV[9 + 3 * i] end
+if adapt_law ~= '' then fields[5 + n_rates] = 'A' end
 local stored = redis.call('HMGET', key, unpack(fields))
 if stored[1] and stored[4] and tonumber(stored[4]) ~= STATE_FORMAT then
   -- Written in another format (a later version's, and the deploy rolled back): not read
@@ -73,6 +78,33 @@ if stored[1] and stored[4] and tonumber(stored[4]) ~= STATE_FORMAT then
 end
 -- HMGET answers false for a missing field.
 local epoch = stored[1] or nil
+
+-- Each rate's limit in force: the caller's, or an adaptive throttle's at the share of it
+-- its last pushback leaves now (core/adapt.py's level and scaled_limit, the same sums:
+-- tests/test_adapt_script.py holds the two to each other), at least the call's own units.
+local limits = {}
+for i = 1, n_rates do limits[i] = tonumber(ARGV[7 + 3 * i]) end
+if adapt_law ~= '' and stored[5 + n_rates] then
+  local floor_, decrease, growth = string.match(adapt_law, '^([^,]+),([^,]+),([^,]+)$')
+  local w_max, at = string.match(stored[5 + n_rates], '^([^,]+),(%d+)')
+  floor_, decrease, growth, w_max, at = tonumber(floor_), tonumber(decrease), tonumber(growth), tonumber(w_max),
+    tonumber(at)
+  if floor_ and decrease and growth and w_max and at then
+    local window = nil
+    for i = 1, n_rates do
+      local p = tonumber(ARGV[8 + 3 * i])
+      if window == nil or p < window then window = p end
+    end
+    w_max = math.max(w_max, floor_)
+    local t = math.max(now - at, 0) / math.max(window, 1)
+    local k = ((1.0 - decrease) / growth) ^ (1.0 / 3.0)
+    local level = math.min(1.0, math.max(floor_, w_max * (1.0 + growth * (t - k) ^ 3)))
+    for i = 1, n_rates do
+      local least = costs and costs[i] or cost
+      limits[i] = math.min(limits[i], math.max(least, math.floor(limits[i] * level)))
+    end
+  end
+end
 local delay = stored[2] and tonumber(stored[2]) or nil
 local jitter = stored[3] and tonumber(stored[3]) or nil
 
@@ -124,7 +156,7 @@ if fast_entry and n_rates > 0 and not_before == 0 and concurrency == 0
   local function pass(n, latest)
     local p = {clear = 0, rooms = {}, sets = {}}
     for i = 1, n_rates do
-      local limit, period = tonumber(ARGV[7 + 3 * i]), tonumber(ARGV[8 + 3 * i])
+      local limit, period = limits[i], tonumber(ARGV[8 + 3 * i])
       local c = costs and costs[i] or cost
       local u = n > 0 and (costs and n * c or n) or c
       if u > limit then return n > 0 and false or nil end  -- (the call alone: TOO_COSTLY)
@@ -182,7 +214,7 @@ local rates = {}
 local shortest, half_pace = nil, nil
 for i = 1, n_rates do
   local field = fields[4 + i]
-  local r = {limit = tonumber(ARGV[7 + 3 * i]), period = tonumber(ARGV[8 + 3 * i]), field = field,
+  local r = {limit = limits[i], period = tonumber(ARGV[8 + 3 * i]), field = field,
              unit = string.match(field, '%.([%a_][%w_]*)$') or '', cost = costs and costs[i] or cost,
              dirty = false}
   if shortest == nil or r.period < shortest then shortest = r.period end
