@@ -1,298 +1,200 @@
 """``python -m bench [--quick] [--only NAME]``: the celery_throttle benchmark.
 
-Sections: ``burst`` (1 violation, 2 makespan, 3 re-sends, 4 naive baselines, and the
-chart), ``cost`` (5 check cost), ``overhead`` (6), ``memory`` (7), ``long`` (8 long waits),
-``backlog`` (9 deep backlog cost, on a redis-server of its own), ``neighbour`` (10 noisy
-neighbour), ``api429`` (11 429s from a real rate-limited API: Flask-Limiter under gunicorn),
-``rpt`` (12 Redis per task, from usual producers, each run on a redis-server of its own),
-``slow`` (13 a store 100 ms away, behind a delaying proxy), ``concurrency`` (14 slots: a
-tenant's flood beside another, Redis per task, a SIGKILLed holder's slot reclaimed), ``llm``
-(15 an LLM-style API limiting requests and tokens: estimates, settling, Celery's rate_limit),
-``llmsweep`` (15b the same API per 10 s, calls of 0-3 s, against the fastest compliant
-makespan: the throttle settled, Celery's rate_limit, a by-hand ``limits`` check).
-Starts its own workers against the local Redis (dbs 10 and 11, which it owns; not touched
-when only ``rpt`` runs), prints a table, writes bench/out/ (results.md, results.json,
-chart.png, worker logs). A full run also writes bench/results.md and bench/chart.png, to
-commit.
+Sections (CONTRIBUTING.md, "Benchmarks"): burst (1-4: violation, makespan, re-sends, the naive
+baselines and Celery's rate_limit, the chart), backlog (9: a deep line), neighbour (10), api429
+(11), rpt (12: Redis per task), slow (13: a store 100 ms away), concurrency (14), llm (15),
+llmsweep (15b), deferral (capacity after the deferral), controls, journal, units. Each runs on
+redis-servers of its own and writes bench/out/ (results.md, results.json, chart.png, worker
+logs); a run at full scale (no --quick) also writes its rows of the headline table and its
+own table into bench/results.json, and bench/results.md from it (and bench/chart.png).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
+import json
+import os
 import shutil
+import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.common import BENCH_DIR, OUT_DIR, Results, broker_client, delete_prefix, new_prefix, store_client
+from bench.common import BENCH, MET, MISSED, OUT, ROOT, Results
 
-SECTIONS = ("burst", "cost", "overhead", "memory", "long", "backlog", "neighbour", "api429", "rpt", "slow",
-            "concurrency", "llm", "llmsweep")
-#: Sections that use only servers of their own: a run of these alone leaves the local
-#: Redis's databases 10 and 11 alone.
-OWN_SERVERS = frozenset({"rpt", "concurrency", "llm", "llmsweep"})
-ALIASES = {"1": "burst", "2": "burst", "3": "burst", "4": "burst", "violation": "burst",
-           "makespan": "burst", "resends": "burst", "naive": "burst", "chart": "burst",
-           "5": "cost", "checks": "cost", "6": "overhead", "7": "memory", "8": "long",
-           "long-waits": "long", "9": "backlog", "deep-backlog": "backlog", "10": "neighbour",
-           "neighbor": "neighbour", "noisy-neighbour": "neighbour", "11": "api429", "api": "api429",
-           "429": "api429", "429s": "api429", "12": "rpt", "redis-per-task": "rpt", "per-task": "rpt",
-           "13": "slow", "slow-store": "slow", "14": "concurrency", "slots": "concurrency", "15": "llm",
-           "tokens": "llm", "15b": "llmsweep", "issue26": "llmsweep"}
+#: name -> (module, function, aliases); the order of a full run.
+SECTIONS = {
+    "burst": ("bench.bursts", "run_burst", ("1", "2", "3", "4", "violation", "makespan", "chart")),
+    "backlog": ("bench.after_deferral", "run_backlog", ("9", "depth", "deep-line")),
+    "neighbour": ("bench.neighbour", "run_neighbour", ("10", "neighbor")),
+    "api429": ("bench.api429", "run_api429", ("11", "api", "429")),
+    "rpt": ("bench.redis_per_task", "run_rpt", ("12", "redis-per-task")),
+    "slow": ("bench.bursts", "run_slow", ("13", "slow-store")),
+    "concurrency": ("bench.neighbour", "run_slots", ("14", "slots")),
+    "llm": ("bench.llm", "run_llm", ("15", "tokens")),
+    "llmsweep": ("bench.llm", "run_sweep", ("15b", "issue26")),
+    "deferral": ("bench.after_deferral", "run_rows", ("rows", "after-deferral")),
+    "controls": ("bench.after_deferral", "run_controls", ()),
+    "journal": ("bench.after_deferral", "run_journal", ()),
+    "units": ("bench.units_calls", "run_units", ("units-calls",)),
+}
+ALIASES = {alias: name for name, (_, _, aliases) in SECTIONS.items() for alias in aliases}
 
 
 @dataclass(frozen=True)
 class Scale:
     """How big each section runs."""
 
-    rate: str
-    burst_tasks: int
-    overhead_tasks: int
-    overhead_rounds: int
-    cost_seconds: float
-    cost_rounds: int
-    memory_limits: tuple[int, ...]
-    tenants: int
-    long_tasks: int
-    long_window: int
-    #: Reservations outstanding on one key, for the deep-backlog cost.
-    backlog_depths: tuple[int, ...]
-    #: Fitting calls per round, and rounds, against the peers.
-    fit_calls: int
-    fit_rounds: int
-    #: Tasks of one key sent at once, end to end.
-    backlog_tasks: int
-    #: Tenant A's flood sizes in the noisy-neighbour run.
-    floods: tuple[int, ...]
-    #: API 429s: tasks per batch, the margins tried, the servers (bench.api429.SERVERS
-    #: keys) that also get cold runs.
-    api_tasks: int
-    api_margins: tuple[float, ...]
-    api_cold: tuple[str, ...]
-    #: Tenant a's floods in the concurrency section.
-    slot_floods: tuple[int, ...]
-    #: Calls sent at once per client in the LLM section.
-    llm_calls: int
-    #: Calls per client, and the latencies swept, in section 15b.
+    rate: str = "25/s"
+    burst_tasks: int = 250
+    depths: tuple[int, ...] = (100, 1_000, 10_000, 100_000)
+    floods: tuple[int, ...] = (1_000, 10_000, 100_000)
+    #: API 429s: tasks per batch, the margins tried beside the default, the servers with cold runs.
+    api_tasks: int = 150
+    api_margins: tuple[float, ...] = (0.0, 0.05, 0.1)
+    api_cold: tuple[str, ...] = ("moving", "fixed", "jitter")
+    rpt_sizes: tuple[int, ...] = (1_000, 10_000, 100_000)
+    slow_rounds: int = 3
+    slot_floods: tuple[int, ...] = (200, 2_000)
+    llm_calls: int = 100
     sweep_calls: int = 120
     sweep_latencies: tuple[float, ...] = (0.0, 1.0, 2.0, 3.0)
+    deferral_runs: int = 3
+    pauses: tuple[int, ...] = (100, 5_000, 50_000)
+    journaled: tuple[int, ...] = (1_000, 10_000, 100_000)
+    units: tuple[int, ...] = (1_000, 10_000)
+    quick: bool = False
 
 
-FULL = Scale("25/s", 250, 700, 5, 0.5, 6, (10, 1000, 100000), 100000, 20000, 150,
-             backlog_depths=(100, 1000, 10000, 100000), fit_calls=15000, fit_rounds=3,
-             backlog_tasks=3000, floods=(1000, 10000, 100000), api_tasks=150,
-             api_margins=(0.0, 0.05, 0.1), api_cold=("moving", "fixed", "jitter"), slot_floods=(200, 2000),
-             llm_calls=100)
-QUICK = Scale("20/s", 100, 400, 2, 0.25, 2, (10, 1000, 10000), 10000, 2000, 20,
-              backlog_depths=(100, 1000, 10000), fit_calls=5000, fit_rounds=2,
-              backlog_tasks=1000, floods=(1000, 10000), api_tasks=50, api_margins=(0.05,),
-              api_cold=("moving",), slot_floods=(200,), llm_calls=60, sweep_calls=60, sweep_latencies=(0.0, 3.0))
+FULL = Scale()
+QUICK = Scale("20/s", 100, (100, 1_000, 10_000), (1_000, 10_000), 50, (0.05,), ("moving",), (1_000,), 1, (200,),
+              60, 60, (0.0, 3.0), 1, (100, 5_000), (1_000,), (1_000,), quick=True)
+
+#: The headline table (README, "Benchmark"): its rows, and its columns.
+HEADLINE = {
+    "window": "most starts in any window / limit",
+    "makespan": "first-to-last start / ideal (target ≤ 1.05; the issue's ≤ 1.02)",
+    "resends": "re-sends per task (target ≤ 0.95; ideal 0.90)",
+    "aligned": "most starts in an aligned window / limit",
+    "neighbour": "another tenant behind a flood of 1 000 / 10 000 / 100 000 sent first, p50",
+    "api429": "429s per 100 tasks from a `10/s` moving-window API (warm)",
+    "rpt": "far under the limit, 100 000 / 10 000 / 1 000 tasks: script calls, Redis CPU / plain Celery "
+           "(target ≤ 0.5, ≤ 1.3×)",
+    "slots": "`concurrency=4` per tenant: b beside a's 2 000-task flood, p50 start (plain Celery in the last column)",
+    "llm": 'an LLM API\'s requests and tokens: 429s per 100, makespan / ideal (`cost={"tokens": 450}`, '
+           "`charge(tokens=n)`)",
+    "llmsweep": "the same per 10 s, calls of 0 / 1 / 2 / 3 s: 429s per 100, makespan / fastest compliant",
+}
+COLUMNS = ("sliding", "fixed", "naive fixed (seed)", "naive sliding log", "Celery `rate_limit`")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small scale, 1-2 minutes")
+    p.add_argument("--quick", action="store_true", help="small scale, the sections' quickest runs")
     p.add_argument("--only", action="append", default=[], metavar="NAME",
-                   help=f"run only this section (repeatable): {', '.join(SECTIONS)} or 1-15, 15b")
+                   help=f"run only this section (repeatable): {', '.join(SECTIONS)}")
     args = p.parse_args(argv)
-    chosen = []
-    for item in args.only:
-        for name in item.split(","):
-            name = ALIASES.get(name.strip().lower(), name.strip().lower())
-            if name not in SECTIONS:
-                p.error(f"unknown section {name!r}: use one of {', '.join(SECTIONS)} or 1-15")
-            chosen.append(name)
+    chosen = [ALIASES.get(n.strip().lower(), n.strip().lower()) for item in args.only for n in item.split(",")]
+    for name in chosen:
+        if name not in SECTIONS:
+            p.error(f"unknown section {name!r}: use one of {', '.join(SECTIONS)}")
     args.sections = [s for s in SECTIONS if s in chosen] if chosen else list(SECTIONS)
     return args
-
-
-def _guard(res: Results, section: str, fn: Any, *a: Any) -> Any:
-    """Run one section; a failure becomes a row and the run goes on."""
-    try:
-        return fn(*a)
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:
-        res.add(section, "section failed", "-", f"{type(exc).__name__}: {exc}"[:200], "", False)
-        res.notes.append(f"{section} failed:\n{traceback.format_exc()[-1500:]}")
-        return None
-
-
-def _clean(prefix: str | None = None) -> None:
-    """Databases 10 and 11 are the bench's own: emptied at start and end."""
-    for client in (store_client(), broker_client()):
-        if prefix:
-            delete_prefix(client, prefix)
-        client.flushdb()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     scale = QUICK if args.quick else FULL
-    full_run = not args.quick and not args.only
-    command = "python -m bench" + (" --quick" if args.quick else "")
-    command += "".join(f" --only {s}" for s in args.only)
-    prefix = new_prefix()
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(OUT_DIR / "logs", ignore_errors=True)
-    shared = not set(args.sections) <= OWN_SERVERS
-    if shared:
-        _clean()
-    res = Results()
-    started = time.time()
-    groups: list[Any] = []
+    command = "python -m bench" + (" --quick" if args.quick else "") + "".join(f" --only {s}" for s in args.only)
+    shutil.rmtree(OUT / "logs", ignore_errors=True)
+    res, started = Results(), time.time()
     try:
-        if "burst" in args.sections or "overhead" in args.sections:
-            from bench.workers import WorkerGroup
-
-            group = WorkerGroup(prefix, "main", env={"CB_RATE": scale.rate, "CB_TRACE": "1"})
-            groups.append(group)
-            print(f"starting 2 workers x 2 processes ({prefix}) ...", flush=True)
-            group.start()
-            # Overhead first: Celery's rate_limit run (last of the bursts) can leave tasks
-            # behind in the workers, which stopping the group then discards.
-            if "overhead" in args.sections:
-                _guard(res, "6 overhead", _overhead, res, group, scale)
-                # Let the workers finish with the 10 000 tasks just run (their garbage
-                # collections included) before a burst measures dispatch timing.
-                time.sleep(5)
-            if "burst" in args.sections:
-                _guard(res, "1-4 burst", _burst, res, group, scale)
-            group.stop()
-            groups.remove(group)
-        if "cost" in args.sections:
-            from bench.checks import run_checks
-
-            print("check cost ...", flush=True)
-            _guard(res, "5 check cost", run_checks, res, prefix, scale.cost_seconds, scale.cost_rounds)
-        if "memory" in args.sections:
-            from bench.memory import run_memory
-
-            print("memory ...", flush=True)
-            _guard(res, "7 memory", run_memory, res, prefix, scale.memory_limits, scale.tenants)
-        if "long" in args.sections:
-            from bench.scenarios import run_long_wait
-
-            print(f"long waits: {scale.long_tasks} tasks ...", flush=True)
-            _guard(res, "8 long waits", run_long_wait, res, prefix, scale.long_tasks, scale.long_window,
-                   args.quick)
-        if "backlog" in args.sections:
-            from bench.backlog import SEC as LINE_SEC
-            from bench.backlog import run_deep_line
-
-            print("deep line ...", flush=True)
-            _guard(res, LINE_SEC, run_deep_line, res, prefix, scale.backlog_depths)
-        if "neighbour" in args.sections:
-            from bench.neighbour import run_neighbour
-
-            print(f"noisy neighbour: floods of {', '.join(f'{n:,}' for n in scale.floods)} ...", flush=True)
-            _guard(res, "10 noisy neighbour", run_neighbour, res, prefix, scale.floods)
-        if "api429" in args.sections:
-            from bench.api429 import SEC as API_SEC
-            from bench.api429 import run_api429
-
-            print(f"API 429s: batches of {scale.api_tasks} tasks against Flask-Limiter at 10 per 1 second "
-                  "under gunicorn ...", flush=True)
-            _guard(res, API_SEC, run_api429, res, prefix, scale.api_tasks, scale.api_margins, scale.api_cold,
-                   args.quick)
-        if "rpt" in args.sections:
-            from bench.redis_per_task import run_redis_per_task
-
-            print("Redis per task: usual producers, a redis-server of its own per run ...", flush=True)
-            _guard(res, "12 Redis per task", run_redis_per_task, res, args.quick)
-        if "slow" in args.sections:
-            from bench.slow_store import run_slow_store
-
-            print("slow store: a burst with the store 0 and 100 ms away ...", flush=True)
-            _guard(res, "13 slow store", run_slow_store, res, prefix, 1 if args.quick else 3)
-        if "concurrency" in args.sections:
-            from bench.concurrency import SEC as SLOTS_SEC
-            from bench.concurrency import run_concurrency
-
-            print("concurrency: K=4 per tenant, 2 workers x 4 processes, a redis-server of its own per run ...",
-                  flush=True)
-            _guard(res, SLOTS_SEC, run_concurrency, res, prefix, scale.slot_floods)
-        if "llm" in args.sections:
-            from bench.llm import SEC as LLM_SEC
-            from bench.llm import run_llm
-
-            print(f"LLM API: {scale.llm_calls} calls at once per client against 60 requests and 10 000 tokens "
-                  "a minute, the clients side by side, a redis-server of its own each ...", flush=True)
-            _guard(res, LLM_SEC, run_llm, res, prefix, scale.llm_calls)
-        if "llmsweep" in args.sections:
-            from bench.llm import SWEEP_SEC, run_sweep
-
-            print(f"LLM sweep: {scale.sweep_calls} calls at once per client against 20 requests and 4 000 tokens "
-                  f"per 10 s, calls of {', '.join(f'{x:g}' for x in scale.sweep_latencies)} s, the 3 clients side by "
-                  "side, a redis-server of its own each ...", flush=True)
-            _guard(res, SWEEP_SEC, run_sweep, res, prefix, scale.sweep_calls, scale.sweep_latencies)
+        for name in args.sections:
+            module, function, _ = SECTIONS[name]
+            section(res, name, getattr(importlib.import_module(module), function), scale)
     except KeyboardInterrupt:
         res.notes.append("interrupted")
-    finally:
-        from bench.workers import stop_all
-
-        stop_all(groups)
-        if shared:
-            _clean(prefix)
-    elapsed = time.time() - started
-    _finish(res, command, elapsed, full_run)
+    finish(res, command, time.time() - started, keep=not args.quick)
     return 0
 
 
-def _burst(res: Results, group: Any, scale: Scale) -> None:
-    from bench.chart import draw
-    from bench.scenarios import BURST_VARIANTS, report_bursts, run_burst
-
-    runs = []
-    for variant, task in BURST_VARIANTS:
-        print(f"burst: {variant}, {scale.burst_tasks} tasks at {scale.rate} ...", flush=True)
-        runs.append(run_burst(group, variant, task, scale.burst_tasks, scale.rate))
-    report_bursts(res, runs)
-    _trace_notes(res, group, runs)
-    res.series["burst"] = {r.variant: {"times": r.times, "limit": r.limit, "window": r.window} for r in runs}
-    title = (f"{scale.burst_tasks} tasks sent at once, limit {scale.rate}, "
-             "2 workers x 2 prefork processes")
-    draw(res.series["burst"], OUT_DIR / "chart.png", title)
-
-
-def _trace_notes(res: Results, group: Any, runs: list[Any]) -> None:
-    """How late denied tasks came back, from the traced denials (celery_throttle only)."""
-    from bench.scenarios import return_lateness
-
-    for run in runs:
-        if run.variant not in ("sliding", "fixed"):
-            continue
-        stats = return_lateness(group, f"burst-{run.variant}")
-        if stats:
-            res.add("3 re-sends", "return after due: p50 / p90 / max", run.variant,
-                    " / ".join(f"{x * 1000:.0f} ms" for x in stats[1:]), "", None,
-                    f"first-round denials took {stats[0]:.2f}s")
+def section(res: Results, name: str, run: Any, *args: Any) -> None:
+    """Run one section; a failure is a row, and the run goes on. Its rows lead its tables."""
+    print(f"== {name} ...", flush=True)
+    first = len(res.rows)
+    try:
+        run(res, *args)
+    except Exception as exc:  # noqa: BLE001 - a failed section is a row, the run goes on
+        res.add(name, "section failed", "-", f"{type(exc).__name__}: {exc}"[:200], "", False)
+        res.notes.append(f"{name} failed:\n{traceback.format_exc()[-1500:]}")
+    cells = [(r.section, r.metric, r.variant, r.value, r.target, {MET: "met", MISSED: "**missed**"}.get(r.status, ""),
+              r.note) for r in res.rows[first:]]
+    if cells:
+        res.tables.setdefault(name, []).insert(0, "\n".join(
+            ["| Section | Metric | Variant | Value | Target | Status | Note |", "|---|---|---|---|---|---|---|"]
+            + ["| " + " | ".join(str(x).replace("|", "/") for x in row) + " |" for row in cells]))
 
 
-def _overhead(res: Results, group: Any, scale: Scale) -> None:
-    from bench.scenarios import report_overhead, run_overhead
+def commit() -> str:
+    """The checked-out commit, and whether celery_throttle/ differs from it."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+    if os.environ.get("BENCH_COMMIT"):  # (a run from a `git archive` of that commit)
+        return os.environ["BENCH_COMMIT"]
+    return git("rev-parse", "--short", "HEAD") + (" + changes" if git("status", "--porcelain", "celery_throttle") else "")
 
-    print(f"overhead: {scale.overhead_tasks} no-op tasks x {scale.overhead_rounds} rounds ...", flush=True)
-    rates = run_overhead(group, scale.overhead_tasks, scale.overhead_rounds)
-    report_overhead(res, rates, scale.overhead_tasks)
+
+def finish(res: Results, command: str, elapsed: float, keep: bool) -> None:
+    """Print the rows, write bench/out/; ``keep``: the headline cells and the sections' tables into
+    bench/results.json, and bench/results.md (and the chart) from it."""
+    when = dt.datetime.now().isoformat(timespec="minutes")
+    import celery
+    import redis
+
+    head = (f"`{command}`, {when}, {elapsed:.0f} s, at `{commit()}`; {os.cpu_count()} CPU cores, Python "
+            f"{sys.version.split()[0]}, Celery {celery.__version__}, redis-py {redis.__version__}")
+    text = "\n".join([f"# {command}", "", head] + [t for name, ts in res.tables.items()
+                                                     for t in ("", f"## {name}", "", "\n\n".join(ts))]
+                     + [""] + [f"- {n}" for n in res.notes])
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "results.md").write_text(text + "\n", encoding="utf-8")
+    (OUT / "results.json").write_text(json.dumps({"head": head, "rows": [asdict(r) for r in res.rows],
+                                                  "notes": res.notes, "tables": res.tables, "series": res.series},
+                                                 indent=1, default=str), encoding="utf-8")
+    print(text, flush=True)
+    if not keep:
+        return
+    path = BENCH / "results.json"
+    kept = json.loads(path.read_text("utf-8")) if path.exists() else {"rows": {}, "tables": {}}
+    source = f"`{command}`, {when[:10]}, `{commit()}`"
+    for row, cells in res.headline.items():
+        kept["rows"][row] = {"cells": cells, "source": source}
+    for section, tables in res.tables.items():
+        kept["tables"][section] = {"source": f"{head}", "text": "\n\n".join(tables)}
+    path.write_text(json.dumps(kept, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    render(kept)
+    if (OUT / "chart.png").exists() and "window" in res.headline:
+        shutil.copyfile(OUT / "chart.png", BENCH / "chart.png")
 
 
-def _finish(res: Results, command: str, elapsed: float, full_run: bool) -> None:
-    from bench import report
-
-    meta = {"command": command, "when": dt.datetime.now().isoformat(timespec="seconds"),
-            "elapsed_s": elapsed, "machine": report.machine(), "commit": report.commit()}
-    report.print_table(res, f"{command} — {elapsed:.0f} s")
-    paths = [OUT_DIR / "results.md"] + ([BENCH_DIR / "results.md"] if full_run else [])
-    report.write(res, meta, paths)
-    report.write_json(res, meta, OUT_DIR / "results.json")
-    chart = OUT_DIR / "chart.png"
-    if full_run and chart.exists() and "burst" in res.series:
-        shutil.copyfile(chart, BENCH_DIR / "chart.png")
-    print(f"wrote {', '.join(str(p) for p in paths)}" + (f", {chart}" if chart.exists() else ""))
+def render(kept: dict[str, Any]) -> None:
+    """bench/results.md from bench/results.json."""
+    lines = ["# Benchmark results", "",
+             "Generated by `python -m bench` from `bench/results.json`: a run of a section at full scale (not",
+             "`--quick`) replaces its rows and its table, each row naming the run it is from. What each section",
+             "measures: CONTRIBUTING.md, \"Benchmarks\"; the lab notes of earlier runs: docs/bench-notes.md.", "",
+             f"| figure | {' | '.join(COLUMNS)} | measured by |", "|---" * (len(COLUMNS) + 2) + "|"]
+    for row, figure in HEADLINE.items():
+        got = kept["rows"].get(row)
+        if got:
+            lines.append(f"| {figure} | {' | '.join(got['cells'].get(c, '–') for c in COLUMNS)} | {got['source']} |")
+    for section, table in kept["tables"].items():
+        lines += ["", f"## {section}", "", table["source"], "", table["text"]]
+    (BENCH / "results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -1,54 +1,37 @@
-"""Shared pieces of the benchmark: where things live, results, window arithmetic.
-
-The bench owns Redis databases 10 (window state, records) and 11 (Celery broker) on the
-local server; every key it writes starts with a per-run prefix ``ct-bench-<hex>``.
+"""What the sections share: the results, workers of bench/app.py (the tests' harness), a
+usual producer, a server's own counts, the fake APIs' HTTP server. Each section runs on
+redis-servers of its own (tests/harness.py's ``redis_server``): db 0 the store and the
+notes, db 1 the broker, unless it says otherwise.
 """
 
 from __future__ import annotations
 
+import json
 import math
-import os
+import subprocess
+import sys
+import threading
 import time
 import uuid
-from bisect import bisect_left
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import redis
 
+from tests.harness import AppWorkers
+
 ROOT = Path(__file__).resolve().parent.parent
-BENCH_DIR = Path(__file__).resolve().parent
-OUT_DIR = BENCH_DIR / "out"
-
-REDIS_HOST = "127.0.0.1"
-REDIS_PORT = int(os.environ.get("CB_REDIS_PORT", "6379"))
-STORE_DB = 10
-BROKER_DB = 11
-STORE_URL = f"redis://{REDIS_HOST}:{REDIS_PORT}/{STORE_DB}"
-BROKER_URL = f"redis://{REDIS_HOST}:{REDIS_PORT}/{BROKER_DB}"
-
+BENCH = ROOT / "bench"
+OUT = BENCH / "out"
 MET, MISSED, INFO = "met", "missed", "info"
-
-
-def new_prefix() -> str:
-    """A key prefix of this run's own."""
-    return f"ct-bench-{uuid.uuid4().hex[:10]}"
-
-
-def store_client() -> redis.Redis:
-    return redis.Redis.from_url(STORE_URL, socket_timeout=30)
-
-
-def broker_client() -> redis.Redis:
-    return redis.Redis.from_url(BROKER_URL, socket_timeout=30)
 
 
 @dataclass
 class Row:
-    """One line of the results table."""
-
     section: str
     metric: str
     variant: str
@@ -60,141 +43,158 @@ class Row:
 
 @dataclass
 class Results:
-    """Everything a run measured: table rows, free-form notes, series for the chart, and
-    tables of a section's own (Markdown, printed and written after the main table)."""
+    """What a run measured: rows, notes, a section's own Markdown tables (by section), series
+    (bench/out/results.json) and the cells of the headline table (row -> column -> text)."""
 
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    tables: list[str] = field(default_factory=list)
+    tables: dict[str, list[str]] = field(default_factory=dict)
     series: dict[str, Any] = field(default_factory=dict)
+    headline: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def add(self, section: str, metric: str, variant: str, value: str, target: str = "",
             ok: bool | None = None, note: str = "") -> None:
-        status = INFO if ok is None else (MET if ok else MISSED)
-        self.rows.append(Row(section, metric, variant, value, target, status, note))
+        self.rows.append(Row(section, metric, variant, value, target, INFO if ok is None else MET if ok else MISSED,
+                             note))
+
+    def table(self, section: str, text: str) -> None:
+        self.tables.setdefault(section, []).append(text)
+
+    def cell(self, row: str, column: str, text: str) -> None:
+        self.headline.setdefault(row, {})[column] = text
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
-    """Poll ``predicate`` until truthy or ``timeout`` seconds; returns its last value."""
-    deadline = time.monotonic() + timeout
-    value = predicate()
-    while not value and time.monotonic() < deadline:
-        time.sleep(interval)
-        value = predicate()
-    return value
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] if ordered else math.nan
 
 
-def max_in_window(times: Sequence[float], window: float) -> int:
-    """Most starts in any half-open interval ``[t, t + window)``."""
-    ts = sorted(times)
-    best = 0
-    for i, t in enumerate(ts):
-        best = max(best, bisect_left(ts, t + window) - i)
-    return best
+def new_prefix(name: str = "") -> str:
+    return f"ct-bench-{name}{'-' if name else ''}{uuid.uuid4().hex[:8]}"
 
 
-def max_in_aligned(times: Iterable[float], window: float) -> int:
-    """Most starts in one aligned window ``[k * window, (k + 1) * window)``."""
-    counts: dict[int, int] = {}
-    for t in times:
-        k = math.floor(t / window)
-        counts[k] = counts.get(k, 0) + 1
-    return max(counts.values(), default=0)
+def urls(server: Any) -> tuple[str, str]:
+    """(store and notes, broker) on a redis-server of the section's own."""
+    return f"redis://127.0.0.1:{server.port}/0", f"redis://127.0.0.1:{server.port}/1"
 
 
-def ideal_makespan(tasks: int, limit: int, window: float) -> float:
-    """Shortest possible first-to-last start of ``tasks`` at ``limit`` per ``window``."""
-    return (math.ceil(tasks / limit) - 1) * window
+def workers(prefix: str, server: Any = None, *, store: str = "", broker: str = "", records: str | None = None,
+            **options: Any) -> AppWorkers:
+    """Workers of bench/app.py (2 x 2 prefork unless said) on ``server``'s store and broker."""
+    if server is not None:
+        store, broker = store or urls(server)[0], broker or urls(server)[1]
+    return AppWorkers("bench.app", prefix, broker, store, records=records, logs_to=OUT / "logs", **options)
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    i = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[i]
+def produce(group: AppWorkers, *sends: dict[str, Any], timeout: float = 1800, **env: str) -> list[dict[str, Any]]:
+    """bench/app.py's producer, a process of its own with the workers' settings (``env`` on top):
+    what it reports of each send."""
+    done = subprocess.run([sys.executable, "-m", "bench.app", json.dumps({"sends": list(sends)})], cwd=ROOT,
+                          env=group._environ() | env, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode:
+        raise RuntimeError(f"the producer failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return list(json.loads(done.stdout.strip().splitlines()[-1])["sends"])
 
 
-def fmt_num(x: float, digits: int = 2) -> str:
-    if math.isnan(x):
-        return "n/a"
-    if abs(x) >= 1000:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}f}"
+def spend(store: str, prefix: str, scope: str, keys: Sequence[str], rate: str) -> None:
+    """Spend each key's quota ``rate`` of ``scope``, as a call of the whole quota would."""
+    from celery import Celery
 
+    from celery_throttle import Throttle
+    from celery_throttle.core.rates import parse_rate
 
-def fmt_bytes(n: float) -> str:
-    if math.isnan(n):
-        return "n/a"
-    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def used_memory(client: redis.Redis) -> int:
-    """Redis ``used_memory`` (the whole server: other users' keys are in it too)."""
-    return int(client.info("memory")["used_memory"])
-
-
-def delete_prefix(client: redis.Redis, prefix: str, limit: int = 5_000_000) -> int:
-    """UNLINK every key starting with ``prefix`` (SCAN, bounded); returns how many."""
-    n = 0
-    batch: list[bytes] = []
-    for key in client.scan_iter(match=f"{prefix}*", count=2000):
-        batch.append(key)
-        if len(batch) >= 1000:
-            n += client.unlink(*batch)
-            batch.clear()
-        if n >= limit:
-            break
-    if batch:
-        n += client.unlink(*batch)
-    return n
-
-
-def limits_peers(url: str, prefix: str) -> list[tuple[str, str, Callable[[], Any]]]:
-    """The ``limits`` strategies as peers: (name, algorithm family, one hit that never
-    reaches its limit); none when ``limits`` is not installed."""
+    app = Celery("bench-spend", broker="memory://", set_as_current=False)
+    ctl = Throttle(app, {"redis_url": store, "key_prefix": prefix})
     try:
-        from limits import parse
-        from limits.storage import RedisStorage
-        from limits.strategies import (
-            FixedWindowRateLimiter,
-            MovingWindowRateLimiter,
-            SlidingWindowCounterRateLimiter,
-        )
-    except ImportError:
-        return []
-    storage = RedisStorage(url, key_prefix=f"{prefix}-limits")
-    item = parse("1000000/second")
-    out: list[tuple[str, str, Callable[[], Any]]] = []
-    for name, family, cls in (("limits FixedWindow", "fixed", FixedWindowRateLimiter),
-                              ("limits MovingWindow", "sliding", MovingWindowRateLimiter),
-                              ("limits SlidingWindowCounter", "sliding", SlidingWindowCounterRateLimiter)):
-        limiter = cls(storage)
-        ident = name.split()[-1]  # the strategies share key names: one each
-        out.append((name, family, lambda lim=limiter, i=ident: lim.hit(item, i)))
-    return out
-
-
-def import_configured(module: str, env: dict[str, str]) -> Any:
-    """Import a worker app ``module`` in this process (a producer), with ``env`` set as
-    its workers get it, then put the environment back. Finalizes the app, so every
-    throttled task is hooked as in a worker."""
-    import importlib
-
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        mod = importlib.import_module(module)
+        for key in keys:
+            if not ctl.acquire(scope, key=key, rates=rate, cost=parse_rate(rate).limit).allowed:
+                raise RuntimeError(f"could not spend {scope} {key}'s quota")
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    if any(getattr(mod, name, value) != value for name, value in
-           (("PREFIX", env.get("CB_PREFIX")), ("STORE", env.get("CB_STORE")))):
-        raise RuntimeError(f"{module} was imported earlier in this process with other settings")
-    _ = mod.app.tasks
-    return mod
+        ctl.close()
+
+
+@dataclass
+class Counts:
+    """A redis-server's own counts: script calls and their µs, every command, its CPU (s)."""
+
+    script_calls: int = 0
+    script_us: int = 0
+    commands: int = 0
+    cpu_s: float = 0.0
+
+    def __sub__(self, other: Counts) -> Counts:
+        return Counts(self.script_calls - other.script_calls, self.script_us - other.script_us,
+                      self.commands - other.commands, self.cpu_s - other.cpu_s)
+
+
+def counts(client: redis.Redis) -> Counts:
+    stats, cpu = client.info("commandstats"), client.info("cpu")
+    scripts = [stats.get(f"cmdstat_{name}") or {} for name in ("evalsha", "eval", "evalsha_ro", "eval_ro")]
+    return Counts(sum(int(s.get("calls", 0)) for s in scripts), sum(int(s.get("usec", 0)) for s in scripts),
+                  sum(int(v.get("calls", 0)) for v in stats.values() if isinstance(v, dict)),
+                  float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]))
+
+
+@dataclass
+class Arrival:
+    """A request as the API saw it: when, its answer, its task, its tokens, when it was answered."""
+
+    at: float
+    status: int
+    task_id: str
+    tokens: int = 0
+    answered: float = 0.0
+
+
+#: ``decide(path, query)`` -> (status, tokens, Retry-After s, seconds before a 200 is sent).
+Decide = Callable[[str, dict[str, str]], tuple[int, int, float, float]]
+
+
+class Api:
+    """A fake API: a stdlib HTTP server on a free loopback port, in a thread of the bench's own
+    process, so its limits are exact and global and its counts read without a store. Every
+    request is tallied by its ``label``; a 429 carries ``Retry-After`` (whole seconds)."""
+
+    def __init__(self, decide: Decide) -> None:
+        self.lock = threading.Lock()
+        self.tallies: dict[str, list[Arrival]] = {}
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # (http.server's name)
+                url = urlparse(self.path)
+                q = {k: v[0] for k, v in parse_qs(url.query).items()}
+                status, tokens, retry, latency = decide(url.path, q)
+                arrival = Arrival(time.time(), status, q.get("id", "-"), tokens)
+                with api.lock:
+                    api.tallies.setdefault(q.get("label", "-"), []).append(arrival)
+                if status == 200:
+                    time.sleep(latency)
+                body = json.dumps({"tokens": tokens}).encode()
+                self.send_response(status)
+                for name, value in (("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                                    *([("Retry-After", str(max(0, math.ceil(retry))))] if status == 429 else [])):
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(body)
+                arrival.answered = time.time() if status == 200 else 0.0
+
+            def log_message(self, format: str, *args: object) -> None:  # (http.server's names)
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def tally(self, label: str) -> list[Arrival]:
+        with self.lock:
+            return list(self.tallies.get(label, []))
+
+    def answered(self, label: str) -> set[str]:
+        """Task ids that got their 200."""
+        return {a.task_id for a in self.tally(label) if a.answered}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,294 +1,176 @@
-"""Section 10: a noisy neighbour.
+"""Sections 10 (a noisy neighbour) and 14 (concurrency slots): a tenant's flood beside another.
 
-Tenant A, whose quota (``100/h`` per tenant) is spent, sends a flood of N tasks; 3 s
-after the flood is sent, tenant B (quota untouched, same task, another key) sends 10.
-B's tasks should start within about a second whatever N. Two workers x 2 prefork
-processes consume one queue. Variants, each on fresh keys (labels of its own) and fresh
-workers, with the queue and the parked tasks cleared after it:
+10: tenant A, its quota (``100/h``) spent, sends a flood of N; 3 s after it is published,
+tenant B (same task, another key) sends 10, which should start within a second whatever N.
+2 workers x 2 prefork processes, a producer process (its sends checked at publish); the
+workers open the flood's queue once it is all published. Each variant on a redis-server of
+its own: celery_throttle; the same with ``throttle_check_at_publish = False``; no throttle
+(A's tasks run); the naive sliding log (re-sends itself with ``retry(countdown=...)``).
 
-* ``celery_throttle``: default settings. The producer is ``bench.workerapp`` itself,
-  imported in this process with the workers' settings (same store, prefix and
-  ``celery_throttle.install``), so a check at publish, where the package does one,
-  happens as in an application;
-* ``celery_throttle, check at publish off``: ``throttle_check_at_publish = False`` in
-  the producer and the workers: only the workers turn A's messages away;
-* ``no throttle``: the same no-op without a limit (A's tasks simply run);
-* ``naive sliding log``: bench/naive.py's limiter in the task, which re-sends itself with
-  ``retry(countdown=...)`` when denied (as the burst baselines do).
-
-The flood lands at once: this one process publishes about a thousand tasks a second,
-slower than the workers turn them away, so the workers open the flood's queue only once
-it is all published (as section 8 does). B's tasks go to the same queue, behind what is
-left of the flood.
-
-Reported per N: B's start latency (p50, max) from each B task's send; how long after
-the flood was published every A task had been turned away (denied once: the denial
-counter of the ``task_throttled`` signal, or the parked count, whichever is higher), or
-had run (no throttle); and how long publishing the flood took.
+14: K=4 per tenant, 2 workers x 4 prefork processes, bodies of 0.2 s, a producer process
+sending a's flood of N, then b's 20, on a redis-server of its own (broker and store: its
+counts are the run's alone): the most of a tenant at once (<= K), b's start latency (p50 <=
+1 s), a's makespan against N x 0.2 s / K, the utilisation, Redis per task. The same body not
+throttled is the baseline. Then a slot held by a SIGKILLed worker: freed after the lease.
 """
 
 from __future__ import annotations
 
-import threading
+import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
 from typing import Any
 
-from bench.common import (
-    BROKER_URL,
-    STORE_URL,
-    Results,
-    broker_client,
-    delete_prefix,
-    import_configured,
-    percentile,
-    store_client,
-)
-from bench.naive import NaiveLimiter
-from celery_throttle.core.config import Settings
-from celery_throttle.core.keys import parking_keys
-from celery_throttle.core.rates import parse_rate
+from bench.common import Results, counts, new_prefix, percentile, produce, spend, urls, workers
+from tests.harness import redis_server, waited
 
-SEC = "10 noisy neighbour"
-QUOTA = "100/h"
-B_TASKS = 10
-B_AFTER = 3.0
-B_TARGET = 1.0
-#: Floods this big run only for these variants (the section must stay short).
-BIG_FLOOD = 100_000
-BIG_VARIANTS = ("celery_throttle", "no throttle", "naive sliding log")
-#: The longest a run waits (s) for B's tasks and the end of the flood once it is published.
-MAX_WAIT = 150.0
+SEC, QUOTA, B_TASKS, B_AFTER, BIG = "10 noisy neighbour", "100/h", 10, 3.0, 100_000
+#: name, task, how A's quota is spent, CT_CHECK_AT_PUBLISH; the flood of 100 000 only for BIG_RUNS.
+VARIANTS = (("celery_throttle", "neighbour", "ours", "1"),
+            ("celery_throttle, check at publish off", "neighbour", "ours", "0"),
+            ("no throttle", "plain", None, "1"), ("naive sliding log", "neighbour_naive", "naive", "1"))
+BIG_RUNS = ("celery_throttle", "no throttle", "naive sliding log")
 
 
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    task: str  # in bench.workerapp
-    spend: str | None  # how A's quota is spent: "ours", "naive" or not at all
-    check_at_publish: bool | None = None  # None: the package's default
-
-    @property
-    def slug(self) -> str:
-        return {"celery_throttle": "ct", "celery_throttle, check at publish off": "ctoff",
-                "no throttle": "plain", "naive sliding log": "naive"}[self.name]
-
-
-VARIANTS = (
-    Variant("celery_throttle", "neighbour", "ours"),
-    Variant("celery_throttle, check at publish off", "neighbour", "ours", check_at_publish=False),
-    Variant("no throttle", "plain", None),
-    Variant("naive sliding log", "neighbour_naive", "naive"),
-)
-
-
-@dataclass
-class Run:
-    """What one flood of one variant gave."""
-
-    variant: str
-    flood: int
-    publish_s: float = float("nan")
-    #: Seconds from the flood's first send until every A task was turned away (or ran).
-    flood_done_s: float = float("nan")
-    turned: int = 0
-    #: A's tasks turned away by the producer, by the end of publishing.
-    at_publish: int = 0
-    b_latency: list[float] = field(default_factory=list)
-    #: Seconds waited after B's send, and after the flood was published.
-    waited: float = 0.0
-    watched: float = 0.0
-    errors: list[str] = field(default_factory=list)
+def neighbour_run(name: str, task: str, spent: str | None, check: str, flood: int) -> dict[str, Any]:
+    a, b = f"{task}-A", f"{task}-B"
+    with redis_server() as server:
+        store, _ = urls(server)
+        group = workers(new_prefix("nb"), server, env={"CT_CHECK_AT_PUBLISH": check, "BENCH_DENIALS": "1"})
+        try:
+            group.start()
+            if spent == "ours":
+                spend(store, group.prefix, f"bench.app.{task}", [a], QUOTA)
+            elif spent == "naive":  # the sliding log full: a member per start, now
+                log = f"{group.prefix}:naive-sliding:{a}"
+                group.records.zadd(log, {f"spent-{i}": time.time() * 1000 for i in range(100)})
+                group.records.expire(log, 3600)
+            flood_q = f"{group.queue}-flood"
+            sent = produce(group, {"task": task, "args": [a], "count": flood, "queue": flood_q, "pooled": True})[0]
+            turned = a if spent is None else None
+            done = (lambda: group.started(a)) if turned else (lambda: group.note(f"denied:{a}"))
+            at_publish = 0 if turned else done()
+            if group.consume(flood_q) < group.count:
+                raise RuntimeError("the workers did not open the flood's queue")
+            time.sleep(max(sent["last"] + B_AFTER - 1.5 - time.time(), 0))  # (the producer takes ~1.5 s to start)
+            b_sent = produce(group, {"task": task, "args": [b], "count": B_TASKS, "queue": flood_q, "ids": True})[0]
+            finished, deadline = sent["last"] if at_publish >= flood else None, time.time() + min(60 + flood * 0.004, 150)
+            while time.time() < deadline and not (finished and group.started(b) >= B_TASKS):
+                finished = finished or (time.time() if done() >= flood else None)
+                time.sleep(0.1)
+            at = dict(zip(b_sent["ids"], b_sent["times"]))
+            latency = sorted(s["t"] - at[s["id"]] for s in group.starts(b) if s["id"] in at)
+            return {"name": name, "flood": flood, "publish": sent["last"] - sent["first"], "latency": latency,
+                    "done": done(), "at_publish": at_publish, "errors": group.errors(),
+                    "flood_s": (finished - sent["last"]) if finished else None}
+        finally:
+            group.stop()
 
 
-def publish_check_supported() -> bool:
-    """Whether this celery_throttle has ``throttle_check_at_publish``."""
-    return "check_at_publish" in {f.name for f in fields(Settings)}
-
-
-def producer(prefix: str) -> Any:
-    """``bench.workerapp``, imported in this process configured like the workers."""
-    wa = import_configured("bench.workerapp", {
-        "CB_PREFIX": prefix, "CB_STORE": STORE_URL, "CB_BROKER": BROKER_URL, "CB_NEIGHBOUR_RATE": QUOTA,
-        "CB_QUEUE": f"{prefix}-neighbour-idle"})
-    if wa.NEIGHBOUR_RATE != QUOTA:
-        raise RuntimeError("bench.workerapp was imported earlier in this process with other settings")
-    return wa
-
-
-class _Watch(threading.Thread):
-    """Samples ``probe()`` every ``interval`` seconds: (time, *values)."""
-
-    def __init__(self, probe: Callable[[], tuple[int, ...]], interval: float = 0.1) -> None:
-        super().__init__(daemon=True)
-        self.probe = probe
-        self.interval = interval
-        self.samples: list[tuple[float, ...]] = []
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            self.samples.append((time.time(), *self.probe()))
-            self.done.wait(self.interval)
-
-    def first(self, index: int, at_least: int) -> float | None:
-        """When value ``index`` first reached ``at_least``."""
-        return next((s[0] for s in self.samples if s[index] >= at_least), None)
-
-
-def run_one(wa: Any, prefix: str, variant: Variant, flood: int, check_supported: bool) -> Run:
-    from bench.workers import WorkerGroup
-
-    run = Run(variant.name, flood)
-    tag = f"nb-{variant.slug}-{flood}"
-    a, b = f"{tag}-A", f"{tag}-B"
-    env = {"CB_NEIGHBOUR_RATE": QUOTA}
-    if check_supported:
-        flag = True if variant.check_at_publish is None else variant.check_at_publish
-        env["CB_CHECK_AT_PUBLISH"] = "1" if flag else "0"
-        import celery_throttle
-
-        celery_throttle.install(wa.app, check_at_publish=flag)
-    task = getattr(wa, variant.task)
-    quota = parse_rate(QUOTA)
-    records = store_client()
-    due, _, inflight = parking_keys(prefix)
-    group = WorkerGroup(prefix, tag, env=env)
-    try:
-        group.start()
-        if variant.spend == "ours":
-            spent = wa.ctl.acquire(task.name, key=a, rates=QUOTA, cost=quota.limit)
-            if not spent.allowed:
-                raise RuntimeError(f"could not spend {a}'s quota: {spent}")
-        elif variant.spend == "naive":
-            naive = NaiveLimiter(records, "sliding")
-            for i in range(quota.limit):
-                naive.hit(f"{prefix}:naive-sliding:{a}", quota.limit, quota.period, member=f"spent-{i}")
-
-        def probe() -> tuple[int, ...]:
-            pipe = records.pipeline(transaction=False)
-            pipe.get(f"{prefix}:denied:{a}")
-            pipe.zcard(due)
-            pipe.zcard(inflight)
-            pipe.llen(f"{prefix}:starts:{a}")
-            pipe.llen(f"{prefix}:starts:{b}")
-            denied, waiting, held, a_started, b_started = pipe.execute()
-            return max(int(denied or 0), int(waiting) + int(held)), int(a_started), int(b_started)
-
-        watch = _Watch(probe)
-        watch.start()
-        # The flood lands at once: the workers open its queue once it is all published
-        # (this one process publishes ~1 000 tasks/s, slower than the workers drain them).
-        queue = f"{group.queue}-flood"
-        t0 = time.time()
-        with wa.app.producer_or_acquire() as pub:
-            for _ in range(flood):
-                task.apply_async((a,), queue=queue, producer=pub)
-        t1 = time.time()
-        run.publish_s = t1 - t0
-        run.at_publish = probe()[0]  # turned away by the producer itself
-        print(f"  published {flood:,} in {run.publish_s:.1f}s", flush=True)
-        if group.consume(queue) < group.count:
-            raise RuntimeError(f"workers did not start consuming {queue}")
-        time.sleep(max(t1 + B_AFTER - time.time(), 0))
-        sent_at: dict[str, float] = {}
-        with wa.app.producer_or_acquire() as pub:
-            for _ in range(B_TASKS):
-                t = time.time()
-                sent_at[task.apply_async((b,), queue=queue, producer=pub).id] = t
-        index = 2 if variant.spend is None else 1  # no throttle: A's tasks run
-        deadline = time.monotonic() + min(60 + flood * 0.004, MAX_WAIT)
-        while time.monotonic() < deadline:
-            last = watch.samples[-1] if watch.samples else (0, 0, 0, 0)
-            if last[3] >= B_TASKS and last[index] >= flood:
-                break
-            time.sleep(0.2)
-        run.waited = time.time() - min(sent_at.values())
-        run.watched = time.time() - t1
-        watch.done.set()
-        watch.join(5)
-        done_at = t1 if variant.spend and run.at_publish >= flood else watch.first(index, flood)
-        run.flood_done_s = max(done_at - t1, 0.0) if done_at else float("nan")
-        run.turned = int(watch.samples[-1][index]) if watch.samples else 0
-        run.b_latency = sorted(t - sent_at[i] for t, i in group.starts(b) if i in sent_at)
-        run.errors = group.errors()
-    finally:
-        group.stop()
-        _clear(prefix, group.queue)
-    return run
-
-
-def _clear(prefix: str, queue: str) -> None:
-    """Drop what a run leaves: its queues, messages held by the stopped workers, parked tasks."""
-    broker = broker_client()
-    broker.unlink(queue, f"{queue}-flood", "unacked", "unacked_index", "unacked_mutex")
-    store = store_client()
-    store.unlink(*parking_keys(prefix))
-    delete_prefix(store, f"{prefix}:naive-")
-
-
-def run_neighbour(res: Results, prefix: str, floods: Sequence[int]) -> None:
-    supported = publish_check_supported()
-    wa = producer(prefix)
-    runs: list[Run] = []
-    try:
-        for flood in floods:
-            for variant in VARIANTS:
-                if variant.check_at_publish is not None and not supported:
-                    continue
-                if flood >= BIG_FLOOD and variant.name not in BIG_VARIANTS:
-                    continue
-                print(f"noisy neighbour: {variant.name}, flood of {flood:,} ...", flush=True)
-                runs.append(run_one(wa, prefix, variant, flood, supported))
-    finally:
-        if supported:
-            import celery_throttle
-
-            celery_throttle.install(wa.app, check_at_publish=True)
-        wa.ctl.store.close()
-        wa.app.close()
-    _report(res, runs, floods, supported)
-
-
-def _report(res: Results, runs: list[Run], floods: Sequence[int], supported: bool) -> None:
+def run_neighbour(res: Results, scale: Any) -> None:
+    runs = []
+    for flood in scale.floods:
+        for name, task, spent, check in VARIANTS:
+            if flood < BIG or name in BIG_RUNS:
+                print(f"  noisy neighbour: {name}, flood of {flood:,} ...", flush=True)
+                runs.append(neighbour_run(name, task, spent, check, flood))
     for run in runs:
-        n = f"{run.flood:,}"
-        ours = run.variant == "celery_throttle"
-        lat = run.b_latency
-        if len(lat) < B_TASKS:
-            value = f"{len(lat)}/{B_TASKS} started in {run.waited:.0f}s"
-            ok = False
-        else:
-            p50 = percentile(lat, 0.5)
-            value = f"p50 {p50:.2f}s, max {lat[-1]:.2f}s"
-            ok = p50 <= B_TARGET
-        res.add(SEC, f"flood of {n}: B's start after its send", run.variant, value,
-                f"p50 <= {B_TARGET:g}s" if ours else "", ok if ours else None,
-                f"B's {B_TASKS} tasks sent {B_AFTER:g}s after A's flood was published")
-        plain = run.variant == "no throttle"
-        what = "ran" if plain else "turned away (each denied once)"
-        if run.flood_done_s == run.flood_done_s:
-            done = f"{run.flood_done_s:.1f}s"
-        else:
-            done = f"not in {run.watched:.0f}s: {run.turned:,}/{run.flood:,}"
-        note = f"after the flood was published (in {run.publish_s:.1f}s) and its queue opened"
-        if run.variant.startswith("celery_throttle"):
-            note += f"; turned away at publish: {run.at_publish:,}"
-        if run.flood_done_s != run.flood_done_s and run.turned and run.watched:
-            pace = run.turned / run.watched
-            note += f"; at {pace:,.0f}/s the whole flood takes ~{run.flood / pace:,.0f}s"
-        res.add(SEC, f"flood of {n}: all of A's tasks {what}", run.variant, done, "", None, note)
-        if run.errors:
-            res.notes.append(f"noisy neighbour, {run.variant}, {n}: worker log errors ({len(run.errors)}): "
-                             + " | ".join(run.errors[:3]))
-    big = [f for f in floods if f >= BIG_FLOOD]
-    if big:
-        res.notes.append(f"Noisy neighbour: the flood of {big[0]:,} runs only for "
-                         f"{', '.join(BIG_VARIANTS)} (time).")
-    if not supported:
-        res.notes.append("Noisy neighbour: this celery_throttle has no throttle_check_at_publish: only the "
-                         "workers turn A's messages away, and the 'check at publish off' variant is skipped.")
-    res.notes.append(f"Noisy neighbour: quota {QUOTA} per tenant, A's spent first; 2 workers x 2 prefork "
-                     "processes, one queue; the producer is bench.workerapp in the bench process, configured "
-                     "like the workers.")
+        lat, n, ours = run["latency"], f"{run['flood']:,}", run["name"] == "celery_throttle"
+        value = f"p50 {percentile(lat, 0.5):.2f}s, max {lat[-1]:.2f}s" if len(lat) == B_TASKS else \
+            f"{len(lat)}/{B_TASKS} started"
+        res.add(SEC, f"flood of {n}: B's start after its send", run["name"], value, "p50 <= 1s" if ours else "",
+                len(lat) == B_TASKS and percentile(lat, 0.5) <= 1.0 if ours else None,
+                f"B's {B_TASKS} sent {B_AFTER:g}s after A's flood was published (in {run['publish']:.1f}s)")
+        done = f"{run['flood_s']:.1f}s" if run["flood_s"] is not None else f"not by the end: {run['done']:,}"
+        res.add(SEC, f"flood of {n}: all of A's tasks turned away (or ran)", run["name"], done, "", None,
+                f"after the flood was published; turned away at publish: {run['at_publish']:,}")
+        if run["errors"]:
+            res.notes.append(f"noisy neighbour, {run['name']}, {n}: worker log errors: " + " | ".join(run["errors"][:3]))
+    for column, name in (("sliding", "celery_throttle"), ("naive sliding log", "naive sliding log")):
+        got = [r["latency"] for r in runs if r["name"] == name]
+        res.cell("neighbour", column, " / ".join(f"{percentile(lat, 0.5):.2f} s" if len(lat) == B_TASKS else
+                                                 f"{len(lat)} of {B_TASKS}" for lat in got))
+
+
+SLOTS, K, BODY_S, OTHERS, PROCESSES, LEASE_S = "14 concurrency", 4, 0.2, 20, 8, 3.0
+
+
+def most_at_once(spans: Sequence[tuple[float, float, str]], tenant: str) -> int:
+    running = most = 0
+    for _, step in sorted([(t0, 1) for t0, _, who in spans if who == tenant] +
+                          [(t1, -1) for _, t1, who in spans if who == tenant]):
+        running += step
+        most = max(most, running)
+    return most
+
+
+def slots_run(res: Results, flood: int, task: str) -> tuple[float, float]:
+    with redis_server() as server:
+        group = workers(new_prefix(task), server, store=urls(server)[1], concurrency=PROCESSES // 2,
+                        env={"CT_PREFETCH": "1"})
+        try:
+            group.start()
+            before = counts(group.records)
+            a, b = produce(group, {"task": task, "args": ["a", BODY_S], "count": flood},
+                           {"task": task, "args": ["b", BODY_S], "count": OTHERS, "ids": True})
+            total, key = flood + OTHERS, f"{group.prefix}:spans"
+            if not waited(lambda: group.records.llen(key) >= total, flood * BODY_S / K * 3 + 60, 0.2):
+                raise RuntimeError(f"{group.records.llen(key)} of {total} bodies ran")
+            delta = counts(group.records) - before
+            spans = [(float(t0), float(t1), who) for t0, t1, who in
+                     (x.decode().split() for x in group.records.lrange(key, 0, -1))]
+        finally:
+            group.stop()
+    ours, limit = task == "export", K if task == "export" else PROCESSES
+    variant = f"{'K=4' if ours else 'plain Celery'}, N={flood:,}"
+    latency = sorted(t - s for t, s in zip(sorted(t0 for t0, _, who in spans if who == "b"), b["times"]))
+    makespan = max(t1 for _, t1, who in spans if who == "a") - a["first"]
+    whole = max(t1 for _, t1, _ in spans) - a["first"]
+    if ours:
+        most = most_at_once(spans, "a"), most_at_once(spans, "b")
+        res.add(SLOTS, "most of one tenant running at once", f"N={flood:,}", f"a {most[0]}, b {most[1]}", f"<= {K}",
+                max(most) <= K)
+    p50 = percentile(latency, 0.5)
+    res.add(SLOTS, "b's start latency p50 / max", variant, f"{p50:.2f} s / {latency[-1]:.2f} s",
+            "p50 <= 1 s" if ours else "", p50 <= 1.0 if ours else None, "" if ours else "behind a's flood")
+    res.add(SLOTS, "a's makespan / ideal", variant,
+            f"{makespan:.1f} s / {flood * BODY_S / limit:.1f} s = {makespan / (flood * BODY_S / limit):.2f}")
+    res.add(SLOTS, "utilisation / ideal for this load", variant,
+            f"{sum(t1 - t0 for t0, t1, _ in spans) / (min(PROCESSES, limit) * whole):.2f}")
+    res.add(SLOTS, "Redis commands per task (all / script calls); CPU per task", variant,
+            f"{delta.commands / total:.1f} / {delta.script_calls / total:.1f}; {delta.cpu_s / total * 1e6:.0f} µs",
+            note="all: the broker's, and those each script runs (INFO commandstats counts both)")
+    return p50, latency[-1]
+
+
+def run_slots(res: Results, scale: Any) -> None:
+    for flood in scale.slot_floods:
+        got = {}
+        for task in ("export", "slots_plain"):
+            print(f"  concurrency: flood of {flood:,} ({task}) ...", flush=True)
+            got[task] = slots_run(res, flood, task)
+        if flood == max(scale.slot_floods):
+            res.cell("slots", "sliding", f"{got['export'][0]:.2f} s (N = {flood:,})")
+            res.cell("slots", "Celery `rate_limit`", f"plain Celery: {got['slots_plain'][0]:.1f} s")
+    print("  concurrency: SIGKILL reclaim ...", flush=True)
+    with redis_server() as server:
+        group = workers(new_prefix("kill"), server, store=urls(server)[1], concurrency=1,
+                        env={"CT_SLOT_LEASE": str(LEASE_S), "CT_PREFETCH": "1"})
+        try:
+            group.start()
+            began = f"{group.prefix}:began"
+            produce(group, {"task": "export_one", "args": ["k", 60]})
+            if not waited(lambda: group.records.llen(began) >= 1, 30):
+                raise RuntimeError("the holder did not start")
+            holder = int(group.records.lindex(began, 0).decode().split()[2])
+            produce(group, {"task": "export_one", "args": ["k", 0]})
+            time.sleep(1.0)
+            os.killpg(next(p for p in group.procs if p is not None and p.pid == holder).pid, 9)
+            killed = time.time()
+            if not waited(lambda: group.records.llen(began) >= 2, 60, 0.05):
+                raise RuntimeError("the next task did not start within 60 s of the kill")
+            took = float(group.records.lindex(began, 1).decode().split()[0]) - killed
+        finally:
+            group.stop()
+    res.add(SLOTS, "slot of a SIGKILLed worker reclaimed after", f"lease {LEASE_S:.0f} s", f"{took:.1f} s",
+            "<= lease + 5 s sweep", took <= LEASE_S + 6)

@@ -1,0 +1,328 @@
+"""The bench's one Celery app (``celery -A bench.app worker``), and its producer.
+
+Configured from the environment as tests/taskapp.py is (tests/harness.py's AppWorkers starts
+its workers): CT_BROKER, CT_STORE (``throttle_redis_url``), CT_RECORDS (the notes), CT_PREFIX,
+CT_QUEUE, CT_PREFETCH, CT_CHECK_AT_PUBLISH (0: off), CT_SLOT_LEASE; BENCH_RATE (the burst's
+limit), BENCH_API_URL (the fake API), BENCH_START_GRACE (``throttle_start_grace``, of no
+effect since the line), BENCH_DENIALS=1 (each denial counted in ``<prefix>:denied:<label>``).
+A body notes its start as JSON in ``<prefix>:starts:<label>`` (a slot's, its span in
+``<prefix>:spans``). The naive baselines of the seed notes re-send a denied task with
+``countdown`` = time until its window opens; the API clients retry a 429 after ``Retry-After``.
+
+``python -m bench.app '{"sends": [...]}'``: a producer as users write one: it imports this
+module (its sends are checked at publish) and never finalizes the app. A send: ``task``,
+``args``, ``count``, ``queue``, ``pace`` (s between calls), ``vary`` (``"index"``: the call's
+index appended to its args; a list: its items in turn), ``pooled`` (one producer for all, as
+a bulk sender holds one; else each call as ``.delay()`` makes it), ``ids``. Prints one JSON line: per
+send, when its first and last call went, and (``ids``) each call's id and time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery import Celery
+
+import celery_throttle
+from celery_throttle import Backoff, throttle
+from celery_throttle.core.rates import parse_rate
+from celery_throttle.signals import task_throttled
+
+PREFIX = os.environ.get("CT_PREFIX", "ct-bench")
+STORE = os.environ.get("CT_STORE", "redis://127.0.0.1:6379/0")
+RECORDS = os.environ.get("CT_RECORDS", STORE)
+RATE = os.environ.get("BENCH_RATE", "25/s")
+API_URL = os.environ.get("BENCH_API_URL", "http://127.0.0.1:8000")
+#: A tenant's quota (spent before a flood), and a limit never reached.
+QUOTA, UNDER = "100/h", "1000000/s"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An LLM API account: ``requests`` and ``tokens`` in any ``window`` s; call ``i`` uses its prompt's
+    tokens (known to the client) and its completion's (from the reply), drawn from ``i`` alone."""
+
+    requests: int
+    tokens: int
+    window: float
+    prompt: tuple[int, int]
+    completion: tuple[int, int]
+    seed: str
+
+    def prompt_tokens(self, i: int) -> int:
+        low, high = self.prompt
+        return random.Random(f"{self.seed}:prompt:{i}").randint(low, high) if high else 0
+
+    def cost(self, i: int) -> int:
+        """The tokens call ``i`` uses, as the API counts them."""
+        return self.prompt_tokens(i) + random.Random(f"{self.seed}:{i}").randint(*self.completion)
+
+    def total(self, calls: int) -> int:
+        return sum(self.cost(i) for i in range(calls))
+
+
+#: Section 15: 60 requests and 10 000 tokens a minute, no prompt, replies of 50..450 tokens;
+#: 15b: 20 requests and 4 000 tokens per 10 s, prompts of 50..250, replies of 20..200.
+LLM_PLAN = Plan(60, 10_000, 60.0, (0, 0), (50, 450), "bench-llm-15")
+SWEEP_PLAN = Plan(20, 4_000, 10.0, (50, 250), (20, 200), "bench-llm-26")
+LLM_RATES, MEAN, MOST = ("60/m", "10000 tokens/m"), 250, 450
+SWEEP_RATES, MAX_COMPLETION = ("20/10s", "4000 tokens/10s"), 200
+
+app = Celery("bench", broker=os.environ.get("CT_BROKER", "redis://127.0.0.1:6379/1"))
+app.conf.update(
+    task_default_queue=os.environ.get("CT_QUEUE", f"{PREFIX}-q"),
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    task_ignore_result=True,
+    worker_prefetch_multiplier=int(os.environ.get("CT_PREFETCH", "4")),
+    throttle_redis_url=STORE,
+    throttle_key_prefix=PREFIX,
+    throttle_concurrency_lease=float(os.environ.get("CT_SLOT_LEASE", "30")),
+)
+if "CT_CHECK_AT_PUBLISH" in os.environ:
+    app.conf.throttle_check_at_publish = os.environ["CT_CHECK_AT_PUBLISH"] == "1"
+if "BENCH_START_GRACE" in os.environ:
+    app.conf.throttle_start_grace = float(os.environ["BENCH_START_GRACE"])
+ctl = celery_throttle.install(app)
+
+_client: tuple[int, redis.Redis] | None = None
+
+
+def records() -> redis.Redis:
+    """This process's client for the notes (one per pool process, made after the fork)."""
+    global _client
+    if _client is None or _client[0] != os.getpid():
+        _client = (os.getpid(), redis.Redis.from_url(RECORDS))
+    return _client[1]
+
+
+def record(label: str, task_id: str | None) -> None:
+    now = time.time()
+    records().rpush(f"{PREFIX}:starts:{label}", json.dumps({"label": label, "id": task_id, "t": now}))
+
+
+@task_throttled.connect
+def _denied(sender: Any = None, request: Any = None, **_: Any) -> None:
+    if os.environ.get("BENCH_DENIALS") == "1":
+        args = getattr(request, "args", None) or [(getattr(request, "kwargs", None) or {}).get("label", "?")]
+        records().incr(f"{PREFIX}:denied:{args[0]}")
+
+
+def _task(name: str, fn: Any = None, *rates: Any, options: dict[str, Any] | None = None, **limits: Any) -> None:
+    """``fn`` (default: note the start of ``label``) as the task ``bench.app.<name>``, under
+    ``@throttle(*rates, **limits)`` when given. ``max_retries=None``: a task that retries itself
+    does so as long as it takes (``retry(max_retries=None)`` alone means the default, 3)."""
+    fn = fn or (lambda self, label: record(label, self.request.id))
+    fn.__name__ = fn.__qualname__ = name  # (Celery builds a signature check named after it)
+    if rates or limits:
+        fn = throttle(*rates, **limits)(fn)
+    globals()[name] = app.task(bind=True, name=f"bench.app.{name}", max_retries=None, **(options or {}))(fn)
+
+
+# -- the burst (1-4), the slow store (13), units, the noisy neighbour (10): a key per label ----
+for _name, _rates, _limits in (("sliding", (RATE,), {}), ("fixed", (RATE,), {"algorithm": "fixed"}),
+                               ("sliding_tokens", (RATE, "1000000000 tokens/s"), {"cost": {"tokens": 5}}),
+                               ("neighbour", (QUOTA,), {})):
+    _task(_name, None, *_rates, key="{label}", **_limits)
+_task("builtin", options={"rate_limit": RATE})
+_task("plain")
+
+#: The naive baselines: the seed's fixed-window INCR counter, and the usual sorted-set log.
+#: ARGV: limit, window (ms)[, a unique member]; they answer {allowed, ms until it opens}.
+NAIVE = {"fixed": """local limit, window = tonumber(ARGV[1]), tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local w = math.floor(now / window)
+local current = redis.call('INCR', KEYS[1] .. ':' .. w)
+if current == 1 then redis.call('PEXPIRE', KEYS[1] .. ':' .. w, window) end
+if current > limit then return {0, (w + 1) * window - now} end
+return {1, 0}""", "sliding": """local limit, window = tonumber(ARGV[1]), tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+if redis.call('ZCARD', KEYS[1]) < limit then
+  redis.call('ZADD', KEYS[1], now, ARGV[3])
+  redis.call('PEXPIRE', KEYS[1], window)
+  return {1, 0}
+end
+local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return {0, math.ceil(tonumber(oldest[2]) + window - now)}"""}
+
+
+def _naive(algorithm: str, rate_text: str) -> Any:
+    rate = parse_rate(rate_text)
+
+    def task(self: Any, label: str) -> None:
+        script = records().register_script(NAIVE[algorithm])
+        allowed, wait_ms = script(keys=[f"{PREFIX}:naive-{algorithm}:{label}"],
+                                  args=[rate.limit, round(rate.period * 1000), f"{self.request.id}:{time.time()}"])
+        if not int(allowed):
+            records().incr(f"{PREFIX}:denied:{label}")
+            raise self.retry(countdown=max(int(wait_ms), 0) / 1000)
+        record(label, self.request.id)
+    return task
+
+
+for _name, _algorithm, _rate in (("naive_fixed", "fixed", RATE), ("naive_sliding", "sliding", RATE),
+                                 ("neighbour_naive", "sliding", QUOTA)):
+    _task(_name, _naive(_algorithm, _rate))
+
+
+# -- the API clients (11): one request each; a 429 retried after Retry-After ---------------
+def request(path: str, **query: Any) -> tuple[int, dict[str, Any], float]:
+    """(status, JSON body, Retry-After in s, at least 1) of one GET to the bench's API."""
+    try:
+        with urllib.request.urlopen(f"{API_URL}{path}?{urllib.parse.urlencode(query)}", timeout=30) as reply:
+            return reply.status, json.load(reply), 0.0
+    except urllib.error.HTTPError as exc:
+        try:
+            wait = max(float(exc.headers.get("Retry-After", "1")), 1.0)
+        except ValueError:
+            wait = 1.0
+        return exc.code, {}, wait
+
+
+def _api() -> Any:
+    def task(self: Any, label: str, account: str) -> None:
+        status, _, wait = request("/call", account=account, label=label, id=self.request.id)
+        if status != 200:
+            raise self.retry(countdown=wait or 1.0)
+    return task
+
+
+for _name, _rates, _limits, _options in (
+        ("api_sliding", ("10/s",), {}, {}), ("api_margin_0", ("10/s",), {"margin": 0}, {}),
+        ("api_margin_05", ("10/s",), {"margin": 0.05}, {}), ("api_margin_10", ("10/s",), {"margin": 0.1}, {}),
+        ("api_9", ("9/s",), {}, {}), ("api_fixed", ("10/s",), {"algorithm": "fixed"}, {}),
+        ("api_builtin", (), {}, {"rate_limit": "10/s"}), ("api_plain", (), {}, {})):
+    _task(_name, _api(), *_rates, options=_options, **({"key": "{account}", **_limits} if _rates else {}))
+
+
+# -- Redis per task (12): bodies that do nothing, over ten tenants --------------------------
+def moving_window() -> Any:
+    """This process's ``limits`` moving window on the store (keys under ``<prefix>-limits``)."""
+    global _limiter
+    if _limiter is None or _limiter[0] != os.getpid():
+        from limits import storage, strategies
+
+        store = storage.RedisStorage(STORE, key_prefix=f"{PREFIX}-limits")
+        _limiter = (os.getpid(), strategies.MovingWindowRateLimiter(store))
+    return _limiter[1]
+
+
+def _peer(rate: str) -> Any:
+    """What a hand-written limit does: hit ``limits``' moving window; denied, retry at its reset."""
+    def task(self: Any, tenant: str) -> None:
+        from limits import parse
+
+        item = parse(rate.replace("/s", "/second").replace("/h", "/hour"))
+        if not moving_window().hit(item, tenant):
+            raise self.retry(countdown=max(moving_window().get_window_stats(item, tenant).reset_time - time.time(), 1))
+    return task
+
+
+_limiter: tuple[int, Any] | None = None
+_task("rpt_plain", lambda self, tenant: None)
+_task("rpt_under", lambda self, tenant: None, UNDER, key="{tenant}")
+_task("rpt_flood", lambda self, tenant: None, QUOTA, key="{tenant}")
+_task("rpt_peer_under", _peer(UNDER))
+_task("rpt_peer_flood", _peer(QUOTA))
+
+
+# -- concurrency slots (14): K=4 per tenant -------------------------------------------------
+def _slot() -> Any:
+    def task(self: Any, tenant: str, seconds: float) -> None:
+        start = time.time()
+        records().rpush(f"{PREFIX}:began", f"{start:.6f} {tenant} {os.getppid()}")
+        time.sleep(seconds)
+        records().rpush(f"{PREFIX}:spans", f"{start:.6f} {time.time():.6f} {tenant}")
+    return task
+
+
+_task("export", _slot(), concurrency=4, scope="export-api", key="{tenant}")
+_task("export_one", _slot(), concurrency=1, scope="export-one", key="{tenant}")
+_task("slots_plain", _slot())
+
+
+# -- the LLM API (15, 15b): requests and tokens ------------------------------------------------
+def sweep_estimate(label: str, account: str, i: int) -> int:
+    """15b's estimate: the prompt's tokens, known before the call, and the most a reply uses."""
+    return SWEEP_PLAN.prompt_tokens(i) + MAX_COMPLETION
+
+
+def _llm(settle: bool = False, backoff: bool = False, by_hand: bool = False) -> Any:
+    """One call. ``settle``: ``charge(tokens=n)`` (0 for a 429); ``backoff``: a 429 raises ``Backoff``
+    (the README's example); ``by_hand``: ``limits``' moving window first (:func:`_by_hand`)."""
+    def task(self: Any, label: str, account: str, i: int) -> None:
+        if by_hand and (wait := _by_hand(account, sweep_estimate(label, account, i))):
+            raise self.retry(countdown=wait)
+        status, body, wait = request("/v1/complete", account=account, label=label, i=i, id=self.request.id)
+        if status == 429:
+            if settle:
+                celery_throttle.charge(tokens=0)
+            if backoff:
+                raise Backoff(retry_after=wait)
+            raise self.retry(countdown=wait)
+        if settle:
+            celery_throttle.charge(tokens=int(body["tokens"]))
+    return task
+
+
+def _by_hand(account: str, estimate: int) -> float:
+    """Both limits tested, then the tokens (the estimate) and the request taken: 0, or the
+    seconds until the refusing limit's oldest entry leaves its window."""
+    from limits import RateLimitItemPerSecond
+
+    lim, calls, tokens = moving_window(), RateLimitItemPerSecond(20, 10), RateLimitItemPerSecond(4000, 10)
+    refused = None
+    if not lim.test(calls, account):
+        refused = calls
+    elif not lim.test(tokens, account, cost=estimate) or not lim.hit(tokens, account, cost=estimate):
+        refused = tokens
+    elif not lim.hit(calls, account):  # (the tokens stay taken: limits gives none back)
+        refused = calls
+    return 0.0 if refused is None else max(0.05, lim.get_window_stats(refused, account).reset_time - time.time())
+
+
+_task("estimate", _llm(), *LLM_RATES, key="{account}", cost={"tokens": MEAN})
+_task("estimate_max", _llm(), *LLM_RATES, key="{account}", cost={"tokens": MOST})
+_task("settled", _llm(settle=True), *LLM_RATES, key="{account}", cost={"tokens": MOST})
+_task("estimate_settled", _llm(settle=True), *LLM_RATES, key="{account}", cost={"tokens": MEAN})
+_task("builtin_30m", _llm(), options={"rate_limit": "30/m"})
+_task("prompt_settled", _llm(settle=True, backoff=True), *SWEEP_RATES, key="{account}", cost={"tokens": sweep_estimate})
+_task("builtin_10s", _llm(), options={"rate_limit": "1/s"})
+_task("by_hand", _llm(by_hand=True))
+
+
+def produce(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for send in plan["sends"]:
+        task, vary, pace = globals()[send["task"]], send.get("vary"), send.get("pace", 0.0)
+        ids, times, first = [], [], time.time()
+        with app.producer_or_acquire() as pub:
+            for i in range(send.get("count", 1)):
+                if pace:
+                    time.sleep(max(0.0, first + i * pace - time.time()))
+                more = [i] if vary == "index" else [vary[i % len(vary)]] if vary else []
+                at = time.time()
+                task_id = task.apply_async((*send.get("args", []), *more), queue=send.get("queue"),
+                                           **({"producer": pub} if send.get("pooled") else {})).id
+                if send.get("ids"):
+                    ids.append(task_id)
+                    times.append(at)
+        out.append({"first": first, "last": time.time(), "ids": ids, "times": times})
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps({"sends": produce(json.loads(sys.argv[1])), "finalized": app.finalized}), flush=True)
