@@ -165,7 +165,8 @@ def depth_table(res: Results, runs: list[tuple[int, dict[str, float]]]) -> None:
 
 def run_controls(res: Results, scale: Any, reads: int = 20) -> None:
     """Each figure the mean of ``reads`` calls, side by side."""
-    from celery_throttle.check.controls import Controls, pause_field
+    from celery_throttle.check.control_set import pause_field
+    from celery_throttle.check.controls import Controls
     from celery_throttle.core.state import FOREVER_US
     from celery_throttle.store.client import RedisStore
 

@@ -6,7 +6,10 @@ A missing Redis skips the tests locally but fails them in CI (CI=true).
 from __future__ import annotations
 
 import inspect
+import random
 import re
+import socket
+import subprocess
 import uuid
 from collections.abc import Iterator
 
@@ -23,14 +26,18 @@ from tests.helpers import (
     BROKER_URL,
     QUICK,
     STORE_URL,
+    RedisServer,
     WorkerGroup,
     rabbitmq_or_skip,
     redis_or_skip,
+    wait_for,
 )
 
 settings.load_profile("celery_throttle_quick" if QUICK else "celery_throttle")
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+#: Fixtures of modules of their own (the keeper's tests' deploy).
+pytest_plugins = ["tests.journal_support"]
 
 
 @pytest.fixture(scope="session")
@@ -116,3 +123,44 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):  # (unless a test says its tier)
             item.add_marker(getattr(pytest.mark, _tier(item)))
+
+
+# -- a Redis Cluster of 3 masters on loopback, for the tests that need one ---------------
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+@pytest.fixture
+def cluster_url() -> Iterator[str]:
+    servers: list[RedisServer] = []
+    try:
+        for _ in range(3):
+            server = RedisServer(port=_cluster_port())
+            server.extra = ["--cluster-enabled", "yes", "--cluster-config-file",
+                            f"{server.dir}/nodes.conf", "--cluster-node-timeout", "2000"]
+            servers.append(server.start())
+        ports = [s.port for s in servers]
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+        # Every node must see the cluster ok, not only the first: a node still joining
+        # answers CLUSTERDOWN for its slots.
+        clients = [redis.Redis(port=p) for p in ports]
+        wait_for(lambda: all(c.cluster("info")["cluster_state"] == "ok" for c in clients), 20,
+                 what="cluster ok on every node")
+        for c in clients:
+            c.close()
+        yield f"redis+cluster://127.0.0.1:{ports[0]}"
+    finally:
+        for server in servers:
+            server.stop()

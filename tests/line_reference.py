@@ -488,11 +488,19 @@ class KeyModel:
                 and self._earliest(self.now, self.call.costs, self._out_per_rate()) == self.now)
 
     def _fresh(self, runs: bool, lease: int, lease_span: int, holder: str, eid: str, message: bytes, task: str,
-               expires: int, max_wait: int, batch: int) -> _Reply:
+               expires: int, max_wait: int, batch: int, again: bool = False) -> _Reply:
         code, wait, f = Code.RUN, 0, {}
+        out_m = self.meta.get(eid) if eid and eid in self.out else None
+        if out_m is not None and out_m.phase != "g" and eid not in self.line:
+            # (a copy of a task released from the line naming its entry: that task arriving)
+            if runs:
+                self._write_back()
+                return self._arrive(eid, 0, holder, 0, eid, message, task, expires, max_wait, batch, "0")
+            self._release_heads(batch)
+            return self._finish(Code.RUN, 0, f)
         if eid and eid in self.meta:
             code = Code.QUEUED
-        elif self._used(eid):
+        elif not again and self._used(eid):
             code = Code.DUPLICATE
         elif self._fresh_fits():
             if runs:
@@ -555,18 +563,23 @@ class KeyModel:
                expires: int, max_wait: int, batch: int, stale_ok: str = "0") -> _Reply:
         self._expire_out(self.policy.line_batch)
         self._reclaim()
+        return self._arrive(ticket, early_cap, holder, granted, eid, message, task, expires, max_wait, batch,
+                            stale_ok)
+
+    def _arrive(self, ticket: str, early_cap: int, holder: str, granted: int, eid: str, message: bytes, task: str,
+                expires: int, max_wait: int, batch: int, stale_ok: str) -> _Reply:
         early = min(early_cap, max(2 * self.lead(), 4 * self.call.slack))
         snapshot = copy.deepcopy(self.windows)
         m = self.meta.get(ticket) if ticket in self.out else None
         if m is not None and m.phase == "g" and (granted == 0 or granted != m.start):
             m = None
         if m is None:
-            if self._used(ticket):
+            if self._used(ticket) and granted == 0:
                 self._release_heads(batch)
                 return self._finish(Code.DUPLICATE, 0)
             if any(c > r.limit for c, r in zip(self.call.costs, self.rates)):
                 return self._finish(Code.TOO_COSTLY, 0)
-            return self._fresh(True, 0, 0, holder, eid, message, task, expires, max_wait, batch)
+            return self._fresh(True, 0, 0, holder, eid, message, task, expires, max_wait, batch, granted != 0)
         waited, phase, units = self.now - m.enqueued, m.phase, self._units_of(m)
         costly = any(u > r.limit for u, r in zip(units, self.rates))
         if costly or (max_wait > 0 and waited > max_wait):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import re
 import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -339,49 +338,6 @@ def test_a_task_parked_by_an_earlier_version_and_one_released_from_a_line_keep_t
     assert sent == [("relapp.job", "fixed-id", "special", [1], {"y": "z"}, 1, ""),
                     ("relapp.job", "fixed-id", "special", [1], {"y": "z"}, 1, call.state_key)]
     assert ctl.parking.parked_count() == (0, 0, 0)
-
-
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free and valid too."""
-    import random
-    import socket
-
-    for _ in range(200):
-        port = random.randint(20000, 45000)
-        try:
-            for p in (port, port + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
-
-
-@pytest.fixture
-def cluster_url() -> Iterator[str]:
-    servers: list[RedisServer] = []
-    try:
-        for _ in range(3):
-            server = RedisServer(port=_cluster_port())
-            server.extra = ["--cluster-enabled", "yes", "--cluster-config-file",
-                            f"{server.dir}/nodes.conf", "--cluster-node-timeout", "2000"]
-            servers.append(server.start())
-        ports = [s.port for s in servers]
-        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
-        # Every node must see the cluster ok, not only the first: a node still joining
-        # answers CLUSTERDOWN for its slots.
-        clients = [redis.Redis(port=p) for p in ports]
-        wait_for(lambda: all(c.cluster("info")["cluster_state"] == "ok" for c in clients), 20,
-                 what="cluster ok on every node")
-        for c in clients:
-            c.close()
-        yield f"redis+cluster://127.0.0.1:{ports[0]}"
-    finally:
-        for server in servers:
-            server.stop()
 
 
 @pytest.mark.cluster

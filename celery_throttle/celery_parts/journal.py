@@ -18,7 +18,7 @@ from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
 from kombu.messaging import Producer
 
-from ..core.journal import CONTENT_TYPE, GONE_BATCH, gone_message, kept_headers
+from ..core.journal import CONTENT_TYPE, GONE_BATCH, Kind, entries_message, kept_headers
 
 __all__ = ["BrokerJournal", "journal_queue_name"]
 
@@ -39,19 +39,22 @@ class BrokerJournal:
     def __init__(self, app: Any, prefix: str) -> None:
         self.app = app
         self.name = journal_queue_name(prefix)
-        self.queue = Queue(self.name, Exchange(""), routing_key=self.name, durable=True, auto_delete=False)
+        # (A classic queue, whatever the vhost's default: a quorum queue's delivery limit
+        # would drop a message that passes which died had read too many times.)
+        self.queue = Queue(self.name, Exchange(""), routing_key=self.name, durable=True, auto_delete=False,
+                           queue_arguments={"x-queue-type": "classic"})
 
     # -- writing (any process) ----------------------------------------------------------
-    def kept(self, key: str, entry: str, us: int, message: bytes) -> None:
-        """``entry`` joined the line of state key ``key`` at ``us`` (the store's clock)
-        with ``message``. Raises the broker's error."""
-        self._publish(kept_headers(key, entry, us), message)
+    def kept(self, key: str, entry: str, us: int, message: bytes, epoch: str) -> None:
+        """``entry`` joined the line of state key ``key`` at ``us`` (the store's clock, in
+        its ``epoch``) with ``message``. Raises the broker's error."""
+        self._publish(kept_headers(key, entry, us, epoch=epoch), message)
 
-    def gone(self, events: Sequence[tuple[str, str, int]]) -> None:
-        """These entries (key, entry, us) left their lines for good. Raises the broker's
-        error."""
+    def gone(self, events: Sequence[tuple[str, str, int]], kind: Kind = Kind.GONE) -> None:
+        """These entries (key, entry, us) left their lines for good (``kind`` lost: the
+        store lost their messages). Raises the broker's error."""
         for start in range(0, len(events), GONE_BATCH):
-            headers, body = gone_message(events[start:start + GONE_BATCH])
+            headers, body = entries_message(kind, events[start:start + GONE_BATCH])
             self._publish(headers, body)
 
     def _publish(self, headers: dict[str, Any], body: bytes) -> None:

@@ -74,6 +74,9 @@ class Controls:
         self._lock = ForkSafeLock()
         #: (pid, since when) of the thread reading the controls, if one is.
         self._reader: tuple[int, float] | None = None
+        #: The Redis clock when this copy was last read (µs; 0: never): a due time a call
+        #: computes under this copy is news no newer than that (see :meth:`as_of`).
+        self.read_at_us = 0
 
     def paused_until(self, store: Any, scope: str, key: str | None) -> int:
         """The end of the pause (µs, Redis clock) covering ``scope``/``key``, or 0."""
@@ -129,10 +132,10 @@ class Controls:
     def _read(self, store: Any) -> None:
         # The round trips outside the lock: a prefork pool may fork a process while another
         # thread reads, and a process that inherited the lock held would wait forever.
-        controls, stamp, over = None, None, []
+        controls, stamp, over, read_at_us = None, None, [], 0
         started = time.monotonic()
         try:
-            stamp = store.control_stamp()
+            stamp, read_at_us = store.control_stamp_at()
             if stamp is None or stamp != self._stamp or started - self._whole_at > FULL_READ_EVERY:
                 # (The stamp of what this reads, whatever was written since the first.)
                 stamp, raw = store.stamped_controls()
@@ -145,6 +148,8 @@ class Controls:
         with self._lock:
             if controls is not None:
                 self._set, self._stamp, self._whole_at = controls, stamp, started
+            if read_at_us:
+                self.read_at_us = read_at_us
             self._read_at = time.monotonic()
             self._reader = None
         if over:
@@ -152,6 +157,14 @@ class Controls:
                 store.prune_pauses(over)
             except StoreError:
                 pass  # pruned by the next reader
+
+    def as_of(self, now_us: int) -> int:
+        """When a due time computed at ``now_us`` under this copy is news from, for the index
+        of lines, whose newest news wins: no later than this copy was read. (A releaser that
+        read its controls before a resume, and released after the resume's wake-up, would
+        otherwise settle its key at the pause's end, newer than the wake-up: the tasks the
+        pause held would wait it out.)"""
+        return min(now_us, self.read_at_us) if self.read_at_us else now_us
 
     # -- the operators' writes: to the store, and noted here at once ----------------------
     def write_limit(self, store: Any, scope: str, key: str | None, rates: tuple[Rate, ...], replace: bool) -> str:

@@ -8,22 +8,29 @@ no more durable than the line (``throttle_journal = True`` writes one all the sa
 
 A write that fails (the broker unreachable) is logged and counted, and nothing else
 happens: the task still waits in its line, as it would without a journal. Never raises.
+
+Each ``kept`` event names the store's epoch (``core/journal.py``): read by this process at
+most every EPOCH_REFRESH seconds, and made by the first writer that finds none (a store
+that restarted empty).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..celery_parts.journal import BrokerJournal
+from ..core.journal import Kind
+from ..core.keys import journal_keys
 from ..core.locks import ForkSafeLock
 
 if TYPE_CHECKING:
     from .lines_on_call import Owner
 
-__all__ = ["RABBITMQ_SCHEMES", "Journaling", "journal_on"]
+__all__ = ["RABBITMQ_SCHEMES", "Journaling", "journal_on", "store_epoch"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -31,6 +38,21 @@ logger = logging.getLogger("celery_throttle")
 RABBITMQ_SCHEMES = ("amqp", "amqps", "pyamqp", "librabbitmq")
 #: A failing journal is said again at most this often (seconds) by one process.
 REPORT_EVERY = 60.0
+#: How long (seconds) a process trusts the epoch it read. A task kept in the second after a
+#: store restarted empty may name the epoch before: harmless, as the keeper sends on only a
+#: task the store does not hold, and the new store holds it.
+EPOCH_REFRESH = 1.0
+
+
+def store_epoch(store: Any) -> str:
+    """The store's epoch, made now if it has none (raises StoreError)."""
+    key = journal_keys(store.prefix)[0]
+    with store.errors():
+        value = store.client.hget(key, "epoch")
+        if value is None:
+            store.client.hsetnx(key, "epoch", secrets.token_hex(12))
+            value = store.client.hget(key, "epoch")
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def journal_on(app: Any, setting: bool | None) -> bool:
@@ -56,6 +78,7 @@ class Journaling:
         self._lock = ForkSafeLock()
         self._reported_at = float("-inf")
         self._failures = 0
+        self._epoch: tuple[str, float] | None = None  # (epoch, when read: monotonic)
 
     @property
     def enabled(self) -> bool:
@@ -73,15 +96,24 @@ class Journaling:
         assert self._broker is not None
         return self._broker
 
+    def epoch(self) -> str:
+        """The store's epoch, as this process read it lately."""
+        cached = self._epoch
+        if cached is None or time.monotonic() - cached[1] > EPOCH_REFRESH:
+            cached = self._epoch = (store_epoch(self.ctl.store), time.monotonic())
+        return cached[0]
+
     def kept(self, key: str, entry: str, us: int, message: bytes) -> None:
         """``entry`` joined the line of ``key`` at ``us`` with ``message``."""
         if self.enabled and entry and message:
-            self._write(lambda: self.broker.kept(key, entry, us, message), f"task {entry} of the line of {key}")
+            self._write(lambda: self.broker.kept(key, entry, us, message, self.epoch()),
+                        f"task {entry} of the line of {key}")
 
-    def gone(self, key: str, entries: Sequence[str], us: int) -> None:
-        """``entries`` left the line of ``key`` for good at ``us``."""
+    def gone(self, key: str, entries: Sequence[str], us: int, kind: Kind = Kind.GONE) -> None:
+        """``entries`` left the line of ``key`` for good at ``us`` (``kind`` lost: the store
+        reported their messages gone; the keeper sends them on from the journal)."""
         if self.enabled and entries:
-            self._write(lambda: self.broker.gone([(key, entry, us) for entry in entries]),
+            self._write(lambda: self.broker.gone([(key, entry, us) for entry in entries], kind),
                         f"{len(entries)} task(s) leaving the line of {key}")
 
     def _write(self, write: Any, what: str) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..celery_parts.messages import resend, task_of
 from ..core.errors import StoreError, ThrottleError
+from ..core.journal import Kind
 from ..core.keys import encode, glob_escape, line_index_key, state_key, target_of, window_keys
 from ..core.locks import ForkSafeLock
 from ..core.protocol import Code, WindowReply
@@ -82,6 +83,7 @@ class Lines(OnCall):
         send lease, and the index hears of the key from its next call."""
         sent: list[str] = []
         gone: list[str] = []  # (sent to the broker, or buried: out of their lines for good)
+        lost: list[str] = []  # (their messages gone from the store: the journal has a copy)
         app, metrics = self.ctl.app, self.ctl.metrics
         for task in reply.reported:
             if task.kind in ("r", "x", "c") and isinstance(task.payload, bytes):
@@ -109,6 +111,7 @@ class Lines(OnCall):
                     logger.exception("could not send task %s released from the line of %s; it is put back "
                                      "in its place", task.id, call.state_key)
             elif task.kind == "l":
+                lost.append(task.id)
                 logger.error("task %s waited in the line of scope %r%s, but its message is gone from the store "
                              "(evicted, or deleted by hand): %s", task.payload, call.scope,
                              "" if call.key is None else f" key {call.key!r}",
@@ -120,6 +123,7 @@ class Lines(OnCall):
                                task.payload, call.scope, "" if call.key is None else f" key {call.key!r}",
                                self.ctl.store.policy.out_lease_ms / 1000)
         self.journal.gone(call.state_key, gone, reply.now_us)
+        self.journal.gone(call.state_key, lost, reply.now_us, Kind.LOST)
         try:
             if sent:
                 metrics.released(len(sent))
@@ -151,7 +155,8 @@ class Lines(OnCall):
     def note(self, key: str, due_us: int, now_us: int) -> None:
         """Tell the index when ``key`` next needs a look (as its line's script computed it
         at ``now_us``), and wake a releaser if soon."""
-        if self.ctl.store.index_note(key, due_us, now_us) and due_us - now_us < WAKE_AHEAD_US:
+        read_us = self.ctl.checker.controls.read_at_us
+        if self.ctl.store.index_note(key, due_us, now_us, read_us) and due_us - now_us < WAKE_AHEAD_US:
             self.wake_releasers()
 
     def wake_releasers(self) -> None:
@@ -227,7 +232,8 @@ class Lines(OnCall):
     def release(self, key: str, *, drain: bool = False) -> tuple[int, int]:
         """Release the heads of ``key``'s line that fit (``drain``: whatever the room), and
         send them. Returns when the key next needs a look (µs, Redis clock; 0: nothing
-        waits), and when that was computed (the script's now)."""
+        waits), and when that was computed (the script's now), under controls this
+        process read at :attr:`.controls.Controls.read_at_us`."""
         call = self.call_for(key)
         if call is None:
             waiting, out = self._counts(key)

@@ -30,6 +30,7 @@ __all__ = [
     "encode",
     "format_key",
     "glob_escape",
+    "journal_keys",
     "legacy_slot_index_key",
     "legacy_slot_keys",
     "line_index_key",
@@ -182,6 +183,13 @@ def window_keys(state_key: str) -> tuple[str, str, str, str, str, str, str]:
 def line_index_key(prefix: str) -> str:
     """The index of state keys with a line, by when each next needs a look (index.lua)."""
     return f"{prefix}:{{lines}}:due"
+
+
+def journal_keys(prefix: str) -> tuple[str, str, str]:
+    """The journal's keys in the store: the hash of its epoch (an id the store holds while
+    it holds its lines) and of the keeper's last pass; the keeper's lock; the entries the
+    keeper sent on (each once)."""
+    return f"{prefix}:{{lines}}:journal", f"{prefix}:{{lines}}:keeper", f"{prefix}:{{lines}}:sent-on"
 
 
 def line_index_keys(prefix: str) -> tuple[str, str]:

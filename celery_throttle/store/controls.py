@@ -12,6 +12,9 @@ from .scripts import ScriptClient, lua
 
 __all__ = ["ControlOps"]
 
+#: The controls' stamp and the server's clock, read at once.
+_STAMP_AND_TIME = "return {redis.call('HGET', KEYS[1], ARGV[1]) or false, redis.call('TIME')}"
+
 
 class ControlOps(ScriptClient):
     """The control operations of a store."""
@@ -52,9 +55,15 @@ class ControlOps(ScriptClient):
     def control_stamp(self) -> str | None:
         """The controls' stamp (every write adds one to it: see :meth:`set_controls`),
         or None if no write ever stamped them."""
+        return self.control_stamp_at()[0]
+
+    def control_stamp_at(self) -> tuple[str | None, int]:
+        """The controls' stamp, and the Redis clock as it was read (one round trip: a
+        script, as a Redis Cluster client pipelines no TIME)."""
         with self.errors():
-            raw = self.client.hget(control_key(self.prefix), CONTROL_STAMP)
-        return None if raw is None else raw.decode(errors="replace")
+            raw, (secs, micros) = self.client.eval(_STAMP_AND_TIME, 1, control_key(self.prefix), CONTROL_STAMP)
+        now_us = int(self._clock()) if self._clock is not None else int(secs) * 1_000_000 + int(micros)
+        return None if not raw else (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)), now_us
 
     def set_control(self, field: str, value: str) -> None:
         self.set_controls({field: value})

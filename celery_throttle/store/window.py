@@ -131,17 +131,22 @@ class WindowOps(ScriptClient):
                                                                        lease_us])
         return int(reply[0]), int(reply[1]), [(_text(reply[i]), int(reply[i + 1])) for i in range(2, len(reply), 2)]
 
-    def index_settle(self, settled: Sequence[tuple[str, int, int, int]]) -> tuple[int, int]:
-        """Each (state key, token, due, computed at) claimed: its due time, unless a newer
-        one was written since. Returns (now, the earliest due in the index now, -1: none)."""
+    def index_settle(self, settled: Sequence[tuple[str, int, int, int, int]]) -> tuple[int, int]:
+        """Each (state key, token, due, computed at, controls read at) claimed: its due time,
+        unless a newer one was written since (one computed under controls read before the
+        key's last wake-up leaves it due now, if later). Returns (now, the earliest due in
+        the index now, -1: none)."""
         reply = self.run("index", list(line_index_keys(self.prefix)),
-                         [self.now_arg(), "settle", *(v for quad in settled for v in quad)])
+                         [self.now_arg(), "settle", *(v for five in settled for v in five)])
         return int(reply[0]), int(reply[1])
 
-    def index_note(self, key: str, due_us: int, at_us: int) -> bool:
+    def index_note(self, key: str, due_us: int, at_us: int, read_us: int = 0) -> bool:
         """Tell the index when ``key`` next needs a look, as computed at ``at_us`` (the
-        line script's now): written unless a newer due time was. True if written."""
-        return bool(self.run("index", list(line_index_keys(self.prefix)), [self.now_arg(), "note", key, due_us, at_us]))
+        line script's now) under controls read at ``read_us`` (0: unknown): written unless
+        a newer due time was, or (computed before the key's last wake-up) a later one.
+        True if written."""
+        return bool(self.run("index", list(line_index_keys(self.prefix)),
+                             [self.now_arg(), "note", key, due_us, at_us, read_us]))
 
     def index_wake(self, keys: Sequence[str]) -> int:
         """Each of ``keys`` the index holds is due now. Returns how many."""

@@ -1,46 +1,30 @@
 """The keeper: a thread in every worker that, with the journal on, reads the journal now
 and then (one worker at a time), drops what is over, and sends on, each as a new task,
-the tasks the store lost: their latest event says they wait, the store no longer knows
-them (it restarted empty, it evicted them).
+the tasks the store lost: their latest event says they wait, and the store no longer
+holds them and has lost their epoch (it restarted empty), or reported their messages gone.
 
-A pass reads every message the journal holds as it begins, keeps each entry's latest
-event (:func:`celery_throttle.core.journal.latest`), asks the store which of the entries
-it still holds, and publishes again what must stay (:func:`~celery_throttle.core.journal.verdict`)
-before it acks what it read: a keeper that dies mid-pass leaves its messages to the
-broker, which gives them back, and events read twice say the same. A pass runs when the
-journal has doubled since the last one left it (each message is read a bounded number of
-times, whatever the depth of the lines), at least every ``SWEEP_EVERY`` while it holds
-anything (what a store evicted is found within it), at once when the store restarted,
-and when a worker starts and finds no trace of one.
-
-The first pass on a store also adopts what waits in its lines without a copy in the
-journal (tasks that joined before the journal was on): each is kept there as it is then.
+A pass (:mod:`.journal_pass`) reads every message the journal holds as it begins, keeps each
+entry's latest event, asks the store which of the entries it still holds, and publishes
+again what must stay before it acks what it read: a keeper that dies mid-pass leaves its
+messages to the broker, which gives them back, and events read twice say the same. A pass
+runs when the journal has doubled since the last one left it (each message is read a
+bounded number of times, whatever the depth of the lines), when one marked tasks the
+store did not know (a second look, ``LOST_AFTER`` later), at least every ``SWEEP_EVERY``
+while it holds anything, at once when the store restarted, and when a worker starts and
+finds no trace of one.
 """
 
 from __future__ import annotations
 
 import logging
-import tempfile
 import threading
 import time
-from collections.abc import Iterable
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
-from kombu.messaging import Producer
-
-from ..celery_parts.messages import resend
-from ..core.journal import (
-    GONE_BATCH,
-    LOST_AFTER_US,
-    Event,
-    Kind,
-    decode,
-    gone_message,
-    kept_headers,
-    sort_out,
-)
-from ..core.keys import line_index_key, window_keys
+from ..core import journal
+from ..core.keys import journal_keys
+from .journal_pass import Pass
 from .outage import Outage
 
 if TYPE_CHECKING:
@@ -56,22 +40,10 @@ LOOK_EVERY = 5.0
 #: PASS_MIN messages: so a message is read again a bounded number of times on average,
 #: however deep the lines.
 GROWTH, PASS_MIN = 2, 1000
-#: A pass at least this often (seconds) while the journal holds anything: a task the
-#: store evicted is sent on within it.
+#: A pass at least this often (seconds) while the journal holds anything.
 SWEEP_EVERY = 600.0
-#: The pass's lock in the store (seconds), renewed every RENEW_EVERY messages read: two
-#: keepers reading one journal at once would each see half of its events.
-LOCK_S, RENEW_EVERY = 60, 500
-#: Kept messages a pass holds in memory before it spools the rest to a temporary file.
-SPOOL_IN_MEMORY = 8 << 20
-#: Entries of one line read per call when the first pass adopts what the lines hold.
-ADOPT_PAGE = 1000
-
-
-def keeper_keys(prefix: str) -> tuple[str, str]:
-    """The pass's lock, and the hash of what the last pass left (``left``, ``at``,
-    ``adopted``), beside the index of keys with a line."""
-    return f"{prefix}:{{lines}}:keeper", f"{prefix}:{{lines}}:journal"
+#: How long (seconds) a stopping worker waits for a pass under way.
+STOP_WAIT = 5.0
 
 
 class Keeper(threading.Thread):
@@ -83,19 +55,22 @@ class Keeper(threading.Thread):
         self._stop_event = threading.Event()
         self._urged = threading.Event()
         #: Until when (monotonic) every look makes a pass: after the store restarted, the
-        #: events too young to be taken for lost must be read again once they are not.
+        #: events too young to be judged must be read again once they are not.
         self._urgent_until = 0.0
         self._connection: Any = None
         self._outage = Outage("read the journal of the tasks waiting in the lines")
 
     def urge(self) -> None:
         """The store restarted: a pass now, and on each look for a while."""
-        self._urgent_until = time.monotonic() + LOST_AFTER_US / 1e6 + 2 * LOOK_EVERY
+        self._urgent_until = time.monotonic() + journal.LOST_AFTER_US / 1e6 + 2 * LOOK_EVERY
         self._urged.set()
 
     def stop(self) -> None:
+        """Stop after the pass under way (waits for it, STOP_WAIT at most)."""
         self._stop_event.set()
         self._urged.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(STOP_WAIT)
 
     def run(self) -> None:
         while not self._stop_event.is_set():
@@ -115,16 +90,16 @@ class Keeper(threading.Thread):
                 self._connection.release()
             self._connection = None
 
+    def _connected(self) -> Any:
+        if self._connection is None:
+            self._connection = self.ctl.lines.journal.broker.connect()
+        return self._connection
+
     def pass_now(self) -> int | None:
         """A pass now, due or not (None: another keeper holds the lock)."""
-        journal = self.ctl.lines.journal
-        if self._connection is None:
-            self._connection = journal.broker.connect()
-        store = self.ctl.store
-        with store.errors():
-            adopted = store.client.hget(keeper_keys(store.prefix)[1], "adopted")
+        state = self._state()
         try:
-            return self.pass_(journal.broker.length(self._connection), adopt=adopted is None)
+            return Pass(self.ctl, self._connected(), self._stop_event).run(adopt=state.get("adopted") is None)
         except Exception:
             self._close()  # (what it read and did not ack goes back to the journal)
             raise
@@ -134,149 +109,18 @@ class Keeper(threading.Thread):
         journal = self.ctl.lines.journal
         if not journal.enabled:
             return None
-        if self._connection is None:
-            self._connection = journal.broker.connect()
-        held = journal.broker.length(self._connection)
-        store = self.ctl.store
-        _, state = keeper_keys(store.prefix)
-        with store.errors():
-            left, at, adopted = store.client.hmget(state, ["left", "at", "adopted"])
+        held = journal.broker.length(self._connected())
+        state = self._state()
         now = time.time()
-        due = (time.monotonic() < self._urgent_until or adopted is None or at is None
-               or held >= GROWTH * int(left or 0) + PASS_MIN or (held and now - float(at) >= SWEEP_EVERY))
-        return self.pass_(held, adopt=adopted is None) if due else None
+        left, at, due = int(state.get("left") or 0), state.get("at"), float(state.get("due") or 0)
+        due_now = (time.monotonic() < self._urgent_until or state.get("adopted") is None or at is None
+                   or held >= GROWTH * left + PASS_MIN or (held and now - float(at) >= SWEEP_EVERY)
+                   or (due and now >= due))
+        return self.pass_now() if due_now else None
 
-    def pass_(self, held: int, adopt: bool = False) -> int | None:
-        """Read the ``held`` messages at the journal's head and do what their events say
-        (under the store's lock: None if another keeper holds it). Returns what it left."""
-        store, broker = self.ctl.store, self.ctl.lines.journal.broker
-        lock_key, state = keeper_keys(store.prefix)
+    def _state(self) -> dict[str, str]:
+        """The last pass's state (``left``, ``at``, ``due``, ``adopted``) as the store holds it."""
+        store = self.ctl.store
         with store.errors():
-            lock = store.client.lock(lock_key, timeout=LOCK_S, blocking=False)
-            if not lock.acquire(blocking=False):
-                return None
-        try:
-            connection = self._connection
-            producer = Producer(connection.default_channel)
-            if adopt:
-                held += self._adopt(producer)  # (read back in this pass, at the journal's tail)
-            with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
-                read, events = [], []
-                for n, message in enumerate(broker.take(connection, held), 1):
-                    read.append(message)
-                    ref = None
-                    if message.body:
-                        ref = (spool.tell(), len(message.body))
-                        spool.write(message.body)
-                    events.extend(decode(message.headers, message.body, ref))
-                    if n % RENEW_EVERY == 0:
-                        with store.errors():
-                            lock.extend(LOCK_S, replace_ttl=True)
-                left = self._decide(events, spool, producer)
-            for message in read:
-                message.ack()
-            with store.errors():
-                store.client.hset(state, mapping={"left": left, "at": time.time(), "adopted": 1})
-            logger.debug("celery_throttle: the journal's pass read %d message(s) and left %d", len(read), left)
-            return left
-        finally:
-            with suppress(Exception):  # (its lease ran out: another keeper may hold it now)
-                lock.release()
-
-    def _decide(self, events: list[Event], spool: Any, producer: Producer) -> int:
-        """Publish again what stays, send on what was lost; returns the entries left."""
-        again, lost = sort_out(events, self._known, self.ctl.store.now_us())
-        broker, left, gone = self.ctl.lines.journal.broker, 0, []
-
-        def body(event: Event) -> bytes:
-            offset, size = event.ref
-            spool.seek(offset)
-            return bytes(spool.read(size))
-
-        for event in again:
-            if event.kind == Kind.GONE:
-                gone.append((event.key, event.entry, event.us))
-            else:
-                broker.publish(producer, kept_headers(event.key, event.entry, event.us, event.suspect, event.place),
-                               body(event))
-                left += 1
-        for start in range(0, len(gone), GONE_BATCH):
-            headers, message = gone_message(gone[start:start + GONE_BATCH])
-            broker.publish(producer, headers, message)
-        sent = sum(self._send_on(event, body(event)) for event in lost)
-        for _ in range(sent):
-            self.ctl.metrics.store_error("lost-sent-on")
-        if sent:
-            logger.warning("celery_throttle: the store lost %d task(s) waiting in %d line(s): sent on from the "
-                           "journal, as new tasks (each named at INFO)", sent, len({e.key for e in lost}))
-        return left
-
-    def _known(self, idents: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
-        """Which (key, entry) the store holds: waiting in its line, released and not
-        started, or started lately."""
-        store, idents = self.ctl.store, list(idents)
-        known: set[tuple[str, str]] = set()
-        for start in range(0, len(idents), 1000):
-            batch = idents[start:start + 1000]
-            with store.errors():
-                pipe = store.client.pipeline(transaction=False)
-                for key, entry in batch:
-                    _, _, line, _, out, _, used = window_keys(key)
-                    for holder in (line, out, used):
-                        pipe.zscore(holder, entry)
-                scores = pipe.execute()
-            for i, ident in enumerate(batch):
-                if any(score is not None for score in scores[3 * i:3 * i + 3]):
-                    known.add(ident)
-        return known
-
-    def _send_on(self, event: Event, body: bytes) -> bool:
-        """A task the store lost: its message is sent to the broker as a new task (checked
-        as any other: it joins its line again, first come first served). False: it could
-        not be, and is kept as a dead letter."""
-        try:
-            resend(self.ctl.app, body)
-        except Exception as exc:  # noqa: BLE001 - a message that cannot be sent: kept for people
-            logger.error("celery_throttle: task %s waited in the line of %s and the store lost it; its copy in the "
-                         "journal cannot be sent (%r): kept as a dead letter (throttle parked --dead)", event.entry,
-                         event.key, exc)
-            self.ctl.parking.bury(event.entry, body)
-            return False
-        logger.info("celery_throttle: task %s waited in the line of %s and the store lost it: sent on from the "
-                    "journal, as a new task", event.entry, event.key)
-        return True
-
-    def _adopt(self, producer: Producer) -> int:
-        """Keep in the journal what waits in the store's lines now (joined before the
-        journal was on). Returns how many."""
-        store, broker = self.ctl.store, self.ctl.lines.journal.broker
-        adopted = 0
-        with store.errors():
-            keys = [k.decode(errors="surrogateescape") if isinstance(k, bytes) else k
-                    for k, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000)]
-        for key in keys:
-            _, _, line, msgs, _, _, _ = window_keys(key)
-            after: Any = "-inf"
-            while True:
-                with store.errors():
-                    # (The clock and the page at one moment: a task released after it is
-                    # gone at a later time, whichever event the journal gets first. By
-                    # place, not rank: the head may leave while the line is read.)
-                    pipe = store.client.pipeline(transaction=True)
-                    pipe.time()
-                    pipe.zrangebyscore(line, after, "+inf", start=0, num=ADOPT_PAGE, withscores=True)
-                    (secs, micros), page = pipe.execute()
-                    ids = [entry for entry, _ in page]
-                    bodies = store.client.hmget(msgs, ids) if ids else []
-                us = int(secs) * 1_000_000 + int(micros)
-                for (entry, _), body in zip(page, bodies):
-                    if body:
-                        adopted += 1
-                        broker.publish(producer, kept_headers(key, entry.decode(errors="surrogateescape"), us,
-                                                              place=adopted), bytes(body), declare=adopted == 1)
-                if len(page) < ADOPT_PAGE:
-                    break
-                after = f"({page[-1][1]!r}"
-        if adopted:
-            logger.info("celery_throttle: %d task(s) waiting in the lines are now kept in the journal too", adopted)
-        return adopted
+            raw = store.client.hgetall(journal_keys(store.prefix)[0])
+        return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}

@@ -163,7 +163,9 @@ class Releaser(threading.Thread):
                 except Exception:
                     logger.exception("could not release the line of %s", key)
                     due, at = now_us + CLAIM_LEASE_US, now_us
-                settled.append((key, token, due, at))
+                # (with when its controls were read: a due time computed under controls older
+                # than the key's last wake-up never pushes its look later: index.lua)
+                settled.append((key, token, due, at, self.ctl.checker.controls.read_at_us))
             now_us, first = store.index_settle(settled)
             if len(claimed) < CLAIM_MOST:
                 break

@@ -480,13 +480,31 @@ local function use(id)
   redis.call('PEXPIRE', used_key, USED_KEEP_MS)
 end
 
+-- A released task arriving (claim's own work, defined below): forward-declared, as a fresh
+-- call may be one.
+local arrive
+
 -- A fresh call (`runs`: recorded if it fits; else the pool's acquire will). `a`: its
--- entry, and `lease`, `lease_span`, `holder`.
-local function fresh(runs, a)
+-- entry, and `lease`, `lease_span`, `holder`. `again`: the process that was granted the
+-- start of entry `a.id` and woke too late even for the grant's keep: it started nothing,
+-- and is not a copy of a task that started.
+local function fresh(runs, a, again)
   local code, wait, f = RUN, 0, {}
-  if known_entry(a.id) then
+  local out_m = known_entry(a.id) and redis.call('ZSCORE', out_key, a.id) and meta_of(a.id)
+  if out_m and out_m[M.PHASE] ~= 'g' and not redis.call('ZSCORE', line_key, a.id) then
+    -- A copy of a task released from this line that names its entry (sent unchecked by a
+    -- producer whose admit released it and whose reply was lost, or sent back after a
+    -- store error): it is that task arriving. The pool's check claims it; the consumer
+    -- lets it through to the pool. (Told it waits, it would be acked while nothing waits.)
+    if runs then
+      write_back()
+      return arrive(a.id, 0, a.holder, 0, a, false)
+    end
+    release_heads(a.batch)
+    return finish(RUN, 0, f)
+  elseif known_entry(a.id) then
     code = QUEUED
-  elseif used(a.id) then
+  elseif not again and used(a.id) then
     code = DUPLICATE
   elseif fresh_fits() then
     if runs then
@@ -573,27 +591,26 @@ local function as_stored()
   end
 end
 
-local function claim()
-  expire_out(LINE_BATCH)
-  reclaim()
-  write_back()  -- (what expire_out gave back stays given back, whatever this claim does)
-  local ticket, granted, holder = ARGV[P], tonumber(ARGV[P + 3]), ARGV[P + 2]
-  -- It may come as early as twice the lead it was released with (or 4 slacks), at most
-  -- the caller's [P+1], and be granted its start.
-  local early = math.min(tonumber(ARGV[P + 1]), math.max(2 * lead(half_pace), 4 * slack))
-  local a = entry_at(P + 4)
+-- A released task arrives with `ticket` (its entry; `a` as a fresh call's), from its
+-- process `holder`: it may come as early as twice the lead it was released with (or 4
+-- slacks), at most `early_cap`, and be granted its start; `granted`: the start granted to
+-- this process before, which it woke too late for (0: none); `stale_ok`: see claim.
+arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
+  local early = math.min(early_cap, math.max(2 * lead(half_pace), 4 * slack))
   local m = redis.call('ZSCORE', out_key, ticket) and meta_of(ticket)
   if m and m[M.PHASE] == 'g' and (granted == 0 or granted ~= m[M.START]) then m = nil end
   if not m then
-    -- A copy of a task that started on this ticket lately: dropped.
-    if used(ticket) then
+    -- A copy of a task that started on this ticket lately: dropped. (Not the process the
+    -- ticket's start was granted to, which names it: it woke too late even for the grant's
+    -- keep, and started nothing: a fresh call.)
+    if used(ticket) and granted == 0 then
       release_heads(a.batch)
       return finish(DUPLICATE, 0)
     end
     -- Not released by this store (forged, its time up, its state lost): a fresh call.
     if too_costly(call_units) then return finish(TOO_COSTLY, 0) end
     a.lease, a.lease_span, a.holder = 0, 0, holder
-    return fresh(true, a)
+    return fresh(true, a, granted ~= 0)
   end
   local waited, phase, units = now - m[M.ENQUEUED], m[M.PHASE], units_of(m)
   if too_costly(units) or (a.max_wait > 0 and waited > a.max_wait) then
@@ -606,7 +623,7 @@ local function claim()
     release_heads(a.batch)
     return finish(too_costly(units) and TOO_COSTLY or WAITED, 0, {waited = waited})
   end
-  if phase ~= 'g' and ARGV[P + 10] == '1' and m[M.CONTROLS] ~= nil and m[M.CONTROLS] ~= controls_seen() then
+  if phase ~= 'g' and stale_ok and m[M.CONTROLS] ~= nil and m[M.CONTROLS] ~= controls_seen() then
     -- Released under other controls than the caller's: if it would go back for them, the
     -- caller reads the controls and claims again (nothing written but what was due).
     local own_slot = redis.call('ZSCORE', slots_key, ticket) or redis.call('ZSCORE', slots_key, holder)
@@ -685,6 +702,14 @@ local function claim()
   join(ticket, m, place)
   release_heads(a.batch)
   return finish(QUEUED, wait_of(units), {waited = waited})
+end
+
+local function claim()
+  expire_out(LINE_BATCH)
+  reclaim()
+  write_back()  -- (what expire_out gave back stays given back, whatever this claim does)
+  return arrive(ARGV[P], tonumber(ARGV[P + 1]), ARGV[P + 2], tonumber(ARGV[P + 3]), entry_at(P + 4),
+                ARGV[P + 10] == '1')
 end
 
 local function release()

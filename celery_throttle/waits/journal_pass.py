@@ -1,0 +1,255 @@
+"""One pass of the keeper over the journal (:mod:`.keeper`): under a lock in the store, read
+every message the journal holds as it begins, keep each entry's latest event, ask the
+store which entries it still holds, publish again what stays, send on what the store lost
+(each once: a mark in the store first), and ack what was read.
+
+What a pass holds in memory is bounded: kept messages go to a spooled temporary file as
+they are read (SPOOL_IN_MEMORY, then disk), and of each message only its delivery tag is
+kept. A message that is not one of ours (another content type, a body that is not bytes,
+fields out of shape) holds no event: it is acked and dropped, and never stops a pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from kombu.messaging import Producer
+
+from ..celery_parts.messages import resend
+from ..check.journaling import store_epoch
+from ..core import journal
+from ..core.journal import (
+    CONTENT_TYPE,
+    GONE_BATCH,
+    JOURNAL_HEADER,
+    Event,
+    Kind,
+    decode,
+    entries_message,
+    kept_headers,
+    sort_out,
+)
+from ..core.keys import journal_keys, line_index_key, target_of, window_keys
+
+if TYPE_CHECKING:
+    from ..check.limiter import Throttle
+
+__all__ = ["Pass"]
+
+logger = logging.getLogger("celery_throttle")
+
+#: The pass's lock in the store (seconds), renewed every LOCK_S / 3 while the pass reads,
+#: decides and acks: two keepers reading one journal at once would each see half of its
+#: events.
+LOCK_S = 60
+#: Kept messages a pass holds in memory before it spools the rest to a temporary file.
+SPOOL_IN_MEMORY = 8 << 20
+#: Entries of one line read per call when a pass adopts what the lines hold.
+ADOPT_PAGE = 1000
+#: How long (seconds) the store remembers that the keeper sent an entry on: a pass that
+#: died after sending and before its acks has its messages back within minutes, and the
+#: next pass finds the mark and sends nothing twice.
+SENT_ON_KEEP = 3600
+
+
+class Pass:
+    """One pass over the journal of ``ctl``'s app, on the keeper's ``connection``."""
+
+    def __init__(self, ctl: Throttle, connection: Any, stopping: threading.Event | None = None) -> None:
+        self.ctl = ctl
+        self.store = ctl.store
+        self.broker = ctl.lines.journal.broker
+        self.connection = connection
+        self.stopping = stopping or threading.Event()
+        self._lock: Any = None
+        self._renewed = 0.0
+
+    def run(self, adopt: bool = False) -> int | None:
+        """The pass; returns how many tasks it left waiting in the journal (None: another
+        keeper holds the lock)."""
+        store = self.store
+        state, lock_key, _ = journal_keys(store.prefix)
+        with store.errors():
+            self._lock = store.client.lock(lock_key, timeout=LOCK_S, blocking=False)
+            if not self._lock.acquire(blocking=False):
+                return None
+        self._renewed = time.monotonic()
+        try:
+            epoch = store_epoch(store)
+            channel = self.connection.default_channel
+            producer = Producer(channel)
+            held = self.broker.length(self.connection)
+            if adopt:
+                held += self._adopt(producer, epoch)  # (read back in this pass, at the journal's tail)
+            tags: list[Any] = []
+            with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
+                events: list[Event] = []
+                for message in self.broker.take(self.connection, held):
+                    tags.append(message.delivery_tag)
+                    events.extend(self._events(message, spool))
+                    self._renew()
+                left, suspects = self._decide(events, spool, producer, epoch)
+            for tag in tags:
+                channel.basic_ack(tag)
+                self._renew()
+            due = time.time() + journal.LOST_AFTER_US / 1e6 if suspects else 0
+            with store.errors():
+                store.client.hset(state, mapping={"left": left, "at": time.time(), "adopted": 1, "due": due})
+            logger.debug("celery_throttle: the journal's pass read %d message(s) and left %d", len(tags), left)
+            return left
+        finally:
+            try:
+                self._lock.release()
+            except Exception:  # noqa: BLE001 - its lease ran out: another keeper may hold it now
+                logger.debug("celery_throttle: the journal's lock was gone when its pass ended")
+
+    def _renew(self) -> None:
+        """Keep the lock while the pass goes on (a lock lost to another keeper ends it:
+        what it read and did not ack goes back to the journal)."""
+        if time.monotonic() - self._renewed > LOCK_S / 3:
+            with self.store.errors():
+                self._lock.extend(LOCK_S, replace_ttl=True)
+            self._renewed = time.monotonic()
+
+    @staticmethod
+    def _events(message: Any, spool: Any) -> list[Event]:
+        """The events of one message read (its kept message spooled); none for a message
+        not of ours."""
+        body, headers = message.body, message.headers
+        if message.content_type != CONTENT_TYPE or not isinstance(body, bytes) or not isinstance(headers, dict):
+            return []
+        ref = None
+        if headers.get(JOURNAL_HEADER) == Kind.KEPT.value:
+            ref = (spool.tell(), len(body))
+            spool.write(body)
+        return decode(headers, body, ref)
+
+    def _decide(self, events: list[Event], spool: Any, producer: Producer, epoch: str) -> tuple[int, int]:
+        """Publish again what stays, send on what was lost; returns (the entries left, those
+        of them marked as not known to the store)."""
+        again, lost = sort_out(events, self._known, self.store.now_us(), epoch)
+        left, suspects, gone = 0, 0, []
+
+        def body(event: Event) -> bytes:
+            offset, size = event.ref
+            spool.seek(offset)
+            data = spool.read(size)
+            spool.seek(0, 2)
+            return bytes(data)
+
+        marks = []
+        for event in again:
+            if event.kind == Kind.GONE:
+                gone.append((event.key, event.entry, event.us))
+            elif event.kind == Kind.LOST:
+                marks.append((event.key, event.entry, event.us))
+            else:
+                self.broker.publish(producer, kept_headers(event.key, event.entry, event.us, event.suspect,
+                                                           event.place, event.epoch), body(event))
+                left += 1
+                suspects += bool(event.suspect)
+            self._renew()
+        for kind, batch in ((Kind.GONE, gone), (Kind.LOST, marks)):
+            for start in range(0, len(batch), GONE_BATCH):
+                headers, message = entries_message(kind, batch[start:start + GONE_BATCH])
+                self.broker.publish(producer, headers, message)
+        sent, now_us = 0, self.store.now_us()
+        for event in lost:
+            if self._send_on(event, body(event)):
+                sent += 1
+                # (Its copy ends with it: a pass that dies before its acks gives its events
+                # back, and this gone, later than them, says it is sent, even to a store
+                # lost again meanwhile, which lost the mark too.)
+                headers, message = entries_message(Kind.GONE, [(event.key, event.entry, max(now_us, event.us))])
+                self.broker.publish(producer, headers, message)
+            self._renew()
+        for _ in range(sent):
+            self.ctl.metrics.store_error("lost-sent-on")
+        if sent:
+            logger.warning("celery_throttle: the store lost %d task(s) waiting in %d line(s): sent on from the "
+                           "journal, as new tasks (each named at INFO)", sent, len({e.key for e in lost}))
+        return left, suspects
+
+    def _known(self, idents: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Which (key, entry) the store holds: waiting in its line, released and not
+        started, or started lately."""
+        store, idents = self.store, list(idents)
+        known: set[tuple[str, str]] = set()
+        for start in range(0, len(idents), 1000):
+            batch = idents[start:start + 1000]
+            with store.errors():
+                pipe = store.client.pipeline(transaction=False)
+                for key, entry in batch:
+                    _, _, line, _, out, _, used = window_keys(key)
+                    for holder in (line, out, used):
+                        pipe.zscore(holder, entry)
+                scores = pipe.execute()
+            for i, ident in enumerate(batch):
+                if any(score is not None for score in scores[3 * i:3 * i + 3]):
+                    known.add(ident)
+            self._renew()
+        return known
+
+    def _send_on(self, event: Event, body: bytes) -> bool:
+        """A task the store lost: its message is sent to the broker as a new task (checked
+        as any other: it joins its line again, first come first served), once: the store
+        notes it first. False: not sent (sent by an earlier pass, or kept as a dead letter:
+        it could not be)."""
+        sent_on = journal_keys(self.store.prefix)[2]
+        with self.store.errors():
+            pipe = self.store.client.pipeline(transaction=False)
+            pipe.hsetnx(sent_on, f"{event.key}\n{event.entry}", int(time.time()))
+            pipe.expire(sent_on, SENT_ON_KEEP)
+            first, _ = pipe.execute()
+        if not first:
+            return False
+        target = target_of(self.store.prefix, event.key)
+        try:
+            resend(self.ctl.app, body)
+        except Exception as exc:  # noqa: BLE001 - a message that cannot be sent: kept for people
+            logger.error("celery_throttle: task %s waited in the line of %s and the store lost it; its copy in the "
+                         "journal cannot be sent (%r): kept as a dead letter (throttle parked --dead)", event.entry,
+                         target or event.key, exc)
+            self.ctl.parking.bury(event.entry, body)
+            return False
+        logger.info("celery_throttle: task %s waited in the line of %s and the store lost it: sent on from the "
+                    "journal, as a new task", event.entry, target or event.key)
+        return True
+
+    def _adopt(self, producer: Producer, epoch: str) -> int:
+        """Keep in the journal what waits in the store's lines now (joined before the
+        journal was on, or through a process with it off). Returns how many."""
+        store, adopted = self.store, 0
+        with store.errors():
+            keys = [k.decode(errors="surrogateescape") if isinstance(k, bytes) else k
+                    for k, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000)]
+        for key in keys:
+            _, _, line, msgs, _, _, _ = window_keys(key)
+            after: Any = "-inf"
+            while not self.stopping.is_set():
+                # (The clock before the page: a task released after it is gone at a later
+                # time, whichever event the journal gets first; one released before it is
+                # not in the page. By place, not rank: the head may leave meanwhile.)
+                us = store.now_us()
+                with store.errors():
+                    page = store.client.zrangebyscore(line, after, "+inf", start=0, num=ADOPT_PAGE, withscores=True)
+                    bodies = store.client.hmget(msgs, [entry for entry, _ in page]) if page else []
+                for (entry, _), message in zip(page, bodies):
+                    if message:
+                        adopted += 1
+                        self.broker.publish(producer, kept_headers(key, entry.decode(errors="surrogateescape"), us,
+                                                                   place=adopted, epoch=epoch),
+                                            bytes(message), declare=adopted == 1)
+                self._renew()
+                if len(page) < ADOPT_PAGE:
+                    break
+                after = f"({page[-1][1]!r}"
+        if adopted:
+            logger.info("celery_throttle: %d task(s) waiting in the lines are now kept in the journal too", adopted)
+        return adopted
+

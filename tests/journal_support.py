@@ -1,0 +1,128 @@
+"""What the keeper's tests share: an app of one throttled task (``keeper.work``, 1/h a
+tenant) with RabbitMQ as broker and a redis-server of the test's own as store, a producer
+that checks at publish, and a keeper whose passes the test runs by hand."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from kombu.connection import Connection
+from kombu.entity import Queue
+
+from celery_throttle import throttle
+from celery_throttle.check.limiter import Throttle
+from celery_throttle.core import journal
+from celery_throttle.core.keys import state_key
+from celery_throttle.core.timing import ScriptPolicy
+from celery_throttle.integration.publish import wrap_send_task
+from celery_throttle.store.client import RedisStore
+from celery_throttle.waits.keeper import Keeper
+from tests.conftest import RABBITMQ_URL
+from tests.helpers import RedisServer, delete_queues, rabbitmq_or_skip
+
+#: LOST_AFTER_US for these tests (µs): the passes are run by hand, a moment apart.
+LOST_AFTER_US = 300_000
+LOOK = LOST_AFTER_US / 1e6 + 0.1
+
+
+@dataclass
+class Deploy:
+    app: Celery
+    ctl: Throttle
+    keeper: Keeper
+    server: RedisServer
+    queue: str
+    work: Any
+    prefix: str
+
+    @property
+    def key(self) -> str:
+        return state_key(self.prefix, "keeper.work", "acme")
+
+    def waiting(self) -> list[Any]:
+        return [w for w in self.ctl.lines.waiting() if w.place]
+
+    def lose_the_store(self) -> None:
+        with redis.Redis.from_url(self.server.url) as client:
+            client.flushall()  # (the test's own server)
+
+    def taken(self) -> list[tuple[str, dict]]:
+        """(task id, headers) of every message in the task queue, in order (taken out)."""
+        got = []
+        with Connection(self.app.conf.broker_url) as conn:
+            bound = Queue(self.queue)(conn.default_channel)
+            bound.declare()
+            while (message := bound.get(no_ack=True)) is not None:
+                got.append((message.headers["id"], dict(message.headers)))
+        return got
+
+    def sent_on(self) -> list[str]:
+        """The ids of the tasks in the task queue, in its order (taken out)."""
+        return [task_id for task_id, _ in self.taken()]
+
+    def waiting_ids(self) -> list[str]:
+        """The task ids waiting in the key's line, in its order."""
+        return [w.task_id for w in self.waiting()]
+
+    def journal_length(self) -> int:
+        with Connection(self.app.conf.broker_url) as conn:
+            return self.ctl.lines.journal.broker.length(conn)
+
+
+def make_app(name: str, broker: str, queue: str) -> tuple[Celery, Any]:
+    app = Celery(name, broker=broker, set_as_current=False)
+    app.conf.task_default_queue = queue
+
+    @app.task(name="keeper.work", shared=False)
+    @throttle("1/h", key="{tenant}")
+    def work(tenant: str, n: int) -> None: ...
+
+    return app, work
+
+
+def make_deploy(monkeypatch: pytest.MonkeyPatch, policy: ScriptPolicy | None = None, on: bool = True) -> Deploy:
+    broker = rabbitmq_or_skip(RABBITMQ_URL)
+    monkeypatch.setattr(journal, "LOST_AFTER_US", LOST_AFTER_US)
+    server = RedisServer().start()
+    prefix = f"ct-test-{uuid.uuid4().hex[:10]}"
+    queue = f"{prefix}-q"
+    app, work = make_app("journal", broker, queue)
+    ctl = Throttle(app, {"redis_url": server.url, "key_prefix": prefix, "journal": on})
+    if policy is not None:
+        ctl._store = RedisStore(server.url, prefix, policy=policy)
+        ctl._quick_store = RedisStore(server.url, prefix, policy=policy)
+    app._celery_throttle = ctl  # (what controller(app) answers: the hook's)
+    wrap_send_task(ctl)
+    return Deploy(app, ctl, Keeper(ctl), server, queue, work, prefix)
+
+
+@pytest.fixture
+def deploy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Deploy]:
+    d = make_deploy(monkeypatch)
+    try:
+        yield d
+    finally:
+        teardown(d)
+
+
+def teardown(d: Deploy) -> None:
+    d.keeper.stop()
+    d.keeper._close()
+    d.ctl.close()
+    d.server.stop()
+    delete_queues(d.app.conf.broker_url, [d.queue, d.ctl.lines.journal.broker.name])
+
+
+def _send(d: Deploy, count: int) -> list[str]:
+    return [d.work.delay("acme", n).id for n in range(count)]
+
+
+def send(d: Deploy, count: int) -> list[str]:
+    """``count`` calls of the tenant's task, sent at once (checked at publish)."""
+    return [d.work.delay("acme", n).id for n in range(count)]

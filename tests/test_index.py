@@ -1,0 +1,106 @@
+"""The index of keys with a line (index.lua), on a real Redis with a test clock: the newest
+computation of a key's due time wins, and a wake-up (a resume, a raised limit) is never
+undone by a due time computed under controls read before it.
+
+The race this holds: a releaser whose process read the controls while a pause was on
+claims a key, the pause is resumed and the key woken, and the releaser settles the key at
+the pause's end, computed after the wake-up (so newer) but under the old controls. Before,
+that settle won and the tasks the resume freed waited out the pause (a full suite saw 6
+tasks start 11 s after a resume, at the pause's end).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_throttle.core.keys import line_index_key
+from celery_throttle.store.client import RedisStore
+from tests.helpers import STORE_URL, redis_or_skip
+
+BASE = 1_800_000_000_000_000
+SECOND = 1_000_000
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = BASE
+
+    def __call__(self) -> int:
+        return self.now
+
+
+@pytest.fixture
+def world() -> Iterator[tuple[RedisStore, Clock, str]]:
+    client = redis_or_skip(STORE_URL)
+    clock, prefix = Clock(), f"ct-test-{uuid.uuid4().hex[:10]}"
+    store = RedisStore(STORE_URL, prefix, clock=clock)
+    yield store, clock, f"{prefix}:{{scope:acme}}"
+    store.close()
+    for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+        client.delete(key)
+    client.close()
+
+
+def _due(store: RedisStore, key: str) -> float | None:
+    with redis.Redis.from_url(STORE_URL) as client:
+        return client.zscore(line_index_key(store.prefix), key)
+
+
+@pytest.mark.parametrize("fresh_controls", [False, True], ids=["read-before-the-wake", "read-after-it"])
+def test_a_settle_under_controls_read_before_a_wake_up_never_pushes_the_look_later(
+        world: tuple[RedisStore, Clock, str], fresh_controls: bool) -> None:
+    store, clock, key = world
+    pause_end = BASE + 12 * SECOND
+    # Given a key due at its pause's end, and a releaser that read its controls then
+    store.index_note(key, pause_end, BASE, BASE)
+    read_at = clock.now
+    clock.now += 100_000
+    _, _, claimed = store.index_claim(20 * SECOND, 10, 10 * SECOND)
+    assert [k for k, _ in claimed] == [key]
+    token = claimed[0][1]
+    # When the pause is resumed and the key woken
+    clock.now += 100_000
+    assert store.index_wake([key]) == 1
+    woke_at = clock.now
+    # And the releaser, having read its controls before the wake-up (or after it), settles
+    # the key at the pause's end, a computation newer than the wake-up
+    clock.now += 100_000
+    store.index_settle([(key, token, pause_end, clock.now, clock.now if fresh_controls else read_at)])
+    # Then the key is due at once for a look under the controls as they are, unless the
+    # releaser had read them after the wake-up (then its due time holds)
+    assert _due(store, key) == (pause_end if fresh_controls else clock.now)
+    assert _due(store, key) <= pause_end and woke_at < clock.now
+
+
+def test_a_note_under_controls_read_before_a_wake_up_may_bring_the_look_earlier_not_later(
+        world: tuple[RedisStore, Clock, str]) -> None:
+    store, clock, key = world
+    store.index_note(key, BASE + 12 * SECOND, BASE, BASE)
+    clock.now += SECOND
+    store.index_wake([key])
+    woke = clock.now
+    clock.now += SECOND
+    # (a call whose process read its controls before the wake-up)
+    assert not store.index_note(key, BASE + 12 * SECOND, clock.now, BASE)
+    assert _due(store, key) == woke
+    assert store.index_note(key, woke - 1, clock.now, BASE)
+    assert _due(store, key) == woke - 1
+    # (one that read them after it is news as always)
+    assert store.index_note(key, BASE + 30 * SECOND, clock.now + 1, clock.now)
+    assert _due(store, key) == BASE + 30 * SECOND
+
+
+def test_a_key_that_leaves_the_index_forgets_its_wake_up(world: tuple[RedisStore, Clock, str]) -> None:
+    store, clock, key = world
+    store.index_note(key, BASE + SECOND, BASE, BASE)
+    store.index_wake([key])
+    clock.now += SECOND
+    _, _, claimed = store.index_claim(0, 10, 10 * SECOND)
+    store.index_settle([(key, claimed[0][1], 0, clock.now, clock.now)])
+    with redis.Redis.from_url(STORE_URL) as client:
+        assert client.zscore(line_index_key(store.prefix), key) is None
+        assert not client.hexists(f"{line_index_key(store.prefix)[:-len(':due')]}:at", f"{key}#w")

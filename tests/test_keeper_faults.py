@@ -1,0 +1,350 @@
+"""The journal's faults: the keeper never sends a task on twice, never sends on a task
+that was purged or already ran, and keeps reading the journal, whatever fails around it
+(a pass that dies after sending on, a purge whose gone cannot be written, a releaser that
+writes none, a copy told it waits, a Redis Cluster store, a store restarted while no
+worker ran, foreign messages in the queue, a large journal).
+
+Each test drives the real code (a real RabbitMQ, a redis-server of the test's own, no
+worker processes: the passes are run by hand, as tests/test_keeper.py does) and asserts
+the property the journal promises (docs/design.md, "Durability"; docs/guarantees.md). Each
+failed at the commit that brought the journal (ec52b6b), where a review found them.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import tracemalloc
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from amqp.channel import Channel as AmqpChannel
+from celery import Celery
+
+from celery_throttle import throttle
+from celery_throttle.check.limiter import Throttle
+from celery_throttle.core import journal
+from celery_throttle.core.header import HEADER, Header
+from celery_throttle.core.timing import ScriptPolicy
+from celery_throttle.integration.hook import guard
+from celery_throttle.integration.publish import wrap_send_task
+from celery_throttle.integration.trace import attach
+from celery_throttle.waits.keeper import Keeper
+from tests.conftest import RABBITMQ_URL
+from tests.helpers import delete_queues, rabbitmq_or_skip
+from tests.journal_support import (
+    LOST_AFTER_US,
+    Deploy,
+    make_app,
+    make_deploy,
+    send,
+    teardown,
+)
+
+LOOK = LOST_AFTER_US / 1e6 + 0.1
+
+
+
+# ---------------------------------------------------------------------------------------
+# 1. A pass that sends on what the store lost, then dies before its acks: the next pass
+#    reads the same kept events again; it must send none of them a second time.
+# ---------------------------------------------------------------------------------------
+def test_a_pass_that_dies_after_sending_on_and_before_its_acks_sends_nothing_twice(
+        deploy: Deploy, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = deploy
+    send(d, 6)
+    d.sent_on()  # (those that fit at once)
+    waiting = [w.task_id for w in d.waiting()]
+    assert len(waiting) >= 4
+    d.lose_the_store()
+    assert d.keeper.pass_now() == len(waiting)  # (marks them)
+    time.sleep(LOOK)
+    # Given the pass that finds them lost dies after it sent them on, before its acks (its
+    # worker is stopped, its connection breaks: the messages it read go back)
+    real_ack = AmqpChannel.basic_ack
+
+    def dies(self: AmqpChannel, delivery_tag: int, multiple: bool = False) -> None:
+        raise ConnectionError("the keeper's connection broke")
+
+    monkeypatch.setattr(AmqpChannel, "basic_ack", dies)
+    with pytest.raises(ConnectionError):
+        d.keeper.pass_now()
+    monkeypatch.setattr(AmqpChannel, "basic_ack", real_ack)
+    first = d.sent_on()
+    assert first == waiting  # (sent on once: as it should)
+    # When the next passes run
+    for _ in range(2):
+        time.sleep(LOOK)
+        d.keeper.pass_now()
+    # Then nothing is sent on again
+    assert d.sent_on() == [], "the tasks were sent on a second time: each would run twice"
+
+
+# ---------------------------------------------------------------------------------------
+# 2. An operator purges tasks from a host that reaches the store but not the broker (or
+#    while the broker refuses publishes): the purge succeeds, its gone events are not
+#    written (logged only); the keeper must not send the purged tasks on. No store loss.
+# ---------------------------------------------------------------------------------------
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("ops_broker", ["control-reachable", "unreachable"])
+def test_tasks_purged_where_the_journal_cannot_be_written_are_never_sent_on(deploy: Deploy, ops_broker: str) -> None:
+    d = deploy
+    send(d, 8)
+    d.sent_on()
+    waiting = d.waiting()
+    assert len(waiting) >= 5
+    assert d.keeper.pass_now() == len(waiting)  # (their copies are in the journal)
+    # Given an operator's CLI whose broker cannot be reached (same app, same store)
+    url = RABBITMQ_URL if ops_broker == "control-reachable" else f"amqp://guest:guest@127.0.0.1:{_closed_port()}//"
+    ops_app = Celery("journal-review-ops", broker=url, set_as_current=False)
+    ops_app.conf.broker_connection_timeout = 1
+    ops = Throttle(ops_app, {"redis_url": d.server.url, "key_prefix": d.prefix, "journal": True})
+    try:
+        # When it purges every task waiting (the purge answers that it deleted them)
+        assert ops.lines.purge(waiting) == len(waiting)
+    finally:
+        ops.close()
+    assert d.waiting() == []
+    # And the keeper looks twice, LOST_AFTER apart (the store was never lost)
+    d.keeper.pass_now()
+    time.sleep(LOOK)
+    d.keeper.pass_now()
+    # Then none of the purged tasks is sent on
+    assert d.sent_on() == [], "purged tasks were sent on by the keeper: they run although purged"
+
+
+# ---------------------------------------------------------------------------------------
+# 3. A releaser that does not write gone events (a worker of the version before the
+#    journal, during a rolling upgrade; or one with throttle_journal = False): the tasks
+#    it released run, and once the store forgets them the keeper must not send them on.
+# ---------------------------------------------------------------------------------------
+@pytest.fixture
+def short_memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[Deploy]:
+    # (the store remembers started entries 2 s instead of 10 minutes: the same rule, sooner)
+    d = make_deploy(monkeypatch, ScriptPolicy(used_keep_ms=2000))
+    try:
+        yield d
+    finally:
+        teardown(d)
+
+
+def _start(d: Deploy, task_id: str, headers: dict[str, Any], n: int) -> bool:
+    """The pool's hook for one delivery of keeper.work("acme", n) with ``headers``:
+    True if its body would run."""
+    task = d.work._get_current_object()
+    attach(task, d.ctl.checker.known(d.app, "keeper.work", None).spec)  # (as the worker's bootstep does)
+    task.push_request(id=task_id, headers=headers, delivery_info={"redelivered": False}, is_eager=False,
+                        called_directly=False, args=["acme", n], kwargs={}, **headers)
+    try:
+        return guard(task, ("acme", n), {})
+    finally:
+        task.pop_request()
+
+
+@pytest.mark.parametrize("releaser_journal", [True, False], ids=["control-journaled-releaser", "no-gone-releaser"])
+def test_a_task_released_by_a_worker_that_writes_no_gone_is_not_run_again(short_memory: Deploy,
+                                                                          releaser_journal: bool) -> None:
+    d = short_memory
+    send(d, 4)
+    d.sent_on()
+    first = d.waiting()[0]
+    # Given a worker that writes no journal (the version before it, or journal off)
+    old_app, _ = make_app("journal-review-old", d.app.conf.broker_url, d.queue)
+    old = Throttle(old_app, {"redis_url": d.server.url, "key_prefix": d.prefix, "journal": releaser_journal})
+    try:
+        # When it releases the head (the key raised to 2/h) and the task runs
+        d.ctl.set_limit("keeper.work", ["2/h"], key="acme")
+        old.checker.refresh_controls()
+        old.lines.release(d.key)
+    finally:
+        old.close()
+    (task_id, headers), = d.taken()
+    assert task_id == first.task_id
+    assert _start(d, task_id, {HEADER: headers[HEADER]}, 0) is True  # (its body runs)
+    # And, the store having forgotten it started (USED_KEEP_MS), the keeper looks twice
+    time.sleep(2.5)
+    d.keeper.pass_now()
+    time.sleep(LOOK)
+    d.keeper.pass_now()
+    # Then it is not sent on again
+    assert first.task_id not in d.sent_on(), "a task that ran was sent on again by the keeper"
+
+
+# ---------------------------------------------------------------------------------------
+# 4. A copy of a task that names an entry released meanwhile (the copy a producer sends
+#    unchecked after a store error whose reply was lost, pending=<entry>; or a message
+#    sent back after a store error in the pool) is that task arriving: it runs once, the
+#    released message is then dropped, and the keeper never sends it on (it once was told
+#    QUEUED and wrote a 'kept' no 'gone' followed).
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("copy_first", [False, True], ids=["control-no-copy", "copy-while-out"])
+def test_a_copy_told_it_waits_while_its_entry_is_out_leaves_no_phantom_kept(short_memory: Deploy,
+                                                                           copy_first: bool) -> None:
+    d = short_memory
+    send(d, 4)
+    d.sent_on()
+    first = d.waiting()[0]
+    # Given the head released (gone written) and its released message in the queue
+    d.ctl.set_limit("keeper.work", ["2/h"], key="acme")
+    d.ctl.checker.refresh_controls()
+    d.ctl.lines.release(d.key)
+    (task_id, released), = d.taken()
+    assert task_id == first.task_id
+    # When a copy naming its entry as pending arrives first (what publish sends unchecked
+    # after a lost reply): it is the released task arriving, and runs; the released
+    # message, later, is a copy of a task that started, dropped. Else the released one runs.
+    if copy_first:
+        copy = Header(d.key, pending=first.entry).value()
+        assert _start(d, task_id, {HEADER: copy}, 0) is True
+        assert _start(d, task_id, {HEADER: released[HEADER]}, 0) is False
+    else:
+        assert _start(d, task_id, {HEADER: released[HEADER]}, 0) is True
+    # And, once the store forgot it started, the keeper looks twice
+    time.sleep(2.5)
+    d.keeper.pass_now()
+    time.sleep(LOOK)
+    d.keeper.pass_now()
+    # Then it is not sent on a second time
+    assert task_id not in d.sent_on(), "the task ran, and the keeper sent it on again"
+
+
+# ---------------------------------------------------------------------------------------
+# 5. What a pass holds in memory is about its spool's share (SPOOL_IN_MEMORY, 8 MB), not
+#    the journal's bytes.
+# ---------------------------------------------------------------------------------------
+def test_a_pass_over_a_large_journal_holds_at_most_about_the_spool_in_memory(
+        deploy: Deploy, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = deploy
+    monkeypatch.setattr(journal, "LOST_AFTER_US", 10 ** 12)  # (nothing is sent on: memory alone)
+    count, size = 1200, 64 * 1024  # (75 MB of kept messages)
+    body = d.ctl.lines.journal.broker
+    with d.app.producer_or_acquire() as producer:
+        for n in range(count):
+            body.publish(producer, journal.kept_headers(d.key, f"e{n}", 1_000_000 + n), b"x" * size, declare=n == 0)
+    d.keeper.pass_now()  # (the first: adopts nothing, marks them all)
+    tracemalloc.start()
+    try:
+        d.keeper.pass_now()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    print(f"peak {peak / 1e6:.1f} MB for {count * size / 1e6:.1f} MB of journal")
+    assert peak < 3 * (8 << 20), f"a pass held {peak / 1e6:.0f} MB for a {count * size / 1e6:.0f} MB journal"
+
+
+# ---------------------------------------------------------------------------------------
+# 6. Redis Cluster (redis+cluster://, supported): every pass, adoption included, runs
+#    there (once it ran TIME in a transaction pipeline, which redis-py refuses in cluster
+#    mode: no pass ever ended, the journal grew without bound).
+# ---------------------------------------------------------------------------------------
+@pytest.mark.cluster
+def test_the_keeper_reads_the_journal_with_a_redis_cluster_store(cluster_url: str) -> None:
+    broker = rabbitmq_or_skip(RABBITMQ_URL)
+    prefix = f"ct-test-{uuid.uuid4().hex[:10]}"
+    app = Celery("journal-review-cluster", broker=broker, set_as_current=False)
+    app.conf.task_default_queue = f"{prefix}-q"
+
+    @app.task(name="keeper.work", shared=False)
+    @throttle("1/h", key="{tenant}")
+    def work(tenant: str, n: int) -> None: ...
+
+    ctl = Throttle(app, {"redis_url": cluster_url, "key_prefix": prefix, "journal": True})
+    wrap_send_task(ctl)
+    keeper = Keeper(ctl)
+    try:
+        for n in range(4):
+            work.delay("acme", n)
+        waiting = [w for w in ctl.lines.waiting() if w.place]
+        assert waiting
+        assert keeper.pass_now() == len(waiting)
+    finally:
+        keeper._close()
+        ctl.close()
+        delete_queues(broker, [f"{prefix}-q", ctl.lines.journal.broker.name])
+
+
+# ---------------------------------------------------------------------------------------
+# 7. A store restarted while no worker ran (or a task evicted, found at a sweep): the
+#    first pass marks what the store lost, and the second look is due LOST_AFTER later,
+#    not at the next SWEEP_EVERY (10 minutes).
+# ---------------------------------------------------------------------------------------
+def test_what_a_pass_marks_is_looked_at_again_lost_after_later(deploy: Deploy) -> None:
+    d = deploy
+    send(d, 6)
+    d.sent_on()
+    waiting = [w.task_id for w in d.waiting()]
+    assert d.keeper.pass_now() == len(waiting)
+    # Given the store restarted empty while no worker ran (nobody saw its run id change)
+    d.lose_the_store()
+    # When a worker starts: its keeper looks every LOOK_EVERY, as its thread does
+    keeper = Keeper(d.ctl)
+    try:
+        assert keeper.look() == len(waiting)  # (no trace of a pass: one now, which marks them)
+        for _ in range(4):
+            time.sleep(LOOK)
+            keeper.look()
+    finally:
+        keeper._close()
+    # Then the marked tasks were sent on once the second look was due (LOST_AFTER later)
+    assert d.sent_on() == waiting, "the second look waits for SWEEP_EVERY (600 s), not LOST_AFTER"
+
+
+# ---------------------------------------------------------------------------------------
+# 8. Hostile (or merely foreign) input in the journal queue: a message whose
+#    content_encoding is text (py-amqp then hands its body over as str) is dropped, and
+#    the keeper goes on (once every pass raised before its acks on it).
+# ---------------------------------------------------------------------------------------
+def test_a_text_message_in_the_journal_does_not_stop_the_keeper(deploy: Deploy) -> None:
+    d = deploy
+    send(d, 6)
+    d.sent_on()
+    waiting = [w.task_id for w in d.waiting()]
+    # Given a broker client publishes one text message to the journal queue
+    with d.app.producer_or_acquire() as producer:
+        producer.publish("hello", exchange="", routing_key=d.ctl.lines.journal.broker.name,
+                         declare=[d.ctl.lines.journal.broker.queue], content_type="text/plain",
+                         content_encoding="utf-8", serializer=None,
+                         headers={"ct-journal": "kept", "key": d.key, "entry": "x", "us": 1})
+    # When the store is lost and the keeper looks twice
+    d.lose_the_store()
+    for _ in range(2):
+        d.keeper.pass_now()
+        time.sleep(LOOK)
+    d.keeper.pass_now()
+    # Then the tasks that waited are sent on (the foreign message dropped)
+    assert d.sent_on() == waiting
+# ---------------------------------------------------------------------------------------
+# 9. (Beside the journal.) A producer whose admit was RELEASED but whose reply was lost
+#    sends the task unchecked, naming the entry as pending. Its worker must run it (it is
+#    the released task arriving), not be told it waits and ack it while the entry is out
+#    with no message kept: nothing would ever run it.
+# ---------------------------------------------------------------------------------------
+def test_a_copy_naming_an_entry_released_at_publish_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery_throttle.core.protocol import Code, Entry
+    from celery_throttle.core.timing import WORKER_BATCH
+    from celery_throttle.waits.deferral import new_entry_id
+
+    d = make_deploy(monkeypatch)
+    try:
+        d.ctl.configure({"journal": False})  # (a Redis broker: no journal)
+        known = d.ctl.checker.known(d.app, "keeper.work", None)
+        call = d.ctl.checker.bind_spec("keeper.work", known.spec, known.signature, ("acme", 0), {})
+        task_id = str(uuid.uuid4())
+        entry = new_entry_id(task_id)
+        # Given the producer's admit RELEASED it (nothing kept) and its reply was lost
+        reply = d.ctl.checker.admit(call, Entry(entry, b"", task_id, 0, 0, WORKER_BATCH))
+        assert reply.code == Code.RELEASED
+        # When the copy it then sends unchecked (pending=<entry>) reaches a worker
+        ran = _start(d, task_id, {HEADER: Header(d.key, pending=entry).value()}, 0)
+        # Then it runs, or it waits in its line with its message
+        in_line = [w for w in d.waiting() if w.entry == entry and w.place]
+        assert ran or in_line, "the copy was told it waits (and acked), but nothing waits: the task is lost"
+    finally:
+        teardown(d)
