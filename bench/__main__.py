@@ -3,7 +3,8 @@
 Sections (CONTRIBUTING.md, "Benchmarks"): burst (1-4: violation, makespan, re-sends, the naive
 baselines and Celery's rate_limit, the chart), backlog (9: a deep line), neighbour (10), api429
 (11), rpt (12: Redis per task), slow (13: a store 100 ms away), concurrency (14), llm (15),
-llmsweep (15b), deferral (capacity after the deferral), controls, journal, units. Each runs on
+llmsweep (15b), deferral (capacity after the deferral), controls, journal, units, adapt (16:
+adaptive limits against an API whose limit moves). Each runs on
 redis-servers of its own and writes bench/out/ (results.md, results.json, chart.png, worker
 logs); a run at full scale (no --quick) also writes its rows of the headline table and its
 own table into bench/results.json, and bench/results.md from it (and bench/chart.png).
@@ -41,6 +42,7 @@ SECTIONS = {
     "controls": ("bench.after_deferral", "run_controls", ()),
     "journal": ("bench.after_deferral", "run_journal", ()),
     "units": ("bench.units_calls", "run_units", ("units-calls",)),
+    "adapt": ("bench.api429", "run_adapt", ("16", "adaptive", "issue29")),
 }
 ALIASES = {alias: name for name, (_, _, aliases) in SECTIONS.items() for alias in aliases}
 
@@ -67,12 +69,16 @@ class Scale:
     pauses: tuple[int, ...] = (100, 5_000, 50_000)
     journaled: tuple[int, ...] = (1_000, 10_000, 100_000)
     units: tuple[int, ...] = (1_000, 10_000)
+    #: adaptive limits: calls per client, seconds of each phase but the last, a second adaptive law beside.
+    adapt_calls: int = 3_000
+    adapt_phase: float = 20.0
+    adapt_extra: bool = True
     quick: bool = False
 
 
 FULL = Scale()
 QUICK = Scale("20/s", 100, (100, 1_000, 10_000), (1_000, 10_000), 50, (0.05,), ("moving",), (1_000,), 1, (200,),
-              60, 60, (0.0, 3.0), 1, (100, 5_000), (1_000,), (1_000,), quick=True)
+              60, 60, (0.0, 3.0), 1, (100, 5_000), (1_000,), (1_000,), 900, 6.0, False, quick=True)
 
 #: The headline table (README, "Benchmark"): its rows, and its columns.
 HEADLINE = {
@@ -88,6 +94,8 @@ HEADLINE = {
     "llm": 'an LLM API\'s requests and tokens: 429s per 100, makespan / ideal (`cost={"tokens": 450}`, '
            "`charge(tokens=n)`)",
     "llmsweep": "the same per 10 s, calls of 0 / 1 / 2 / 3 s: 429s per 100, makespan / fastest compliant",
+    "adapt": "an API whose limit moves 50 → 20 → 80/s unknown to the client (declared 100/s): 429s per 100, makespan "
+             "/ the oracle's (a client told each limit; target ≤ 2 × its 429s, ≤ 1.15)",
 }
 COLUMNS = ("sliding", "fixed", "naive fixed (seed)", "naive sliding log", "Celery `rate_limit`")
 

@@ -14,7 +14,9 @@ Reported per run: 429s per 100 tasks, makespan (first send to last 200) / ideal 
 
 from __future__ import annotations
 
+import math
 import random
+import threading
 import time
 import uuid
 from typing import Any
@@ -145,3 +147,253 @@ def report(res: Results, runs: list[dict[str, Any]], tasks: int, elapsed: float)
     res.notes.append("API 429s: limits' moving and fixed windows (Flask-Limiter's strategies) at 10 per 1 second per "
                      "account, on Redis, in a stdlib HTTP server of the bench's process; tasks retry a 429 after "
                      "Retry-After (at least 1 s). Makespan: first send to last 200; ideal: tasks / 10 s.")
+
+
+# -- 16: adaptive limits (issue 29): an API whose limit moves, unknown to the client --------
+ADAPT_SEC = "16 adaptive limits"
+#: The API's limit per account (calls in any 1 s), phase by phase from its first call; the last lasts.
+ADAPT_LIMITS = (50, 20, 80)
+#: The targets against the oracle: 429s per 100 calls at most this many times its own, makespan at most this share.
+ADAPT_429S, ADAPT_SPAN = 2.0, 1.15
+#: 429s this close after a change of the API's limit (s) are counted as the change's.
+ADAPT_NEAR = 2.0
+
+
+def adapt_clients(extra: bool) -> tuple[Any, ...]:
+    from bench.llm import Variant
+
+    clients = (Variant('@throttle("100/s", adapt=True), Backoff on a 429', "adapt_learning", concurrency=4),
+               Variant('today\'s Backoff: @throttle("100/s"), Backoff on a 429 (pauses it 1 s)', "adapt_backoff",
+                       concurrency=4),
+               Variant('Celery rate_limit="50/s" per worker, retry(countdown=Retry-After)', "adapt_builtin",
+                       concurrency=4),
+               Variant('the oracle: @throttle("50/s"), set_limit to each limit as it changes, Backoff on a 429',
+                       "adapt_oracle", concurrency=4))
+    more = (Variant('@throttle("100/s", adapt=Adapt(decrease=0.7, growth=0.005)), Backoff on a 429', "adapt_fast",
+                    concurrency=4),)
+    return clients + (more if extra else ())
+
+
+def limit_at(t: float, phase: float) -> int:
+    """The API's limit ``t`` s after an account's first call."""
+    return ADAPT_LIMITS[min(max(int(t // phase), 0), len(ADAPT_LIMITS) - 1)]
+
+
+def moving_api(phase: float) -> tuple[Api, dict[str, float]]:
+    """The API, and each account's first call (when its schedule began): per account, at
+    most :func:`limit_at` accepted calls in any 1 s (a sliding window of the calls it
+    accepted, this one included; a refused call is not counted); a refused call gets 429
+    with ``Retry-After: 1``."""
+    from collections import deque
+
+    firsts: dict[str, float] = {}
+    taken: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def decide(path: str, q: dict[str, str]) -> tuple[int, int, float, float]:
+        with lock:
+            now = time.time()
+            first, window = firsts.setdefault(q["account"], now), taken.setdefault(q["account"], deque())
+            while window and window[0] <= now - 1.0:
+                window.popleft()
+            if len(window) < limit_at(now - first, phase):
+                window.append(now)
+                return 200, 0, 0.0, 0.0
+        return 429, 0, 1.0, 0.0
+
+    return Api(decide), firsts
+
+
+def fastest(calls: int, phase: float) -> float:
+    """Seconds from an account's first call until the API could have taken ``calls``: its
+    limit integrated over time (a sliding window lets a full second's calls in at once at
+    the start: a client could end up to 1 s sooner)."""
+    at, left = 0.0, float(calls)
+    for i, limit in enumerate(ADAPT_LIMITS):
+        span = phase if i < len(ADAPT_LIMITS) - 1 else math.inf
+        if left <= limit * span:
+            return at + left / limit
+        at, left = at + span, left - limit * span
+    raise AssertionError("the last phase lasts")
+
+
+def watching(firsts: dict[str, float], phase: float) -> Any:
+    """``drive``'s ``on_start``: the oracle's limit set to the API's as it changes, and each
+    throttled client's level and pause read every 0.25 s (``run["levels"]``: s after the
+    account's first call, the share of the declared rate in force, paused)."""
+    def on_start(runs: list[dict[str, Any]]) -> Any:
+        from bench.app import app as bench_app
+        from celery_throttle import Throttle
+
+        stop, threads, ctls = threading.Event(), [], []
+
+        def oracle(run: dict[str, Any], ctl: Any, scope: str) -> None:
+            while not stop.is_set() and run["label"] not in firsts:
+                time.sleep(0.002)
+            for k, limit in list(enumerate(ADAPT_LIMITS))[1:]:
+                if stop.wait(max(0.0, firsts.get(run["label"], 0.0) + k * phase - time.time())):
+                    return
+                ctl.set_limit(scope, [f"{limit}/s"])
+                run["set_at"].append((round(time.time() - firsts[run["label"]], 3), limit))
+
+        def sample(run: dict[str, Any], ctl: Any, scope: str) -> None:
+            while not stop.wait(0.25):
+                first = firsts.get(run["label"])
+                if first is None:
+                    continue
+                try:
+                    status = ctl.status(scope)
+                except Exception:  # noqa: BLE001, S112 - a sample missed is a gap in the series
+                    continue
+                paused = status.paused_until is not None and status.paused_until > time.time()
+                run["levels"].append((round(time.time() - first, 2),
+                                      None if status.adaptive is None else round(status.adaptive.share, 3), paused))
+
+        for run in runs:
+            run["levels"], run["set_at"] = [], []
+            if run["variant"].task == "adapt_builtin":
+                continue
+            ctl = Throttle(bench_app, {"redis_url": urls(run["server"])[0], "key_prefix": run["group"].prefix})
+            ctls.append(ctl)
+            scope = f"bench.app.{run['variant'].task}"
+            jobs = [sample] + ([oracle] if run["variant"].task == "adapt_oracle" else [])
+            threads += [threading.Thread(target=job, args=(run, ctl, scope), daemon=True) for job in jobs]
+        for thread in threads:
+            thread.start()
+
+        def stopped() -> None:
+            stop.set()
+            for thread in threads:
+                thread.join(5)
+            for ctl in ctls:
+                ctl.close()
+        return stopped
+    return on_start
+
+
+def run_adapt(res: Results, scale: Any) -> None:
+    from bench.llm import drive
+
+    calls, phase, started = scale.adapt_calls, scale.adapt_phase, time.time()
+    best = fastest(calls, phase)
+    print(f"  adapt: {calls} calls per client, limits {' -> '.join(map(str, ADAPT_LIMITS))}/s changing every "
+          f"{phase:g} s (fastest possible {best:.1f} s) ...", flush=True)
+    api, firsts = moving_api(phase)
+    runs = drive(adapt_clients(scale.adapt_extra), calls, None, 3 * best + 120, api=api,
+                 on_start=watching(firsts, phase), say="adapt")
+    report_adapt(res, runs, firsts, calls, phase, best, time.time() - started)
+
+
+def phase_of(t: float, phase: float) -> int:
+    return min(max(int(t // phase), 0), len(ADAPT_LIMITS) - 1)
+
+
+def climb(accepted: list[float], since: float, share: float = 0.9) -> float:
+    """Seconds from ``since`` until the accepted calls of the trailing second first reached
+    ``share`` of the last phase's limit (nan: never)."""
+    need = math.ceil(share * ADAPT_LIMITS[-1])
+    ts = [t for t in accepted if t >= since]
+    for i in range(need - 1, len(ts)):
+        if ts[i] - ts[i - need + 1] < 1.0:
+            return ts[i] - since
+    return math.nan
+
+
+def anatomy(run: dict[str, Any], first: float, phase: float) -> dict[str, Any]:
+    """Where a client's time and 429s went, from the API's log: per phase, the calls accepted
+    against what the API allowed in it (the last phase: until the client's last 200), the
+    429s within ADAPT_NEAR s after a change against the rest, pauses, the climb to 90 % of
+    the last limit; per second, the calls accepted and refused, and the level sampled."""
+    arr = sorted(run["tally"], key=lambda a: a.at)
+    ok = [a.at - first for a in arr if a.status == 200]
+    refused = [a.at - first for a in arr if a.status == 429]
+    end = max(ok, default=0.0)
+    last = len(ADAPT_LIMITS) - 1
+    phases = []
+    for k in range(len(ADAPT_LIMITS)):
+        lo, hi = k * phase, (k + 1) * phase if k < last else math.inf
+        phases.append({"accepted": sum(lo <= t < hi for t in ok), "refused": sum(lo <= t < hi for t in refused),
+                       "allowed": round(ADAPT_LIMITS[k] * max(min(hi, end) - lo, 0.0))})
+    near = sum(any(0 <= t - k * phase < ADAPT_NEAR for k in range(1, len(ADAPT_LIMITS))) or t < ADAPT_NEAR
+               for t in refused)
+    seconds = math.ceil(end) + 1
+    per_s = [[0, 0] for _ in range(seconds)]
+    for t, status in ((a.at - first, a.status) for a in arr):
+        if 0 <= t < seconds:
+            per_s[int(t)][status != 200] += 1
+    levels: dict[int, float | None] = {}
+    for t, share, _ in run.get("levels", []):
+        levels.setdefault(int(t), share)
+    samples = run.get("levels", [])
+    paused = sum(1 for *_, p in samples if p) / len(samples) * (samples[-1][0] - samples[0][0]) if len(samples) > 1 \
+        else 0.0
+    return {"phases": phases, "near": near, "steady": len(refused) - near, "per_s": per_s, "levels": levels,
+            "climb": climb(ok, (len(ADAPT_LIMITS) - 1) * phase), "paused_s": paused,
+            "offset": first - run["t0"]}
+
+
+def figures(run: dict[str, Any]) -> tuple[float, float, str]:
+    """429s per 100 calls accepted, makespan (a client not done: to its last 200 so far), and
+    how it ended when not done (else '')."""
+    accepted = sum(a.status == 200 and bool(a.answered) for a in run["tally"])
+    ended = "" if run["done_at"] else f"not done: {accepted} of {len(run['ids'])} calls in time"
+    return run["refused"] * 100 / max(accepted, 1), run["makespan"], ended
+
+
+def report_adapt(res: Results, runs: list[dict[str, Any]], firsts: dict[str, float], calls: int, phase: float,
+                 best: float, elapsed: float) -> None:
+    by = {r["variant"].task: r for r in runs}
+    o429, ospan, _ = figures(by["adapt_oracle"])
+    limits = " → ".join(f"{x}/s" for x in ADAPT_LIMITS)
+    lines = [(f"An API whose limit per account moves {limits}, every {phase:g} s from the account's first call "
+              f"(the last as long as needed); a 429 says Retry-After: 1. {calls} calls per client, sent at once, "
+              f"2 workers x 4 processes each, side by side ({elapsed:.0f} s). Fastest possible: {best:.1f} s (the "
+              f"limit integrated over time)."), "",
+             ("| client | 429s per 100 calls accepted | makespan | / the oracle's | / fastest possible | 429s within "
+              f"{ADAPT_NEAR:g} s after a change / the rest | accepted / allowed per phase | 90 % of "
+              f"{ADAPT_LIMITS[-1]}/s reached after | paused | each call once |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        v, label = run["variant"], run["label"]
+        per100, span, ended = figures(run)
+        more = "> " if ended else ""
+        shape = anatomy(run, firsts.get(label, run["t0"]), phase)
+        run["anatomy"] = shape
+        learner = v.task in ("adapt_learning", "adapt_fast")
+        target = v.task == "adapt_learning"
+        res.add(ADAPT_SEC, "429s per 100 calls", v.name, f"{per100:.1f}",
+                f"<= {ADAPT_429S:g} x the oracle's ({ADAPT_429S * o429:.1f})" if target else "",
+                per100 <= ADAPT_429S * o429 if target else None,
+                f"{len(run['tally'])} requests for {calls} calls; per 100 calls accepted")
+        res.add(ADAPT_SEC, "makespan / the oracle's", v.name,
+                f"{more}{span:.1f} s / {ospan:.1f} s = {more}{span / ospan:.3f}", f"<= {ADAPT_SPAN:g}" if target else "",
+                span / ospan <= ADAPT_SPAN and not ended if target else None,
+                (f"{ended}; " if ended else "") + f"/ fastest possible ({best:.1f} s): {more}{span / best:.3f}; sends "
+                f"took {run['send_s']:.1f} s; first call {shape['offset']:.2f} s after the first send")
+        res.add(ADAPT_SEC, "every call got exactly one 200", v.name, "yes" if run["once"] else "NO", "yes", run["once"])
+        per_phase = " / ".join(f"{p['accepted']}/{p['allowed']}" for p in shape["phases"])
+        reached = "–" if math.isnan(shape["climb"]) else f"{shape['climb']:.1f} s"
+        paused = "–" if v.task == "adapt_builtin" else f"{shape['paused_s']:.1f} s"
+        lines.append(f"| {v.name} | {per100:.1f} | {more}{span:.1f} s{f' ({ended})' if ended else ''} | "
+                     f"{more}{span / ospan:.3f} | {more}{span / best:.3f} | "
+                     f"{shape['near']} / {shape['steady']} | {per_phase} | {reached} | {paused} | "
+                     f"{'yes' if run['once'] else 'NO'} |")
+        if learner or v.task == "adapt_oracle":
+            series = " ".join(f"{a}" + (f"/{r}" if r else "") + (f"@{shape['levels'][s]:.2f}"
+                                                                  if shape["levels"].get(s) is not None else "")
+                              for s, (a, r) in enumerate(shape["per_s"]))
+            res.notes.append(f"adapt, {v.name}: per second from the account's first call, accepted[/refused]"
+                             f"[@level sampled]: {series}" + (f"; limits set at {run['set_at']}" if run["set_at"] else ""))
+        if run["errors"]:
+            res.notes.append(f"adapt, {v.name}: worker log errors: " + " | ".join(run["errors"][:3]))
+    res.table("adapt", "\n".join(lines))
+    cells = {}
+    for task, run in by.items():
+        per100, span, ended = figures(run)
+        cells[task] = f"{per100:.1f}, {'> ' if ended else ''}{span / ospan:.2f}" + (f" ({ended})" if ended else "")
+    res.cell("adapt", "sliding", f"`adapt=True`: {cells['adapt_learning']}; today's `Backoff`: {cells['adapt_backoff']}; "
+                                 f"the oracle: {cells['adapt_oracle']}")
+    res.cell("adapt", "Celery `rate_limit`", cells["adapt_builtin"])
+    res.series["adapt"] = {r["variant"].name: {"first": firsts.get(r["label"]), "t0": r["t0"], "levels": r["levels"],
+                                               "set_at": r["set_at"],
+                                               "arrivals": [(round(a.at - firsts.get(r["label"], r["t0"]), 4), a.status)
+                                                            for a in r["tally"]]} for r in runs}

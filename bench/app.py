@@ -7,7 +7,8 @@ limit), BENCH_API_URL (the fake API), BENCH_START_GRACE (``throttle_start_grace`
 effect since the line), BENCH_DENIALS=1 (each denial counted in ``<prefix>:denied:<label>``).
 A body notes its start as JSON in ``<prefix>:starts:<label>`` (a slot's, its span in
 ``<prefix>:spans``). The naive baselines of the seed notes re-send a denied task with
-``countdown`` = time until its window opens; the API clients retry a 429 after ``Retry-After``.
+``countdown`` = time until its window opens; the API clients retry a 429 after ``Retry-After``
+(or raise ``Backoff`` with it).
 
 ``python -m bench.app '{"sends": [...]}'``: a producer as users write one: it imports this
 module (its sends are checked at publish) and never finalizes the app. A send: ``task``,
@@ -34,7 +35,7 @@ import redis
 from celery import Celery
 
 import celery_throttle
-from celery_throttle import Backoff, throttle
+from celery_throttle import Adapt, Backoff, throttle
 from celery_throttle.core.rates import parse_rate
 from celery_throttle.signals import task_throttled
 
@@ -192,10 +193,14 @@ def request(path: str, **query: Any) -> tuple[int, dict[str, Any], float]:
         return exc.code, {}, wait
 
 
-def _api() -> Any:
-    def task(self: Any, label: str, account: str) -> None:
-        status, _, wait = request("/call", account=account, label=label, id=self.request.id)
+def _api(backoff: bool = False) -> Any:
+    """One request (``i``: the call's index, for the API's log); a 429 retried after its
+    Retry-After, or (``backoff``) raised as ``Backoff`` with it."""
+    def task(self: Any, label: str, account: str, i: int = -1) -> None:
+        status, _, wait = request("/call", account=account, label=label, id=self.request.id, i=i)
         if status != 200:
+            if backoff:
+                raise Backoff(retry_after=wait)
             raise self.retry(countdown=wait or 1.0)
     return task
 
@@ -206,6 +211,16 @@ for _name, _rates, _limits, _options in (
         ("api_9", ("9/s",), {}, {}), ("api_fixed", ("10/s",), {"algorithm": "fixed"}, {}),
         ("api_builtin", (), {}, {"rate_limit": "10/s"}), ("api_plain", (), {}, {})):
     _task(_name, _api(), *_rates, options=_options, **({"key": "{account}", **_limits} if _rates else {}))
+
+
+# -- adaptive limits (16): an API whose limit moves, unknown to the client ------------------
+#: The API's documented ceiling, above every limit it enforces; the oracle starts at the first.
+ADAPT_CEILING, ADAPT_FIRST = "100/s", "50/s"
+_task("adapt_learning", _api(backoff=True), ADAPT_CEILING, adapt=True)
+_task("adapt_fast", _api(backoff=True), ADAPT_CEILING, adapt=Adapt(decrease=0.7, growth=0.005))
+_task("adapt_backoff", _api(backoff=True), ADAPT_CEILING)
+_task("adapt_oracle", _api(backoff=True), ADAPT_FIRST)  # (its limit set by the bench at each change)
+_task("adapt_builtin", _api(), options={"rate_limit": "50/s"})  # (per worker: 100/s for 2)
 
 
 # -- Redis per task (12): bodies that do nothing, over ten tenants --------------------------

@@ -178,22 +178,29 @@ def most_tokens(arrivals: Sequence[Arrival], window: float) -> int:
     return max_units_in_any_interval(((a.at, a.tokens) for a in arrivals), window)
 
 
-def drive(variants: Sequence[Variant], calls: int, plan: Plan, timeout: float) -> list[dict[str, Any]]:
+def drive(variants: Sequence[Variant], calls: int, plan: Plan | None, timeout: float, api: Api | None = None,
+          on_start: Callable[[list[dict[str, Any]]], Callable[[], None]] | None = None,
+          say: str = "llm") -> list[dict[str, Any]]:
     """Each client's redis-server and workers, its calls sent by its producer (all at once),
-    until every call got its 200 or ``timeout``: what each got."""
+    until every call got its 200 or ``timeout``: what each got. ``api``: another API than
+    the LLM API of ``plan`` (each account's calls of 3 arguments: label, account, index);
+    ``on_start(runs)``, called once every client's workers are up, before the sends: what
+    to call when the calls are in (before the workers stop)."""
     runs, plans = [], {}
-    api = llm_api(plans)
+    api = api or llm_api(plans)
     with ExitStack() as stack:
         for v in variants:
-            print(f"  llm: {v.name}: a redis-server, 2 workers x {v.concurrency} processes ...", flush=True)
+            print(f"  {say}: {v.name}: a redis-server, 2 workers x {v.concurrency} processes ...", flush=True)
             server = stack.enter_context(redis_server())
-            group = workers(new_prefix("llm"), server, broker=urls(server)[0], concurrency=v.concurrency,
+            group = workers(new_prefix(say), server, broker=urls(server)[0], concurrency=v.concurrency,
                             env={"BENCH_API_URL": api.url, **({} if v.start_grace is None else
                                                               {"BENCH_START_GRACE": str(v.start_grace)})})
             stack.callback(group.stop)
             group.start()
             plans[group.prefix] = (plan, v.latency)
-            runs.append({"variant": v, "group": group, "label": group.prefix, "done_at": 0.0})
+            runs.append({"variant": v, "group": group, "label": group.prefix, "server": server, "done_at": 0.0})
+        if on_start is not None:
+            stack.callback(on_start(runs))
         send = lambda r: produce(r["group"], {"task": r["variant"].task, "args": [r["label"], r["label"]],
                                               "count": calls, "vary": "index", "pace": r["variant"].pace,
                                               "ids": True, "pooled": True})[0]
@@ -207,7 +214,7 @@ def drive(variants: Sequence[Variant], calls: int, plan: Plan, timeout: float) -
                     run["done_at"] = time.time()
             if time.time() - said >= 30:
                 said = time.time()
-                print("  llm: " + ", ".join(f"{len(api.answered(r['label']))}/{calls}" for r in runs), flush=True)
+                print(f"  {say}: " + ", ".join(f"{len(api.answered(r['label']))}/{calls}" for r in runs), flush=True)
             time.sleep(0.5)
         time.sleep(2.0)  # a late duplicate would show now
         for run in runs:
