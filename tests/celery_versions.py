@@ -1,5 +1,5 @@
 """``python -m tests.celery_versions 5.3 5.5``: the contract with Celery's internals
-(tests/test_internals.py) on other Celery versions. CI runs it on the oldest supported
+(tests/pure/test_internals.py) on other Celery versions. CI runs it on the oldest supported
 and one between; the suite runs it on the newest (the one installed).
 
 For each version: a new virtualenv outside the tree with that Celery (and what the plugin
@@ -33,7 +33,7 @@ def check(version: str, where: Path) -> bool:
                                capture_output=True, text=True, check=False).stdout.strip()
     # (--noconftest: the suite's fixtures need its test extras; the contract needs none)
     done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
-                           "-o", "addopts=", "tests/test_internals.py"], cwd=ROOT, check=False)
+                           "-o", "addopts=", "tests/pure/test_internals.py"], cwd=ROOT, check=False)
     print(f"celery {installed}: the contract with its internals {'holds' if done.returncode == 0 else 'FAILS'}",
           flush=True)
     return done.returncode == 0

@@ -5,13 +5,12 @@ A missing Redis skips the tests locally but fails them in CI (CI=true).
 
 from __future__ import annotations
 
-import inspect
 import random
-import re
 import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -36,8 +35,8 @@ from tests.helpers import (
 settings.load_profile("celery_throttle_quick" if QUICK else "celery_throttle")
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
-#: Fixtures of modules of their own (the keeper's tests' deploy).
-pytest_plugins = ["tests.journal_support"]
+#: Fixtures of modules of their own (the keeper's tests' deploy; the fault tests' workers).
+pytest_plugins = ["tests.journal_support", "tests.fault_support"]
 
 
 @pytest.fixture(scope="session")
@@ -83,46 +82,45 @@ def workers(store_client: redis.Redis, broker_url: str) -> Iterator[WorkerGroup]
 
 
 # -- tiers ----------------------------------------------------------------------------
-# Every test is in one tier (pyproject.toml lists the markers): `make quick` runs the first
-# two, `make test` all of them.
-#   pure     no Redis, no worker: rates, keys, declarations, the script's format
-#   script   a real Redis, no worker process: the scripts against the model, the
-#            controller used directly, the upgrade corpus
-#   workers  real Celery workers (subprocesses, or Celery's in-process test worker) or
-#            the CLI as a subprocess
-#   faults   workers and servers that are killed, slowed or filled on purpose
+# Every test is in one tier, the folder it lives in (pyproject.toml lists the markers):
+# `make quick` runs the first two, `make test` all of them.
+#   tests/pure/     no Redis, no worker: rates, keys, declarations, the script's format
+#   tests/script/   a real Redis, no worker process: the scripts against the model, the
+#                   controller used directly, the upgrade corpus, the keeper run by hand
+#   tests/workers/  real Celery workers (subprocesses, or Celery's in-process test worker)
+#                   or the CLI as a subprocess
+#   tests/faults/   workers and servers that are killed, slowed or filled on purpose
+# A test's own marker wins over its folder's (a pure test among a file of worker tests).
 TIERS = ("pure", "script", "workers", "faults")
-#: Modules whose tests are all of one tier.
-_MODULE_TIERS = {
-    "test_faults": "faults", "test_store_risks": "faults", "test_soak": "faults",
-    # (the CLI, the examples and the deployments run as subprocesses)
-    "test_cli": "workers", "test_examples": "workers", "test_embedded": "workers",
-    "test_deployments": "workers", "test_testing_example": "workers",
-    # (its workers come from fixtures of its own)
-    "test_concurrency": "workers",
-}
-#: Fixtures that start workers, and those that reach Redis.
+TESTS = Path(__file__).resolve().parent
+#: Fixtures that start workers, and those that reach Redis: a pure test asks for neither,
+#: a script test for no worker.
 _WORKER_FIXTURES = {"workers", "pool_workers", "group_factory", "app", "idle_queue"}
 _REDIS_FIXTURES = {"store_client", "prefix", "store", "clock", "redis_client", "ctl"}
-#: What a test body that starts a worker or another process itself calls.
-_STARTS_PROCESSES = re.compile(r"\b(WorkerGroup|start_worker|subprocess\.\w+)\(")
 
 
-def _tier(item: pytest.Item) -> str:
-    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
-    used = set(getattr(item, "fixturenames", ()))
-    if module in _MODULE_TIERS:
-        return _MODULE_TIERS[module]
-    function = getattr(item, "function", None)
-    if used & _WORKER_FIXTURES or (function is not None and _STARTS_PROCESSES.search(inspect.getsource(function))):
-        return "workers"
-    return "script" if used & _REDIS_FIXTURES else "pure"
+def _folder_tier(item: pytest.Item) -> str | None:
+    folder = item.path.resolve().parent
+    return folder.name if folder.parent == TESTS and folder.name in TIERS else None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    wrong = []
     for item in items:
-        if not any(item.get_closest_marker(tier) for tier in TIERS):  # (unless a test says its tier)
-            item.add_marker(getattr(pytest.mark, _tier(item)))
+        marked = [tier for tier in TIERS if item.get_closest_marker(tier)]
+        tier = marked[0] if marked else _folder_tier(item)
+        if tier is None:
+            wrong.append(f"{item.nodeid}: in no tier (put it in tests/pure, script, workers or faults)")
+            continue
+        if not marked:
+            item.add_marker(getattr(pytest.mark, tier))
+        used = set(getattr(item, "fixturenames", ()))
+        needs = used & _WORKER_FIXTURES if tier in ("pure", "script") else set()
+        needs |= used & _REDIS_FIXTURES if tier == "pure" else set()
+        if needs:
+            wrong.append(f"{item.nodeid}: a {tier} test asks for {', '.join(sorted(needs))}")
+    if wrong:
+        raise pytest.UsageError("tests out of their tier (tests/conftest.py, \"tiers\"):\n  " + "\n  ".join(wrong))
 
 
 # -- a Redis Cluster of 3 masters on loopback, for the tests that need one ---------------

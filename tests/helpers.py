@@ -403,7 +403,7 @@ def max_in_window(times: Iterable[float], window: float, weights: Iterable[int] 
 #: after the check: the first of a burst (a cold check, a second call with its message)
 #: later than one granted its start ahead, which waits for it in its process. A limit is
 #: measured this much short of its window (the script's own bound, exact, is the model
-#: check's: tests/test_line_model.py).
+#: check's: tests/script/test_line_model.py).
 BODY_NOISE = 0.05
 
 

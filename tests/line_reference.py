@@ -4,7 +4,7 @@ released from it and not started, and its concurrency slots.
 ``KeyModel`` does what the script does, function by function (``earliest``, ``estimate``,
 ``expire_out``, ``release_heads``, ``next_due``, ``finish`` and each operation), on the
 rates of ``tests.reference`` (``SlidingRate``, ``FixedRate``: the algorithms' twins), under
-the same timing policy and layout. ``tests/test_line_model.py`` runs both through random
+the same timing policy and layout. ``tests/script/test_line_model.py`` runs both through random
 walks and compares every reply and everything stored. Times are integer microseconds.
 """
 

@@ -2,7 +2,7 @@
 (``apt-get install prometheus``; `.ci/run` installs them when it can), a server of a test's
 own on a free loopback port, and what the dashboard and the rules in ``monitoring/`` hold.
 
-Used by ``tests/test_monitoring.py`` and by ``monitoring/screenshot.py``.
+Used by ``tests/pure/test_monitoring.py`` and by ``monitoring/screenshot.py``.
 """
 
 from __future__ import annotations

@@ -260,6 +260,7 @@ def test_a_tenant_with_a_lone_surrogate_still_gets_its_own_key(tenant: str) -> N
     assert key != state_key("throttle", "scope", tenant.replace("\ud800", "?").replace("\udfff", "?"))
 
 
+@pytest.mark.script
 @pytest.mark.parametrize("prefix", ["", " throttle", "throttle ", "thr{ottle", "throttle}"])
 def test_a_prefix_with_braces_or_surrounding_spaces_is_refused(prefix: str) -> None:
     with pytest.raises(ConfigurationError, match="throttle_key_prefix"):

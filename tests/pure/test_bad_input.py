@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import pytest
 from celery import Celery
 from hypothesis import given
 from hypothesis import strategies as st
@@ -51,6 +52,7 @@ def test_a_header_of_an_earlier_format_carries_no_ticket_and_a_later_one_reads_a
     assert Header.read({"v": HEADER_VERSION + 1, "k": "s", "t": "ticket"}) == Header()
 
 
+@pytest.mark.workers
 def test_messages_with_a_garbled_header_run_throttled_and_no_worker_falls(workers: WorkerGroup) -> None:
     # Given a 5/s task, and messages whose celery_throttle header is not what we write
     label = uuid.uuid4().hex[:10]
@@ -101,6 +103,7 @@ def test_a_parked_message_reads_back_as_it_was_written(args: Any, kwargs: Any) -
     assert body["options"]["task_id"] == "t-1" and "countdown" not in body["options"]
 
 
+@pytest.mark.script
 def test_any_bytes_parked_never_stop_the_releaser_and_end_as_dead_letters(prefix: str) -> None:
     from hypothesis import settings
 

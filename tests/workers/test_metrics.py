@@ -64,6 +64,7 @@ def test_counters_by_scope_and_a_summary_of_denials_in_the_log(
     assert any(f"scope={scope} key=None" in line for line in summary), summary
 
 
+@pytest.mark.pure
 def test_the_summary_is_written_on_its_interval_without_a_later_denial(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from celery_throttle.check import metrics
@@ -80,6 +81,7 @@ def test_the_summary_is_written_on_its_interval_without_a_later_denial(
     assert "scope=summary-scope key=acme: 1 task(s) deferred, 2.0s on average" in summary()[0]
 
 
+@pytest.mark.pure
 def test_the_summary_escapes_what_would_forge_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
     from celery_throttle.check import metrics
 

@@ -101,6 +101,7 @@ def test_the_scripts_read_every_constant_they_are_loaded_with_and_no_other() -> 
         assert used - own == set(given) - _OTHER_ALGORITHMS_LAYOUT[algorithm]
 
 
+@pytest.mark.script
 def test_an_error_in_a_script_names_the_file_and_its_own_line(store_client: redis.Redis, prefix: str) -> None:
     # Given a call whose ARGV says one rate but carries none (its field name missing)
     store = RedisStore(STORE_URL, prefix)

@@ -151,6 +151,7 @@ class _Yielding(int):
         return int(self) >= other  # type: ignore[operator]
 
 
+@pytest.mark.pure
 def test_threads_never_take_more_leased_units_than_were_granted() -> None:
     # Given a lease of 2000 units, and 8 threads spending it at once
     leases = Leases()

@@ -1,4 +1,7 @@
-"""Faults: the store going down, workers dying, Redis Cluster, skewed clocks.
+"""Faults of workers, releasers and the broker: workers killed mid-burst or all at once,
+releasers racing or dying before their ack, a line lost from the index, parked tasks that
+cannot be sent back or whose message was evicted, a broker that refuses re-sends. (The
+store's faults: tests/faults/test_store_faults.py.)
 
 Each test starts the servers and workers it needs (loopback only) and is bounded in time.
 """
@@ -6,21 +9,14 @@ Each test starts the servers and workers it needs (loopback only) and is bounded
 from __future__ import annotations
 
 import logging
-import re
-import socket
 import threading
 import time
-import uuid
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import redis
 from celery import Celery
 
 import celery_throttle
-from celery_throttle import StoreError
 from celery_throttle.celery_parts.messages import encode_message
 from celery_throttle.core.header import HEADER, Header
 from celery_throttle.core.keys import line_index_key, parking_keys, state_key, window_keys
@@ -28,130 +24,15 @@ from celery_throttle.core.protocol import Code, Entry
 from celery_throttle.core.timing import RESEND_PATIENCE, SCRIPT_POLICY
 from celery_throttle.store.client import RedisStore
 from celery_throttle.waits.parking import release_parked
-from tests.conftest import BROKER_URL, RABBITMQ_URL, STORE_URL, _clean
+from tests.conftest import RABBITMQ_URL, STORE_URL
+from tests.fault_support import SKEW_NOISE, new_prefix, ran_once
 from tests.helpers import (
     RedisServer,
-    SlowProxy,
     WorkerGroup,
-    delete_queues,
-    free_port,
-    max_in_window,
     max_started_in,
     rabbitmq_or_skip,
     wait_for,
 )
-
-FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
-#: The skew test's clocks are 2 and 3 s off: a start counted on a worker's own clock would
-#: land seconds out of place, so the test loses nothing by allowing a quarter second of noise
-#: between a start and its body. A CI run beside three other suites reached two bodies 70 ms
-#: further apart than their starts, past BODY_NOISE and the 2 % margin together. (The
-#: killed-worker test reads body times too, and allows the same.)
-SKEW_NOISE = 0.25
-
-
-def _prefix() -> str:
-    return f"ct-test-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def group_factory(store_client: redis.Redis) -> Iterator:
-    groups: list[WorkerGroup] = []
-
-    def make(**kwargs) -> WorkerGroup:
-        kwargs.setdefault("prefix", _prefix())
-        kwargs.setdefault("broker", BROKER_URL)
-        kwargs.setdefault("store", STORE_URL)
-        group = WorkerGroup(**kwargs)
-        groups.append(group)
-        return group
-
-    yield make
-    for group in groups:
-        group.stop()
-        _clean(store_client, group.prefix)
-        delete_queues(group.broker, group.queues)
-
-
-def _ran_once(group: WorkerGroup, label: str, ids: list[str]) -> list[dict]:
-    starts = group.starts(label)
-    counts = Counter(e["id"] for e in starts)
-    assert set(counts) == set(ids), f"lost: {set(ids) - set(counts)}"
-    assert max(counts.values()) == 1, f"ran twice: {[i for i, n in counts.items() if n > 1]}"
-    return starts
-
-
-@pytest.mark.slow
-def test_store_killed_mid_burst_loses_nothing_and_limit_holds_after(group_factory) -> None:
-    # Given workers whose store is a Redis of its own that keeps its data on disk (the
-    # broker is the main Redis)
-    store = RedisServer(extra=["--appendonly", "yes", "--appendfsync", "always"]).start()
-    try:
-        group = group_factory(store=store.url, env={"CT_PARK_AFTER": "30"}).start()
-        label = "burst"
-        ids = [group.send("below", label) for _ in range(40)]
-        wait_for(lambda: len(group.starts(label)) >= 5, 20, what="the first starts")
-        # When the store dies mid-burst and comes back 3 s later
-        store.kill()
-        time.sleep(3)
-        store.start()
-        restarted = time.time()
-        group.wait_starts(label, 40, timeout=90)
-        # Then every task ran exactly once (those waiting in its line as it died included),
-    # the limit held after recovery, no worker died
-        starts = _ran_once(group, label, ids)
-        after = [e["t"] for e in starts if e["t"] > restarted]
-        assert after and max_started_in(after, 1.0) <= 5
-        assert all(p.poll() is None for p in group.procs)
-        # and the outage was said: by a task deferred for it, or by the releasers that
-        # could not release the lines (once, then its end)
-        log = group.log_text()
-        assert ("throttle store unreachable, deferring" in log
-                or ("could not release the lines that have room" in log and "the store is back" in log)), log[-3000:]
-    finally:
-        store.stop()
-
-
-def test_store_down_with_allow_runs_tasks_unthrottled(group_factory) -> None:
-    dead = f"redis://127.0.0.1:{free_port()}/0"
-    group = group_factory(store=dead, count=1, env={"CT_ON_STORE_ERROR": "allow"}).start()
-    ids = [group.send("below", "allow") for _ in range(8)]
-    starts = group.wait_starts("allow", 8, timeout=30, settle=0.5)
-    assert sorted(e["id"] for e in starts) == sorted(ids)
-    assert "running tests.taskapp.below" in group.log_text()
-
-
-def test_store_down_with_fail_fails_the_task_visibly(group_factory) -> None:
-    dead = f"redis://127.0.0.1:{free_port()}/0"
-    group = group_factory(store=dead, count=1, env={"CT_ON_STORE_ERROR": "fail"}).start()
-    result = group.client.AsyncResult(group.send("below", "fail"))
-    wait_for(lambda: result.state == "FAILURE", 30, what="the task to fail")
-    assert isinstance(result.result, Exception) and "failed" in str(result.result)
-    assert group.starts("fail") == []
-
-
-def test_acquire_raises_store_error_when_redis_is_unreachable() -> None:
-    app = Celery("dead", broker="memory://", set_as_current=False)
-    ctl = celery_throttle.install(app, redis_url=f"redis://127.0.0.1:{free_port()}/0")
-    with pytest.raises(StoreError, match="127.0.0.1"):
-        ctl.acquire("x", rates="1/s")
-
-
-def test_a_store_whose_scripts_were_flushed_reloads_them_and_keeps_counting() -> None:
-    # Given a controller that has run its script on a Redis of its own
-    server = RedisServer().start()
-    try:
-        app = Celery("flushed", broker="memory://", set_as_current=False)
-        ctl = celery_throttle.install(app, redis_url=server.url)
-        assert ctl.acquire("x", rates="2/m").allowed
-        # When Redis forgets every script (as a restart or SCRIPT FLUSH does)
-        redis.Redis.from_url(server.url).script_flush()
-        # Then the next calls load it again, answer, and still count the first one
-        assert ctl.acquire("x", rates="2/m").allowed
-        denied = ctl.acquire("x", rates="2/m")
-        assert not denied.allowed and denied.remaining == 0
-    finally:
-        server.stop()
 
 
 @pytest.mark.slow
@@ -180,7 +61,7 @@ def test_worker_killed_mid_burst_loses_no_task(group_factory) -> None:
 
 @pytest.mark.slow
 def test_tasks_waiting_in_a_line_survive_the_death_of_every_worker(group_factory) -> None:
-    prefix = _prefix()
+    prefix = new_prefix()
     group = group_factory(prefix=prefix).start()
     ids = [group.send("slow_quota", "survive", "t") for _ in range(6)]
     line = window_keys(state_key(prefix, "tests.taskapp.slow_quota", "t"))[2]
@@ -194,7 +75,7 @@ def test_tasks_waiting_in_a_line_survive_the_death_of_every_worker(group_factory
         group.start_one(i)
         group.wait_ready(i)
     group.wait_starts("survive", 6, timeout=30)
-    _ran_once(group, "survive", ids)
+    ran_once(group, "survive", ids)
     assert group.records.zcard(line) == 0
 
 
@@ -244,7 +125,7 @@ def test_a_line_missing_from_the_index_is_indexed_again_by_its_next_call(group_f
     time.sleep(SCRIPT_POLICY.index_stale_ms / 1000 + 0.5)
     ids.append(group.send("slow_quota", "reindexed", "t"))
     group.wait_starts("reindexed", 6, timeout=40)
-    _ran_once(group, "reindexed", ids)
+    ran_once(group, "reindexed", ids)
 
 
 #: How long each racing releaser pauses between its batches (seconds): 43 batches each, so
@@ -340,77 +221,10 @@ def test_a_task_parked_by_an_earlier_version_and_one_released_from_a_line_keep_t
     assert ctl.parking.parked_count() == (0, 0, 0)
 
 
-@pytest.mark.cluster
-def test_redis_cluster_store_keeps_precision_and_parks(cluster_url: str, group_factory) -> None:
-    # Direct use over many keys, spread over every master
-    app = Celery("cluster", broker="memory://", set_as_current=False)
-    ctl = celery_throttle.install(app, redis_url=cluster_url, key_prefix="ct")
-    for tenant in range(30):
-        assert [ctl.acquire("api", key=f"t{tenant}", rates="2/m").allowed for _ in range(3)] == [
-            True, True, False]
-    # Real workers with the cluster as their store
-    group = group_factory(store=cluster_url, env={"CT_PARK_AFTER": "2"}).start()
-    ids = [group.send("below", "cl") for _ in range(15)]
-    ids_parked = [group.send("slow_quota", "clp", "t") for _ in range(6)]
-    starts = group.wait_starts("cl", 15, timeout=40)
-    assert max_started_in([e["t"] for e in starts], 1.0) <= 5
-    _ran_once(group, "cl", ids)
-    group.wait_starts("clp", 6, timeout=40)
-    parked = _ran_once(group, "clp", ids_parked)
-    assert max_started_in([e["t"] for e in parked], 4.0) <= 3
-    assert any(d["parked"] for d in group.denials())
-
-
-@pytest.mark.skipif(not FAKETIME.exists(), reason="libfaketime not installed (apt-get install faketime)")
-def test_workers_with_skewed_clocks_share_one_window(group_factory) -> None:
-    # Given two workers whose clocks are 3 s ahead and 2 s behind
-    group = group_factory(count=2, env={"CT_PARK_AFTER": "30"})
-    for i, skew in enumerate((3, -2)):
-        group.env.update(LD_PRELOAD=str(FAKETIME), FAKETIME=f"{skew:+d}s",
-                         FAKETIME_DONT_FAKE_MONOTONIC="1", CT_CLOCK_SKEW=str(skew))
-        group.start_one(i)
-    assert time.time() - 2 < group.client.now().timestamp()  # the test's own clock is true
-    for i in range(2):
-        group.wait_ready(i)
-    # When a burst is shared between them
-    ids = [group.send("below", "skew") for _ in range(20)]
-    starts = group.wait_starts("skew", 20, timeout=60)
-    # Then the limit holds (on the true clock) and every task ran once
-    _ran_once(group, "skew", ids)
-    times = sorted(e["t"] for e in starts)
-    assert max_in_window(times, 1.0 - SKEW_NOISE) <= 5, [round(t - times[0], 3) for t in times]
-    assert len({e["pid"] for e in starts}) >= 2
-
-
-def test_a_store_that_never_answers_does_not_stall_the_consumer(group_factory) -> None:
-    # Given a "Redis" that accepts connections and never answers (a black hole), and one
-    # worker with 4 pool processes that runs tasks unthrottled when its store fails
-    hole = socket.socket()
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(64)
-    try:
-        url = f"redis://127.0.0.1:{hole.getsockname()[1]}/0"
-        group = group_factory(store=url, count=1, concurrency=4, env={"CT_ON_STORE_ERROR": "allow"}).start()
-        # When 2 throttled tasks are sent, then 4 unthrottled ones
-        for _ in range(2):
-            group.send("below", "held")
-        sent = time.time()
-        ids = [group.send("unthrottled", "free") for _ in range(4)]
-        # Then the consumer kept taking messages: the unthrottled tasks started at once on
-        # the free processes (the consumer waited on the store once, briefly, then stopped
-        # screening), while the pool's checks of the throttled ones waited out their timeout
-        starts = group.wait_starts("free", 4, timeout=30, settle=0.1)
-        assert sorted(e["id"] for e in starts) == sorted(ids)
-        assert max(e["t"] for e in starts) - sent < 3.0, [e["t"] - sent for e in starts]
-        assert "not screening for 5s" in group.log_text()
-    finally:
-        hole.close()
-
-
 def test_a_parked_message_that_cannot_be_sent_back_becomes_a_dead_letter_and_the_rest_go(
     group_factory,
 ) -> None:
-    from tests.test_cli import _run
+    from tests.workers.test_cli import _run
 
     # Given a worker, and two messages an earlier version parked, due now: one that no
     # serializer can read, then a good task
@@ -443,18 +257,6 @@ def test_a_parked_message_that_cannot_be_sent_back_becomes_a_dead_letter_and_the
     ctl.close()
 
 
-def test_throttle_enabled_false_runs_every_task_unchecked_and_the_worker_says_so(group_factory) -> None:
-    # Given a worker with throttle_enabled = False
-    group = group_factory(count=1, env={"CT_ENABLED": "0"}).start()
-    # When 12 tasks of a 5/s task are sent at once
-    ids = [group.send("below", "switched-off") for _ in range(12)]
-    # Then all ran at once, once each, past the limit, and the worker said why at start
-    starts = group.wait_starts("switched-off", 12, timeout=60, settle=0.2)
-    assert sorted(e["id"] for e in _ran_once(group, "switched-off", ids)) == sorted(ids)
-    assert max_in_window([e["t"] for e in starts], 1.0) > 5
-    assert "throttle_enabled is False: " in group.log_text()
-
-
 def test_a_parked_task_whose_message_was_evicted_is_logged_and_kept_as_a_dead_letter(
     prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -475,53 +277,6 @@ def test_a_parked_task_whose_message_was_evicted_is_logged_and_kept_as_a_dead_le
     assert [(i, body) for i, _, _, body in ctl.parking.dead_letters()] == [(f"tag|task-{i}:abc", None) for i in range(3)]
     assert ctl.parking.parked_count() == (0, 0, 3)
     ctl.close()
-
-
-def test_connections_opened_ahead_to_a_store_far_away_spare_a_check_the_handshake() -> None:
-    # Given a store 100 ms away, where redis-py's handshake of a new connection costs
-    # several round trips
-    proxy = SlowProxy(STORE_URL, 100).start()
-    store = RedisStore(proxy.url, _prefix())
-    try:
-        # When two connections are opened ahead (as a far store's pool process does)
-        store.warm(2)
-        # Then two threads that use the store at once each take one round trip, not a
-        # handshake's several
-        took: list[float] = []
-
-        def ping() -> None:
-            sent = time.perf_counter()
-            store.client.ping()
-            took.append(time.perf_counter() - sent)
-
-        threads = [threading.Thread(target=ping) for _ in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert len(took) == 2 and max(took) < 0.25, took
-    finally:
-        store.close()
-        proxy.stop()
-
-
-def test_a_store_100_ms_away_keeps_the_limit_and_loses_nothing(group_factory) -> None:
-    # Given a store 100 ms away (every reply delayed), and one worker of 4 processes
-    proxy = SlowProxy(STORE_URL, 100).start()
-    try:
-        group = group_factory(store=proxy.url, count=1, concurrency=4).start()
-        # When a burst of 30 tasks under 10/s is sent
-        ids = [group.send("precise_sliding", "slow", "10/s", "sliding") for _ in range(30)]
-        starts = sorted(e["t"] for e in group.wait_starts("slow", 30, timeout=60))
-        # Then each ran once, within the limit (the pace it keeps, and the reserved starts
-        # it misses, are measured side by side with a store 0 ms away in bench section 13)
-        _ran_once(group, "slow", ids)
-        assert max_in_window(starts, 0.98) <= 10
-        # And the worker said how far its store is (its processes start knowing it)
-        trip = re.search(r"round trip ([\d.]+) ms", group.log_text())
-        assert trip is not None and float(trip.group(1)) >= 100
-    finally:
-        proxy.stop()
 
 
 #: How long the resend test's broker refuses every re-send: long enough for a tight loop
@@ -577,7 +332,7 @@ def test_a_resend_the_broker_keeps_refusing_backs_off_and_loses_nothing(group_fa
             store.start()
             # Then each task runs, once
             group.wait_starts("refused", 3, timeout=60)
-            _ran_once(group, "refused", ids)
+            ran_once(group, "refused", ids)
             assert all(p.poll() is None for p in group.procs)
     finally:
         store.stop()

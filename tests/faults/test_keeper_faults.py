@@ -5,7 +5,7 @@ writes none, a copy told it waits, a Redis Cluster store, a store restarted whil
 worker ran, foreign messages in the queue, a large journal).
 
 Each test drives the real code (a real RabbitMQ, a redis-server of the test's own, no
-worker processes: the passes are run by hand, as tests/test_keeper.py does) and asserts
+worker processes: the passes are run by hand, as tests/script/test_keeper.py does) and asserts
 the property the journal promises (docs/design.md, "Durability"; docs/guarantees.md). Each
 failed at the commit that brought the journal (ec52b6b), where a review found them.
 """

@@ -30,7 +30,7 @@ from celery_throttle.waits.parking import release_parked
 from tests.fixtures.make_corpus import STREAMS, build_app, drained
 from tests.helpers import STORE_URL
 
-CORPORA = sorted((Path(__file__).parent / "fixtures").glob("format-*.json"))
+CORPORA = sorted((Path(__file__).parent.parent / "fixtures").glob("format-*.json"))
 #: Restored keys are kept at least this long (ms) whatever their recorded TTL: the test
 #: clock stands still, Redis' expiry does not.
 KEPT_MS = 600_000
@@ -104,6 +104,7 @@ def _lines(corpus: dict[str, Any]) -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.pure
 def test_the_corpus_covers_what_it_must() -> None:
     # (a corpus that lost its reservations, tickets, parked or waiting tasks would replay
     # green, vacuously)

@@ -24,8 +24,7 @@ from hypothesis import find, given, settings
 from celery_throttle import Adapt, throttle
 from celery_throttle.core.adapt import Pushback, adapt_of, level, pushed_level, refined_level, scaled_limit
 from celery_throttle.core.errors import ConfigurationError
-
-from .helpers import QUICK
+from tests.helpers import QUICK
 
 WINDOW_US = 1_000_000
 DEFAULT = Adapt()

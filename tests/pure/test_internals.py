@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from celery import Celery, Task
+from celery import Celery, Task, current_app
 from celery.app import trace as celery_trace
 from celery.bootsteps import Blueprint
 from celery.contrib.testing.mocks import TaskMessage
@@ -47,11 +47,15 @@ def _task(app: Celery) -> Any:
 def test_worker_hostname_reads_the_trace_optimizations(memory_app: Celery) -> None:
     # celery.app.trace._localized: [tasks, accept, hostname] once a worker set it up
     assert internals.worker_hostname() is None or isinstance(internals.worker_hostname(), str)
+    # (the set-up makes the app current, as in a worker: the app current before is made
+    # current again after, so that a @shared_task of a later test is not looked up in this one)
+    before = current_app._get_current_object()
     celery_trace.setup_worker_optimizations(memory_app, "node@contract")
     try:
         assert internals.worker_hostname() == "node@contract", "celery.app.trace._localized changed shape"
     finally:
         celery_trace.reset_worker_optimizations(memory_app)
+        before.set_current()
 
 
 def test_a_tracer_built_as_the_worker_builds_one_runs_the_task(memory_app: Celery) -> None:

@@ -119,6 +119,7 @@ def test_a_call_refused_with_a_429_is_counted_again_when_it_runs_again(workers: 
     assert used() == {"20/m": 2, "1000 tokens/m": tokens}
 
 
+@pytest.mark.pure
 def test_charge_outside_a_throttled_body_and_bad_units_fail_clearly() -> None:
     with pytest.raises(ThrottleError, match="in the body of a task with a @throttle"):
         celery_throttle.charge(3)
@@ -132,6 +133,7 @@ def test_charge_outside_a_throttled_body_and_bad_units_fail_clearly() -> None:
             celery_throttle.charge(*neither_or_both, **({"tokens": 2} if neither_or_both else {}))
 
 
+@pytest.mark.pure
 def test_charge_in_a_direct_applied_or_eager_call_does_nothing() -> None:
     # Given a task whose body charges its cost (the README's LLM example), in an app no
     # worker runs (a unit test's)

@@ -17,13 +17,15 @@ from pathlib import Path
 import pytest
 
 from celery_throttle.core.config import Settings
+from tests.conftest import TIERS
 from tests.helpers import ROOT
 
 DOCS = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")])
 #: Where a file named without its folder may live.
 SOURCE_DIRS = ("celery_throttle", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "celery_throttle").glob("*/"))
                                   if p.name != "__pycache__"),
-               "celery_throttle/store/lua", "tests", "tests/fixtures", "bench", "examples", ".ci", ".")
+               "celery_throttle/store/lua", "tests", *(f"tests/{tier}" for tier in TIERS), "tests/fixtures",
+               "bench", "examples", ".ci", ".")
 #: ``throttle_*`` names that are not settings: the remote-control command of ``throttle why``.
 NOT_SETTINGS = frozenset({"throttle_why"})
 
@@ -43,10 +45,12 @@ def _text(doc: Path) -> str:
 
 @cache
 def _defined_tests(file: str) -> frozenset[str] | None:
-    path = ROOT / "tests" / file
-    if not path.exists():
+    """The tests a test file defines, found in its tier's folder (tests/pure/, ...): a doc
+    cites it by its name alone. None: no such file, or more than one of that name."""
+    paths = [ROOT / "tests" / tier / file for tier in TIERS if (ROOT / "tests" / tier / file).exists()]
+    if len(paths) != 1:
         return None
-    return frozenset(re.findall(r"^(?:async )?def (test_\w+)", path.read_text("utf-8"), flags=re.MULTILINE))
+    return frozenset(re.findall(r"^(?:async )?def (test_\w+)", paths[0].read_text("utf-8"), flags=re.MULTILINE))
 
 
 def cited_tests(text: str) -> list[tuple[str, str | None]]:
@@ -74,7 +78,7 @@ def test_every_test_a_doc_cites_exists(doc: Path) -> None:
     for file, name in cited_tests(_text(doc)):
         defined = _defined_tests(file)
         if defined is None:
-            missing.append(f"tests/{file}")
+            missing.append(f"{file} (in no tier's folder, or in several)")
         elif name is not None and name not in defined:
             missing.append(f"{file}::{name}")
     assert not missing, f"{doc.name} cites tests that do not exist: {sorted(set(missing))}"

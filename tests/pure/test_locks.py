@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import redis
 from celery import Celery
 
@@ -70,6 +71,7 @@ def test_a_lock_another_thread_held_at_the_fork_is_free_in_the_child() -> None:
     assert not lock.locked()  # (and the parent's is its own, given back by its holder)
 
 
+@pytest.mark.script
 def test_a_child_forked_while_every_lock_of_a_controller_was_held_checks_and_reports(
         prefix: str, store_client: redis.Redis) -> None:
     # Given a controller that has run a check (its store, lines, metrics and controls made)

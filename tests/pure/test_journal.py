@@ -27,8 +27,7 @@ from celery_throttle.core.journal import (
     entries_message,
     kept_headers,
 )
-
-from .helpers import QUICK
+from tests.helpers import QUICK
 
 #: How long a started entry stays known to the store (line.lua's USED_KEEP_MS), and one
 #: released that never arrives (OUT_LEASE_MS).

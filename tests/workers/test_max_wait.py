@@ -70,6 +70,7 @@ def test_a_task_that_waited_for_a_slot_past_its_max_wait_fails_when_it_gets_one(
     result.forget()
 
 
+@pytest.mark.pure
 def test_max_wait_is_checked_where_it_is_declared() -> None:
     # Given bad values in the decorator, a rule and the setting, Then each is refused there
     with pytest.raises(ConfigurationError, match="max_wait must be a positive number"):
