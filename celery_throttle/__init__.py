@@ -22,6 +22,7 @@ from .core.errors import (
     WaitTooLong,
 )
 from .core.rates import Rate, parse_rate
+from .core.share import Share
 from .integration.decorator import throttle
 from .integration.settle import charge
 from .integration.worker import install
@@ -35,6 +36,7 @@ __all__ = [
     "Rate",
     "RateStatus",
     "ResendRefused",
+    "Share",
     "Status",
     "StoreError",
     "Throttle",

@@ -71,6 +71,8 @@ class Call:
     concurrency: int
     slot_lease: int
     lead_default: int
+    #: The concurrency is the scope's, shared: the key holds its cap (KeyModel.share_cap).
+    shared: bool = False
 
 
 @dataclass
@@ -93,12 +95,13 @@ class _Reply:
     index: int = 0
     waited: int = 0
     held: int = 0
+    slot_cap: int = 0
     reported: list[tuple[str, Any, str]] = field(default_factory=list)
 
     def as_tuple(self) -> tuple[Any, ...]:
         return (self.code, self.wait, self.remaining, self.clear_at, self.now, self.epoch, self.lead, self.leased,
                 self.rooms, self.start, self.latest, self.waiting, self.out, self.running, self.due, self.index,
-                self.waited, self.held, tuple(self.reported))
+                self.waited, self.held, self.slot_cap, tuple(self.reported))
 
 
 class KeyModel:
@@ -131,6 +134,10 @@ class KeyModel:
         self.out_count = 0
         self.indexed = 0
         self.indexed_at = 0
+        #: The key's cap in its scope's share (KEYS[8], written by the sharer; 0: none), and
+        #: the slots it may hold in the call being run.
+        self.share_cap = 0
+        self.slot_cap = 0
 
     def reset_windows(self) -> None:
         """The state hash is gone (a reset, its TTL): its windows, epoch and learnt delay."""
@@ -150,13 +157,15 @@ class KeyModel:
             return self._claim(*args)
         for r, c in zip(self.rates, call.costs):
             if c > r.limit:
-                return _Reply(Code.TOO_COSTLY, now=now, lead=-1)
+                return _Reply(Code.TOO_COSTLY, now=now, lead=-1, slot_cap=self.slot_cap)
         handler = {"acquire": lambda *a: self._acquire(True, *a), "screen": lambda *a: self._acquire(False, *a),
                    "admit": self._admit, "front": self._front, "peek": self._peek}[op]
         return handler(*args)
 
     def _begin(self, now: int, call: Call) -> None:
         self.now, self.call = now, call
+        # (a shared K: the key's cap, KEYS[8], as the sharer wrote it; none: 0)
+        self.slot_cap = max(min(call.concurrency, self.share_cap), 0) if call.shared else call.concurrency
         self.not_before = call.not_before if call.not_before > now else 0
         self.rates: list[SlidingRate | FixedRate] = []
         self.units_of_rate: list[str] = []
@@ -270,7 +279,7 @@ class KeyModel:
         return len(self.slots)
 
     def _slot_free(self) -> bool:
-        return self.call.concurrency == 0 or self._slots_held() < self.call.concurrency
+        return self.call.concurrency == 0 or self._slots_held() < self.slot_cap
 
     def _reclaim(self) -> None:
         self.slots = {h: t for h, t in self.slots.items() if t > self.now}
@@ -466,7 +475,7 @@ class KeyModel:
         return _Reply(code, wait, self._remaining(), self._clear_at(), self.now, self.epoch or 0, self.lead(),
                       f.get("leased", 0), f.get("rooms", ""), f.get("start", 0), f.get("latest", 0), self.waiting,
                       self.out_count, self._slots_held(), due, index, f.get("waited", 0), f.get("held", 0),
-                      self.reported)
+                      self.slot_cap, self.reported)
 
     def _wait_of(self, units: list[int]) -> int:
         ahead = [self.line_units.get(u, 0) + self.out_units.get(u, 0) for u in self.units_of_rate]
@@ -540,7 +549,7 @@ class KeyModel:
                      for r in self.rates]
             room = min(rooms, default=None)
             if self.call.concurrency > 0 and not self.rates:
-                room = self.call.concurrency - self._slots_held()
+                room = max(self.slot_cap - self._slots_held(), 0)
             f["leased"] = room or 0
             f["rooms"] = ",".join(map(str, rooms)) if not self.call.uniform else ""
         elif self._fresh_fits():

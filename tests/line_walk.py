@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import redis
 
-from celery_throttle.core.keys import state_key, window_keys
+from celery_throttle.core.keys import share_key, state_key, window_keys
 from celery_throttle.core.protocol import Code, WindowCall, WindowReply
 from celery_throttle.core.rates import Rate, parse_rate
 from celery_throttle.core.state import rate_field
@@ -60,6 +60,9 @@ class Walk:
     names: tuple[str, ...]
     rng: random.Random
     concurrency: int = 0
+    #: The concurrency is a scope's, shared: the key holds the cap the walk writes as the
+    #: sharer would (0 to K, or none), KEYS[8].
+    shared: bool = False
     model: KeyModel = field(init=False)
     key: str = field(init=False)
     history: list[str] = field(default_factory=list)
@@ -114,10 +117,10 @@ class Walk:
         lead = min(4 * self.slack, 500_000)
         wcall = WindowCall(self.algorithm, self.rates, cost, self.fields_, slack_us=self.slack,
                            not_before_us=self.paused_until, concurrency=self.concurrency,
-                           slot_lease_us=3_000_000, lead_us=lead)
+                           slot_lease_us=3_000_000, lead_us=lead, shared=self.shared)
         mcall = Call(tuple((r.limit, r.period_us, r.unit) for r in self.rates), self.fields_,
                      costs if costs else (1,) * 0, uniform, self.slack, self.paused_until, self.concurrency,
-                     3_000_000, lead)
+                     3_000_000, lead, self.shared)
         return wcall, mcall
 
     def run(self, op: str, costs: tuple[int, ...], *args: Any, delta: tuple[int, ...] | None = None) -> WindowReply:
@@ -536,7 +539,10 @@ class Walk:
             self.era_rates.append(self.rates)
             self.seen["live limit"] += 1
         elif roll < 0.82 and self.concurrency:
-            self.concurrency = rng.choice([1, 2, 3])
+            if self.shared and rng.random() < 0.8:
+                self.share(rng.choice([0, 1, 2, 3, None]))  # (the sharer moves the cap, or it ran out)
+            else:
+                self.concurrency = rng.choice([1, 2, 3])
         elif roll < 0.83:
             self.store.delete(self.key)
             self.model.reset_windows()
@@ -556,6 +562,16 @@ class Walk:
             self.advance(rng.choice([1, 500, self.slack, shortest // 7, shortest // 2, shortest, 3 * shortest,
                                      self.store.policy.out_lease_ms * 1000 + 1]
                                     if rng.random() < 0.97 else [40 * shortest]))
+
+    def share(self, cap: int | None) -> None:
+        """The sharer writes the key's cap (None: the cap ran out, or the key left)."""
+        if cap is None:
+            self.store.client.delete(share_key(self.key))
+        else:
+            self.store.client.set(share_key(self.key), cap)
+        self.model.share_cap = cap or 0
+        self.history.append(f"share cap {cap}")
+        self.seen["share cap moved"] += 1
 
     def _keep_alive(self) -> None:
         """Keep Redis's own TTLs (real milliseconds, from a test clock's spans) from
@@ -580,6 +596,8 @@ class Walk:
         lowered live limit waits until the limit admits it), time for every window, every
         ticket claimed."""
         self.paused_until = 0
+        if self.shared:
+            self.share(self.concurrency)
         if self.rates != parse_rates_of(self.names):
             self.eras.append([])  # (a new era of one limit: see the live limit above)
             self.era_rates.append(parse_rates_of(self.names))
@@ -621,15 +639,15 @@ def _zset(client: redis.Redis, name: str) -> dict[str, int]:
 
 
 def _as_tuple(reply: WindowReply) -> tuple[Any, ...]:
-    return (*reply[:18], tuple((r.id, r.payload, r.kind) for r in reply.reported))
+    return (*reply[:19], tuple((r.id, r.payload, r.kind) for r in reply.reported))
 
 
 def _model_tuple(reply: Any) -> tuple[Any, ...]:
     t = reply.as_tuple()
     rooms = tuple(int(v) for v in t[8].split(",")) if t[8] else ()
     reported = tuple((i, p.decode() if isinstance(p, bytes) and k not in ("r", "x", "c") else p, k)
-                     for i, p, k in t[18])
-    return (*t[:8], rooms, *t[9:18], reported)
+                     for i, p, k in t[19])
+    return (*t[:8], rooms, *t[9:19], reported)
 
 
 def _show(reply: WindowReply) -> str:
@@ -639,8 +657,10 @@ def _show(reply: WindowReply) -> str:
 
 
 def run_walk(store: RedisStore, clock: FakeClock, algorithm: str, names: tuple[str, ...], seed: int,
-          concurrency: int = 0, steps: int = STEPS) -> Walk:
-    walk = Walk(store, clock, algorithm, names, random.Random(seed), concurrency=concurrency)
+          concurrency: int = 0, steps: int = STEPS, shared: bool = False) -> Walk:
+    walk = Walk(store, clock, algorithm, names, random.Random(seed), concurrency=concurrency, shared=shared)
+    if shared:
+        walk.share(walk.rng.choice([0, 1, concurrency]))
     for _ in range(steps):
         walk.step()
     walk.finish()

@@ -494,6 +494,18 @@ def long_holder(label, tenant, seconds=60):
     time.sleep(seconds)
 
 
+#: The weights of the tenants of the shared scope below (the others weigh 1).
+SHARE_WEIGHTS = {"heavy": 2}
+
+
+@app.task
+@throttle(concurrency=4, scope="shared-slots", key="{tenant}",
+          share=celery_throttle.Share(weight=lambda label, tenant, seconds=0.3: SHARE_WEIGHTS.get(tenant, 1)))
+def shared_slots(label, tenant, seconds=0.3):
+    """4 bodies of the scope at once, across its tenants, shared by weight."""
+    span(label, seconds, tenant=tenant)
+
+
 # -- costs settled after the call -------------------------------------------------------
 @app.task
 @throttle("6/2s", key="{tenant}", cost=3)

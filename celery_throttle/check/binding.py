@@ -138,7 +138,7 @@ class Binder:
         window of another length starts empty; a declared rate of a window the live limit
         does not set stays in force, unless it replaces them all (:func:`.controls.merged_rates`)."""
         store = self.quick_store if quick else self.store
-        concurrency = self.controls.concurrency_for(store, call.scope, call.key)
+        concurrency = self.controls.concurrency_for(store, call.scope, None if call.share else call.key)
         if concurrency is not None and concurrency != call.concurrency:
             call = replace(call, concurrency=concurrency)
         override = self.controls.rates_for(store, call.scope, call.key, call.rates)
@@ -149,8 +149,8 @@ class Binder:
 
     def with_live_concurrency(self, call: BoundCall) -> BoundCall:
         """``call`` under the concurrency limit in force now (a live K set or cleared since
-        it was bound)."""
-        live = self.controls.concurrency_for(self.store, call.scope, call.key)
+        it was bound; a shared K is the scope's)."""
+        live = self.controls.concurrency_for(self.store, call.scope, None if call.share else call.key)
         concurrency = call.declared_concurrency if live is None else live
         return call if concurrency == call.concurrency else replace(call, concurrency=concurrency)
 

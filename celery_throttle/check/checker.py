@@ -185,7 +185,8 @@ class Checker(Binder):
         far_us = timing.round_trip_allowance_us(store.rtt_us)
         # The same few shapes come again and again: their WindowCall (and with it the
         # ARGV head it builds) is made once, not on every check.
-        shape = (call.algorithm, call.rates, call.cost, call.fields, call.concurrency, not_before, far_us, call.adapt)
+        shape = (call.algorithm, call.rates, call.cost, call.fields, call.concurrency, not_before, far_us, call.adapt,
+                 call.share is not None)
         request = self._requests.get(shape)
         if request is None:
             too_costly = _too_costly(call.rates, call.cost)
@@ -199,6 +200,7 @@ class Checker(Binder):
                 slot_lease_us=int(self.settings.concurrency_lease * 1_000_000),
                 lead_us=timing.release_lead_us(call.rates, far_us),
                 adapt=None if call.adapt is None else (call.adapt.floor, call.adapt.decrease, call.adapt.growth),
+                shared=call.share is not None,
             )
             if len(self._requests) >= _REQUEST_SHAPES:
                 self._requests.clear()  # (callable rates or costs without end: start over)

@@ -125,6 +125,10 @@ class Lines(OnCall):
         self.journal.gone(call.state_key, gone, reply.now_us)
         self.journal.gone(call.state_key, lost, reply.now_us, Kind.LOST)
         try:
+            if call.share is not None and reply.waiting and not reply.slot_cap:
+                # (Its key has tasks waiting and no cap: it takes part in its scope's share
+                # from now on, and the sharer's next pass gives it one.)
+                self.ctl.store.share_join(call.scope, call.state_key, *call.share)
             if sent:
                 metrics.released(len(sent))
                 # (Its own look may move the key's due time earlier: what it sent is now

@@ -23,6 +23,7 @@ import os
 import secrets
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -116,6 +117,10 @@ class Slots:
         reply = self.ctl.checker.ended(call, holder)
         if reply.code == Code.LOST:
             self._lost(call.state_key, holder)
+        if call.share is not None and reply.running >= reply.slot_cap and not any(t.kind == "r" for t in reply.reported):
+            # (The slot went back beyond the key's cap, to its scope: the sharer hands it on now.)
+            with suppress(StoreError):
+                self.ctl.store.share_poke(call.scope)
         self.ctl.lines.handle(call, reply)
 
     def release_killed(self, task: Any, task_id: str, args: Any, kwargs: Any) -> int:

@@ -38,6 +38,10 @@ __all__ = [
     "parked_patterns",
     "parking_keys",
     "scan_pattern",
+    "share_key",
+    "share_lock_key",
+    "share_registry_key",
+    "share_wake_key",
     "state_key",
     "state_of",
     "state_tag",
@@ -178,6 +182,28 @@ def window_keys(state_key: str) -> tuple[str, str, str, str, str, str, str]:
     started lately."""
     return (state_key, f"{state_key}:lm", f"{state_key}:line", f"{state_key}:msgs", f"{state_key}:out",
             f"{state_key}:slots", f"{state_key}:used")
+
+
+def share_key(state_key: str) -> str:
+    """A key's cap in its scope's share of slots (window.lua's KEYS[8]; waits/sharer.py)."""
+    return f"{state_key}:share"
+
+
+def share_registry_key(prefix: str, scope: str) -> str:
+    """The keys of ``scope`` that take part in its share, each to its weight and most. (The
+    tag begins with ``#``, which no encoded scope does: never a scope's own key.)"""
+    return f"{prefix}:{{#share}}:{encode(scope)}"
+
+
+def share_lock_key(prefix: str, scope: str) -> str:
+    """The lock of the worker that moves ``scope``'s caps (waits/sharer.py)."""
+    return share_registry_key(prefix, scope) + "#lock"
+
+
+def share_wake_key(prefix: str, scope: str) -> str:
+    """The list ``scope``'s sharer waits on: a slot given back beyond its key's cap, a key
+    that joins (waits/sharer.py)."""
+    return share_registry_key(prefix, scope) + "#wake"
 
 
 def line_index_key(prefix: str) -> str:

@@ -131,6 +131,9 @@ class WindowCall:
     #: its ceiling, each in force at the share the key's last pushback leaves (None: not
     #: adaptive).
     adapt: tuple[float, float, float] | None = None
+    #: The :attr:`concurrency` is the scope's, shared between its keys (core/share.py): the
+    #: key holds as many slots as its cap says (sent as -K; the cap is KEYS[8]).
+    shared: bool = False
 
     def head(self, now: str, op: str, cost: Cost | None = None) -> list[int | str]:
         """ARGV[1..] of window.lua up to the operation's own arguments."""
@@ -140,7 +143,8 @@ class WindowCall:
 @lru_cache(maxsize=4096)
 def _head_tail(call: WindowCall) -> tuple[int | str, ...]:
     """ARGV[4..] of a call up to the operation's own arguments (made once per call shape)."""
-    return (call.slack_us, call.not_before_us, call.concurrency, call.slot_lease_us, call.lead_us,
+    return (call.slack_us, call.not_before_us, -call.concurrency if call.shared else call.concurrency,
+            call.slot_lease_us, call.lead_us,
             *_rate_args(call.algorithm, call.rates, call.fields, call.adapt))
 
 
@@ -215,6 +219,9 @@ class WindowReply(NamedTuple):
     waited_us: int = 0
     #: 1 if the call's holder holds a concurrency slot after it (a body that starts).
     held: int = 0
+    #: The slots the key may hold now: its concurrency limit, or its cap in its scope's
+    #: share (0: none yet; the sharer has not seen it).
+    slot_cap: int = 0
     #: Tasks released or reported on the way.
     reported: tuple[Reported, ...] = ()
 
@@ -228,9 +235,9 @@ class WindowReply(NamedTuple):
         rooms = raw[8]
         rooms = tuple(int(v) for v in rooms.split(b",")) if isinstance(rooms, bytes) and rooms else ()
         reported = tuple(Reported(_decoded(raw[i]), _payload(raw[i + 1], raw[i + 2]), _decoded(raw[i + 2]))
-                         for i in range(18, len(raw) - 2, 3))
+                         for i in range(19, len(raw) - 2, 3))
         return cls(raw[0], raw[1], raw[2], raw[3], raw[4], raw[5], raw[6], raw[7], rooms, raw[9], raw[10], raw[11],
-                   raw[12], raw[13], raw[14], raw[15], raw[16], raw[17], reported)
+                   raw[12], raw[13], raw[14], raw[15], raw[16], raw[17], raw[18], reported)
 
 
 def _decoded(value: bytes | str) -> str:

@@ -18,11 +18,13 @@ from .errors import ConfigurationError, KeyBuildError
 from .keys import format_key, state_key, template_fields
 from .protocol import Cost
 from .rates import Rate, parse_rates
+from .share import Share, check_weight, share_of
 
 __all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec", "declared_spec", "direct_call"]
 
 RateArg = str | Rate | Sequence[str | Rate] | Callable[..., Any]
-RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin", "concurrency", "cost_after", "adapt")
+RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin", "concurrency", "cost_after", "adapt",
+                "share")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class BoundCall:
     #: The rates are a ceiling, each in force at the share of it the key's last pushback
     #: leaves (:mod:`.adapt`; window.lua scales them), or None.
     adapt: Adapt | None = None
+    #: The key's part in its scope's share of :attr:`concurrency` slots (:mod:`.share`):
+    #: (weight, most; 0: none), or None (the key's own K).
+    share: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class ThrottleSpec:
     cost_after: Callable[[Any], Any] | None = None
     #: The rates are a ceiling, the limit in force learns the downstream (:mod:`.adapt`).
     adapt: Adapt | None = None
+    #: ``concurrency`` is the scope's, shared between its keys by weight (:mod:`.share`).
+    share: Share | None = None
 
     @classmethod
     def declare(
@@ -91,8 +98,12 @@ class ThrottleSpec:
         concurrency: int | None = None,
         cost_after: Callable[[Any], Any] | None = None,
         adapt: Any = None,
+        share: Any = None,
     ) -> ThrottleSpec:
-        adapted = adapt_of(adapt)
+        adapted, shared = adapt_of(adapt), share_of(share)
+        if shared is not None and (concurrency is None or key is None):
+            raise ConfigurationError("share splits a scope's concurrency slots between its keys: give the throttle "
+                                     "a concurrency and a key, e.g. throttle(concurrency=8, key='{tenant}', share=True)")
         if adapted is not None and not rates:
             raise ConfigurationError("adapt moves a rate's limit: give the throttle a rate")
         if cost_after is not None and not callable(cost_after):
@@ -134,7 +145,8 @@ class ThrottleSpec:
                     )
         check_max_wait(max_wait, "max_wait")
         check_margin(margin, "margin")
-        return cls(parsed, key, scope, declared, algorithm, max_wait, margin, concurrency, cost_after, adapted)
+        return cls(parsed, key, scope, declared, algorithm, max_wait, margin, concurrency, cost_after, adapted,
+                   shared)
 
     @classmethod
     def from_rule(cls, pattern: str, options: Mapping[str, Any]) -> ThrottleSpec:
@@ -163,6 +175,7 @@ class ThrottleSpec:
                 concurrency=options.get("concurrency"),
                 cost_after=options.get("cost_after"),
                 adapt=options.get("adapt"),
+                share=options.get("share"),
             )
         except ConfigurationError as exc:
             raise ConfigurationError(f"throttle_rules[{pattern!r}]: {exc}") from None
@@ -213,9 +226,24 @@ class ThrottleSpec:
         else:
             cost = self._units(task_name, self.cost, args, kwargs, "cost")
         key = self._key(task_name, signature, args, kwargs)
+        share = None
+        if self.share is not None:
+            share = (self._weight(task_name, self.share.weight, args, kwargs), self.share.most or 0)
         return BoundCall(scope, key, rates, cost, algorithm, state_key(prefix, scope, key),
                          concurrency=self.concurrency or 0, unit_costs=unit_costs,
-                         declared_concurrency=self.concurrency or 0)
+                         declared_concurrency=self.concurrency or 0, share=share)
+
+    @staticmethod
+    def _weight(task_name: str, weight: float | Callable[..., Any], args: Sequence[Any],
+                kwargs: Mapping[str, Any]) -> float:
+        """A key's weight in its scope's share: the number, or what its callable answers."""
+        if not callable(weight):
+            return float(weight)
+        value = _call(weight, task_name, "share weight", args, kwargs)
+        try:
+            return check_weight(value)
+        except ConfigurationError as exc:
+            raise KeyBuildError(f"task {task_name}: {exc}") from None
 
     @staticmethod
     def _units(task_name: str, cost: int | Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],

@@ -12,6 +12,7 @@ from ..celery_parts.internals import proxied_function
 from ..core.adapt import Adapt
 from ..core.cost import CostArg
 from ..core.errors import ConfigurationError
+from ..core.share import Share
 from ..core.spec import RateArg, ThrottleSpec, declared_spec
 from .trace import attach
 
@@ -29,6 +30,7 @@ def throttle(
     concurrency: int | None = None,
     cost_after: Callable[[Any], Any] | None = None,
     adapt: bool | Adapt | dict[str, float] | None = None,
+    share: bool | Share | dict[str, Any] | None = None,
 ) -> Callable[[Any], Any]:
     """Limit a task globally, across every worker, before its body runs.
 
@@ -58,11 +60,13 @@ def throttle(
     a ceiling, and the limit in force learns the downstream: lowered on each
     :class:`~celery_throttle.Backoff` (a 429, a 503), raised again while none comes, shared by
     every worker (``True``, or :class:`~celery_throttle.Adapt` for its floor and pace).
-    Mistakes raise :class:`~celery_throttle.core.errors.ConfigurationError` here.
+    ``share``: ``concurrency`` is the scope's, handed to its keys that have work by weight,
+    and wholly to a key alone (``True``: weight 1 each, or :class:`~celery_throttle.Share`
+    for a weight per key and a cap per key). Mistakes raise :class:`~celery_throttle.core.errors.ConfigurationError` here.
     """
     spec = ThrottleSpec.declare(rates, key=key, scope=scope, cost=cost, algorithm=algorithm,
                                 max_wait=max_wait, margin=margin, concurrency=concurrency, cost_after=cost_after,
-                                adapt=adapt)
+                                adapt=adapt, share=share)
 
     def decorate(obj: Any) -> Any:
         if isinstance(obj, PromiseProxy):

@@ -1,6 +1,6 @@
-"""The Redis store: every family of operations (:mod:`.window`, :mod:`.controls`) over one
-client (:mod:`.scripts`). Parked messages of earlier versions are kept by
-:class:`.parking.ParkingStore`, over the same client."""
+"""The Redis store: every family of operations (:mod:`.window`, :mod:`.controls`,
+:mod:`.sharing`) over one client (:mod:`.scripts`). Parked messages of earlier versions are
+kept by :class:`.parking.ParkingStore`, over the same client."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from typing import Any
 from ..core.state import STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 from .controls import ControlOps
+from .sharing import ShareOps
 from .window import WindowOps
 
 __all__ = ["RedisStore"]
 
 
-class RedisStore(WindowOps, ControlOps):
+class RedisStore(WindowOps, ControlOps, ShareOps):
     """Window state and controls in one Redis (or Redis Cluster), and the client that
     :class:`.parking.ParkingStore` shares."""
 

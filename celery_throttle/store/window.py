@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..core.keys import line_index_keys, window_keys
+from ..core.keys import line_index_keys, share_key, window_keys
 from ..core.protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowReply, window_argv
 from ..core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, ScriptPolicy
@@ -49,7 +49,8 @@ class WindowOps(ScriptClient):
     def window(self, key: str, op: str, call: WindowCall, *args: Any, cost: Cost | None = None) -> WindowReply:
         """Run operation ``op`` of window.lua on state key ``key`` for ``call``, with the
         operation's own ``args``."""
-        raw = self.run(call.algorithm, window_keys(key), window_argv(self.now_arg(), op, call, *args, cost=cost))
+        keys = (*window_keys(key), share_key(key)) if call.shared else window_keys(key)
+        raw = self.run(call.algorithm, keys, window_argv(self.now_arg(), op, call, *args, cost=cost))
         return WindowReply.of(raw)
 
     def acquire(self, key: str, call: WindowCall, *, lease: int = 0, lease_span_us: int = 0, holder: str = "",

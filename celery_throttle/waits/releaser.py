@@ -32,6 +32,7 @@ from .broker_parking import broker_parking
 from .keeper import Keeper
 from .outage import Outage
 from .parking import BATCH, release_parked
+from .sharer import Sharer
 
 if TYPE_CHECKING:
     from ..check.limiter import Throttle
@@ -86,8 +87,10 @@ class Releaser(threading.Thread):
         #: Woken (BLPOP) since the last round, rather than timed out.
         self._woken = False
         self._chores_outage = Outage("send on the tasks an earlier version left")
-        #: The journal's keeper (started with this thread when the journal is on).
+        #: The journal's keeper (started with this thread when the journal is on), and
+        #: the sharer of the scopes whose slots are shared.
         self.keeper: Any = None
+        self.sharer = Sharer(ctl)
 
     def run(self) -> None:
         try:
@@ -96,6 +99,7 @@ class Releaser(threading.Thread):
                 self.keeper.start()
         except Exception:  # never let the thread die: lines would wait forever
             logger.exception("celery_throttle: could not start the journal's keeper")
+        self.sharer.start()
         sleep = 0.0
         while not self._wait(sleep):
             if self._woken:
@@ -130,6 +134,7 @@ class Releaser(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+        self.sharer.stop()
         if self.keeper is not None:
             self.keeper.stop()
 

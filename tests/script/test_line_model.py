@@ -95,15 +95,18 @@ def test_the_line_matches_its_model_and_keeps_every_promise(
     try:
         for n in range(WALKS):
             concurrency = 0 if RATE_SETS[rate_set] and n % 2 == 0 else 1 + n % 3
-            # When every operation runs on the script and on its model
+            # When every operation runs on the script and on its model (a key's slots its
+            # own, or its cap in a scope's share, moved by the walk as the sharer would)
             walk = run_walk(store, clock, algorithm, RATE_SETS[rate_set],
-                         seed=zlib.crc32(f"{algorithm}/{rate_set}/{n}".encode()), concurrency=concurrency)
+                         seed=zlib.crc32(f"{algorithm}/{rate_set}/{n}".encode()), concurrency=concurrency,
+                         shared=concurrency > 0 and n % 4 in (1, 3))
             seen.update(walk.seen)
     finally:
         store.close()
     # Then they agreed at every step and every property held (asserted as they walked),
     # and the walks went where the promises are tested
-    wanted = {"queued", "released", "start", "copied", "slot given back", "duplicate", "pending copy"}
+    wanted = {"queued", "released", "start", "copied", "slot given back", "duplicate", "pending copy",
+              "share cap moved"}
     if RATE_SETS[rate_set]:
         wanted |= {"settled", "back in line", "stale"}
     if rate_set in ("one", "two", "tiny", "requests-tokens"):  # (where room comes unit by unit)

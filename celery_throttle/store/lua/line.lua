@@ -200,7 +200,7 @@ local function slots_held()
 end
 
 local function slot_free()
-  return concurrency == 0 or slots_held() < concurrency
+  return concurrency == 0 or slots_held() < slot_cap
 end
 
 -- The slot of a task that starts, held by `holder` (its delivery) until `until_` (renewed
@@ -425,7 +425,7 @@ local function finish(code, wait, f, release_op, readonly)
   end
   local out = {code, wait, remaining_beside_out(), clear_at(), now, tonumber(epoch or '0'), lead(half_pace),
                f.leased or 0, f.rooms or '', f.start or 0, f.latest or 0, waiting, out_count,
-               slots_held(), due, index, f.waited or 0, f.held or 0}
+               slots_held(), due, index, f.waited or 0, f.held or 0, slot_cap}
   for _, v in ipairs(reported) do out[#out + 1] = v end
   return out
 end
@@ -557,7 +557,7 @@ local function admit()
       if room == nil or free < room then room = free end
       rooms[i] = free
     end
-    if concurrency > 0 and n_rates == 0 then room = concurrency - slots_held() end  -- (slots alone)
+    if concurrency > 0 and n_rates == 0 then room = math.max(slot_cap - slots_held(), 0) end  -- (slots alone)
     f.leased, f.rooms = room or 0, costs and table.concat(rooms, ',') or ''
   elseif fresh_fits() then
     code = RELEASED
@@ -844,7 +844,7 @@ elseif op == 'drop' then return drop()
 end
 if op == 'claim' then return claim() end  -- (a claim checks the cost it was released with)
 for _, r in ipairs(rates) do
-  if r.cost > r.limit then return {TOO_COSTLY, 0, 0, 0, now, 0, -1, 0, '', 0, 0, 0, 0, 0, 0, 0, 0, 0} end
+  if r.cost > r.limit then return {TOO_COSTLY, 0, 0, 0, now, 0, -1, 0, '', 0, 0, 0, 0, 0, 0, 0, 0, 0, slot_cap} end
 end
 if op == 'acquire' then return acquire(true)
 elseif op == 'screen' then return acquire(false)

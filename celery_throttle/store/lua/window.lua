@@ -19,6 +19,8 @@
 -- KEYS[5]  sorted set: entries released and not started yet, entry -> when its time is up
 -- KEYS[6]  sorted set: concurrency slots, holder -> when its lease ends
 -- KEYS[7]  sorted set: entries that started lately, entry -> when
+-- KEYS[8]  (a shared concurrency limit only) string: the key's cap, the slots it may hold
+--          of its scope's K (waits/sharer.py writes it; none: 0)
 -- (All share the hash tag of KEYS[1]: one Redis Cluster slot.)
 --
 -- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
@@ -29,7 +31,8 @@
 -- ARGV[4]  slack (µs): how long after the check the body may start (a start counts as
 --          anywhere in [now, now + slack])
 -- ARGV[5]  not before (µs, Redis clock; 0: none): the scope or key is paused until then
--- ARGV[6]  concurrency: at most this many hold a slot at once (0: no such limit)
+-- ARGV[6]  concurrency: at most this many hold a slot at once (0: no such limit); -K: the
+--          scope's K, shared between its keys: this key holds its cap (KEYS[8]) at most
 -- ARGV[7]  a running body's slot lease (µs): a holder that does not renew it loses it
 -- ARGV[8]  lead (µs) while nothing is learnt: how long before its start a task is released
 -- ARGV[9]  number of rates, then ARGV[10..]: limit, period (µs) and field name per rate
@@ -40,8 +43,8 @@
 --
 -- Replies (times in µs of the Redis clock; protocol.WindowReply names each):
 --   {code, wait, remaining, clear_at, now, epoch, lead, leased, rooms, start, latest,
---    waiting, out, running, due, index, waited, held, then id, payload, kind per task
---    released or reported}
+--    waiting, out, running, due, index, waited, held, slot cap, then id, payload, kind per
+--    task released or reported}
 local key = KEYS[1]
 local now
 if ARGV[1] ~= '' then
@@ -53,6 +56,13 @@ end
 local op = ARGV[2]
 local slack, not_before = tonumber(ARGV[4]), tonumber(ARGV[5])
 local concurrency, slot_lease, lead_default = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+-- The slots this key may hold: its K, or its cap in its scope's share of K (the sharer moves
+-- it; a key it has not seen yet holds none, and its tasks wait in its line until it has).
+local slot_cap = concurrency
+if concurrency < 0 then
+  concurrency = -concurrency
+  slot_cap = math.max(math.min(concurrency, tonumber(redis.call('GET', KEYS[8]) or '0') or 0), 0)
+end
 if not_before <= now then not_before = 0 end  -- a pause that is over changes nothing
 local n_rates, adapt_law = string.match(ARGV[9], '^(%d+);?(.*)$')
 local fields = {'e', 'd', 'v', 'f'}
@@ -129,7 +139,7 @@ end
 
 local function reply_head(code, wait, remaining, clear_at, lead_)
   return {code, wait, remaining, clear_at, now, tonumber(epoch or '0'), lead_, 0, '', 0, 0,
-          0, 0, 0, 0, 0, 0, 0}
+          0, 0, 0, 0, 0, 0, 0, slot_cap}
 end
 
 -- The fast path: a fresh 'acquire' (with a lease or without), a 'screen', or an 'admit'
