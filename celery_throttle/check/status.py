@@ -87,6 +87,8 @@ class Status:
     live_replaces_all: bool = False
     #: An adaptive throttle's level (its rates show the limits in force at it), or None.
     adaptive: Level | None = None
+    #: The key's cap in its scope's share of :attr:`concurrency` slots (``share=``), or None.
+    share_cap: int | None = None
 
     @property
     def remaining(self) -> int | None:
@@ -206,10 +208,12 @@ def read_status(store: RedisStore, prefix: str, margin: float | None, specs: Spe
         out.append(RateStatus(rate, algorithm, used, reply.remaining, reset_at))
     line = store.peek(hash_key, WindowCall("sliding", ()))
     slot_limits = [spec.concurrency for known, spec in specs if known == scope and spec.concurrency]
-    live_slots = controls.concurrency_of(scope, key)
+    shared = key is not None and any(known == scope and spec.share is not None for known, spec in specs)
+    live_slots = controls.concurrency_of(scope, None if shared else key)
+    share_cap = store.share_read([hash_key])[0][0] if shared else None
     return Status(scope, key, tuple(out), paused_until(store, controls, scope, key), live_rates or None,
                   line.out, line.running, line.waiting, live_slots or max(slot_limits, default=None), live_slots,
-                  live_rates is not None and controls.replaces_all(scope, key), adaptive)
+                  live_rates is not None and controls.replaces_all(scope, key), adaptive, share_cap)
 
 
 def paused_until(store: RedisStore, controls: ControlSet, scope: str, key: str | None) -> float | None:

@@ -40,10 +40,14 @@ def scope_and_key(scope: str, key: str | None) -> str:
 
 
 def slots_cell(status: Any) -> str:
-    """The slots cell of a row: "2/4" (held of the limit; "(live)" when a live limit sets it)."""
+    """The slots cell of a row: "2/4" (held of the limit; "(live)" when a live limit sets it);
+    a key of a shared scope, "2/3 of 8" (held of its cap, of the scope's K)."""
     if not (status.concurrency or status.running):
         return ""
-    return f"{status.running}/{status.concurrency or '?'}" + (" (live)" if status.live_concurrency else "")
+    live = " (live)" if status.live_concurrency else ""
+    if status.share_cap is not None:
+        return f"{status.running}/{status.share_cap} of {status.concurrency or '?'}{live}"
+    return f"{status.running}/{status.concurrency or '?'}{live}"
 
 
 def waiting_cell(status: Any) -> str:
@@ -61,7 +65,7 @@ def as_dict(status: Any) -> dict[str, Any]:
         "waiting": status.waiting, "released": status.released,
         "running": status.running, "concurrency": status.concurrency,
         "live_replaces_all": status.live_replaces_all,
-        "live_concurrency": status.live_concurrency,
+        "live_concurrency": status.live_concurrency, "share_cap": status.share_cap,
         "adaptive": adaptive_dict(status.adaptive),
         "rates": [{"rate": str(r.rate), "algorithm": r.algorithm, "used": r.used, "remaining": r.remaining,
                    "reset_at": iso(r.reset_at)} for r in status.rates],
@@ -113,7 +117,9 @@ def status_table(found: list[Any], more: bool, parked: tuple[int, int, int], lis
     if waiting:
         click.echo("waiting: tasks in the key's line, waiting for room (+ released to a worker, not started yet)")
     if slots:
-        click.echo("slots: concurrency slots held (bodies running) of the limit")
+        click.echo("slots: concurrency slots held (bodies running) of the limit"
+                   + ("; 'of K': of the key's cap in its scope's share of K" if any(
+                       s.share_cap is not None for s in found) else ""))
     if listing and any(parked):
         click.echo(f"parked by an earlier version: {parked[0]} waiting, {parked[1]} being released, "
                    f"{parked[2]} dead")
@@ -172,6 +178,9 @@ def whereabouts_lines(found: Any) -> list[str]:
         lines.append(target)
     if found.held_by_pause or found.paused_until is not None:
         lines.append("held by: a pause " + ("that has ended" if found.paused_until is None else pause_end(found.paused_until)))
+    elif found.share_cap is not None and found.running is not None and found.running >= found.share_cap:
+        lines.append(f"held by: its share of the scope's {found.concurrency} slots ({found.running} held of its cap "
+                     f"{found.share_cap}); the sharer raises the cap as other keys of the scope give slots back")
     elif found.concurrency and found.running is not None and found.running >= found.concurrency:
         lines.append(f"held by: its concurrency limit ({found.running} of {found.concurrency} slots held); the next "
                      "slot to free goes to the head of the line")

@@ -71,6 +71,8 @@ class Whereabouts:
     waiting: int | None = None
     running: int | None = None
     concurrency: int | None = None
+    #: Its key's cap in its scope's share of slots, or None.
+    share_cap: int | None = None
 
 
 def parked_call(ctl: Throttle, message: bytes | None) -> tuple[str, Header]:
@@ -143,6 +145,7 @@ def explain(ctl: Throttle, task_id: str, timeout: float = REPLY_TIMEOUT) -> Wher
         out.fullest = min(status.rates, key=lambda r: (r.remaining, -r.reset_at), default=None)
         out.adaptive = status.adaptive
         out.running, out.waiting, out.concurrency = status.running, status.waiting, status.concurrency
+        out.share_cap = status.share_cap
         if out.where == "line" and out.place is not None:
             out.start = status.estimate(out.place)
     return out

@@ -3,7 +3,8 @@ the scope, tenants weighing 1, "heavy" 2), on 2 prefork workers of 3 processes (
 than K: the share binds, not the pool). Tasks are sent by a producer process that imports
 the tasks module, into a queue no worker reads yet; the workers start after.
 
-- Three tenants flooding share the starts 1:1:2 while all wait, never more than 4 at once.
+- Three tenants flooding share the starts 1:1:2 while all wait, never more than 4 at once;
+  ``throttle status`` shows each key's cap of the scope's K.
 - A tenant alone runs 4 at once; one that comes while it floods starts long before the
   flood ends (within about a body: no body is stopped to make room).
 - A worker that stops mid-batch leaves the sharing to the other: every task runs, once.
@@ -11,6 +12,7 @@ the tasks module, into a queue no worker reads yet; the workers start after.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ import pytest
 import redis
 
 from tests.conftest import _clean
-from tests.helpers import BROKER_URL, STORE_URL, WorkerGroup, delete_queues, new_label, wait_for
+from tests.helpers import BROKER_URL, STORE_URL, WorkerGroup, delete_queues, new_label, run_cli, wait_for
 from tests.workers.test_concurrency import most_at_once, spans, wait_spans
 
 K = 4
@@ -57,6 +59,12 @@ def test_tenants_share_the_slots_by_weight(group: WorkerGroup) -> None:
     ids = flood(group, label, {"a": 40, "b": 40, "heavy": 80})
     # When the workers start
     group.start()
+    wait_for(lambda: len(spans(group, label)) >= 12, 60, 0.05, "the flood under way")
+    # (the operators see each key's cap in the share, of the scope's K)
+    shown = json.loads(run_cli(group, "status", "shared-slots", "--key", "heavy", "--json").stdout)["keys"][0]
+    assert shown["concurrency"] == K and 1 <= shown["share_cap"] <= K, shown
+    table = run_cli(group, "status", "shared-slots").stdout
+    assert f" of {K}" in table and "the key's cap in its scope's share" in table, table
     done = wait_spans(group, label, len(ids), timeout=120)
     # Then each ran once, never more than K of the scope at once, and K at once they did
     assert sorted(e["id"] for e in done) == sorted(ids)
