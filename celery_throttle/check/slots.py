@@ -117,8 +117,10 @@ class Slots:
         reply = self.ctl.checker.ended(call, holder)
         if reply.code == Code.LOST:
             self._lost(call.state_key, holder)
-        if call.share is not None and reply.running >= reply.slot_cap and not any(t.kind == "r" for t in reply.reported):
-            # (The slot went back beyond the key's cap, to its scope: the sharer hands it on now.)
+        if call.share is not None and (reply.running >= reply.slot_cap or not (reply.running or reply.waiting)) \
+                and not any(t.kind == "r" for t in reply.reported):
+            # (The slot went back beyond the key's cap, or the key has nothing left to run: the
+            # sharer hands it on now, rather than at its next pass.)
             with suppress(StoreError):
                 self.ctl.store.share_poke(call.scope)
         self.ctl.lines.handle(call, reply)

@@ -26,11 +26,23 @@ from typing import Any, NamedTuple
 
 from .errors import ConfigurationError
 
-__all__ = ["CREDIT_MOST", "KEEP_S", "KeyUse", "Share", "check_weight", "fair_shares", "plan", "raises", "share_of",
-           "whole_caps"]
+__all__ = [
+    "CREDIT_MOST",
+    "KEEP_S",
+    "Keeping",
+    "KeyUse",
+    "Share",
+    "check_weight",
+    "fair_shares",
+    "plan",
+    "raises",
+    "share_of",
+    "whole_caps",
+]
 
-#: A key that had work this long ago (seconds) keeps a slot while it has none (one task
-#: after another, each sent when the last ends: it is not idle), unless its share is less.
+#: A key that goes idle keeps a slot for at most this long (seconds), in proportion to how
+#: busy it was over about this long before (:class:`Keeping`): one task after another, each
+#: sent when the last ends, is not idle, but a key that ran one short task is.
 KEEP_S = 1.0
 #: A key's credit is kept within this many slot-passes either way: a key that waited long
 #: is first in turn for a while, not for ever, and one that ran alone owes little later.
@@ -97,6 +109,41 @@ class KeyUse(NamedTuple):
     def work(self) -> int:
         """The slots the key can use: what it holds and what waits, or what is kept for it."""
         return max(self.held + self.waiting, self.kept)
+
+
+class Keeping:
+    """Which idle keys keep a slot, seen pass after pass. Each key's *busy*: the share of the
+    last KEEP_S or so in which it held a slot (a moving average over the passes, each
+    interval between two weighed by its length, half held if held at one end only). A key that goes idle keeps one slot for KEEP_S times
+    its busy: a key sending its next task as its last ends (busy near 1) finds its slot
+    still there, while a key that ran one task of 50 ms costs the others a few ms of slot,
+    not a whole KEEP_S each time (a stream of such keys would hold the slots idle)."""
+
+    def __init__(self) -> None:
+        #: key -> (busy, when last seen, whether it held a slot then)
+        self._busy: dict[str, tuple[float, float, bool]] = {}
+        #: key -> since when it has held nothing and had nothing waiting
+        self._idle: dict[str, float] = {}
+
+    def kept(self, key: str, now: float, held: int, waiting: int) -> int:
+        """The slots kept for ``key`` (0 or 1), seen at ``now`` (seconds, monotonic)."""
+        busy, seen, was = self._busy.get(key, (0.0, now, False))
+        decay = math.exp(-max(now - seen, 0.0) / KEEP_S)
+        busy = busy * decay + (1.0 - decay) * (was + (held > 0)) / 2  # (held at neither end, one, both)
+        self._busy[key] = (busy, now, held > 0)
+        if held or waiting:
+            self._idle.pop(key, None)
+            return 0
+        since = self._idle.setdefault(key, now)
+        return int(now - since < KEEP_S * busy)
+
+    def idle_for(self, key: str, now: float) -> float:
+        """How long ``key`` has had nothing held nor waiting (0: it has work, or unseen)."""
+        return now - self._idle.get(key, now)
+
+    def forget(self, key: str) -> None:
+        self._busy.pop(key, None)
+        self._idle.pop(key, None)
 
 
 def _fill(budget: float, room: Mapping[str, float], weights: Mapping[str, float]) -> dict[str, float]:

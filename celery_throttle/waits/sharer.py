@@ -30,7 +30,7 @@ from redis.exceptions import LockError
 
 from ..check.status import known_specs
 from ..core.keys import share_lock_key
-from ..core.share import KEEP_S, KeyUse, plan, raises
+from ..core.share import Keeping, KeyUse, plan, raises
 from ..store.sharing import CAP_KEEP_MS
 from .outage import Outage
 
@@ -68,8 +68,8 @@ class Sharer(threading.Thread):
         self._tried: dict[str, float] = {}
         #: scope -> key -> credit (core/share.py): what each was due less what it held.
         self._credit: dict[str, dict[str, float]] = {}
-        #: key -> since when (monotonic) it has held nothing and had nothing waiting.
-        self._idle: dict[str, float] = {}
+        #: which idle keys keep a slot, and since when each has been idle (monotonic).
+        self._keeping = Keeping()
         #: key -> when (monotonic) its cap was last written (written again before it runs out).
         self._written: dict[str, float] = {}
         self._outage = Outage("share the slots of the shared scopes")
@@ -150,9 +150,7 @@ class Sharer(threading.Thread):
         now = time.monotonic()
         uses = {}
         for k, (cap, held, waiting) in zip(keys, store.share_read(keys)):
-            if held or waiting:
-                self._idle.pop(k, None)
-            kept = int(now - self._idle.get(k, now) < KEEP_S)
+            kept = self._keeping.kept(k, now, held, waiting)
             uses[k] = KeyUse(members[k].weight, members[k].most, cap, held, waiting, kept)
         credit = self._credit.setdefault(scope, {})
         caps, lowers = plan(total, uses, credit)
@@ -174,10 +172,10 @@ class Sharer(threading.Thread):
         """The keys idle LEAVE_AFTER leave the share."""
         idle = {}
         for k, use in uses.items():
-            if not (use.held or use.waiting) and now - self._idle.setdefault(k, now) >= LEAVE_AFTER:
+            if not (use.held or use.waiting) and self._keeping.idle_for(k, now) >= LEAVE_AFTER:
                 idle[k] = members[k]
         left = self.ctl.store.share_leave(scope, idle)
         for k in left:
-            self._idle.pop(k, None)
+            self._keeping.forget(k)
             self._written.pop(k, None)
         return left
