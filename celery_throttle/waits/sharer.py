@@ -139,6 +139,24 @@ class Sharer(threading.Thread):
         self._locks[scope] = (lock, now)
         return True
 
+    def _renew(self, scope: str) -> bool:
+        """Whether this worker still shares ``scope``, its lease renewed (LOCK_S from now)
+        just before it writes caps. A pass that stalled past its lease (a pause, a slow
+        link) and found the lock another's writes nothing: its read is older than the
+        other's writes, and a cap written from it, even a lower one, could undo theirs and
+        let the scope run more than K."""
+        held = self._locks.get(scope)
+        if held is None:
+            return False
+        try:
+            held[0].reacquire()
+        except LockError:  # (not owned: another took it; a store away raises on, as any pass's fault)
+            del self._locks[scope]
+            self._credit.pop(scope, None)
+            return False
+        self._locks[scope] = (held[0], time.monotonic())
+        return True
+
     def share(self, scope: str, total: int) -> tuple[dict[str, int], list[str]]:
         """One pass over ``scope`` of ``total`` slots: returns the caps written, and the keys
         that left the share."""
@@ -154,6 +172,8 @@ class Sharer(threading.Thread):
             uses[k] = KeyUse(members[k].weight, members[k].most, cap, held, waiting, kept)
         credit = self._credit.setdefault(scope, {})
         caps, lowers = plan(total, uses, credit)
+        if lowers and not self._renew(scope):
+            return {}, []
         # Lowers first: from then on a key holds the larger of its cap and what it held.
         bound = {k: max(use.held, use.cap) for k, use in uses.items()}
         for (k, cap), (held, _) in zip(lowers, store.share_write(lowers)):
@@ -161,6 +181,8 @@ class Sharer(threading.Thread):
         raised = raises(total, caps, uses, bound, credit)
         stale = [(k, uses[k].cap) for k in keys if caps[k] == uses[k].cap and uses[k].cap
                  and now - self._written.get(k, float("-inf")) > CAP_KEEP_MS / 2000]
+        if (raised or stale) and not self._renew(scope):
+            return dict(lowers), []
         store.share_write(raised + stale)
         for k, _ in [*lowers, *raised, *stale]:
             self._written[k] = now
