@@ -70,6 +70,8 @@ class Sharer(threading.Thread):
         self._credit: dict[str, dict[str, float]] = {}
         #: which idle keys keep a slot, and since when each has been idle (monotonic).
         self._keeping = Keeping()
+        #: scope -> the keys in its share at this worker's last pass (see :meth:`_members`).
+        self._known: dict[str, dict[str, Any]] = {}
         #: key -> when (monotonic) its cap was last written (written again before it runs out).
         self._written: dict[str, float] = {}
         self._outage = Outage("share the slots of the shared scopes")
@@ -128,6 +130,7 @@ class Sharer(threading.Thread):
             except LockError:
                 del self._locks[scope]  # (lost: another worker shares it now)
                 self._credit.pop(scope, None)
+                self._known.pop(scope, None)
         if now - self._tried.get(scope, float("-inf")) < STANDBY_EVERY:
             return False
         self._tried[scope] = now
@@ -153,6 +156,7 @@ class Sharer(threading.Thread):
         except LockError:  # (not owned: another took it; a store away raises on, as any pass's fault)
             del self._locks[scope]
             self._credit.pop(scope, None)
+            self._known.pop(scope, None)
             return False
         self._locks[scope] = (held[0], time.monotonic())
         return True
@@ -161,7 +165,7 @@ class Sharer(threading.Thread):
         """One pass over ``scope`` of ``total`` slots: returns the caps written, and the keys
         that left the share."""
         store = self.ctl.store
-        members = store.share_members(scope)
+        members = self._members(scope)
         if not members:
             return {}, []
         keys = list(members)
@@ -190,6 +194,24 @@ class Sharer(threading.Thread):
             self.ctl.lines.wake_releasers()
         return {**dict(lowers), **dict(raised)}, self._leave(scope, members, uses, now)
 
+    def _members(self, scope: str) -> dict[str, Any]:
+        """The keys in ``scope``'s share: the registry's, and any this worker saw at its last
+        pass that has not left since, written back. Only the sharer takes a key out (after
+        LEAVE_AFTER idle); one missing was evicted, and a key that holds slots under a cap
+        the sharer does not see would not count against K when it raises the others."""
+        members = self.ctl.store.share_members(scope)
+        known = self._known.setdefault(scope, {})
+        lost = {k: m for k, m in known.items() if k not in members}
+        if lost:
+            logger.warning("celery_throttle: %d key(s) of the shared scope %r had gone from its registry "
+                           "(evicted?); written back", len(lost), scope)
+            for k, m in lost.items():
+                self.ctl.store.share_join(scope, k, m.weight, m.most)
+            members.update(lost)
+        known.clear()
+        known.update(members)
+        return members
+
     def _leave(self, scope: str, members: Any, uses: dict[str, KeyUse], now: float) -> list[str]:
         """The keys idle LEAVE_AFTER leave the share."""
         idle = {}
@@ -198,6 +220,7 @@ class Sharer(threading.Thread):
                 idle[k] = members[k]
         left = self.ctl.store.share_leave(scope, idle)
         for k in left:
+            self._known.get(scope, {}).pop(k, None)
             self._keeping.forget(k)
             self._written.pop(k, None)
         return left

@@ -16,7 +16,7 @@ from celery import Celery
 
 from celery_throttle import throttle
 from celery_throttle.check.limiter import Throttle
-from celery_throttle.core.keys import share_key, share_lock_key, state_key, window_keys
+from celery_throttle.core.keys import share_key, share_lock_key, share_registry_key, state_key, window_keys
 from celery_throttle.waits import sharer as sharer_module
 from celery_throttle.waits.sharer import Sharer
 from tests.helpers import STORE_URL
@@ -106,3 +106,32 @@ def test_a_pass_that_stalled_past_its_lease_writes_nothing(two: tuple[Sharer, Sh
         assert got == {x: 2, y: 2} and SCOPE not in a._locks
     else:
         assert sum(got.values()) > K, got  # (the check bites: a's stale raise lands)
+
+
+@pytest.mark.parametrize("keep", ["as built", "mutation: forgets what it saw"])
+def test_a_registry_evicted_is_written_back(two: tuple[Sharer, Sharer], keep: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """x holds all 4 slots; the scope's registry is evicted; y comes. A pass that did not
+    count x would give y 4 more: 8 running of a scope of 4."""
+    a, _ = two
+    client = a.ctl.store.client
+    assert a._lead(SCOPE)
+    x = tenant(a, "x", waiting=10)
+    a.share(SCOPE, K)
+    assert caps(client, x) == {x: K}
+    tenant(a, "x", held=K, waiting=10)  # (its 4 start)
+    client.delete(share_registry_key(a.ctl.store.prefix, SCOPE))
+    if keep != "as built":
+        monkeypatch.setattr(a, "_known", {})
+    y = tenant(a, "y", waiting=10)
+    a.share(SCOPE, K)
+    got = caps(client, x, y)
+    if keep == "as built":
+        # (x's cap lowered to its share; y's raise waits for x's bodies to end: none is stopped)
+        assert got == {x: 2, y: 0} and set(a.ctl.store.share_members(SCOPE)) == {x, y}
+        _, counts, _, _, _, slots, _ = window_keys(x)
+        client.zpopmin(slots, 2)  # (two of x's bodies end)
+        a.share(SCOPE, K)
+        assert caps(client, x, y) == {x: 2, y: 2}
+    else:
+        assert got[x] + got[y] > K or got == {x: 0, y: K}, got  # (x's 4 bodies run on beside y's cap)
