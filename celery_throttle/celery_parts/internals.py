@@ -3,7 +3,7 @@
 Celery offers no public hook before a task's trace, nor a way to read a task of an app
 that is not finalized, nor a request built from a message in the consumer. What the
 plugin needs of each lives here, one function per shape, so that a Celery upgrade that
-changes one breaks this file, and ``tests/test_internals.py`` (the contract: each shape
+changes one breaks this file, and ``tests/pure/test_internals.py`` (the contract: each shape
 asserted on the installed Celery, run by CI on the oldest and newest supported) names
 which, in one clear message.
 """

@@ -41,7 +41,7 @@ class Adapt:
     of the last pushback's level per window cubed. The defaults: never below a tenth of the
     ceiling; a pushback takes 15 % off; back at the last pushback's level about 5 windows
     after it, 1.5 times that level about 13 windows after it. Chosen on the model of
-    tests/test_adapt.py (a downstream whose limit moves, a tenth of a window of calls in
+    tests/pure/test_adapt.py (a downstream whose limit moves, a tenth of a window of calls in
     flight when it refuses): about 1-2 refusals per 100 calls and 88-96 % of what the
     downstream allows used; TCP's 0.7 and a faster growth refuse twice as often."""
 

@@ -252,7 +252,7 @@ def _payload(value: Any, kind: bytes | str) -> bytes | str | None:
 
 def window_argv(now: str, op: str, call: WindowCall, *args: Any, cost: Cost | None = None) -> list[Any]:
     """ARGV of window.lua for ``op`` on ``call``: its head, then the operation's own
-    arguments as line.lua lists them (``tests/test_script_format.py`` holds the two
+    arguments as line.lua lists them (``tests/pure/test_script_format.py`` holds the two
     together). ``cost``: a settle's difference, in place of the call's cost."""
     return [*call.head(now, op, cost), *args]
 

@@ -24,7 +24,7 @@ STATE_FORMAT = 1
 class StateLayout:
     """How a rate's state is laid out in its field of the hash: part of the state's format
     (sliding.lua and fixed.lua are loaded with it, and the reference model built with it;
-    the tests load both with another, tests/test_model_check.py)."""
+    the tests load both with another, tests/script/test_model_check.py)."""
 
     #: Buckets per window of a sliding rate: a bucket spans 1/BUCKETS of it (at least 1 ms).
     buckets: int = 100

@@ -7,7 +7,9 @@ what a worker's would; what runs on those caps is tests/workers/test_fair_share.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -135,3 +137,28 @@ def test_a_registry_evicted_is_written_back(two: tuple[Sharer, Sharer], keep: st
         assert caps(client, x, y) == {x: 2, y: 2}
     else:
         assert got[x] + got[y] > K or got == {x: 0, y: K}, got  # (x's 4 bodies run on beside y's cap)
+
+
+def test_a_slow_pass_spaces_the_next(two: tuple[Sharer, Sharer], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass of 60 ms (a share of thousands of keys) is followed by 540 ms without one
+    (PASS_DUTY), woken or not: some 2 passes a second, where a pass every SHARE_EVERY after
+    each would make 6."""
+    a, _ = two
+    passes: list[float] = []
+
+    def slow(scope: str, total: int) -> tuple[dict[str, int], list[str]]:
+        passes.append(time.monotonic())
+        a.ctl.store.share_poke(SCOPE)  # (a wake-up waits for every pass)
+        time.sleep(0.06)
+        return {}, []
+
+    monkeypatch.setattr(a, "share", slow)
+    a.start()
+    try:
+        time.sleep(1.5)
+    finally:
+        a.stop()
+        a.join(5)
+    gaps = [later - sooner for sooner, later in pairwise(passes)]
+    assert sharer_module.PASS_DUTY == 0.1
+    assert gaps and min(gaps) >= 0.55, gaps

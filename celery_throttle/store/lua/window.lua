@@ -91,7 +91,7 @@ local epoch = stored[1] or nil
 
 -- Each rate's limit in force: the caller's, or an adaptive throttle's at the share of it
 -- its last pushback leaves now (core/adapt.py's level and scaled_limit, the same sums:
--- tests/test_adapt_script.py holds the two to each other), at least the call's own units.
+-- tests/script/test_adapt_script.py holds the two to each other), at least the call's own units.
 local limits = {}
 for i = 1, n_rates do limits[i] = tonumber(ARGV[7 + 3 * i]) end
 if adapt_law ~= '' and stored[5 + n_rates] then
@@ -150,7 +150,7 @@ end
 -- times the script time (Lua 5.1 makes a closure of every function expression on every
 -- call): an 'admit' took 156 µs there against 48 here, a leased 'acquire' 237 against 68.
 -- Each ALGO.fit answers only where its answer is the general path's own, so the reply
--- and the state written are the same (tests/test_line_model.py holds both to one model):
+-- and the state written are the same (tests/script/test_line_model.py holds both to one model):
 -- anything it does not take (a denial, a lease or an 'admit' past half full, a bucket
 -- leaving the window, a fold due, an entry the key knows, ...) goes on to the general
 -- path, nothing written.
