@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any
 
 from kombu.entity import Queue
 
@@ -68,6 +69,20 @@ def broker_parking(ctl: Throttle) -> BrokerParking | None:
     return ctl.broker_parking or None
 
 
+def _declared(conn: Any, name: str) -> bool:
+    """Whether the queue ``name`` exists (asked on a channel of its own: RabbitMQ closes the
+    channel that asks for a queue it does not have)."""
+    channel = conn.channel()
+    try:
+        Queue(name).bind(channel).queue_declare(passive=True)
+        return True
+    except Exception:  # noqa: BLE001 - NOT_FOUND
+        return False
+    finally:
+        with suppress(Exception):
+            channel.close()
+
+
 class BrokerParking:
     """What earlier versions parked in RabbitMQ: counted, and the held sent on."""
 
@@ -98,22 +113,35 @@ class BrokerParking:
             except Exception:  # noqa: BLE001 - never declared: nothing was held
                 return 0
             producer = conn.Producer(channel)
+            exists: dict[str, bool] = {}
+            kept: list[Any] = []
             for _ in range(count):
                 message = queue.get(no_ack=False)
                 if message is None:
                     break
                 headers = without_dead_letter_headers(message.headers)
                 dest = headers.pop(DEST_HEADER, None)
+                dest = dest if isinstance(dest, str) else str(ctl.app.conf.task_default_queue)
+                if dest not in exists:
+                    exists[dest] = _declared(conn, dest)
+                if not exists[dest]:
+                    kept.append(message)  # (RabbitMQ drops what goes to no queue: it waits for its worker)
+                    continue
                 properties = {name: message.properties[name] for name in _MOVED_PROPERTIES
                               if message.properties.get(name) is not None}
-                producer.publish(message.body, exchange="",
-                                 routing_key=dest if isinstance(dest, str) else str(ctl.app.conf.task_default_queue),
-                                 headers=headers, content_type=message.content_type,
-                                 content_encoding=message.content_encoding, **properties)
+                producer.publish(message.body, exchange="", routing_key=dest, headers=headers,
+                                 content_type=message.content_type, content_encoding=message.content_encoding,
+                                 **properties)
                 message.ack()
                 moved += 1
+            for message in kept:
+                message.requeue()
         if moved:
             logger.info("moved %d task(s) an earlier version's pause held back to their queue", moved)
+        if kept:
+            logger.warning("celery_throttle: %d task(s) an earlier version's pause held stay in %s: their queue "
+                           "(%s) does not exist yet; they move once a worker has declared it", len(kept),
+                           self.held_queue, ", ".join(sorted(d for d, ok in exists.items() if not ok)))
         return moved
 
     def counts(self) -> tuple[int, int]:

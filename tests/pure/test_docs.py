@@ -112,3 +112,25 @@ def test_the_check_finds_a_test_cited_after_its_file_and_a_missing_one() -> None
     defined = _defined_tests("test_docs.py")
     assert defined is not None and "test_no_such_test" not in defined
     assert _defined_tests("test_no_such_file.py") is None
+
+
+def test_every_module_has_a_test_home() -> None:
+    """docs/tests.md has a row for every module and Lua script of the package, under its
+    folder's heading (``## core: ...``; the package's own files under ``## the package's top``)."""
+    rows: dict[str, set[str]] = {}
+    folder = ""
+    for line in _text(ROOT / "docs" / "tests.md").splitlines():
+        if line.startswith("## "):
+            folder = "" if "top" in line else line[3:].split(":")[0].strip()
+        elif line.startswith("| `"):
+            rows.setdefault(folder, set()).update(re.findall(r"`([\w/]+\.(?:py|lua))`", line.split("|")[1]))
+    package = ROOT / "celery_throttle"
+    missing = []
+    for path in sorted([*package.rglob("*.py"), *package.rglob("*.lua")]):
+        parts = path.relative_to(package).parts
+        if len(parts) > 1 and parts[-1] == "__init__.py":
+            continue
+        folder, name = ("", parts[0]) if len(parts) == 1 else (parts[0], parts[-1])
+        if name not in rows.get(folder, set()):
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"docs/tests.md gives no test home to: {missing}"
