@@ -20,15 +20,18 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..celery_parts.journal import BrokerJournal
 from ..core.journal import Kind
 from ..core.keys import journal_keys
 from ..core.locks import ForkSafeLock
+from .binding import Stores
 
 if TYPE_CHECKING:
-    from .lines_on_call import Owner
+    from celery import Celery
+
+    from .metrics import Metrics
 
 __all__ = ["RABBITMQ_SCHEMES", "Journaling", "journal_on", "store_epoch"]
 
@@ -63,6 +66,17 @@ def journal_on(app: Any, setting: bool | None) -> bool:
     url = url[0] if isinstance(url, (list, tuple)) and url else url
     scheme = str(url or "").split(";", 1)[0].split("://", 1)[0].lower()
     return scheme in RABBITMQ_SCHEMES
+
+
+class Owner(Stores, Protocol):
+    """What the journal works with: the settings, the store, the app (its broker) and the
+    metrics (its failures)."""
+
+    @property
+    def app(self) -> Celery: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
 
 
 class Journaling:
