@@ -7,7 +7,7 @@ and never warms anything up.
 
 ``how``: ``delay`` (``task.delay(*args)``), ``send_task`` (``app.send_task(name,
 args)``), ``group`` (one group of ``count`` signatures) or ``chord`` (a chord of them,
-with ``collect`` as its callback). Prints one JSON line: the ids sent (per send, in
+with ``collect`` as its callback); ``after``: seconds to wait before the send. Prints one JSON line: the ids sent (per send, in
 order), each denial made at publish (task id, key, whether parked) and whether the app
 was finalized by the end (using a ``@shared_task`` does that, as Celery's own proxy
 looks it up in ``app.tasks``). Configured from the same CT_* variables as the workers.
@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 os.environ["CT_PRODUCER"] = "1"  # (the task module's own notes are for workers)
@@ -40,6 +41,7 @@ def main(plan: dict[str, Any]) -> dict[str, Any]:
     sent: list[list[str]] = []
     for send in plan["sends"]:
         how, name, args, count = send["how"], send["task"], send["args"], send.get("count", 1)
+        time.sleep(send.get("after", 0))  # (a send a while after the one before)
         if how == "delay":
             task = getattr(tasks, name)
             sent.append([task.delay(*args).id for _ in range(count)])

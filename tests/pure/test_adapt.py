@@ -174,8 +174,8 @@ def broken(moves: list[tuple[int, int]], adapt: Adapt = DEFAULT, ceiling: int = 
 #: pushback's window counts what the downstream took of it (its starts less its refusals).
 SETTLE = 3
 #: Windows a climb of the level to a downstream's risen limit (up to 10 times) takes at
-#: most under the default law: K (5.3) and cbrt(9 / 0.001) (20.8).
-CLIMB = 27
+#: most under the default law: K (3.9) and cbrt(9 / 0.005) (12.2).
+CLIMB = 17
 
 
 @settings(max_examples=100 if QUICK else 400, deadline=None)
