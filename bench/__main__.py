@@ -4,7 +4,7 @@ Sections (CONTRIBUTING.md, "Benchmarks"): burst (1-4: violation, makespan, re-se
 baselines and Celery's rate_limit, the chart), backlog (9: a deep line), neighbour (10), api429
 (11), rpt (12: Redis per task), slow (13: a store 100 ms away), concurrency (14), llm (15),
 llmsweep (15b), deferral (capacity after the deferral), controls, journal, units, adapt (16:
-adaptive limits against an API whose limit moves). Each runs on
+adaptive limits against an API whose limit moves), share (17: a fair share of a scope's slots). Each runs on
 redis-servers of its own and writes bench/out/ (results.md, results.json, chart.png, worker
 logs); a run at full scale (no --quick) also writes its rows of the headline table and its
 own table into bench/results.json, and bench/results.md from it (and bench/chart.png).
@@ -43,6 +43,7 @@ SECTIONS = {
     "journal": ("bench.after_deferral", "run_journal", ()),
     "units": ("bench.units_calls", "run_units", ("units-calls",)),
     "adapt": ("bench.api429", "run_adapt", ("16", "adaptive", "issue29")),
+    "share": ("bench.share", "run_share", ("17", "fair-share", "shared-slots")),
 }
 ALIASES = {alias: name for name, (_, _, aliases) in SECTIONS.items() for alias in aliases}
 
@@ -73,12 +74,23 @@ class Scale:
     adapt_calls: int = 3_000
     adapt_phase: float = 20.0
     adapt_extra: bool = True
+    #: a fair share of 8 slots: tasks of a and b (heavy 2x), a tenant alone's, the newcomer's flood, the
+    #: newcomer's sends and seconds between, the tenants beside a flood of the passes timed, and over how long;
+    #: the trickle's flood, its one-task tenants and the seconds between them.
+    share_weighted: int = 150
+    share_alone: int = 320
+    share_flood: int = 480
+    share_newcomers: tuple[int, float] = (5, 3.0)
+    share_keys: tuple[int, ...] = (3, 30, 300)
+    share_pass_s: float = 10.0
+    share_trickle: tuple[int, int, float] = (480, 32, 0.25)
     quick: bool = False
 
 
 FULL = Scale()
 QUICK = Scale("20/s", 100, (100, 1_000, 10_000), (1_000, 10_000), 50, (0.05,), ("moving",), (1_000,), 1, (200,),
-              60, 60, (0.0, 3.0), 1, (100, 5_000), (1_000,), (1_000,), 900, 6.0, False, quick=True)
+              60, 60, (0.0, 3.0), 1, (100, 5_000), (1_000,), (1_000,), 900, 6.0, False, 40, 96, 200, (3, 2.0), (3, 30), 4.0,
+              (200, 24, 0.25), quick=True)
 
 #: The headline table (README, "Benchmark"): its rows, and its columns.
 HEADLINE = {
@@ -96,6 +108,10 @@ HEADLINE = {
     "llmsweep": "the same per 10 s, calls of 0 / 1 / 2 / 3 s: 429s per 100, makespan / fastest compliant",
     "adapt": "an API whose limit moves 50 → 20 → 80/s unknown to the client (declared 100/s): 429s per 100, makespan "
              "/ the oracle's (a client told each limit; target ≤ 2 × its 429s, ≤ 1.15)",
+    "share": "`concurrency=8, share=True`, bodies of 0.5 s: starts / weight of 3 tenants flooding 1:1:2 (target within "
+             "5 %); a tenant alone: the 8 slots used (≥ 0.95); a newcomer beside a flood: its slowest start (≤ 1 s); a "
+             "flood beside a new one-task tenant every 0.25 s: the flood's use of the slots they leave (≥ 0.85). "
+             "Per-key `concurrency=3` in brackets, plain Celery in the last column",
 }
 COLUMNS = ("sliding", "fixed", "naive fixed (seed)", "naive sliding log", "Celery `rate_limit`")
 

@@ -4,7 +4,9 @@ Configured from the environment as tests/taskapp.py is (tests/harness.py's AppWo
 its workers): CT_BROKER, CT_STORE (``throttle_redis_url``), CT_RECORDS (the notes), CT_PREFIX,
 CT_QUEUE, CT_PREFETCH, CT_CHECK_AT_PUBLISH (0: off), CT_SLOT_LEASE; BENCH_RATE (the burst's
 limit), BENCH_API_URL (the fake API), BENCH_START_GRACE (``throttle_start_grace``, of no
-effect since the line), BENCH_DENIALS=1 (each denial counted in ``<prefix>:denied:<label>``).
+effect since the line), BENCH_DENIALS=1 (each denial counted in ``<prefix>:denied:<label>``),
+BENCH_SHARER_PASSES=1 (each pass of a worker's sharer over a scope counted in
+``<prefix>:passes:<scope>``, in the notes: the store's counts stay the throttle's).
 A body notes its start as JSON in ``<prefix>:starts:<label>`` (a slot's, its span in
 ``<prefix>:spans``). The naive baselines of the seed notes re-send a denied task with
 ``countdown`` = time until its window opens; the API clients retry a 429 after ``Retry-After``
@@ -13,7 +15,8 @@ A body notes its start as JSON in ``<prefix>:starts:<label>`` (a slot's, its spa
 ``python -m bench.app '{"sends": [...]}'``: a producer as users write one: it imports this
 module (its sends are checked at publish) and never finalizes the app. A send: ``task``,
 ``args``, ``count``, ``queue``, ``pace`` (s between calls), ``vary`` (``"index"``: the call's
-index appended to its args; a list: its items in turn), ``pooled`` (one producer for all, as
+index appended to its args; a list: its items in turn), ``vary_at`` (where in the args the
+varied item goes, e.g. 0: a tenant of its own per call; default: last), ``pooled`` (one producer for all, as
 a bulk sender holds one; else each call as ``.delay()`` makes it), ``ids``. Prints one JSON line: per
 send, when its first and last call went, and (``ids``) each call's id and time.
 """
@@ -117,6 +120,18 @@ def _denied(sender: Any = None, request: Any = None, **_: Any) -> None:
     if os.environ.get("BENCH_DENIALS") == "1":
         args = getattr(request, "args", None) or [(getattr(request, "kwargs", None) or {}).get("label", "?")]
         records().incr(f"{PREFIX}:denied:{args[0]}")
+
+
+if os.environ.get("BENCH_SHARER_PASSES") == "1":
+    from celery_throttle.waits.sharer import Sharer
+
+    _share_pass = Sharer.share
+
+    def _counted_pass(self: Sharer, scope: str, total: int) -> tuple[dict[str, int], list[str]]:
+        records().incr(f"{PREFIX}:passes:{scope}")
+        return _share_pass(self, scope, total)
+
+    Sharer.share = _counted_pass  # type: ignore[method-assign]
 
 
 def _task(name: str, fn: Any = None, *rates: Any, options: dict[str, Any] | None = None, **limits: Any) -> None:
@@ -255,18 +270,28 @@ _task("rpt_peer_flood", _peer(QUOTA))
 
 
 # -- concurrency slots (14): K=4 per tenant -------------------------------------------------
-def _slot() -> Any:
+def _slot(ids: bool = False) -> Any:
+    """A body of ``seconds``: its start noted, then its span (``ids``: with its task id and worker)."""
     def task(self: Any, tenant: str, seconds: float) -> None:
         start = time.time()
         records().rpush(f"{PREFIX}:began", f"{start:.6f} {tenant} {os.getppid()}")
         time.sleep(seconds)
-        records().rpush(f"{PREFIX}:spans", f"{start:.6f} {time.time():.6f} {tenant}")
+        more = f" {self.request.id} {os.getppid()}" if ids else ""
+        records().rpush(f"{PREFIX}:spans", f"{start:.6f} {time.time():.6f} {tenant}{more}")
     return task
 
 
 _task("export", _slot(), concurrency=4, scope="export-api", key="{tenant}")
 _task("export_one", _slot(), concurrency=1, scope="export-one", key="{tenant}")
 _task("slots_plain", _slot())
+
+
+# -- a fair share of a scope's slots (17): K=8 for the scope, "heavy" weighing 2, the others 1 --
+SHARE_K, SHARE_SCOPE, SHARE_WEIGHTS, PER_KEY = 8, "share-api", {"heavy": 2}, 3
+_task("share_fair", _slot(ids=True), concurrency=SHARE_K, scope=SHARE_SCOPE, key="{tenant}",
+      share=celery_throttle.Share(weight=lambda tenant, seconds: SHARE_WEIGHTS.get(tenant, 1)))
+_task("share_per_key", _slot(ids=True), concurrency=PER_KEY, scope="share-per-key", key="{tenant}")
+_task("share_plain", _slot(ids=True))
 
 
 # -- the LLM API (15, 15b): requests and tokens ------------------------------------------------
@@ -329,8 +354,11 @@ def produce(plan: dict[str, Any]) -> list[dict[str, Any]]:
                 if pace:
                     time.sleep(max(0.0, first + i * pace - time.time()))
                 more = [i] if vary == "index" else [vary[i % len(vary)]] if vary else []
+                args = list(send.get("args", []))
+                where = send.get("vary_at", len(args))
+                args[where:where] = more
                 at = time.time()
-                task_id = task.apply_async((*send.get("args", []), *more), queue=send.get("queue"),
+                task_id = task.apply_async(tuple(args), queue=send.get("queue"),
                                            **({"producer": pub} if send.get("pooled") else {})).id
                 if send.get("ids"):
                     ids.append(task_id)

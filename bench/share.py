@@ -1,0 +1,443 @@
+"""Section 17 (share, issue 29 item 2): a fair share of a scope's slots.
+
+bench/app.py's ``share_fair``: ``@throttle(concurrency=8, scope="share-api", key="{tenant}",
+share=Share(weight=...))``, tenant ``heavy`` weighing 2, the others 1, on 2 workers x 4
+prefork processes (8: the pool just holds K, so the share binds, not the pool). Bodies of
+0.5 s: long against a pass of the sharer (every 0.1 s, or at once when woken) and a start's
+round trips, so that the shares are the caps' and not the overhead's; short enough that a
+run of 30 s holds some 60 turns of each slot (480 starts: a share of 25 % is 120 of them,
+5 % of it 6), and that a newcomer's bound, the end of a flood's body, is within the 1 s target.
+
+Each run has a redis-server for the broker (db 1) and the notes (db 0), and another for the
+store alone, so that its INFO commandstats are the throttle's. A producer process (imports
+bench/app.py and sends; checks at publish, the default) sends into the queue while no
+worker runs; the workers start after.
+
+1. weights: a and b send N each, heavy 2N, tenant after tenant (a's first: floods come so).
+   Each tenant's share of the starts from the first start + 1 s (the caps being set) to the
+   first last start of a tenant (until then all three wait), against its weight.
+2. alone: one tenant's flood: its body time / (K x its first start to its last end).
+3. newcomer: a flood; once 2K bodies began, another tenant sends one task M times, S s apart:
+   each one's start after its send. No body is stopped: the newcomer waits for the first
+   flood body to end after the sharer lowered the flood's cap.
+4. trickle: a flood beside a trickle of one-task tenants: once 2K bodies of ``solo`` began,
+   a new tenant (one0, one1, ...) sends ONE task of 0.05 s every 0.25 s for 8 s (480 bodies
+   and 32 tenants; --quick: 200 and 24, 6 s). The flood's body time while the trickle runs
+   (its first send to its last) / (K x that span), against what the one-shots leave of it
+   (K x span less their own body time; target >= 0.85), and the one-shots' start after send.
+   A key that ran one short task and has nothing more should give its slot back at once,
+   not keep it idle.
+
+Each beside, same tasks and workers, per-key ``concurrency=3`` (what users write today; 3
+tenants hold 9 > 8 slots there: the pool binds) and plain Celery (FIFO by arrival).
+
+5. cost: the store's commands, script calls and CPU per task in run 1, shared against per
+   key; the workers' sharer's passes per second (bench/app.py counts each in the notes,
+   BENCH_SHARER_PASSES=1). Then one pass over T tenants each with one task waiting
+   beside a flood (T = 3, 30, 300): a Sharer in the bench's own process takes the scope's
+   lock before the workers start (theirs stand by) and runs the sharer's loop, each pass
+   timed and its round trips and commands counted on its thread (redis-py's connection).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import redis
+from celery import Celery
+from redis.connection import AbstractConnection
+
+from bench.app import PER_KEY, SHARE_K, SHARE_SCOPE, SHARE_WEIGHTS
+from bench.common import Counts, Results, counts, new_prefix, percentile, produce, urls, workers
+from celery_throttle import Throttle
+from celery_throttle.core.keys import share_registry_key
+from celery_throttle.waits.sharer import Sharer
+from tests.harness import redis_server, waited
+
+SEC, K, BODY_S, PROCESSES, SETTLE_S = "17 fair share", SHARE_K, 0.5, 8, 1.0
+TENANTS = ("a", "b", "heavy")
+SHARED = "share=True"
+#: name, task: the shared scope, per-key slots, plain Celery.
+VARIANTS = ((SHARED, "share_fair"), (f"concurrency={PER_KEY} per key", "share_per_key"), ("plain Celery", "share_plain"))
+SHARE_TARGET, USE_TARGET, NEWCOMER_TARGET = 0.05, 0.95, 1.0
+#: the trickle (4): a one-shot's body (s), the flood's use of what the one-shots leave.
+ONE_S, TRICKLE_TARGET = 0.05, 0.85
+
+
+class Span(NamedTuple):
+    t0: float
+    t1: float
+    tenant: str
+    id: str
+    worker: str
+
+
+@dataclass
+class Run:
+    """What one run saw: its bodies, the late sends, the store's counts and commands."""
+
+    spans: list[Span]
+    late: list[dict[str, Any]]
+    cost: Counts
+    calls: dict[str, int]
+    seconds: float
+    errors: list[str] = field(default_factory=list)
+    #: the passes of the workers' sharer over the shared scope (bench/app.py counts them).
+    passes: int = 0
+
+    @property
+    def tasks(self) -> int:
+        return len(self.spans)
+
+
+def commandstats(client: redis.Redis) -> dict[str, int]:
+    return {name.removeprefix("cmdstat_"): int(v.get("calls", 0))
+            for name, v in client.info("commandstats").items() if isinstance(v, dict)}
+
+
+def body(tenant: str, count: int = 1) -> dict[str, Any]:
+    return {"task": "", "args": [tenant, BODY_S], "count": count}
+
+
+def sends_of(task: str, *sends: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{**s, "task": task} for s in sends]
+
+
+def run(task: str, sends: Sequence[dict[str, Any]], late: Sequence[dict[str, Any]] = ()) -> Run:
+    """``sends`` published before the workers start; ``late`` once 2K bodies began. Waits for every body."""
+    with redis_server() as notes, redis_server() as store_server:
+        group = workers(new_prefix("share"), store=urls(store_server)[0], broker=urls(notes)[1],
+                        records=urls(notes)[0], concurrency=PROCESSES // 2,
+                        env={"CT_PREFETCH": "1", "BENCH_SHARER_PASSES": "1"})
+        store = redis.Redis(port=store_server.port)
+        try:
+            before, calls = counts(store), commandstats(store)
+            produce(group, *sends_of(task, *sends))
+            started = time.time()
+            group.start()
+            got: list[dict[str, Any]] = []
+            if late:
+                if not waited(lambda: group.records.llen(f"{group.prefix}:began") >= 2 * K, 120, 0.02):
+                    raise RuntimeError("the flood did not begin")
+                got = produce(group, *sends_of(task, *late))
+            total = sum(s["count"] for s in (*sends, *late))
+            key = f"{group.prefix}:spans"
+            if not waited(lambda: group.records.llen(key) >= total, total * BODY_S / PER_KEY + 120, 0.2):
+                raise RuntimeError(f"{group.records.llen(key)} of {total} bodies ran")
+            cost, after = counts(store) - before, commandstats(store)
+            spans = [Span(float(t0), float(t1), who, task_id, worker) for t0, t1, who, task_id, worker in
+                     (x.decode().split() for x in group.records.lrange(key, 0, -1))]
+            return Run(spans, got, cost, {k: n - calls.get(k, 0) for k, n in after.items() if n > calls.get(k, 0)},
+                       max(s.t1 for s in spans) - started, group.errors(),
+                       int(group.records.get(f"{group.prefix}:passes:{SHARE_SCOPE}") or 0))
+        finally:
+            group.stop()
+            store.close()
+
+
+def most_at_once(spans: Sequence[Span]) -> int:
+    running = most = 0
+    for _, step in sorted([(s.t0, 1) for s in spans] + [(s.t1, -1) for s in spans]):
+        running += step
+        most = max(most, running)
+    return most
+
+
+def all_running(spans: Sequence[Span]) -> float:
+    """Seconds from the first start until K bodies first ran at once (nan: never)."""
+    running, first = 0, min(s.t0 for s in spans)
+    for t, step in sorted([(s.t0, 1) for s in spans] + [(s.t1, -1) for s in spans]):
+        running += step
+        if running >= K:
+            return t - first
+    return float("nan")
+
+
+def weight_of(tenant: str) -> float:
+    return SHARE_WEIGHTS.get(tenant, 1) / sum(SHARE_WEIGHTS.get(t, 1) for t in TENANTS)
+
+
+def shares(spans: Sequence[Span]) -> tuple[dict[str, float], int, float]:
+    """Each tenant's share of the starts while all three wait (from the first start +
+    SETTLE_S to the first last start of a tenant), how many starts, over how long."""
+    first = min(s.t0 for s in spans)
+    last = min(max(s.t0 for s in spans if s.tenant == t) for t in TENANTS)
+    window = [s for s in spans if first + SETTLE_S <= s.t0 <= last]
+    return ({t: sum(1 for s in window if s.tenant == t) / max(len(window), 1) for t in TENANTS}, len(window),
+            last - first - SETTLE_S)
+
+
+def use(spans: Sequence[Span], since: float | None = None) -> float:
+    """Body time / (K x first start (or ``since``) to last end), bodies clipped to it."""
+    start, end = since if since is not None else min(s.t0 for s in spans), max(s.t1 for s in spans)
+    return sum(max(0.0, s.t1 - max(s.t0, start)) for s in spans) / (K * (end - start))
+
+
+def weights_rows(res: Results, name: str, got: Run) -> None:
+    share, n, over = shares(got.spans)
+    off = {t: share[t] / weight_of(t) - 1 for t in TENANTS}
+    ours = name == SHARED
+    res.add(SEC, "1:1:2 flood: share of starts while all three wait (× its weight)", name,
+            ", ".join(f"{t} {share[t]:.3f} ({share[t] / weight_of(t):.2f}×)" for t in TENANTS),
+            f"each within {SHARE_TARGET:.0%} of its weight" if ours else "",
+            max(abs(v) for v in off.values()) <= SHARE_TARGET if ours else None,
+            f"{n} starts in {over:.1f} s, from the first start + {SETTLE_S:g} s (caps being set) to a tenant's "
+            f"last start; weights 0.25 / 0.25 / 0.50")
+    if ours:
+        most = most_at_once(got.spans)
+        res.add(SEC, "most bodies of the scope running at once", name, str(most), f"<= {K}", most <= K,
+                f"{got.tasks} bodies of a, b, heavy")
+
+
+def alone_rows(res: Results, name: str, got: Run) -> float:
+    firsts = {w: min(s.t0 for s in got.spans if s.worker == w) for w in {s.worker for s in got.spans}}
+    second = max(firsts.values())
+    ours, value = name == SHARED, use(got.spans)
+    makespan = max(s.t1 for s in got.spans) - min(s.t0 for s in got.spans)
+    res.add(SEC, f"a tenant alone: body time / ({K} slots x first start to last end)", name,
+            f"{value:.3f} ({makespan:.1f} s for {got.tasks} bodies; ideal {got.tasks * BODY_S / K:.1f} s)",
+            f">= {USE_TARGET:.0%}" if ours else "", value >= USE_TARGET if ours else None,
+            f"from the second worker's first start ({second - min(firsts.values()):.2f} s after the first): "
+            f"{use(got.spans, second):.3f}; {K} running at once from {all_running(got.spans):.2f} s after the first "
+            "start")
+    return value
+
+
+def newcomer_rows(res: Results, name: str, got: Run, flood: int) -> list[float]:
+    at = {i: t for send in got.late for i, t in zip(send["ids"], send["times"])}
+    latency = sorted(s.t0 - at[s.id] for s in got.spans if s.id in at)
+    ours = name == SHARED
+    res.add(SEC, f"newcomer beside a flood: start after send, min / median / max of {len(at)}", name,
+            f"{latency[0]:.2f} / {percentile(latency, 0.5):.2f} / {latency[-1]:.2f} s" if latency else "none ran",
+            f"max <= {NEWCOMER_TARGET:g} s" if ours else "", bool(latency) and latency[-1] <= NEWCOMER_TARGET
+            if ours else None, f"one task at a time, {len(at)} times; the flood of {flood} sent before the workers "
+            "started" + ("; no flood body is stopped: the first to end after the cap is lowered makes room"
+                         if ours else ""))
+    return latency
+
+
+def trickle_rows(res: Results, name: str, got: Run, flood: int) -> float:
+    """The flood's use of the slots while the trickle runs, and the one-shots' start after send."""
+    send = got.late[0]
+    lo, hi = send["times"][0], send["times"][-1]
+    span = hi - lo
+
+    def held(spans: Sequence[Span]) -> float:
+        return sum(max(0.0, min(s.t1, hi) - max(s.t0, lo)) for s in spans)
+
+    flood_s = held([s for s in got.spans if s.tenant == "solo"])
+    ones_s = held([s for s in got.spans if s.tenant != "solo"])
+    left = K * span - ones_s
+    ratio = flood_s / left
+    ours = name == SHARED
+    res.add(SEC, f"flood beside a trickle of one-task tenants: the flood's body time / ({K} slots x the trickle's "
+                 "span)", name,
+            f"{flood_s / (K * span):.3f} ({flood_s / span:.2f} of {K} slots); {ratio:.3f} of what the one-shots "
+            "leave", f">= {TRICKLE_TARGET:.0%} of what they leave" if ours else "",
+            ratio >= TRICKLE_TARGET if ours else None,
+            f"{len(send['ids'])} tenants of one task of {ONE_S:g} s, one each {span / max(len(send['ids']) - 1, 1):.2f} "
+            f"s over {span:.1f} s, beside a flood of {flood} bodies of {BODY_S:g} s; the one-shots held "
+            f"{ones_s / span:.2f} slots, idle {(left - flood_s) / span:.2f}"
+            + (f"; the sharer's passes {got.passes / got.seconds:.1f}/s over the run" if ours else ""))
+    at = dict(zip(send["ids"], send["times"]))
+    latency = sorted(s.t0 - at[s.id] for s in got.spans if s.id in at)
+    res.add(SEC, f"the trickle's one-shots: start after send, median / max of {len(at)}", name,
+            f"{percentile(latency, 0.5):.2f} / {latency[-1]:.2f} s" if latency else "none ran",
+            f"max <= {NEWCOMER_TARGET:g} s" if ours else "",
+            bool(latency) and latency[-1] <= NEWCOMER_TARGET if ours else None,
+            f"each a tenant of its own (one0, one1, ...); {len(latency)} of {len(at)} ran")
+    return ratio
+
+
+def cost_rows(res: Results, runs: dict[str, Run]) -> None:
+    lines = ["| command | " + " | ".join(f"{name}: per task" for name in runs) + " |", "|---" * (len(runs) + 1) + "|"]
+    names = sorted({c for got in runs.values() for c, n in got.calls.items() if n / got.tasks >= 0.05 and c != "info"},
+                   key=lambda c: -max(got.calls.get(c, 0) / got.tasks for got in runs.values()))
+    for c in names:
+        lines.append(f"| {c.upper()} | " + " | ".join(f"{got.calls.get(c, 0) / got.tasks:.2f}" for got in runs.values())
+                     + " |")
+    for name, got in runs.items():
+        res.add(SEC, "the store per task (run 1): commands (all) / script calls; its CPU", name,
+                f"{got.cost.commands / got.tasks:.1f} / {got.cost.script_calls / got.tasks:.2f}; "
+                f"{got.cost.cpu_s / got.tasks * 1e6:.0f} µs", note="a redis-server for the store alone; INFO "
+                "commandstats counts the commands each script runs too")
+    if SHARED in runs and len(runs) > 1:
+        ours, other = runs[SHARED], next(got for name, got in runs.items() if name != SHARED)
+        res.add(SEC, "sharer passes per second (run 1)", SHARED, f"{ours.passes / ours.seconds:.1f}/s",
+                note=f"{ours.passes} passes in {ours.seconds:.1f} s (the workers' start to the last end), counted "
+                     f"by bench/app.py in the notes; HGETALL/s {ours.calls.get('hgetall', 0) / ours.seconds:.1f} "
+                     f"shared against {other.calls.get('hgetall', 0) / other.seconds:.1f} per key (the controls' "
+                     f"reads too, one a check, and one of the registry a pass); BLPOP/s "
+                     f"{ours.calls.get('blpop', 0) / ours.seconds:.1f} against {other.calls.get('blpop', 0) / other.seconds:.1f} "
+                     "(the releasers' waits and the sharer's)")
+    res.table("share", "The store's commands per task in run 1 (1:1:2), INFO commandstats of a redis-server for the store "
+                       "alone (the broker and the notes on another), from the producer's start to the last body's "
+                       "end; a script's own commands counted too\n\n" + "\n".join(lines))
+
+
+# -- one pass over many tenants ----------------------------------------------------------
+class TimedSharer(Sharer):
+    """The workers' sharer, run in the bench's process for the shared scope: each pass timed,
+    its round trips and commands counted (:func:`counted`)."""
+
+    def __init__(self, ctl: Throttle) -> None:
+        super().__init__(ctl)
+        self.counting = False
+        self.trips = self.commands = 0
+        #: (when, seconds, round trips, commands) of each pass.
+        self.passes: list[tuple[float, float, int, int]] = []
+
+    def scopes(self) -> dict[str, int]:
+        return {SHARE_SCOPE: K}
+
+    def share(self, scope: str, total: int) -> tuple[dict[str, int], list[str]]:
+        trips, commands, began = self.trips, self.commands, time.perf_counter()
+        self.counting = True
+        try:
+            return super().share(scope, total)
+        finally:
+            self.counting = False
+            self.passes.append((time.time(), time.perf_counter() - began, self.trips - trips, self.commands - commands))
+
+
+@contextmanager
+def counted(sharer: TimedSharer) -> Iterator[None]:
+    """Count ``sharer``'s round trips (packets of commands sent) and commands during its passes."""
+    send_packed, send_one, pack_many = (AbstractConnection.send_packed_command, AbstractConnection.send_command,
+                                        AbstractConnection.pack_commands)
+
+    def mine() -> bool:
+        return sharer.counting and threading.current_thread() is sharer
+
+    def packed(conn: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
+        if mine():
+            sharer.trips += 1
+        return send_packed(conn, command, *args, **kwargs)
+
+    def one(conn: Any, *args: Any, **kwargs: Any) -> Any:
+        if mine():
+            sharer.commands += 1
+        return send_one(conn, *args, **kwargs)
+
+    def many(conn: Any, commands: Any) -> Any:
+        commands = list(commands)
+        if mine():
+            sharer.commands += len(commands)
+        return pack_many(conn, commands)
+
+    AbstractConnection.send_packed_command, AbstractConnection.send_command = packed, one  # type: ignore[method-assign]
+    AbstractConnection.pack_commands = many  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        AbstractConnection.send_packed_command, AbstractConnection.send_command = send_packed, send_one  # type: ignore[method-assign]
+        AbstractConnection.pack_commands = pack_many  # type: ignore[method-assign]
+
+
+def pass_cost(tenants: int, seconds: float) -> dict[str, Any]:
+    """A flood and ``tenants`` tenants of one task each, sent before the workers start; the
+    passes of a sharer in this process over ``seconds`` from the first start + SETTLE_S."""
+    flood = round(2 * K / BODY_S * (seconds + 6))  # (lasts beyond the measure even with every slot)
+    with redis_server() as notes, redis_server() as store_server:
+        group = workers(new_prefix("share-pass"), store=urls(store_server)[0], broker=urls(notes)[1],
+                        records=urls(notes)[0], concurrency=PROCESSES // 2, env={"CT_PREFETCH": "1"})
+        ctl = Throttle(Celery("bench-sharer", broker="memory://", set_as_current=False),
+                       {"redis_url": urls(store_server)[0], "key_prefix": group.prefix})
+        sharer = TimedSharer(ctl)
+        try:
+            with counted(sharer):
+                # (its lock taken on its own thread, which extends it: redis-py keeps a lock's token
+                # per thread; taken before the workers start, whose sharers stand by)
+                sharer.start()
+                if not waited(lambda: SHARE_SCOPE in sharer._locks, 10, 0.02):
+                    raise RuntimeError("the bench's sharer could not take the scope's lock")
+                produce(group, {"task": "share_fair", "args": ["flood", BODY_S], "count": flood},
+                        *({"task": "share_fair", "args": [f"t{i:03d}", BODY_S]} for i in range(tenants)))
+                members = int(ctl.store.client.hlen(share_registry_key(group.prefix, SHARE_SCOPE)))
+                group.start()
+                began = f"{group.prefix}:began"
+                if not waited(lambda: group.records.llen(began) >= 1, 120, 0.02):
+                    raise RuntimeError("no body began")
+                first = float(group.records.lindex(began, 0).decode().split()[0])
+                time.sleep(max(0.0, first + SETTLE_S + seconds - time.time()))
+                sharer.stop()
+                sharer.join(10)
+            window = [p for p in sharer.passes if first + SETTLE_S <= p[0] <= first + SETTLE_S + seconds]
+            # (slots used in the window: every body begun, to its end or, not ended yet, to the window's)
+            ends = {t0: float(t1) for t0, t1, *_ in
+                    (x.decode().split() for x in group.records.lrange(f"{group.prefix}:spans", 0, -1))}
+            lo, hi = first + SETTLE_S, first + SETTLE_S + seconds
+            bodies = [(float(t0), ends.get(t0, hi), who) for t0, who, _ in
+                      (x.decode().split() for x in group.records.lrange(began, 0, -1))]
+            held = sum(max(0.0, min(t1, hi) - max(t0, lo)) for t0, t1, _ in bodies)
+            singles = sum(1 for t0, _, who in bodies if who != "flood" and t0 <= hi)
+            return {"tenants": tenants, "members": members, "passes": window, "seconds": seconds,
+                    "use": held / (K * seconds), "singles": singles, "errors": group.errors()}
+        finally:
+            sharer.stop()
+            group.stop()
+            ctl.close()
+
+
+def pass_rows(res: Results, got: dict[str, Any]) -> None:
+    passes = got["passes"]
+    if not passes:
+        res.add(SEC, f"one pass over {got['tenants']} tenants and a flood", SHARED, "no pass measured")
+        return
+    took = sorted(p[1] * 1e3 for p in passes)
+    trips, commands = sorted(p[2] for p in passes), sorted(p[3] for p in passes)
+    res.add(SEC, f"one pass over {got['tenants']} tenants (1 task each) beside a flood: time p50 / p90 / max; "
+                 "round trips; commands", f"{SHARED} ({got['members']} keys)",
+            f"{percentile(took, 0.5):.1f} / {percentile(took, 0.9):.1f} / {took[-1]:.1f} ms; "
+            f"{sum(trips) / len(trips):.1f} ({trips[0]}-{trips[-1]}); {sum(commands) / len(commands):.0f} "
+            f"({commands[0]}-{commands[-1]})",
+            note=f"{len(passes)} passes in {got['seconds']:g} s ({len(passes) / got['seconds']:.1f}/s), each followed by "
+                 f"a BLPOP (its wait, not counted); the sharer in the bench's process; slots used "
+                 f"{got['use']:.2f}, {got['singles']} of the {got['tenants']} single tasks started")
+
+
+def run_share(res: Results, scale: Any) -> None:
+    n, alone, flood = scale.share_weighted, scale.share_alone, scale.share_flood
+    late_count, late_every = scale.share_newcomers
+    trickle_flood, ones, ones_every = scale.share_trickle
+    weighted = [body("a", n), body("b", n), body("heavy", 2 * n)]
+    late = [{"args": ["late", BODY_S], "count": late_count, "pace": late_every, "ids": True}]
+    trickle = [{"args": [ONE_S], "vary": [f"one{i}" for i in range(ones)], "vary_at": 0, "count": ones,
+                "pace": ones_every, "ids": True}]
+    cells: dict[str, dict[str, str]] = {}
+    first_runs: dict[str, Run] = {}
+    for name, task in VARIANTS:
+        print(f"  fair share: {name}: 1:1:2 ({4 * n} tasks) ...", flush=True)
+        got = first_runs[name] = run(task, weighted)
+        weights_rows(res, name, got)
+        share, _, _ = shares(got.spans)
+        cell = cells.setdefault(name, {})
+        cell["weights"] = " / ".join(f"{share[t] / weight_of(t):.2f}" for t in TENANTS)
+        print(f"  fair share: {name}: alone ({alone} tasks) ...", flush=True)
+        cell["alone"] = f"{alone_rows(res, name, run(task, [body('solo', alone)])):.2f}"
+        print(f"  fair share: {name}: newcomer ({late_count} beside {flood}) ...", flush=True)
+        got_late = run(task, [body("solo", flood)], late)
+        latency = newcomer_rows(res, name, got_late, flood)
+        cell["late"] = f"{latency[-1]:.2f} s" if latency else "none"
+        print(f"  fair share: {name}: trickle ({ones} one-task tenants beside {trickle_flood}) ...", flush=True)
+        got_trickle = run(task, [body("solo", trickle_flood)], trickle)
+        cell["trickle"] = f"{trickle_rows(res, name, got_trickle, trickle_flood):.2f}"
+        for label, g in (("1:1:2", got), ("newcomer", got_late), ("trickle", got_trickle)):
+            if g.errors:
+                res.notes.append(f"fair share, {name}, {label}: worker log errors: " + " | ".join(g.errors[:3]))
+    cost_rows(res, {name: got for name, got in first_runs.items() if name != "plain Celery"})
+    for tenants in scale.share_keys:
+        print(f"  fair share: one pass over {tenants} tenants ...", flush=True)
+        pass_rows(res, pass_cost(tenants, scale.share_pass_s))
+
+    def summary(name: str) -> str:
+        c = cells[name]
+        return f"{c['weights']}; {c['alone']}; {c['late']}; {c['trickle']}"
+    res.cell("share", "sliding", f"{summary(SHARED)} (per key: {summary(VARIANTS[1][0])})")
+    res.cell("share", "Celery `rate_limit`", f"plain Celery: {summary('plain Celery')}")
+
