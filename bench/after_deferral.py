@@ -1,28 +1,16 @@
 """``python -m bench.after_deferral [--only rows|depth|controls|journal] [--runs N] [--quick]``:
-capacity that appears after tasks were deferred, and what a deep line, a large control hash
-and the journal cost. Each on a redis-server of its own.
+capacity that appears after tasks were deferred, and what a deep line, a large control hash and
+the journal cost, each on a redis-server of its own.
 
-rows (``python -m bench --only deferral``): the scheduler issue's table, on workers of
-tests/taskapp.py (the tests' harness, as tests/test_after_deferral.py) fed by a producer
-process, against what the new capacity allows: a ``6/m`` tenant raised to ``600/m`` once 6
-of its 60 ran (the rest fit at once); the same reset and raised to ``300/m`` (30 tasks); 30
-calls at ``10/4s`` estimated at 5 and reporting 1 (6 a window: the last 16 s after the
-first); 40 bodies of 1 s on 2 processes at ``10/2s`` (the pool's pace: 20 s).
-
-depth (``python -m bench --only backlog``, section 9): a key of ``20/s`` with D tasks in its
-line (D = 100 ... 100 000, each joined by an acquire with a 300-byte message, as a worker's),
-on a test clock; its line released and each task claimed: script time per task (Redis'
-commandstats), the slowest call (SLOWLOG) and the bytes per waiting task. A deep line should
-cost what a short one costs.
-
-controls: a control hash of P pauses in force (a Backoff per tenant): one process's refresh
-reading the hash whole (as before the stamp) and by the stamp, and one pause's script time
-with pause.lua before the stamp (it read the whole hash to prune) and now.
-
-journal: with RabbitMQ as broker, a producer sends D tasks of a spent key (``1/h``) with the
-journal off, then on: the producer's µs per task, then the keeper's pass over the journal
-and, the store emptied, the two passes that send every task on (µs per task; and how many
-of the D tasks its queue then holds: no worker consumes it, so all D when none is lost).
+rows (``deferral``): workers of tests/taskapp.py fed by a producer process, against what the new
+capacity allows (:data:`ROWS`): a raised limit, a reset, refunds, a pool slower than the limit.
+depth (``backlog``, 9): a ``20/s`` key with D tasks in its line (300-byte messages), on a test clock,
+released and claimed: script time per task, the slowest call (SLOWLOG), bytes per waiting task.
+controls: P pauses in force: a refresh reading the hash whole and by the stamp; a pause's script
+time before the stamp (pause.lua pruned by reading the whole hash) and now.
+journal: RabbitMQ the broker, D tasks of a spent key sent with the journal off, then on: the
+producer's µs per task, the keeper's pass, and, the store emptied, the two passes that send every
+task on (and how many of the D its queue then holds).
 """
 
 from __future__ import annotations
@@ -36,11 +24,19 @@ from typing import Any
 
 import redis
 
-from bench.common import Results, urls
+from bench.common import Results, md, standalone, urls
 from tests.harness import redis_server, waited
 
 #: pause.lua before the stamp: it pruned by reading the whole hash.
 BEFORE = "903274a"
+
+
+def timed(*calls: Any) -> float:
+    """Seconds ``calls`` took, one after the other."""
+    t = time.perf_counter()
+    for call in calls:
+        call()
+    return time.perf_counter() - t
 
 
 #: The rows: what each measures, the ideal, the figure before the line.
@@ -90,13 +86,13 @@ def run_rows(res: Results, scale: Any) -> None:
                 figures["slow"].append(times[-1] + 1.0 - times[0])
             finally:
                 two.stop()
-    lines = [f"| capacity after the deferral ({scale.deferral_runs} runs) | runs | ideal | worst / ideal | before |",
-             "|---|---|---|---|---|"]
+    lines = []
     for what, (name, ideal, before) in ROWS.items():
         got = figures[what]
         worst = f"{max(got) / ideal:.3f}" if ideal else f"{max(got):.2f} s over"
         lines.append(f"| {name} | {', '.join(f'{f:.2f}' for f in got)} | {ideal:.1f} | {worst} | before: {before} |")
-    res.table("deferral", "\n".join(lines))
+    res.table("deferral", md(f"| capacity after the deferral ({scale.deferral_runs} runs) | runs | ideal | worst / ideal "
+                             "| before |", lines))
 
 
 def deep_line(client: Any, url: str, algorithm: str, depth: int, measured: int = 400) -> dict[str, float]:
@@ -158,9 +154,8 @@ def run_backlog(res: Results, scale: Any) -> None:
 
 
 def depth_table(res: Results, runs: list[tuple[int, dict[str, float]]]) -> None:
-    res.table("backlog", "\n".join([("| tasks in the line | script µs per task released and claimed | bytes per "
-                                    "waiting task |"), "|---|---|---|"]
-                                   + [f"| {d:,} | {r['us']:.0f} | {r['bytes']:.0f} |" for d, r in runs]))
+    res.table("backlog", md("| tasks in the line | script µs per task released and claimed | bytes per waiting task |",
+                            (f"| {d:,} | {r['us']:.0f} | {r['bytes']:.0f} |" for d, r in runs)))
 
 
 def run_controls(res: Results, scale: Any, reads: int = 20) -> None:
@@ -172,8 +167,7 @@ def run_controls(res: Results, scale: Any, reads: int = 20) -> None:
 
     old_lua = subprocess.run(["git", "show", f"{BEFORE}:celery_throttle/lua/pause.lua"], capture_output=True,
                              text=True, check=True).stdout
-    lines = [("| pauses in force | refresh, hash read whole (ms) | refresh by the stamp (ms) "
-             f"| a pause's script, before {BEFORE} (µs) | now (µs) |"), "|---|---|---|---|---|"]
+    lines = []
     with redis_server() as server:
         client = redis.Redis(port=server.port, socket_timeout=120)
         store, old = RedisStore(urls(server)[0], "bench"), client.register_script(old_lua)
@@ -187,12 +181,8 @@ def run_controls(res: Results, scale: Any, reads: int = 20) -> None:
             controls = Controls()
             controls.refresh(store)
             for _ in range(reads):
-                t = time.perf_counter()
-                store.controls()
-                whole += time.perf_counter() - t
-                t = time.perf_counter()
-                controls.refresh(store)
-                stamped += time.perf_counter() - t
+                whole += timed(store.controls)
+                stamped += timed(lambda c=controls: c.refresh(store))
             client.config_resetstat()
             for i in range(reads):
                 old(keys=["bench:control"], args=["", pause_field("api", f"old-{i}"), 60_000_000, FOREVER_US])
@@ -204,7 +194,8 @@ def run_controls(res: Results, scale: Any, reads: int = 20) -> None:
             lines.append(f"| {size:,} | {whole / reads * 1e3:.2f} | {stamped / reads * 1e3:.3f} | {before:.0f} "
                          f"| {now:.0f} |")
         store.close()
-    res.table("controls", "\n".join(lines))
+    res.table("controls", md("| pauses in force | refresh, hash read whole (ms) | refresh by the stamp (ms) "
+                             f"| a pause's script, before {BEFORE} (µs) | now (µs) |", lines))
 
 
 def run_journal(res: Results, scale: Any) -> None:
@@ -222,8 +213,7 @@ def run_journal(res: Results, scale: Any) -> None:
     from tests.helpers import delete_queues
 
     journal.LOST_AFTER_US = 0  # (the two passes of a recovery back to back: the keeper's cost alone)
-    lines = [("| tasks waiting | producer µs per task, journal off | on | on / off | keeper's pass, µs per task "
-             "| recovery's two passes, µs per task | tasks in the queue after them |"), "|---|---|---|---|---|---|---|"]
+    lines = []
     with redis_server() as server:
         client = redis.Redis(port=server.port, socket_timeout=120)
         for size in scale.journaled:
@@ -246,14 +236,9 @@ def run_journal(res: Results, scale: Any) -> None:
                 per_send[on] = (time.perf_counter() - t) / size * 1e6
             keeper = Keeper(ctl)
             keeper.pass_now()  # (the first adopts what it holds too: not timed)
-            t = time.perf_counter()
-            keeper.pass_now()
-            one_pass = (time.perf_counter() - t) / size * 1e6
+            one_pass = timed(keeper.pass_now) / size * 1e6
             client.flushall()  # (the section's own server)
-            t = time.perf_counter()
-            keeper.pass_now()
-            keeper.pass_now()
-            recovery = (time.perf_counter() - t) / size * 1e6
+            recovery = timed(keeper.pass_now, keeper.pass_now) / size * 1e6
             with Connection(RABBITMQ_URL) as conn:  # (the broker counts the last publishes a moment later)
                 queue = Queue(f"{prefix}-q")(conn.default_channel)
                 waited(lambda q=queue, n=size: q.queue_declare(passive=True).message_count >= n, 10, 0.5)
@@ -264,11 +249,12 @@ def run_journal(res: Results, scale: Any) -> None:
             client.flushall()
             lines.append(f"| {size:,} | {per_send[False]:.0f} | {per_send[True]:.0f} | "
                          f"{per_send[True] / per_send[False]:.2f} | {one_pass:.0f} | {recovery:.0f} | {sent_on:,} |")
-    res.table("journal", "\n".join(lines))
+    res.table("journal", md("| tasks waiting | producer µs per task, journal off | on | on / off | keeper's pass, µs "
+                            "per task | recovery's two passes, µs per task | tasks in the queue after them |", lines))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.__main__ import FULL, QUICK, finish, section
+    from bench.__main__ import FULL, QUICK
 
     p = argparse.ArgumentParser(prog="python -m bench.after_deferral", description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=("rows", "depth", "controls", "journal"), action="append", default=[])
@@ -276,16 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="depths to 10 000, fewer pauses and journaled tasks")
     args = p.parse_args(argv)
     scale = QUICK if args.quick else FULL
-    if args.runs:
-        scale = type(scale)(**{**vars(scale), "deferral_runs": args.runs})
-    res, started = Results(), time.time()
-    for name, title, run in (("rows", "deferral", run_rows), ("controls", "controls", run_controls),
-                             ("journal", "journal", run_journal),
-                             ("depth", "backlog", lambda r, s: depth_table(r, depths(("sliding",), s.depths)["sliding"]))):
-        if not args.only or name in args.only:
-            section(res, title, run, scale)
-    finish(res, " ".join(["python -m bench.after_deferral", *(argv if argv is not None else sys.argv[1:])]),
-           time.time() - started, not args.quick)
+    scale = type(scale)(**{**vars(scale), "deferral_runs": args.runs}) if args.runs else scale
+    parts = {"rows": ("deferral", run_rows), "controls": ("controls", run_controls), "journal": ("journal", run_journal),
+             "depth": ("backlog", lambda r, s: depth_table(r, depths(("sliding",), s.depths)["sliding"]))}
+    standalone(" ".join(["python -m bench.after_deferral", *(argv if argv is not None else sys.argv[1:])]), scale,
+               not args.quick, *(part for name, part in parts.items() if not args.only or name in args.only))
     return 0
 
 

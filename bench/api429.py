@@ -1,33 +1,18 @@
-"""Section 11: 429s from an API that enforces the published limit, ``10 per 1 second`` per account.
+"""Sections 11 (429s from an API limiting each account to ``10 per 1 second``) and 16 (``adapt``:
+adaptive limits against an API whose limit moves).
 
-The API (bench/common.py's) limits each account with ``limits``' strategies on Redis (those
-Flask-Limiter runs): ``moving`` (at most 10 requests in any second), ``fixed``, and ``jitter``
-(moving, each request held 0-100 ms before the limiter: a remote API's network); 200, or 429
-with ``Retry-After``. The clients (bench/app.py's ``api_*``) make one request each and retry
-a 429; they differ in how they limit themselves. 2 workers x 2 prefork processes; a producer
-process sends a batch at once on a fresh account. ``warm``: workers and API running, the
-account warmed by 20 tasks that ended 1.5 s before; ``cold``: fresh API and workers.
-Reported per run: 429s per 100 tasks, makespan (first send to last 200) / ideal (tasks /
-10 s), the closest any 11 accepted requests came (the moving window refuses the 11th within
-1 s), whether every task got exactly one 200.
+11: the API (bench/common.py's) runs ``limits``' strategies on Redis (Flask-Limiter's): ``moving``,
+``fixed``, and ``jitter`` (moving, each request held 0-100 ms first). Clients (bench/app.py's
+``api_*``, 2 workers x 2 prefork) make one request each and retry a 429 after ``Retry-After``; a
+producer process sends a batch at once on a fresh account, ``warm`` (the account warmed by 20 tasks
+that ended 1.5 s before) or ``cold`` (fresh API and workers). Per run: 429s per 100 tasks, makespan
+(first send to last 200) / tasks / 10 s, the closest any 11 accepted came, each task one 200.
 
-Section 16 (``adapt``, issue 29): adaptive limits against an API whose limit per account is
-unknown to the client and moves: at most 50 calls in any 1 s for the first phase (20 s; 6 s at
-``--quick``) from the account's first call, then 20, then 80 until every call is in (a
-sliding window of the calls it accepted). A refused call gets 429 with ``Retry-After: 1``:
-whole seconds, as HTTP has it (a real API with a 1 s window says the same, or ``0``, or a
-date; a finer hint only in headers of its own, such as ``retry-after-ms`` or
-``x-ratelimit-reset``). Clients (bench/app.py's ``adapt_*``), each on a redis-server and 2
-workers x 4 processes of its own, its calls sent at once by a producer process, one client
-at a time (side by side, 5 clients on 2 cores ran at about half the API's limits, the
-oracle too): ``@throttle("100/s", adapt=True)`` raising ``Backoff`` on a 429 (the declared
-100/s, above every limit of the API, a ceiling), today's ``Backoff`` at ``100/s`` (a 429
-pauses the scope 1 s), Celery's ``rate_limit="50/s"`` on each of 2 workers retrying after
-``Retry-After``, the oracle (``@throttle("50/s")``, set by the bench to the API's limit
-with ``set_limit`` as it changes, ``Backoff`` on a 429), and at full scale
-``adapt=Adapt(decrease=0.7, growth=0.005)``. Reported: 429s per 100 calls, makespan (first
-send to last 200) against the oracle's and the fastest possible (the API's limit
-integrated over time), each call once; and where the 429s and the time went.
+16: per account at most 50 accepted calls in any 1 s for a phase (20 s; 6 s at ``--quick``) from its
+first call, then 20, then 80 until all are in; a 429 says ``Retry-After: 1``. Clients one at a time
+(2 cores), each on a redis-server and 2 workers x 4 of its own (bench/app.py's ``adapt_*``, table
+:data:`ADAPT_CLIENTS`), against the oracle told each limit: 429s per 100 calls, makespan against the
+oracle's and the fastest possible (the limit integrated over time), each call once, where it went.
 """
 
 from __future__ import annotations
@@ -37,9 +22,10 @@ import random
 import threading
 import time
 import uuid
+from collections import deque
 from typing import Any
 
-from bench.common import Api, Arrival, Results, new_prefix, produce, urls, workers
+from bench.common import Api, Arrival, Results, md, new_prefix, produce, running, urls, yes
 from tests.harness import redis_server, waited
 from tests.helpers import max_in_window
 
@@ -109,15 +95,13 @@ def run_api429(res: Results, scale: Any) -> None:
             plans.append(("warm", [t for t in picked if WARM[server] is None or t in WARM[server]]))
             for phase, tasks in plans:
                 api = limiter_api(urls(redis)[0], "ct-bench", server)
-                group = workers(new_prefix("api"), redis, env={"BENCH_API_URL": api.url})
                 try:
-                    group.start()
-                    for task in tasks:
-                        print(f"  api429 [{time.time() - started:.0f}s]: {CLIENTS[task][0]} vs {server}, {phase} ...",
-                              flush=True)
-                        runs.append(batch(api, group, task, server, phase, scale.api_tasks))
+                    with running(new_prefix("api"), redis, env={"BENCH_API_URL": api.url}) as group:
+                        for task in tasks:
+                            print(f"  api429 [{time.time() - started:.0f}s]: {CLIENTS[task][0]} vs {server}, {phase}"
+                                  " ...", flush=True)
+                            runs.append(batch(api, group, task, server, phase, scale.api_tasks))
                 finally:
-                    group.stop()
                     api.close()
     report(res, runs, scale.api_tasks, time.time() - started)
 
@@ -149,9 +133,7 @@ def report(res: Results, runs: list[dict[str, Any]], tasks: int, elapsed: float)
             ratio = pair[0][0] / pair[1][0]
             res.add(SEC, f"makespan of the default margin / margin=0, moving-window server, {phase}", "sliding 10/s",
                     f"{ratio:.3f}", "<= 1.03", ratio <= 1.03, "one run each, side by side")
-    lines = [f"API 429s ({tasks} tasks per run, {elapsed:.0f} s):", "",
-             ("| client | run | 429s per 100 tasks: moving / fixed / moving, 0-100 ms delay "
-             "| makespan / ideal | closest 11 accepted at the API, s | each task once |"), "|---|---|---|---|---|---|"]
+    lines = []
     for phase in ("warm", "cold"):
         for task, (name, _) in CLIENTS.items():
             by = {r["server"]: r for r in runs if r["task"] == task and r["phase"] == phase}
@@ -159,53 +141,33 @@ def report(res: Results, runs: list[dict[str, Any]], tasks: int, elapsed: float)
                 cells = [" / ".join(fmt(by[s]) if s in by else "-" for s in SERVERS)
                          for fmt in (lambda r: f"{r['429']:.1f}", lambda r: f"{r['span']:.2f}",
                                      lambda r: f"{closest(r['arrivals']):.3f}")]
-                lines.append(f"| {name} | {phase} | {' | '.join(cells)} | "
-                             f"{'yes' if all(r['once'] for r in by.values()) else 'NO'} |")
-    res.table("api429", "\n".join(lines))
+                lines.append(f"| {name} | {phase} | {' | '.join(cells)} | {yes(all(r['once'] for r in by.values()))} |")
+    res.table("api429", f"API 429s ({tasks} tasks per run, {elapsed:.0f} s):\n\n" + md(
+        "| client | run | 429s per 100 tasks: moving / fixed / moving, 0-100 ms delay | makespan / ideal "
+        "| closest 11 accepted at the API, s | each task once |", lines))
     res.notes.append("API 429s: limits' moving and fixed windows (Flask-Limiter's strategies) at 10 per 1 second per "
                      "account, on Redis, in a stdlib HTTP server of the bench's process; tasks retry a 429 after "
                      "Retry-After (at least 1 s). Makespan: first send to last 200; ideal: tasks / 10 s.")
 
 
 # -- 16: adaptive limits (issue 29): an API whose limit moves, unknown to the client --------
-ADAPT_SEC = "16 adaptive limits"
-#: The API's limit per account (calls in any 1 s), phase by phase from its first call; the last lasts.
-ADAPT_LIMITS = (50, 20, 80)
-#: The targets against the oracle: 429s per 100 calls at most this many times its own, makespan at most this share.
-ADAPT_429S, ADAPT_SPAN = 2.0, 1.15
-#: 429s this close after a change of the API's limit (s) are counted as the change's.
-ADAPT_NEAR = 2.0
-
-
-def adapt_clients(extra: bool) -> tuple[Any, ...]:
-    from bench.llm import Variant
-
-    clients = (Variant('@throttle("100/s", adapt=True), Backoff on a 429', "adapt_learning", concurrency=4),
-               Variant('today\'s Backoff: @throttle("100/s"), Backoff on a 429 (pauses it 1 s)', "adapt_backoff",
-                       concurrency=4),
-               Variant('Celery rate_limit="50/s" per worker, retry(countdown=Retry-After)', "adapt_builtin",
-                       concurrency=4),
-               Variant('the oracle: @throttle("50/s"), set_limit to each limit as it changes, Backoff on a 429',
-                       "adapt_oracle", concurrency=4))
-    more = (Variant('@throttle("100/s", adapt=Adapt(decrease=0.7, growth=0.005)), Backoff on a 429', "adapt_fast",
-                    concurrency=4),)
-    return clients + (more if extra else ())
-
-
-def limit_at(t: float, phase: float) -> int:
-    """The API's limit ``t`` s after an account's first call."""
-    return ADAPT_LIMITS[min(max(int(t // phase), 0), len(ADAPT_LIMITS) - 1)]
+#: The API's limit per account (calls in any 1 s), phase by phase from its first call (the last lasts); the
+#: targets against the oracle (429s at most this many times its own, makespan at most this share of its);
+#: 429s this close after a change of the limit (s) are the change's.
+ADAPT_SEC, ADAPT_LIMITS, ADAPT_429S, ADAPT_SPAN, ADAPT_NEAR = "16 adaptive limits", (50, 20, 80), 2.0, 1.15, 2.0
+#: task -> the client shown (adapt_fast at full scale only)
+ADAPT_CLIENTS = {"adapt_learning": '@throttle("100/s", adapt=True), Backoff on a 429',
+                 "adapt_backoff": 'today\'s Backoff: @throttle("100/s"), Backoff on a 429 (pauses it 1 s)',
+                 "adapt_builtin": 'Celery rate_limit="50/s" per worker, retry(countdown=Retry-After)',
+                 "adapt_oracle": 'the oracle: @throttle("50/s"), set_limit to each limit as it changes, Backoff on a 429',
+                 "adapt_fast": '@throttle("100/s", adapt=Adapt(decrease=0.7, growth=0.005)), Backoff on a 429'}
 
 
 def moving_api(phase: float) -> tuple[Api, dict[str, float]]:
-    """The API, and each account's first call (when its schedule began): per account, at
-    most :func:`limit_at` accepted calls in any 1 s (a sliding window of the calls it
-    accepted, this one included; a refused call is not counted); a refused call gets 429
-    with ``Retry-After: 1``."""
-    from collections import deque
-
+    """The API, and each account's first call: at most the phase's limit of accepted calls in any
+    1 s (a refused call not counted); a refused call gets 429 with ``Retry-After: 1``."""
     firsts: dict[str, float] = {}
-    taken: dict[str, Any] = {}
+    taken: dict[str, deque[float]] = {}
     lock = threading.Lock()
 
     def decide(path: str, q: dict[str, str]) -> tuple[int, int, float, float]:
@@ -214,7 +176,7 @@ def moving_api(phase: float) -> tuple[Api, dict[str, float]]:
             first, window = firsts.setdefault(q["account"], now), taken.setdefault(q["account"], deque())
             while window and window[0] <= now - 1.0:
                 window.popleft()
-            if len(window) < limit_at(now - first, phase):
+            if len(window) < ADAPT_LIMITS[min(max(int((now - first) // phase), 0), len(ADAPT_LIMITS) - 1)]:
                 window.append(now)
                 return 200, 0, 0.0, 0.0
         return 429, 0, 1.0, 0.0
@@ -223,9 +185,8 @@ def moving_api(phase: float) -> tuple[Api, dict[str, float]]:
 
 
 def fastest(calls: int, phase: float) -> float:
-    """Seconds from an account's first call until the API could have taken ``calls``: its
-    limit integrated over time (a sliding window lets a full second's calls in at once at
-    the start: a client could end up to 1 s sooner)."""
+    """Seconds from the first call until the API could have taken ``calls``: its limit integrated
+    over time (a sliding window lets a second's calls in at once: a client could end 1 s sooner)."""
     at, left = 0.0, float(calls)
     for i, limit in enumerate(ADAPT_LIMITS):
         span = phase if i < len(ADAPT_LIMITS) - 1 else math.inf
@@ -256,8 +217,7 @@ def watching(firsts: dict[str, float], phase: float) -> Any:
 
         def sample(run: dict[str, Any], ctl: Any, scope: str) -> None:
             while not stop.wait(0.25):
-                first = firsts.get(run["label"])
-                if first is None:
+                if (first := firsts.get(run["label"])) is None:
                     continue
                 try:
                     status = ctl.status(scope)
@@ -269,13 +229,12 @@ def watching(firsts: dict[str, float], phase: float) -> Any:
 
         for run in runs:
             run["levels"], run["set_at"] = [], []
-            if run["variant"].task == "adapt_builtin":
-                continue
-            ctl = Throttle(bench_app, {"redis_url": urls(run["server"])[0], "key_prefix": run["group"].prefix})
-            ctls.append(ctl)
-            scope = f"bench.app.{run['variant'].task}"
-            jobs = [sample] + ([oracle] if run["variant"].task == "adapt_oracle" else [])
-            threads += [threading.Thread(target=job, args=(run, ctl, scope), daemon=True) for job in jobs]
+            if run["variant"].task != "adapt_builtin":
+                ctls.append(ctl := Throttle(bench_app, {"redis_url": urls(run["server"])[0],
+                                                        "key_prefix": run["group"].prefix}))
+                jobs = [sample] + ([oracle] if run["variant"].task == "adapt_oracle" else [])
+                threads += [threading.Thread(target=job, args=(run, ctl, f"bench.app.{run['variant'].task}"),
+                                             daemon=True) for job in jobs]
         for thread in threads:
             thread.start()
 
@@ -290,21 +249,19 @@ def watching(firsts: dict[str, float], phase: float) -> Any:
 
 
 def run_adapt(res: Results, scale: Any) -> None:
-    from bench.llm import drive
+    from bench.llm import Variant, drive
 
     calls, phase, started = scale.adapt_calls, scale.adapt_phase, time.time()
     best, runs, firsts = fastest(calls, phase), [], {}
     print(f"  adapt: {calls} calls per client, limits {' -> '.join(map(str, ADAPT_LIMITS))}/s changing every "
           f"{phase:g} s (fastest possible {best:.1f} s) ...", flush=True)
-    for client in adapt_clients(scale.adapt_extra):  # (one at a time: side by side, 2 cores were the limit)
+    clients = [Variant(name, task, concurrency=4) for task, name in ADAPT_CLIENTS.items()
+               if scale.adapt_extra or task != "adapt_fast"]
+    for client in clients:  # (one at a time: side by side, 2 cores were the limit)
         api, first = moving_api(phase)
         runs += drive([client], calls, None, 2 * best + 60, api=api, on_start=watching(first, phase), say="adapt")
         firsts.update(first)
     report_adapt(res, runs, firsts, calls, phase, best, time.time() - started)
-
-
-def phase_of(t: float, phase: float) -> int:
-    return min(max(int(t // phase), 0), len(ADAPT_LIMITS) - 1)
 
 
 def climb(accepted: list[float], since: float, share: float = 0.9) -> float:
@@ -319,41 +276,29 @@ def climb(accepted: list[float], since: float, share: float = 0.9) -> float:
 
 
 def anatomy(run: dict[str, Any], first: float, phase: float) -> dict[str, Any]:
-    """Where a client's time and 429s went, from the API's log: per phase, the calls accepted
-    against what the API allowed in it (the last phase: until the client's last 200), the
-    429s within ADAPT_NEAR s after a change against the rest, pauses, the climb to 90 % of
-    the last limit; per second, the calls accepted and refused, and the level sampled."""
-    arr = sorted(run["tally"], key=lambda a: a.at)
-    ok = [a.at - first for a in arr if a.status == 200]
-    refused = [a.at - first for a in arr if a.status == 429]
-    end = max(ok, default=0.0)
-    last = len(ADAPT_LIMITS) - 1
-    phases = []
-    for k in range(len(ADAPT_LIMITS)):
-        lo, hi = k * phase, (k + 1) * phase if k < last else math.inf
-        phases.append({"accepted": sum(lo <= t < hi for t in ok), "refused": sum(lo <= t < hi for t in refused),
-                       "allowed": round(ADAPT_LIMITS[k] * max(min(hi, end) - lo, 0.0))})
+    """Where a client's time and 429s went, from the API's log: per phase, the calls accepted and
+    what the API allowed (the last phase: to the client's last 200); the 429s within ADAPT_NEAR s
+    after a change, and the rest; per second, the calls accepted and refused, and the level
+    sampled; the time paused; the climb to 90 % of the last limit."""
+    ok = sorted(a.at - first for a in run["tally"] if a.status == 200)
+    refused = [a.at - first for a in run["tally"] if a.status == 429]
+    end, last, samples = max(ok, default=0.0), len(ADAPT_LIMITS) - 1, run.get("levels", [])
+    phases = [(sum(k * phase <= t < hi for t in ok), round(limit * max(min(hi, end) - k * phase, 0.0)))
+              for k, limit in enumerate(ADAPT_LIMITS) for hi in [(k + 1) * phase if k < last else math.inf]]
     near = sum(any(0 <= t - k * phase < ADAPT_NEAR for k in range(1, len(ADAPT_LIMITS))) or t < ADAPT_NEAR
                for t in refused)
-    seconds = math.ceil(end) + 1
-    per_s = [[0, 0] for _ in range(seconds)]
-    for t, status in ((a.at - first, a.status) for a in arr):
-        if 0 <= t < seconds:
-            per_s[int(t)][status != 200] += 1
-    levels: dict[int, float | None] = {}
-    for t, share, _ in run.get("levels", []):
-        levels.setdefault(int(t), share)
-    samples = run.get("levels", [])
-    paused = sum(1 for *_, p in samples if p) / len(samples) * (samples[-1][0] - samples[0][0]) if len(samples) > 1 \
-        else 0.0
-    return {"phases": phases, "near": near, "steady": len(refused) - near, "per_s": per_s, "levels": levels,
-            "climb": climb(ok, (len(ADAPT_LIMITS) - 1) * phase), "paused_s": paused,
+    per_s = [[0, 0] for _ in range(math.ceil(end) + 1)]
+    for a in run["tally"]:
+        if 0 <= a.at - first < len(per_s):
+            per_s[int(a.at - first)][a.status != 200] += 1
+    paused = sum(p for *_, p in samples) / len(samples) * (samples[-1][0] - samples[0][0]) if len(samples) > 1 else 0.0
+    return {"phases": phases, "near": near, "steady": len(refused) - near, "per_s": per_s, "paused_s": paused,
+            "levels": {int(t): share for t, share, _ in reversed(samples)}, "climb": climb(ok, last * phase),
             "offset": first - run["t0"]}
 
 
 def figures(run: dict[str, Any]) -> tuple[float, float, str]:
-    """429s per 100 calls accepted, makespan (a client not done: to its last 200 so far), and
-    how it ended when not done (else '')."""
+    """429s per 100 calls accepted, makespan (not done: to its last 200 so far), how it ended when not done."""
     accepted = sum(a.status == 200 and bool(a.answered) for a in run["tally"])
     ended = "" if run["done_at"] else f"not done: {accepted} of {len(run['ids'])} calls in time"
     return run["refused"] * 100 / max(accepted, 1), run["makespan"], ended
@@ -363,22 +308,12 @@ def report_adapt(res: Results, runs: list[dict[str, Any]], firsts: dict[str, flo
                  best: float, elapsed: float) -> None:
     by = {r["variant"].task: r for r in runs}
     o429, ospan, _ = figures(by["adapt_oracle"])
-    limits = " → ".join(f"{x}/s" for x in ADAPT_LIMITS)
-    lines = [(f"An API whose limit per account moves {limits}, every {phase:g} s from the account's first call "
-              f"(the last as long as needed); a 429 says Retry-After: 1. {calls} calls per client, sent at once, "
-              f"2 workers x 4 processes each, one client at a time ({elapsed:.0f} s). Fastest possible: {best:.1f} s (the "
-              f"limit integrated over time)."), "",
-             ("| client | 429s per 100 calls accepted | makespan | / the oracle's | / fastest possible | 429s within "
-              f"{ADAPT_NEAR:g} s after a change / the rest | accepted / allowed per phase | 90 % of "
-              f"{ADAPT_LIMITS[-1]}/s reached after | paused | each call once |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    lines, cells = [], {}
     for run in runs:
-        v, label = run["variant"], run["label"]
+        v = run["variant"]
         per100, span, ended = figures(run)
-        more = "> " if ended else ""
-        shape = anatomy(run, firsts.get(label, run["t0"]), phase)
-        run["anatomy"] = shape
-        learner = v.task in ("adapt_learning", "adapt_fast")
-        target = v.task == "adapt_learning"
+        more, target = "> " if ended else "", v.task == "adapt_learning"
+        shape = anatomy(run, firsts.get(run["label"], run["t0"]), phase)
         res.add(ADAPT_SEC, "429s per 100 calls", v.name, f"{per100:.1f}",
                 f"<= {ADAPT_429S:g} x the oracle's ({ADAPT_429S * o429:.1f})" if target else "",
                 per100 <= ADAPT_429S * o429 if target else None,
@@ -388,27 +323,28 @@ def report_adapt(res: Results, runs: list[dict[str, Any]], firsts: dict[str, flo
                 span / ospan <= ADAPT_SPAN and not ended if target else None,
                 (f"{ended}; " if ended else "") + f"/ fastest possible ({best:.1f} s): {more}{span / best:.3f}; sends "
                 f"took {run['send_s']:.1f} s; first call {shape['offset']:.2f} s after the first send")
-        res.add(ADAPT_SEC, "every call got exactly one 200", v.name, "yes" if run["once"] else "NO", "yes", run["once"])
-        per_phase = " / ".join(f"{p['accepted']}/{p['allowed']}" for p in shape["phases"])
+        res.add(ADAPT_SEC, "every call got exactly one 200", v.name, yes(run["once"]), "yes", run["once"])
         reached = "–" if math.isnan(shape["climb"]) else f"{shape['climb']:.1f} s"
         paused = "–" if v.task == "adapt_builtin" else f"{shape['paused_s']:.1f} s"
         lines.append(f"| {v.name} | {per100:.1f} | {more}{span:.1f} s{f' ({ended})' if ended else ''} | "
-                     f"{more}{span / ospan:.3f} | {more}{span / best:.3f} | "
-                     f"{shape['near']} / {shape['steady']} | {per_phase} | {reached} | {paused} | "
-                     f"{'yes' if run['once'] else 'NO'} |")
-        if learner or v.task == "adapt_oracle":
-            series = " ".join(f"{a}" + (f"/{r}" if r else "") + (f"@{shape['levels'][s]:.2f}"
-                                                                  if shape["levels"].get(s) is not None else "")
-                              for s, (a, r) in enumerate(shape["per_s"]))
+                     f"{more}{span / ospan:.3f} | {more}{span / best:.3f} | {shape['near']} / {shape['steady']} | "
+                     f"{' / '.join(f'{a}/{n}' for a, n in shape['phases'])} | {reached} | "
+                     f"{paused} | {yes(run['once'])} |")
+        if v.task in ("adapt_learning", "adapt_fast", "adapt_oracle"):
+            series = " ".join(f"{a}" + (f"/{r}" if r else "") + ("" if (lv := shape["levels"].get(s)) is None else
+                                                                  f"@{lv:.2f}") for s, (a, r) in enumerate(shape["per_s"]))
             res.notes.append(f"adapt, {v.name}: per second from the account's first call, accepted[/refused]"
                              f"[@level sampled]: {series}" + (f"; limits set at {run['set_at']}" if run["set_at"] else ""))
-        if run["errors"]:
-            res.notes.append(f"adapt, {v.name}: worker log errors: " + " | ".join(run["errors"][:3]))
-    res.table("adapt", "\n".join(lines))
-    cells = {}
-    for task, run in by.items():
-        per100, span, ended = figures(run)
-        cells[task] = f"{per100:.1f}, {'> ' if ended else ''}{span / ospan:.2f}" + (f" ({ended})" if ended else "")
+        res.errors(f"adapt, {v.name}", run["errors"])
+        cells[v.task] = f"{per100:.1f}, {more}{span / ospan:.2f}" + (f" ({ended})" if ended else "")
+    res.table("adapt", (
+        f"An API whose limit per account moves {' → '.join(f'{x}/s' for x in ADAPT_LIMITS)}, every {phase:g} s from the "
+        f"account's first call (the last as long as needed); a 429 says Retry-After: 1. {calls} calls per client, sent "
+        f"at once, 2 workers x 4 processes each, one client at a time ({elapsed:.0f} s). Fastest possible: {best:.1f} s "
+        "(the limit integrated over time).\n\n") + md(
+        "| client | 429s per 100 calls accepted | makespan | / the oracle's | / fastest possible | 429s within "
+        f"{ADAPT_NEAR:g} s after a change / the rest | accepted / allowed per phase | 90 % of {ADAPT_LIMITS[-1]}/s "
+        "reached after | paused | each call once |", lines))
     res.cell("adapt", "sliding", f"`adapt=True`: {cells['adapt_learning']}; today's `Backoff`: {cells['adapt_backoff']}; "
                                  f"the oracle: {cells['adapt_oracle']}")
     res.cell("adapt", "Celery `rate_limit`", cells["adapt_builtin"])

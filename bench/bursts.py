@@ -2,11 +2,11 @@
 store far away).
 
 1-4: ``burst_tasks`` calls of one key sent at once, 60 % into an aligned window (the fixed
-window's boundary burst shows), to 2 workers x 2 prefork processes, for each variant in turn:
-celery_throttle sliding and fixed, the naive baselines (bench/app.py), Celery's ``rate_limit``
-(per worker). 13: 30 ``sliding`` tasks at ``10/s`` on one worker of 4 prefork processes, the
-store behind tests/slow_proxy.py (every reply 0 or 100 ms late), side by side in each round:
-the pace at 100 ms over the pace at 0 ms (first to last start; target >= 0.8).
+window's boundary burst shows), to 2 workers x 2 prefork, each variant in turn: celery_throttle
+sliding and fixed, the naive baselines (bench/app.py), Celery's ``rate_limit`` (per worker).
+13: 30 ``sliding`` tasks at ``10/s`` on one worker of 4 prefork, the store behind
+tests/slow_proxy.py (every reply 0 or 100 ms late), side by side in each round: the pace at
+100 ms over the pace at 0 ms (first to last start; target >= 0.8).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from bisect import bisect_left, bisect_right
 from typing import Any
 
-from bench.common import OUT, Results, new_prefix, urls, workers
+from bench.common import OUT, Results, new_prefix, running, urls
 from celery_throttle.core.rates import parse_rate
 from tests.harness import redis_server, waited
 from tests.helpers import SlowProxy, max_in_aligned_windows, max_in_window
@@ -47,15 +47,11 @@ def burst(group: Any, task: str, tasks: int, rate: str, phase: float = 0.6) -> d
 
 def run_burst(res: Results, scale: Any) -> None:
     runs = {}
-    with redis_server() as server:
-        group = workers(new_prefix("burst"), server, env={"BENCH_RATE": scale.rate, "BENCH_DENIALS": "1"})
-        try:
-            group.start()
-            for variant, task, _ in VARIANTS:
-                print(f"  burst: {variant}, {scale.burst_tasks} tasks at {scale.rate} ...", flush=True)
-                runs[variant] = burst(group, task, scale.burst_tasks, scale.rate)
-        finally:
-            group.stop()
+    with redis_server() as server, running(new_prefix("burst"), server,
+                                           env={"BENCH_RATE": scale.rate, "BENCH_DENIALS": "1"}) as group:
+        for variant, task, _ in VARIANTS:
+            print(f"  burst: {variant}, {scale.burst_tasks} tasks at {scale.rate} ...", flush=True)
+            runs[variant] = burst(group, task, scale.burst_tasks, scale.rate)
     for variant, task, column in VARIANTS:
         run, ours = runs[variant], variant in OURS
         n, w, m = run["limit"], run["window"], run["tasks"]
@@ -104,10 +100,8 @@ def draw(runs: dict[str, Any], title: str) -> None:
 
     names = [v for v in COLORS if runs.get(v, {}).get("times")]
     limit, window = runs[names[0]]["limit"], runs[names[0]]["window"]
-    rel = {}
-    for v in names:  # each on its own axis: 0 is the aligned boundary before its first start
-        ts = sorted(runs[v]["times"])
-        rel[v] = [t - math.floor(ts[0] / window) * window for t in ts]
+    # each on its own axis: 0 is the aligned boundary before its first start
+    rel = {v: [t - math.floor(min(runs[v]["times"]) / window) * window for t in sorted(runs[v]["times"])] for v in names}
     others = [r[-1] for v, r in rel.items() if v != "celery rate_limit"]  # (cut Celery's slow tail)
     horizon = math.ceil(min(max(r[-1] for r in rel.values()), max(others) + 2 * window) / window + 0.25) * window
     fig = plt.figure(figsize=(12, 3.2 + 1.25 * len(names)), dpi=110)
@@ -132,7 +126,7 @@ def draw(runs: dict[str, Any], title: str) -> None:
         ax.bar([i * 0.1 for i in range(bins)], counts[v], width=0.1, align="edge", color=COLORS[v], edgecolor="none")
         for k in range(int(horizon / window) + 1):
             ax.axvline(k * window, color="black", lw=0.6, alpha=0.5)
-        ax.set_ylim(0, cap * 1.15 + 1)
+        ax.set(ylim=(0, cap * 1.15 + 1))
         ax.set_ylabel("per 100ms", fontsize=8)
         ax.text(0.005, 0.92, v, transform=ax.transAxes, fontsize=9, va="top", fontweight="bold")
         ax.tick_params(labelsize=8)
@@ -153,20 +147,18 @@ def run_slow(res: Results, scale: Any, tasks: int = 30, rate: str = "10/s") -> N
         for round_ in range(scale.slow_rounds):
             for delay, got in spans.items():
                 proxy = SlowProxy(store, delay).start()
-                group = workers(new_prefix(f"slow{delay}"), server, store=proxy.url, records=store, count=1,
-                                concurrency=4, env={"BENCH_RATE": rate})
                 try:
-                    group.start()
-                    label = f"slow-{delay}-{round_}"
-                    for _ in range(tasks):
-                        group.send("sliding", label)
-                    if not waited(lambda label=label, g=group: g.started(label) >= tasks, 120):
-                        raise RuntimeError(f"{group.started(label)} of {tasks} started at {delay} ms")
-                    times = sorted(s["t"] for s in group.starts(label))
-                    got.append(times[-1] - times[0])
-                    most = max(most, max_in_window(times, 0.98))
+                    with running(new_prefix(f"slow{delay}"), server, store=proxy.url, records=store, count=1,
+                                 concurrency=4, env={"BENCH_RATE": rate}) as group:
+                        label = f"slow-{delay}-{round_}"
+                        for _ in range(tasks):
+                            group.send("sliding", label)
+                        if not waited(lambda label=label, g=group: g.started(label) >= tasks, 120):
+                            raise RuntimeError(f"{group.started(label)} of {tasks} started at {delay} ms")
+                        times = sorted(s["t"] for s in group.starts(label))
+                        got.append(times[-1] - times[0])
+                        most = max(most, max_in_window(times, 0.98))
                 finally:
-                    group.stop()
                     proxy.stop()
     ratios = [fast / slow for fast, slow in zip(spans[0], spans[100])]
     res.add("13 slow store", "pace at 100 ms / pace at 0 ms (first-to-last start, side by side)", "sliding",

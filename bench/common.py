@@ -1,7 +1,6 @@
-"""What the sections share: the results, workers of bench/app.py (the tests' harness), a
-usual producer, a server's own counts, the fake APIs' HTTP server. Each section runs on
-redis-servers of its own (tests/harness.py's ``redis_server``): db 0 the store and the
-notes, db 1 the broker, unless it says otherwise.
+"""What the sections share: results, workers of bench/app.py (the tests' harness), its producer,
+a server's own counts, the fake APIs' HTTP server. Each section runs on redis-servers of its own
+(tests/harness.py's ``redis_server``): db 0 the store and the notes, db 1 the broker, unless said.
 """
 
 from __future__ import annotations
@@ -13,7 +12,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -43,8 +43,8 @@ class Row:
 
 @dataclass
 class Results:
-    """What a run measured: rows, notes, a section's own Markdown tables (by section), series
-    (bench/out/results.json) and the cells of the headline table (row -> column -> text)."""
+    """Rows, notes, each section's Markdown tables, series (bench/out/results.json) and the
+    headline table's cells (row -> column -> text)."""
 
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -63,10 +63,33 @@ class Results:
     def cell(self, row: str, column: str, text: str) -> None:
         self.headline.setdefault(row, {})[column] = text
 
+    def errors(self, what: str, errors: Sequence[str]) -> None:
+        """A note of the first worker log errors of ``what``, if any."""
+        if errors:
+            self.notes.append(f"{what}: worker log errors: " + " | ".join(errors[:3]))
+
+
+def md(head: str, rows: Iterable[str]) -> str:
+    """A Markdown table: ``head`` its header row (``| a | b |``), then ``rows``."""
+    return "\n".join([head, "|---" * (head.count("|") - 1) + "|", *rows])
+
+
+def yes(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] if ordered else math.nan
+
+
+def most_at_once(spans: Iterable[Sequence[Any]]) -> int:
+    """The most of ``spans`` (``(start, end, ...)``) running at once."""
+    running = most = 0
+    for _, step in sorted(x for s in spans for x in ((s[0], 1), (s[1], -1))):
+        running += step
+        most = max(most, running)
+    return most
 
 
 def new_prefix(name: str = "") -> str:
@@ -86,6 +109,18 @@ def workers(prefix: str, server: Any = None, *, store: str = "", broker: str = "
     return AppWorkers("bench.app", prefix, broker, store, records=records, logs_to=OUT / "logs", **options)
 
 
+@contextmanager
+def running(prefix: str, server: Any = None, start: bool = True, **options: Any) -> Iterator[AppWorkers]:
+    """:func:`workers`, started (unless not ``start``), and stopped after the block."""
+    group = workers(prefix, server, **options)
+    try:
+        if start:
+            group.start()
+        yield group
+    finally:
+        group.stop()
+
+
 def produce(group: AppWorkers, *sends: dict[str, Any], timeout: float = 1800, **env: str) -> list[dict[str, Any]]:
     """bench/app.py's producer, a process of its own with the workers' settings (``env`` on top):
     what it reports of each send."""
@@ -103,14 +138,24 @@ def spend(store: str, prefix: str, scope: str, keys: Sequence[str], rate: str) -
     from celery_throttle import Throttle
     from celery_throttle.core.rates import parse_rate
 
-    app = Celery("bench-spend", broker="memory://", set_as_current=False)
-    ctl = Throttle(app, {"redis_url": store, "key_prefix": prefix})
+    ctl = Throttle(Celery("bench-spend", broker="memory://", set_as_current=False),
+                   {"redis_url": store, "key_prefix": prefix})
     try:
         for key in keys:
             if not ctl.acquire(scope, key=key, rates=rate, cost=parse_rate(rate).limit).allowed:
                 raise RuntimeError(f"could not spend {scope} {key}'s quota")
     finally:
         ctl.close()
+
+
+def standalone(command: str, scale: Any, keep: bool, *parts: tuple[Any, ...]) -> None:
+    """``python -m bench.<module>``: each ``(title, run, *args)`` a section, then the run written."""
+    from bench.__main__ import finish, section
+
+    res, started = Results(), time.time()
+    for title, run, *args in parts:
+        section(res, title, run, scale, *args)
+    finish(res, command, time.time() - started, keep)
 
 
 @dataclass
@@ -151,9 +196,9 @@ Decide = Callable[[str, dict[str, str]], tuple[int, int, float, float]]
 
 
 class Api:
-    """A fake API: a stdlib HTTP server on a free loopback port, in a thread of the bench's own
-    process, so its limits are exact and global and its counts read without a store. Every
-    request is tallied by its ``label``; a 429 carries ``Retry-After`` (whole seconds)."""
+    """A fake API: a stdlib HTTP server on a loopback port, in a thread of the bench's process
+    (its limits exact and global, its counts read without a store). Requests are tallied by
+    their ``label``; a 429 carries ``Retry-After`` (whole seconds)."""
 
     def __init__(self, decide: Decide) -> None:
         self.lock = threading.Lock()

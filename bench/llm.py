@@ -1,34 +1,18 @@
 """Sections 15 and 15b: an LLM-style API whose limits count requests and tokens.
 
-The API (bench/common.py's: exact and global) counts a call when it arrives, at the tokens
-of bench/app.py's ``Plan`` for its index (the same calls for every client): 200 with
-``{"tokens": n}`` (sent L s later) if the account's sliding window then holds at most the
-plan's requests and tokens, this call included; else 429 at once with ``Retry-After``,
-counted toward neither limit. Each client has a redis-server, an account, a producer
-process (its sends checked at publish) and 2 workers of its own, beside the others.
+The API (bench/common.py's) counts a call when it arrives, at the tokens of bench/app.py's ``Plan``
+for its index: 200 (sent L s later) if the account's sliding window then holds at most the plan's
+requests and tokens, else 429 at once with ``Retry-After``, counted toward neither. Each client has
+a redis-server, an account, a producer process and 2 workers of its own.
 
-15 (``LLM_PLAN``: 60 requests and 10 000 tokens a minute, calls of 50..450 tokens): the
-clients of :data:`VARIANTS`; reported: 429s per 100 calls, makespan (first send to last 200)
-against the ideal 60 s x max(N / 60, T / 10 000), the most accepted in any 60 s.
+15 (``LLM_PLAN``, 60 requests and 10 000 tokens a minute): the clients of :data:`VARIANTS`: 429s per
+100 calls, makespan against 60 s x max(N / 60, T / 10 000), the most accepted in any 60 s.
 
-15b (``SWEEP_PLAN``: 20 requests and 4 000 tokens per 10 s, a call's prompt known, its
-completion known from the reply; answering after L = 0, 1, 2, 3 s): ``@throttle`` estimating
-prompt + 200 settled by ``charge()``, Celery's ``rate_limit="1/s"`` per worker, a by-hand
-``limits`` check (bench/app.py), on 2 workers x 4 processes each. The denominator, F(L), the
-fastest compliant makespan, from the calls' true tokens c_i, the limits (R requests, K tokens
-in any W s, counted at arrival), P = 8 processes (a call holds one for L s) and L:
-
-* a lower bound: arrivals from the first send (0) to the last (a) lie in floor(a / W) + 1
-  windows ``[kW, (k + 1)W)``, each holding at most K tokens and R requests, so a >= W x
-  (ceil(T / K) - 1) for T = sum c_i, and a >= W x (ceil(N / R) - 1); P processes take N calls
-  in ceil(N / P) rounds of L. F >= the largest of these + L;
-* a schedule: :func:`greedy` sends calls in a given order, each as soon as a process is free
-  and the API's window admits it; in call order it is the fastest a first-come-first-served
-  client can be. :func:`fastest_any` swaps calls in the order (a seeded local search) until
-  the schedule meets the bound: F is then exact; else the best found, an upper bound (said).
-Beside it, the fastest in call order, and :func:`held_greedy`: each call counted at its
-estimate (prompt + 200) until its reply, then at its tokens, as a client that learns a
-call's cost from the reply and never risks a 429 must.
+15b (``SWEEP_PLAN``, 20 requests and 4 000 tokens per 10 s, replies after L = 0..3 s): the clients of
+:data:`SWEEP` on 2 workers x 4 against F(L), the fastest compliant makespan of the calls' true tokens:
+the bound W x (ceil(T / K) - 1), W x (ceil(N / R) - 1), L x (ceil(N / P) - 1), + L, met by
+:func:`fastest_any` (a local search over :func:`greedy`'s orders: exact) or its best (an upper
+bound, said); beside it greedy in call order and :func:`held_greedy` (prompt + 200 held to the reply).
 """
 
 from __future__ import annotations
@@ -48,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.app import LLM_PLAN, MAX_COMPLETION, SWEEP_PLAN, Plan
-from bench.common import Api, Arrival, Results, new_prefix, produce, urls, workers
+from bench.common import Api, Results, md, new_prefix, produce, urls, workers, yes
 from tests.harness import redis_server
 from tests.helpers import max_in_window
 from tests.reference import max_units_in_any_interval
@@ -173,19 +157,12 @@ def fastest_any(plan: Plan, calls: int, processes: int, latency: float, tries: i
     return best, best <= bound + 1e-3
 
 
-def most_tokens(arrivals: Sequence[Arrival], window: float) -> int:
-    """Most tokens of ``arrivals`` in any half-open ``[t, t + window)``."""
-    return max_units_in_any_interval(((a.at, a.tokens) for a in arrivals), window)
-
-
 def drive(variants: Sequence[Variant], calls: int, plan: Plan | None, timeout: float, api: Api | None = None,
           on_start: Callable[[list[dict[str, Any]]], Callable[[], None]] | None = None,
           say: str = "llm") -> list[dict[str, Any]]:
-    """Each client's redis-server and workers, its calls sent by its producer (all at once),
-    until every call got its 200 or ``timeout``: what each got. ``api``: another API than
-    the LLM API of ``plan`` (each account's calls of 3 arguments: label, account, index);
-    ``on_start(runs)``, called once every client's workers are up, before the sends: what
-    to call when the calls are in (before the workers stop)."""
+    """Each client's redis-server and workers, its calls sent at once by its producer, until every
+    call got its 200 or ``timeout``: what each got. ``api``: another than the LLM API of ``plan``;
+    ``on_start(runs)``, once the workers are up: what to call before they stop."""
     runs, plans = [], {}
     api = api or llm_api(plans)
     with ExitStack() as stack:
@@ -233,15 +210,12 @@ def run_llm(res: Results, scale: Any) -> None:
     calls, plan, started = scale.llm_calls, LLM_PLAN, time.time()
     ideal = plan.window * max(calls / plan.requests, plan.total(calls) / plan.tokens)
     runs, fast = drive(VARIANTS, calls, plan, 3 * ideal + 120), greedy(plan, range(calls))
-    lines = [(f"LLM API ({calls} calls per client, sent at once unless paced, T = {plan.total(calls):,} tokens, ideal "
-             f"{ideal:.0f} s, {time.time() - started:.0f} s):"), "",
-             ("| client | 429s per 100 calls | makespan / ideal | most accepted in any 60 s: requests / tokens "
-             "| offered in any 60 s (429s included) | each call once |"), "|---|---|---|---|---|---|"]
+    lines = []
     for run in runs:
         v, arr = run["variant"], run["tally"]
         ok = [a for a in arr if a.status == 200]
-        most = (max_in_window([a.at for a in ok], plan.window), most_tokens(ok, plan.window))
-        offered = (max_in_window([a.at for a in arr], plan.window), most_tokens(arr, plan.window))
+        most, offered = ((max_in_window([a.at for a in x], plan.window),
+                          max_units_in_any_interval(((a.at, a.tokens) for a in x), plan.window)) for x in (ok, arr))
         per100, ratio = run["refused"] * 100 / calls, run["makespan"] / ideal
         res.add(SEC, "429s per 100 calls", v.name, f"{per100:.1f}", "0" if v.no_429 else "",
                 run["refused"] == 0 if v.no_429 else None, f"{len(arr)} requests for {calls} calls")
@@ -249,14 +223,16 @@ def run_llm(res: Results, scale: Any) -> None:
                 note=f"fastest possible {max(fast, (calls - 1) * v.pace):.0f} s; sends took {run['send_s']:.1f} s")
         res.add(SEC, "most accepted in any 60 s: requests / tokens", v.name, f"{most[0]} / {most[1]:,}",
                 f"<= {plan.requests} / {plan.tokens:,}", most[0] <= plan.requests and most[1] <= plan.tokens)
-        res.add(SEC, "every call got exactly one 200", v.name, "yes" if run["once"] else "NO", "yes", run["once"])
+        res.add(SEC, "every call got exactly one 200", v.name, yes(run["once"]), "yes", run["once"])
         lines.append(f"| {v.name} | {per100:.1f} | {run['makespan']:.0f} s = {ratio:.2f} | {most[0]} / {most[1]:,} "
-                     f"| {offered[0]} / {offered[1]:,} | {'yes' if run['once'] else 'NO'} |")
+                     f"| {offered[0]} / {offered[1]:,} | {yes(run['once'])} |")
         if v.name in (S450, VARIANTS[4].name):
             res.cell("llm", "sliding" if v.name == S450 else "Celery `rate_limit`", f"{per100:.0f}, {ratio:.2f}")
-        if run["errors"]:
-            res.notes.append(f"llm, {v.name}: worker log errors: " + " | ".join(run["errors"][:3]))
-    res.table("llm", "\n".join(lines))
+        res.errors(f"llm, {v.name}", run["errors"])
+    res.table("llm", f"LLM API ({calls} calls per client, sent at once unless paced, T = {plan.total(calls):,} tokens, "
+                     f"ideal {ideal:.0f} s, {time.time() - started:.0f} s):\n\n" + md(
+                         "| client | 429s per 100 calls | makespan / ideal | most accepted in any 60 s: requests / tokens "
+                         "| offered in any 60 s (429s included) | each call once |", lines))
     res.series["llm"] = {r["variant"].name: [(round(a.at - r["t0"], 3), a.status, a.tokens) for a in r["tally"]]
                          for r in runs}
 
@@ -268,10 +244,7 @@ def run_sweep(res: Results, scale: Any) -> None:
         print(f"  llm sweep: calls of {latency:g} s (fastest compliant {best:.1f} s) ...", flush=True)
         rounds.append((latency, drive([dataclasses.replace(v, latency=latency) for v in SWEEP], calls, plan,
                                       3 * best + 120)))
-    lines = [(f"LLM API of {plan.requests} requests and {plan.tokens:,} tokens per {plan.window:g} s ({calls} calls per "
-             f"client, T = {plan.total(calls):,} tokens, 2 workers x 4 processes, {time.time() - started:.0f} s):"), "",
-             ("| L | client | 429s per 100 calls | makespan / fastest compliant | / fastest in call order "
-             "| / fastest with prompt + 200 held until the reply | each call once |"), "|---|---|---|---|---|---|---|"]
+    lines = []
     cells: dict[str, list[str]] = {"sliding": [], "Celery `rate_limit`": []}
     for latency, runs in rounds:
         best, exact = fastest_any(plan, calls, 8, latency)
@@ -286,13 +259,17 @@ def run_sweep(res: Results, scale: Any) -> None:
                     f"{ratio:.3f}", f"<= {SWEEP_TARGET}" if v.no_429 else "", ratio <= SWEEP_TARGET if v.no_429 else None,
                     f"{'exact' if exact else 'an upper bound'}; in call order {in_order:.1f} s; the estimate held "
                     f"until the reply allows {held:.1f} s; sends took {run['send_s']:.1f} s")
-            res.add(SWEEP_SEC, "every call got exactly one 200", what, "yes" if run["once"] else "NO", "yes", run["once"])
+            res.add(SWEEP_SEC, "every call got exactly one 200", what, yes(run["once"]), "yes", run["once"])
             lines.append(f"| {latency:g} s | {v.name} | {per100:.1f} | {run['makespan']:.1f} s / {best:.0f}"
                          f"{'' if exact else ' (upper bound)'} s = {ratio:.3f} | {run['makespan'] / in_order:.3f} | "
-                         f"{held:.0f} s: {run['makespan'] / held:.3f} | {'yes' if run['once'] else 'NO'} |")
+                         f"{held:.0f} s: {run['makespan'] / held:.3f} | {yes(run['once'])} |")
             column = {"prompt_settled": "sliding", "builtin_10s": "Celery `rate_limit`"}.get(v.task)
             if column:
                 cells[column].append(f"{per100:.0f}, {ratio:.2f}")
     for column, got in cells.items():
         res.cell("llmsweep", column, " / ".join(got) + f" (L = {', '.join(f'{x:g}' for x, _ in rounds)} s)")
-    res.table("llmsweep", "\n".join(lines))
+    res.table("llmsweep", f"LLM API of {plan.requests} requests and {plan.tokens:,} tokens per {plan.window:g} s ({calls} "
+                          f"calls per client, T = {plan.total(calls):,} tokens, 2 workers x 4 processes, "
+                          f"{time.time() - started:.0f} s):\n\n" + md(
+                              "| L | client | 429s per 100 calls | makespan / fastest compliant | / fastest in call "
+                              "order | / fastest with prompt + 200 held until the reply | each call once |", lines))

@@ -1,77 +1,66 @@
 """Sections 10 (a noisy neighbour) and 14 (concurrency slots): a tenant's flood beside another.
 
-10: tenant A, its quota (``100/h``) spent, sends a flood of N; 3 s after it is published,
-tenant B (same task, another key) sends 10, which should start within a second whatever N.
-2 workers x 2 prefork processes, a producer process (its sends checked at publish); the
-workers open the flood's queue once it is all published. Each variant on a redis-server of
-its own: celery_throttle; the same with ``throttle_check_at_publish = False``; no throttle
-(A's tasks run); the naive sliding log (re-sends itself with ``retry(countdown=...)``).
+10: tenant A, its ``100/h`` spent, sends a flood of N; 3 s after it is published, B (same task,
+another key) sends 10, to start within a second whatever N. 2 workers x 2 prefork open the flood's
+queue once it is published. Variants, each on a redis-server of its own: celery_throttle, the same
+with ``throttle_check_at_publish = False``, no throttle, the naive sliding log (retries itself).
 
-14: K=4 per tenant, 2 workers x 4 prefork processes, bodies of 0.2 s, a producer process
-sending a's flood of N, then b's 20, on a redis-server of its own (broker and store: its
-counts are the run's alone): the most of a tenant at once (<= K), b's start latency (p50 <=
-1 s), a's makespan against N x 0.2 s / K, the utilisation, Redis per task. The same body not
-throttled is the baseline. Then a slot held by a SIGKILLed worker: freed after the lease.
+14: K=4 per tenant, 2 workers x 4 prefork, bodies of 0.2 s: a's flood of N then b's 20, on a
+redis-server of its own: the most of a tenant at once (<= K), b's start latency (p50 <= 1 s), a's
+makespan / N x 0.2 s / K, utilisation, Redis per task; plain Celery beside. Then a slot held by a
+SIGKILLed worker: freed after the lease.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
 from typing import Any
 
-from bench.common import Results, counts, new_prefix, percentile, produce, spend, urls, workers
+from bench.common import Results, counts, most_at_once, new_prefix, percentile, produce, running, spend, urls
 from tests.harness import redis_server, waited
 
 SEC, QUOTA, B_TASKS, B_AFTER, BIG = "10 noisy neighbour", "100/h", 10, 3.0, 100_000
-#: name, task, how A's quota is spent, CT_CHECK_AT_PUBLISH; the flood of 100 000 only for BIG_RUNS.
-VARIANTS = (("celery_throttle", "neighbour", "ours", "1"),
-            ("celery_throttle, check at publish off", "neighbour", "ours", "0"),
-            ("no throttle", "plain", None, "1"), ("naive sliding log", "neighbour_naive", "naive", "1"))
-BIG_RUNS = ("celery_throttle", "no throttle", "naive sliding log")
+#: name, task, how A's quota is spent, CT_CHECK_AT_PUBLISH, run beside a flood of BIG too
+VARIANTS = (("celery_throttle", "neighbour", "ours", "1", True),
+            ("celery_throttle, check at publish off", "neighbour", "ours", "0", False),
+            ("no throttle", "plain", None, "1", True), ("naive sliding log", "neighbour_naive", "naive", "1", True))
 
 
 def neighbour_run(name: str, task: str, spent: str | None, check: str, flood: int) -> dict[str, Any]:
     a, b = f"{task}-A", f"{task}-B"
-    with redis_server() as server:
-        store, _ = urls(server)
-        group = workers(new_prefix("nb"), server, env={"CT_CHECK_AT_PUBLISH": check, "BENCH_DENIALS": "1"})
-        try:
-            group.start()
-            if spent == "ours":
-                spend(store, group.prefix, f"bench.app.{task}", [a], QUOTA)
-            elif spent == "naive":  # the sliding log full: a member per start, now
-                log = f"{group.prefix}:naive-sliding:{a}"
-                group.records.zadd(log, {f"spent-{i}": time.time() * 1000 for i in range(100)})
-                group.records.expire(log, 3600)
-            flood_q = f"{group.queue}-flood"
-            sent = produce(group, {"task": task, "args": [a], "count": flood, "queue": flood_q, "pooled": True})[0]
-            turned = a if spent is None else None
-            done = (lambda: group.started(a)) if turned else (lambda: group.note(f"denied:{a}"))
-            at_publish = 0 if turned else done()
-            if group.consume(flood_q) < group.count:
-                raise RuntimeError("the workers did not open the flood's queue")
-            time.sleep(max(sent["last"] + B_AFTER - 1.5 - time.time(), 0))  # (the producer takes ~1.5 s to start)
-            b_sent = produce(group, {"task": task, "args": [b], "count": B_TASKS, "queue": flood_q, "ids": True})[0]
-            finished, deadline = sent["last"] if at_publish >= flood else None, time.time() + min(60 + flood * 0.004, 150)
-            while time.time() < deadline and not (finished and group.started(b) >= B_TASKS):
-                finished = finished or (time.time() if done() >= flood else None)
-                time.sleep(0.1)
-            at = dict(zip(b_sent["ids"], b_sent["times"]))
-            latency = sorted(s["t"] - at[s["id"]] for s in group.starts(b) if s["id"] in at)
-            return {"name": name, "flood": flood, "publish": sent["last"] - sent["first"], "latency": latency,
-                    "done": done(), "at_publish": at_publish, "errors": group.errors(),
-                    "flood_s": (finished - sent["last"]) if finished else None}
-        finally:
-            group.stop()
+    with redis_server() as server, running(new_prefix("nb"), server,
+                                           env={"CT_CHECK_AT_PUBLISH": check, "BENCH_DENIALS": "1"}) as group:
+        if spent == "ours":
+            spend(urls(server)[0], group.prefix, f"bench.app.{task}", [a], QUOTA)
+        elif spent == "naive":  # the sliding log full: a member per start, now
+            log = f"{group.prefix}:naive-sliding:{a}"
+            group.records.zadd(log, {f"spent-{i}": time.time() * 1000 for i in range(100)})
+            group.records.expire(log, 3600)
+        flood_q = f"{group.queue}-flood"
+        sent = produce(group, {"task": task, "args": [a], "count": flood, "queue": flood_q, "pooled": True})[0]
+        done = (lambda: group.started(a)) if spent is None else (lambda: group.note(f"denied:{a}"))
+        at_publish = 0 if spent is None else done()
+        if group.consume(flood_q) < group.count:
+            raise RuntimeError("the workers did not open the flood's queue")
+        time.sleep(max(sent["last"] + B_AFTER - 1.5 - time.time(), 0))  # (the producer takes ~1.5 s to start)
+        b_sent = produce(group, {"task": task, "args": [b], "count": B_TASKS, "queue": flood_q, "ids": True})[0]
+        finished, deadline = sent["last"] if at_publish >= flood else None, time.time() + min(60 + flood * 0.004, 150)
+        while time.time() < deadline and not (finished and group.started(b) >= B_TASKS):
+            finished = finished or (time.time() if done() >= flood else None)
+            time.sleep(0.1)
+        at = dict(zip(b_sent["ids"], b_sent["times"]))
+        return {"name": name, "flood": flood, "publish": sent["last"] - sent["first"], "done": done(),
+                "latency": sorted(s["t"] - at[s["id"]] for s in group.starts(b) if s["id"] in at),
+                "at_publish": at_publish, "errors": group.errors(),
+                "flood_s": (finished - sent["last"]) if finished else None}
 
 
 def run_neighbour(res: Results, scale: Any) -> None:
     runs = []
     for flood in scale.floods:
-        for name, task, spent, check in VARIANTS:
-            if flood < BIG or name in BIG_RUNS:
+        for name, task, spent, check, big in VARIANTS:
+            if flood < BIG or big:
                 print(f"  noisy neighbour: {name}, flood of {flood:,} ...", flush=True)
                 runs.append(neighbour_run(name, task, spent, check, flood))
     for run in runs:
@@ -84,8 +73,7 @@ def run_neighbour(res: Results, scale: Any) -> None:
         done = f"{run['flood_s']:.1f}s" if run["flood_s"] is not None else f"not by the end: {run['done']:,}"
         res.add(SEC, f"flood of {n}: all of A's tasks turned away (or ran)", run["name"], done, "", None,
                 f"after the flood was published; turned away at publish: {run['at_publish']:,}")
-        if run["errors"]:
-            res.notes.append(f"noisy neighbour, {run['name']}, {n}: worker log errors: " + " | ".join(run["errors"][:3]))
+        res.errors(f"noisy neighbour, {run['name']}, {n}", run["errors"])
     for column, name in (("sliding", "celery_throttle"), ("naive sliding log", "naive sliding log")):
         got = [r["latency"] for r in runs if r["name"] == name]
         res.cell("neighbour", column, " / ".join(f"{percentile(lat, 0.5):.2f} s" if len(lat) == B_TASKS else
@@ -95,39 +83,25 @@ def run_neighbour(res: Results, scale: Any) -> None:
 SLOTS, K, BODY_S, OTHERS, PROCESSES, LEASE_S = "14 concurrency", 4, 0.2, 20, 8, 3.0
 
 
-def most_at_once(spans: Sequence[tuple[float, float, str]], tenant: str) -> int:
-    running = most = 0
-    for _, step in sorted([(t0, 1) for t0, _, who in spans if who == tenant] +
-                          [(t1, -1) for _, t1, who in spans if who == tenant]):
-        running += step
-        most = max(most, running)
-    return most
-
-
 def slots_run(res: Results, flood: int, task: str) -> tuple[float, float]:
-    with redis_server() as server:
-        group = workers(new_prefix(task), server, store=urls(server)[1], concurrency=PROCESSES // 2,
-                        env={"CT_PREFETCH": "1"})
-        try:
-            group.start()
-            before = counts(group.records)
-            a, b = produce(group, {"task": task, "args": ["a", BODY_S], "count": flood},
-                           {"task": task, "args": ["b", BODY_S], "count": OTHERS, "ids": True})
-            total, key = flood + OTHERS, f"{group.prefix}:spans"
-            if not waited(lambda: group.records.llen(key) >= total, flood * BODY_S / K * 3 + 60, 0.2):
-                raise RuntimeError(f"{group.records.llen(key)} of {total} bodies ran")
-            delta = counts(group.records) - before
-            spans = [(float(t0), float(t1), who) for t0, t1, who in
-                     (x.decode().split() for x in group.records.lrange(key, 0, -1))]
-        finally:
-            group.stop()
+    with redis_server() as server, running(new_prefix(task), server, store=urls(server)[1],
+                                           concurrency=PROCESSES // 2, env={"CT_PREFETCH": "1"}) as group:
+        before = counts(group.records)
+        a, b = produce(group, {"task": task, "args": ["a", BODY_S], "count": flood},
+                       {"task": task, "args": ["b", BODY_S], "count": OTHERS, "ids": True})
+        total, key = flood + OTHERS, f"{group.prefix}:spans"
+        if not waited(lambda: group.records.llen(key) >= total, flood * BODY_S / K * 3 + 60, 0.2):
+            raise RuntimeError(f"{group.records.llen(key)} of {total} bodies ran")
+        delta = counts(group.records) - before
+        spans = [(float(t0), float(t1), who) for t0, t1, who in
+                 (x.decode().split() for x in group.records.lrange(key, 0, -1))]
     ours, limit = task == "export", K if task == "export" else PROCESSES
     variant = f"{'K=4' if ours else 'plain Celery'}, N={flood:,}"
     latency = sorted(t - s for t, s in zip(sorted(t0 for t0, _, who in spans if who == "b"), b["times"]))
     makespan = max(t1 for _, t1, who in spans if who == "a") - a["first"]
     whole = max(t1 for _, t1, _ in spans) - a["first"]
     if ours:
-        most = most_at_once(spans, "a"), most_at_once(spans, "b")
+        most = [most_at_once(s for s in spans if s[2] == t) for t in "ab"]
         res.add(SLOTS, "most of one tenant running at once", f"N={flood:,}", f"a {most[0]}, b {most[1]}", f"<= {K}",
                 max(most) <= K)
     p50 = percentile(latency, 0.5)
@@ -153,24 +127,19 @@ def run_slots(res: Results, scale: Any) -> None:
             res.cell("slots", "sliding", f"{got['export'][0]:.2f} s (N = {flood:,})")
             res.cell("slots", "Celery `rate_limit`", f"plain Celery: {got['slots_plain'][0]:.1f} s")
     print("  concurrency: SIGKILL reclaim ...", flush=True)
-    with redis_server() as server:
-        group = workers(new_prefix("kill"), server, store=urls(server)[1], concurrency=1,
-                        env={"CT_SLOT_LEASE": str(LEASE_S), "CT_PREFETCH": "1"})
-        try:
-            group.start()
-            began = f"{group.prefix}:began"
-            produce(group, {"task": "export_one", "args": ["k", 60]})
-            if not waited(lambda: group.records.llen(began) >= 1, 30):
-                raise RuntimeError("the holder did not start")
-            holder = int(group.records.lindex(began, 0).decode().split()[2])
-            produce(group, {"task": "export_one", "args": ["k", 0]})
-            time.sleep(1.0)
-            os.killpg(next(p for p in group.procs if p is not None and p.pid == holder).pid, 9)
-            killed = time.time()
-            if not waited(lambda: group.records.llen(began) >= 2, 60, 0.05):
-                raise RuntimeError("the next task did not start within 60 s of the kill")
-            took = float(group.records.lindex(began, 1).decode().split()[0]) - killed
-        finally:
-            group.stop()
+    with redis_server() as server, running(new_prefix("kill"), server, store=urls(server)[1], concurrency=1,
+                                           env={"CT_SLOT_LEASE": str(LEASE_S), "CT_PREFETCH": "1"}) as group:
+        began = f"{group.prefix}:began"
+        produce(group, {"task": "export_one", "args": ["k", 60]})
+        if not waited(lambda: group.records.llen(began) >= 1, 30):
+            raise RuntimeError("the holder did not start")
+        holder = int(group.records.lindex(began, 0).decode().split()[2])
+        produce(group, {"task": "export_one", "args": ["k", 0]})
+        time.sleep(1.0)
+        os.killpg(next(p for p in group.procs if p is not None and p.pid == holder).pid, 9)
+        killed = time.time()
+        if not waited(lambda: group.records.llen(began) >= 2, 60, 0.05):
+            raise RuntimeError("the next task did not start within 60 s of the kill")
+        took = float(group.records.lindex(began, 1).decode().split()[0]) - killed
     res.add(SLOTS, "slot of a SIGKILLed worker reclaimed after", f"lease {LEASE_S:.0f} s", f"{took:.1f} s",
             "<= lease + 5 s sweep", took <= LEASE_S + 6)

@@ -2,11 +2,10 @@
 
     python -m bench.units_calls [N ...]      # default: 1000 10000 (python -m bench --only units)
 
-For each N, in turns: N tasks sent at once to 2 workers x 2 prefork processes, of bench/app.py's
-``sliding`` (``1000000/s``) and ``sliding_tokens`` (the same rate and ``1000000000 tokens/s``, 5
-tokens a call: a cost per rate, whose lease is of calls). The throttle's store is a
-redis-server of its own (the broker and the notes another), so its counts are the run's
-alone. Sent by name from a client without ``install``: the workers' checks alone.
+For each N, in turns: N tasks sent at once by name (no ``install``: the workers' checks alone) to
+2 workers x 2 prefork of bench/app.py's ``sliding`` (``1000000/s``) and ``sliding_tokens`` (the
+same and ``1000000000 tokens/s``, 5 tokens a call: a lease of calls), the store a redis-server of
+its own (broker and notes on another), so that its counts are the run's alone.
 """
 
 from __future__ import annotations
@@ -17,43 +16,38 @@ from typing import Any
 
 import redis
 
-from bench.common import Results, counts, new_prefix, urls, workers
+from bench.common import Results, counts, md, new_prefix, running, standalone, urls, yes
 from tests.harness import redis_server, waited
 
 
 def one(task: str, n: int) -> tuple[float, float, bool]:
     """(script calls per task, store CPU µs per task, every task ran)."""
-    with redis_server() as store, redis_server() as other:
-        group = workers(new_prefix("units"), other, store=urls(store)[0], records=urls(other)[0],
-                        env={"BENCH_RATE": "1000000/s"})
-        try:
-            group.start()
-            time.sleep(2)  # (the workers' first reads of the store, out of the count)
-            client = redis.Redis.from_url(urls(store)[0])
-            before = counts(client)
-            for _ in range(n):
-                group.send(task, "u")
-            ran = waited(lambda: group.started("u") >= n, n / 50 + 120)
-            got = counts(client) - before
-            client.close()
-            return got.script_calls / n, got.cpu_s / n * 1e6, ran
-        finally:
-            group.stop()
+    with (redis_server() as store, redis_server() as other,
+          running(new_prefix("units"), other, store=urls(store)[0], records=urls(other)[0],
+                  env={"BENCH_RATE": "1000000/s"}) as group):
+        time.sleep(2)  # (the workers' first reads of the store, out of the count)
+        client = redis.Redis.from_url(urls(store)[0])
+        before = counts(client)
+        for _ in range(n):
+            group.send(task, "u")
+        ran = waited(lambda: group.started("u") >= n, n / 50 + 120)
+        got = counts(client) - before
+        client.close()
+        return got.script_calls / n, got.cpu_s / n * 1e6, ran
 
 
 def run_units(res: Results, scale: Any) -> None:
-    lines = ["| task | N | script calls / task | store CPU / task | all ran |", "|---|---|---|---|---|"]
+    rows = []
     for n in scale.units:
-        for task in ("sliding", "sliding_tokens"):
+        for task, name in (("sliding", "one unit"), ("sliding_tokens", "requests and tokens")):
             calls, cpu, ran = one(task, n)
-            lines.append(f"| {'one unit' if task == 'sliding' else 'requests and tokens'} | {n:,} | {calls:.3f} "
-                         f"| {cpu:.0f} µs | {'yes' if ran else 'NO'} |")
-    res.table("units", "\n".join(lines))
+            rows.append(f"| {name} | {n:,} | {calls:.3f} | {cpu:.0f} µs | {yes(ran)} |")
+    res.table("units", md("| task | N | script calls / task | store CPU / task | all ran |", rows))
 
 
 if __name__ == "__main__":
-    from bench.__main__ import FULL, finish, section
+    from bench.__main__ import FULL
 
-    out, started = Results(), time.time()
-    section(out, "units", run_units, type(FULL)(**{**vars(FULL), "units": tuple(int(a) for a in sys.argv[1:]) or FULL.units}))
-    finish(out, " ".join(["python -m bench.units_calls", *sys.argv[1:]]), time.time() - started, not sys.argv[1:])
+    sizes = tuple(int(a) for a in sys.argv[1:])
+    standalone(" ".join(["python -m bench.units_calls", *sys.argv[1:]]),
+               type(FULL)(**{**vars(FULL), "units": sizes or FULL.units}), not sizes, ("units", run_units))
