@@ -107,7 +107,7 @@ HEADLINE = {
            "`charge(tokens=n)`)",
     "llmsweep": "the same per 10 s, calls of 0 / 1 / 2 / 3 s: 429s per 100, makespan / fastest compliant",
     "adapt": "an API whose limit moves 50 → 20 → 80/s unknown to the client (declared 100/s): 429s per 100, makespan "
-             "/ the oracle's (a client told each limit; target ≤ 2 × its 429s, ≤ 1.15)",
+             "/ the oracle's (a client told each limit; targets ≤ 2 429s per 100, ≤ 1.15)",
     "share": "`concurrency=8, share=True`, bodies of 0.5 s: starts / weight of 3 tenants flooding 1:1:2 (target within "
              "5 %); a tenant alone: the 8 slots used (≥ 0.95); a newcomer beside a flood: its slowest start (≤ 1 s); a "
              "flood beside a new one-task tenant every 0.25 s: the flood's use of the slots they leave (≥ 0.85). "

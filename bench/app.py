@@ -232,7 +232,7 @@ for _name, _rates, _limits, _options in (
 #: The API's documented ceiling, above every limit it enforces; the oracle starts at the first.
 ADAPT_CEILING, ADAPT_FIRST = "100/s", "50/s"
 _task("adapt_learning", _api(backoff=True), ADAPT_CEILING, adapt=True)
-_task("adapt_fast", _api(backoff=True), ADAPT_CEILING, adapt=Adapt(decrease=0.7, growth=0.005))
+_task("adapt_fast", _api(backoff=True), ADAPT_CEILING, adapt=Adapt(decrease=0.85, growth=0.001))
 _task("adapt_backoff", _api(backoff=True), ADAPT_CEILING)
 _task("adapt_oracle", _api(backoff=True), ADAPT_FIRST)  # (its limit set by the bench at each change)
 _task("adapt_builtin", _api(), options={"rate_limit": "50/s"})  # (per worker: 100/s for 2)
