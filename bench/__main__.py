@@ -1,13 +1,9 @@
 """``python -m bench [--quick] [--only NAME]``: the celery_throttle benchmark.
 
-Sections (CONTRIBUTING.md, "Benchmarks"): burst (1-4: violation, makespan, re-sends, the naive
-baselines and Celery's rate_limit, the chart), backlog (9: a deep line), neighbour (10), api429
-(11), rpt (12: Redis per task), slow (13: a store 100 ms away), concurrency (14), llm (15),
-llmsweep (15b), deferral (capacity after the deferral), controls, journal, units, adapt (16:
-adaptive limits against an API whose limit moves), share (17: a fair share of a scope's slots). Each runs on
-redis-servers of its own and writes bench/out/ (results.md, results.json, chart.png, worker
-logs); a run at full scale (no --quick) also writes its rows of the headline table and its
-own table into bench/results.json, and bench/results.md from it (and bench/chart.png).
+Sections (CONTRIBUTING.md, "Benchmarks"): :data:`SECTIONS`, each on redis-servers of its own,
+writing bench/out/ (results.md, results.json, chart.png, worker logs); a run at full scale (no
+--quick) also writes its rows of the headline table and its own table into bench/results.json, and
+bench/results.md from it (and bench/chart.png).
 """
 
 from __future__ import annotations
@@ -27,7 +23,10 @@ from typing import Any
 
 from bench.common import BENCH, MET, MISSED, OUT, ROOT, Results
 
-#: name -> (module, function, aliases); the order of a full run.
+#: name -> (module, function, aliases), in the order of a full run: burst (1-4: violation, makespan, re-sends,
+#: the baselines, the chart), backlog (9: a deep line), neighbour (10), api429 (11), rpt (12: Redis per task),
+#: slow (13: a store 100 ms away), concurrency (14), llm (15), llmsweep (15b), deferral (capacity after the
+#: deferral), controls, journal, units, adapt (16: adaptive limits), share (17: a fair share of a scope's slots).
 SECTIONS = {
     "burst": ("bench.bursts", "run_burst", ("1", "2", "3", "4", "violation", "makespan", "chart")),
     "backlog": ("bench.after_deferral", "run_backlog", ("9", "depth", "deep-line")),

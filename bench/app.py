@@ -1,28 +1,26 @@
 """The bench's one Celery app (``celery -A bench.app worker``), and its producer.
 
-Configured from the environment as tests/taskapp.py is (tests/harness.py's AppWorkers starts
-its workers): CT_BROKER, CT_STORE (``throttle_redis_url``), CT_RECORDS (the notes), CT_PREFIX,
-CT_QUEUE, CT_PREFETCH, CT_CHECK_AT_PUBLISH (0: off), CT_SLOT_LEASE; BENCH_RATE (the burst's
-limit), BENCH_API_URL (the fake API), BENCH_START_GRACE (``throttle_start_grace``, of no
-effect since the line), BENCH_DENIALS=1 (each denial counted in ``<prefix>:denied:<label>``),
-BENCH_SHARER_PASSES=1 (each pass of a worker's sharer over a scope counted in
-``<prefix>:passes:<scope>``, in the notes: the store's counts stay the throttle's).
-A body notes its start as JSON in ``<prefix>:starts:<label>`` (a slot's, its span in
-``<prefix>:spans``). The naive baselines of the seed notes re-send a denied task with
-``countdown`` = time until its window opens; the API clients retry a 429 after ``Retry-After``
-(or raise ``Backoff`` with it).
+Configured from the environment as tests/taskapp.py is (tests/harness.py's AppWorkers starts its
+workers): CT_BROKER, CT_STORE, CT_RECORDS (the notes), CT_PREFIX, CT_QUEUE, CT_PREFETCH,
+CT_CHECK_AT_PUBLISH (0: off), CT_SLOT_LEASE; BENCH_RATE (the burst's limit), BENCH_API_URL (the fake
+API), BENCH_START_GRACE (``throttle_start_grace``, no effect since the line), BENCH_DENIALS=1 (each
+denial counted in ``<prefix>:denied:<label>``), BENCH_SHARER_PASSES=1 (each pass of a worker's
+sharer counted in ``<prefix>:passes:<scope>``, in the notes). A body notes its start as JSON in
+``<prefix>:starts:<label>`` (a slot's, its span in ``<prefix>:spans``). The naive baselines re-send
+a denied task with ``countdown`` = time until its window opens; the API clients retry a 429 after
+``Retry-After`` (or raise ``Backoff`` with it).
 
-``python -m bench.app '{"sends": [...]}'``: a producer as users write one: it imports this
-module (its sends are checked at publish) and never finalizes the app. A send: ``task``,
-``args``, ``count``, ``queue``, ``pace`` (s between calls), ``vary`` (``"index"``: the call's
-index appended to its args; a list: its items in turn), ``vary_at`` (where in the args the
-varied item goes, e.g. 0: a tenant of its own per call; default: last), ``pooled`` (one producer for all, as
-a bulk sender holds one; else each call as ``.delay()`` makes it), ``ids``. Prints one JSON line: per
+``python -m bench.app '{"sends": [...]}'``: a producer as users write one (it imports this module,
+its sends are checked at publish, it never finalizes the app). A send: ``task``, ``args``,
+``count``, ``queue``, ``pace`` (s between calls), ``vary`` (``"index"``: the call's index added to
+its args; a list: its items in turn) at ``vary_at`` in the args (default: last), ``pooled`` (one
+producer for all, as a bulk sender holds; else as ``.delay()``), ``ids``. Prints one JSON line: per
 send, when its first and last call went, and (``ids``) each call's id and time.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -99,15 +97,19 @@ if "BENCH_START_GRACE" in os.environ:
     app.conf.throttle_start_grace = float(os.environ["BENCH_START_GRACE"])
 ctl = celery_throttle.install(app)
 
-_client: tuple[int, redis.Redis] | None = None
+@functools.cache
+def _per_process(what: str, pid: int) -> Any:
+    """This process's client for the notes, or ``limits``' moving window on the store (keys under
+    ``<prefix>-limits``): one per pool process, made after the fork."""
+    if what == "records":
+        return redis.Redis.from_url(RECORDS)
+    from limits import storage, strategies
+
+    return strategies.MovingWindowRateLimiter(storage.RedisStorage(STORE, key_prefix=f"{PREFIX}-limits"))
 
 
 def records() -> redis.Redis:
-    """This process's client for the notes (one per pool process, made after the fork)."""
-    global _client
-    if _client is None or _client[0] != os.getpid():
-        _client = (os.getpid(), redis.Redis.from_url(RECORDS))
-    return _client[1]
+    return _per_process("records", os.getpid())
 
 
 def record(label: str, task_id: str | None) -> None:
@@ -240,14 +242,7 @@ _task("adapt_builtin", _api(), options={"rate_limit": "50/s"})  # (per worker: 1
 
 # -- Redis per task (12): bodies that do nothing, over ten tenants --------------------------
 def moving_window() -> Any:
-    """This process's ``limits`` moving window on the store (keys under ``<prefix>-limits``)."""
-    global _limiter
-    if _limiter is None or _limiter[0] != os.getpid():
-        from limits import storage, strategies
-
-        store = storage.RedisStorage(STORE, key_prefix=f"{PREFIX}-limits")
-        _limiter = (os.getpid(), strategies.MovingWindowRateLimiter(store))
-    return _limiter[1]
+    return _per_process("limits", os.getpid())
 
 
 def _peer(rate: str) -> Any:
@@ -261,7 +256,6 @@ def _peer(rate: str) -> Any:
     return task
 
 
-_limiter: tuple[int, Any] | None = None
 _task("rpt_plain", lambda self, tenant: None)
 _task("rpt_under", lambda self, tenant: None, UNDER, key="{tenant}")
 _task("rpt_flood", lambda self, tenant: None, QUOTA, key="{tenant}")

@@ -1,42 +1,27 @@
 """Section 17 (share, issue 29 item 2): a fair share of a scope's slots.
 
 bench/app.py's ``share_fair``: ``@throttle(concurrency=8, scope="share-api", key="{tenant}",
-share=Share(weight=...))``, tenant ``heavy`` weighing 2, the others 1, on 2 workers x 4
-prefork processes (8: the pool just holds K, so the share binds, not the pool). Bodies of
-0.5 s: long against a pass of the sharer (every 0.1 s, or at once when woken) and a start's
-round trips, so that the shares are the caps' and not the overhead's; short enough that a
-run of 30 s holds some 60 turns of each slot (480 starts: a share of 25 % is 120 of them,
-5 % of it 6), and that a newcomer's bound, the end of a flood's body, is within the 1 s target.
+share=Share(weight=...))``, ``heavy`` weighing 2, the others 1, on 2 workers x 4 prefork (the pool
+just holds K: the share binds, not the pool). Bodies of 0.5 s: long against a sharer's pass and a
+start's round trips, short enough that a run of 30 s holds some 60 turns of each slot, and that a
+newcomer's bound (a flood's body ending) is within the 1 s target. Each run: a redis-server for
+the broker and notes, another for the store alone (its INFO commandstats the throttle's); a
+producer process sends while no worker runs, the workers start after. Beside it, the same tasks
+per-key ``concurrency=3`` (what users write today: 3 tenants hold 9 > 8, the pool binds) and plain
+Celery (FIFO).
 
-Each run has a redis-server for the broker (db 1) and the notes (db 0), and another for the
-store alone, so that its INFO commandstats are the throttle's. A producer process (imports
-bench/app.py and sends; checks at publish, the default) sends into the queue while no
-worker runs; the workers start after.
-
-1. weights: a and b send N each, heavy 2N, tenant after tenant (a's first: floods come so).
-   Each tenant's share of the starts from the first start + 1 s (the caps being set) to the
-   first last start of a tenant (until then all three wait), against its weight.
-2. alone: one tenant's flood: its body time / (K x its first start to its last end).
-3. newcomer: a flood; once 2K bodies began, another tenant sends one task M times, S s apart:
-   each one's start after its send. No body is stopped: the newcomer waits for the first
-   flood body to end after the sharer lowered the flood's cap.
-4. trickle: a flood beside a trickle of one-task tenants: once 2K bodies of ``solo`` began,
-   a new tenant (one0, one1, ...) sends ONE task of 0.05 s every 0.25 s for 8 s (480 bodies
-   and 32 tenants; --quick: 200 and 24, 6 s). The flood's body time while the trickle runs
-   (its first send to its last) / (K x that span), against what the one-shots leave of it
-   (K x span less their own body time; target >= 0.85), and the one-shots' start after send.
-   A key that ran one short task and has nothing more should give its slot back at once,
-   not keep it idle.
-
-Each beside, same tasks and workers, per-key ``concurrency=3`` (what users write today; 3
-tenants hold 9 > 8 slots there: the pool binds) and plain Celery (FIFO by arrival).
-
-5. cost: the store's commands, script calls and CPU per task in run 1, shared against per
-   key; the workers' sharer's passes per second (bench/app.py counts each in the notes,
-   BENCH_SHARER_PASSES=1). Then one pass over T tenants each with one task waiting
-   beside a flood (T = 3, 30, 300): a Sharer in the bench's own process takes the scope's
-   lock before the workers start (theirs stand by) and runs the sharer's loop, each pass
-   timed and its round trips and commands counted on its thread (redis-py's connection).
+1. weights: a and b send N each, heavy 2N: each one's share of the starts from the first + 1 s to
+   the first last start of a tenant (while all three wait), against its weight (within 5 %).
+2. alone: one tenant's flood: its body time / (K x first start to last end) (>= 95 %).
+3. newcomer: once 2K bodies of a flood began, another tenant sends one task M times, S s apart:
+   each one's start after its send (<= 1 s; no body is stopped).
+4. trickle: once 2K bodies of a flood began, a new tenant (one0, one1, ...) sends ONE task of 0.05 s
+   every 0.25 s: the flood's body time over the trickle's span against what the one-shots leave
+   (>= 85 %: a key with nothing more gives its slot back), and the one-shots' start after send.
+5. cost: the store's commands, script calls and CPU per task in run 1; the workers' sharer's passes
+   per second (counted by bench/app.py, BENCH_SHARER_PASSES=1). Then one pass over T = 3, 30, 300
+   tenants of one waiting task beside a flood, by a Sharer in the bench's process that holds the
+   scope's lock (the workers' stand by): each pass timed, its round trips and commands counted.
 """
 
 from __future__ import annotations
@@ -53,7 +38,7 @@ from celery import Celery
 from redis.connection import AbstractConnection
 
 from bench.app import PER_KEY, SHARE_K, SHARE_SCOPE, SHARE_WEIGHTS
-from bench.common import Counts, Results, counts, new_prefix, percentile, produce, urls, workers
+from bench.common import Counts, Results, counts, most_at_once, new_prefix, percentile, produce, running, urls
 from celery_throttle import Throttle
 from celery_throttle.core.keys import share_registry_key
 from celery_throttle.waits.sharer import Sharer
@@ -110,50 +95,37 @@ def sends_of(task: str, *sends: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run(task: str, sends: Sequence[dict[str, Any]], late: Sequence[dict[str, Any]] = ()) -> Run:
     """``sends`` published before the workers start; ``late`` once 2K bodies began. Waits for every body."""
-    with redis_server() as notes, redis_server() as store_server:
-        group = workers(new_prefix("share"), store=urls(store_server)[0], broker=urls(notes)[1],
-                        records=urls(notes)[0], concurrency=PROCESSES // 2,
-                        env={"CT_PREFETCH": "1", "BENCH_SHARER_PASSES": "1"})
-        store = redis.Redis(port=store_server.port)
-        try:
-            before, calls = counts(store), commandstats(store)
-            produce(group, *sends_of(task, *sends))
-            started = time.time()
-            group.start()
-            got: list[dict[str, Any]] = []
-            if late:
-                if not waited(lambda: group.records.llen(f"{group.prefix}:began") >= 2 * K, 120, 0.02):
-                    raise RuntimeError("the flood did not begin")
-                got = produce(group, *sends_of(task, *late))
-            total = sum(s["count"] for s in (*sends, *late))
-            key = f"{group.prefix}:spans"
-            if not waited(lambda: group.records.llen(key) >= total, total * BODY_S / PER_KEY + 120, 0.2):
-                raise RuntimeError(f"{group.records.llen(key)} of {total} bodies ran")
-            cost, after = counts(store) - before, commandstats(store)
-            spans = [Span(float(t0), float(t1), who, task_id, worker) for t0, t1, who, task_id, worker in
-                     (x.decode().split() for x in group.records.lrange(key, 0, -1))]
-            return Run(spans, got, cost, {k: n - calls.get(k, 0) for k, n in after.items() if n > calls.get(k, 0)},
-                       max(s.t1 for s in spans) - started, group.errors(),
-                       int(group.records.get(f"{group.prefix}:passes:{SHARE_SCOPE}") or 0))
-        finally:
-            group.stop()
-            store.close()
-
-
-def most_at_once(spans: Sequence[Span]) -> int:
-    running = most = 0
-    for _, step in sorted([(s.t0, 1) for s in spans] + [(s.t1, -1) for s in spans]):
-        running += step
-        most = max(most, running)
-    return most
+    with (redis_server() as notes, redis_server() as store_server,
+          running(new_prefix("share"), start=False, store=urls(store_server)[0], broker=urls(notes)[1],
+                  records=urls(notes)[0], concurrency=PROCESSES // 2,
+                  env={"CT_PREFETCH": "1", "BENCH_SHARER_PASSES": "1"}) as group,
+          redis.Redis(port=store_server.port) as store):
+        before, calls = counts(store), commandstats(store)
+        produce(group, *sends_of(task, *sends))
+        started = time.time()
+        group.start()
+        got: list[dict[str, Any]] = []
+        if late:
+            if not waited(lambda: group.records.llen(f"{group.prefix}:began") >= 2 * K, 120, 0.02):
+                raise RuntimeError("the flood did not begin")
+            got = produce(group, *sends_of(task, *late))
+        total, key = sum(s["count"] for s in (*sends, *late)), f"{group.prefix}:spans"
+        if not waited(lambda: group.records.llen(key) >= total, total * BODY_S / PER_KEY + 120, 0.2):
+            raise RuntimeError(f"{group.records.llen(key)} of {total} bodies ran")
+        cost, after = counts(store) - before, commandstats(store)
+        spans = [Span(float(t0), float(t1), who, task_id, worker) for t0, t1, who, task_id, worker in
+                 (x.decode().split() for x in group.records.lrange(key, 0, -1))]
+        return Run(spans, got, cost, {k: n - calls.get(k, 0) for k, n in after.items() if n > calls.get(k, 0)},
+                   max(s.t1 for s in spans) - started, group.errors(),
+                   int(group.records.get(f"{group.prefix}:passes:{SHARE_SCOPE}") or 0))
 
 
 def all_running(spans: Sequence[Span]) -> float:
     """Seconds from the first start until K bodies first ran at once (nan: never)."""
-    running, first = 0, min(s.t0 for s in spans)
+    at_once, first = 0, min(s.t0 for s in spans)
     for t, step in sorted([(s.t0, 1) for s in spans] + [(s.t1, -1) for s in spans]):
-        running += step
-        if running >= K:
+        at_once += step
+        if at_once >= K:
             return t - first
     return float("nan")
 
@@ -255,12 +227,11 @@ def trickle_rows(res: Results, name: str, got: Run, flood: int) -> float:
 
 
 def cost_rows(res: Results, runs: dict[str, Run]) -> None:
-    lines = ["| command | " + " | ".join(f"{name}: per task" for name in runs) + " |", "|---" * (len(runs) + 1) + "|"]
     names = sorted({c for got in runs.values() for c, n in got.calls.items() if n / got.tasks >= 0.05 and c != "info"},
                    key=lambda c: -max(got.calls.get(c, 0) / got.tasks for got in runs.values()))
-    for c in names:
-        lines.append(f"| {c.upper()} | " + " | ".join(f"{got.calls.get(c, 0) / got.tasks:.2f}" for got in runs.values())
-                     + " |")
+    lines = ["| command | " + " | ".join(f"{name}: per task" for name in runs) + " |", "|---" * (len(runs) + 1) + "|"]
+    lines += [f"| {c.upper()} | " + " | ".join(f"{got.calls.get(c, 0) / got.tasks:.2f}" for got in runs.values()) + " |"
+              for c in names]
     for name, got in runs.items():
         res.add(SEC, "the store per task (run 1): commands (all) / script calls; its CPU", name,
                 f"{got.cost.commands / got.tasks:.1f} / {got.cost.script_calls / got.tasks:.2f}; "
@@ -308,44 +279,41 @@ class TimedSharer(Sharer):
 @contextmanager
 def counted(sharer: TimedSharer) -> Iterator[None]:
     """Count ``sharer``'s round trips (packets of commands sent) and commands during its passes."""
-    send_packed, send_one, pack_many = (AbstractConnection.send_packed_command, AbstractConnection.send_command,
-                                        AbstractConnection.pack_commands)
+    names = ("send_packed_command", "send_command", "pack_commands")
+    send_packed, send_one, pack_many = saved = [getattr(AbstractConnection, name) for name in names]
 
     def mine() -> bool:
         return sharer.counting and threading.current_thread() is sharer
 
-    def packed(conn: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
-        if mine():
-            sharer.trips += 1
-        return send_packed(conn, command, *args, **kwargs)
+    def packed(conn: Any, *args: Any, **kwargs: Any) -> Any:
+        sharer.trips += mine()
+        return send_packed(conn, *args, **kwargs)
 
     def one(conn: Any, *args: Any, **kwargs: Any) -> Any:
-        if mine():
-            sharer.commands += 1
+        sharer.commands += mine()
         return send_one(conn, *args, **kwargs)
 
     def many(conn: Any, commands: Any) -> Any:
         commands = list(commands)
-        if mine():
-            sharer.commands += len(commands)
+        sharer.commands += len(commands) if mine() else 0
         return pack_many(conn, commands)
 
-    AbstractConnection.send_packed_command, AbstractConnection.send_command = packed, one  # type: ignore[method-assign]
-    AbstractConnection.pack_commands = many  # type: ignore[method-assign]
+    for name, patch in zip(names, (packed, one, many)):
+        setattr(AbstractConnection, name, patch)
     try:
         yield
     finally:
-        AbstractConnection.send_packed_command, AbstractConnection.send_command = send_packed, send_one  # type: ignore[method-assign]
-        AbstractConnection.pack_commands = pack_many  # type: ignore[method-assign]
+        for name, original in zip(names, saved):
+            setattr(AbstractConnection, name, original)
 
 
 def pass_cost(tenants: int, seconds: float) -> dict[str, Any]:
     """A flood and ``tenants`` tenants of one task each, sent before the workers start; the
     passes of a sharer in this process over ``seconds`` from the first start + SETTLE_S."""
     flood = round(2 * K / BODY_S * (seconds + 6))  # (lasts beyond the measure even with every slot)
-    with redis_server() as notes, redis_server() as store_server:
-        group = workers(new_prefix("share-pass"), store=urls(store_server)[0], broker=urls(notes)[1],
-                        records=urls(notes)[0], concurrency=PROCESSES // 2, env={"CT_PREFETCH": "1"})
+    with (redis_server() as notes, redis_server() as store_server,
+          running(new_prefix("share-pass"), start=False, store=urls(store_server)[0], broker=urls(notes)[1],
+                  records=urls(notes)[0], concurrency=PROCESSES // 2, env={"CT_PREFETCH": "1"}) as group):
         ctl = Throttle(Celery("bench-sharer", broker="memory://", set_as_current=False),
                        {"redis_url": urls(store_server)[0], "key_prefix": group.prefix})
         sharer = TimedSharer(ctl)
@@ -380,7 +348,6 @@ def pass_cost(tenants: int, seconds: float) -> dict[str, Any]:
                     "use": held / (K * seconds), "singles": singles, "errors": group.errors()}
         finally:
             sharer.stop()
-            group.stop()
             ctl.close()
 
 
@@ -428,8 +395,7 @@ def run_share(res: Results, scale: Any) -> None:
         got_trickle = run(task, [body("solo", trickle_flood)], trickle)
         cell["trickle"] = f"{trickle_rows(res, name, got_trickle, trickle_flood):.2f}"
         for label, g in (("1:1:2", got), ("newcomer", got_late), ("trickle", got_trickle)):
-            if g.errors:
-                res.notes.append(f"fair share, {name}, {label}: worker log errors: " + " | ".join(g.errors[:3]))
+            res.errors(f"fair share, {name}, {label}", g.errors)
     cost_rows(res, {name: got for name, got in first_runs.items() if name != "plain Celery"})
     for tenants in scale.share_keys:
         print(f"  fair share: one pass over {tenants} tenants ...", flush=True)
