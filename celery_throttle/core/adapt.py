@@ -25,11 +25,11 @@ there is nothing to count per call.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .errors import ConfigurationError
+from .options import option_of
 
 __all__ = ["Adapt", "Pushback", "adapt_of", "level", "pushed_level", "refined_level", "scaled_limit"]
 
@@ -64,18 +64,7 @@ class Adapt:
 def adapt_of(value: Any) -> Adapt | None:
     """``adapt=`` as declared: True (the defaults), an :class:`Adapt`, a dict of its fields
     (rules), or None/False (not adaptive)."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return Adapt()
-    if isinstance(value, Adapt):
-        return value
-    if isinstance(value, Mapping):
-        unknown = set(value) - {f.name for f in fields(Adapt)}
-        if unknown:
-            raise ConfigurationError(f"adapt has unknown option(s) {sorted(unknown)}; known: floor, decrease, growth")
-        return Adapt(**value)
-    raise ConfigurationError(f"adapt must be True, an Adapt(...) or a dict of floor/decrease/growth, got {value!r}")
+    return option_of(value, Adapt, "adapt")
 
 
 class Pushback(NamedTuple):

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .errors import ConfigurationError
+from .options import option_of
 
 __all__ = [
     "CREDIT_MOST",
@@ -78,18 +79,7 @@ def check_weight(value: Any) -> float:
 def share_of(value: Any) -> Share | None:
     """``share=`` as declared: True (weight 1 each), a :class:`Share`, a dict of its fields
     (rules), or None/False (each key its own K)."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return Share()
-    if isinstance(value, Share):
-        return value
-    if isinstance(value, Mapping):
-        unknown = set(value) - {f.name for f in fields(Share)}
-        if unknown:
-            raise ConfigurationError(f"share has unknown option(s) {sorted(unknown)}; known: weight, most")
-        return Share(**value)
-    raise ConfigurationError(f"share must be True, a Share(...) or a dict of weight/most, got {value!r}")
+    return option_of(value, Share, "share")
 
 
 class KeyUse(NamedTuple):
