@@ -135,10 +135,8 @@ class Sharer(threading.Thread):
                 lock.extend(LOCK_S, replace_ttl=True)
                 self._locks[scope] = (lock, now)
                 return True
-            except LockError:
-                del self._locks[scope]  # (lost: another worker shares it now)
-                self._credit.pop(scope, None)
-                self._known.pop(scope, None)
+            except LockError:  # (lost: another worker shares it now)
+                self._lost(scope)
         if now - self._tried.get(scope, float("-inf")) < STANDBY_EVERY:
             return False
         self._tried[scope] = now
@@ -162,12 +160,16 @@ class Sharer(threading.Thread):
         try:
             held[0].reacquire()
         except LockError:  # (not owned: another took it; a store away raises on, as any pass's fault)
-            del self._locks[scope]
-            self._credit.pop(scope, None)
-            self._known.pop(scope, None)
+            self._lost(scope)
             return False
         self._locks[scope] = (held[0], time.monotonic())
         return True
+
+    def _lost(self, scope: str) -> None:
+        """Another worker shares ``scope`` now: what this one knew of it is forgotten."""
+        del self._locks[scope]
+        self._credit.pop(scope, None)
+        self._known.pop(scope, None)
 
     def share(self, scope: str, total: int) -> tuple[dict[str, int], list[str]]:
         """One pass over ``scope`` of ``total`` slots: returns the caps written, and the keys
@@ -193,8 +195,8 @@ class Sharer(threading.Thread):
         raised = raises(total, caps, uses, bound, credit)
         stale = [(k, uses[k].cap) for k in keys if caps[k] == uses[k].cap and uses[k].cap
                  and now - self._written.get(k, float("-inf")) > CAP_KEEP_MS / 2000]
-        if (raised or stale) and not self._renew(scope):
-            return dict(lowers), []
+        if (raised or stale) and not lowers and not self._renew(scope):  # (renewed once a pass)
+            return {}, []
         store.share_write(raised + stale)
         for k, _ in [*lowers, *raised, *stale]:
             self._written[k] = now
