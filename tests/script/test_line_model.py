@@ -26,7 +26,6 @@ from __future__ import annotations
 import uuid
 import zlib
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -37,7 +36,7 @@ from celery_throttle.core.rates import parse_rate
 from celery_throttle.core.state import StateLayout
 from celery_throttle.core.timing import ScriptPolicy
 from celery_throttle.store.client import RedisStore
-from tests.helpers import QUICK, STORE_URL, redis_or_skip
+from tests.helpers import QUICK, STORE_URL
 from tests.line_walk import FakeClock, run_walk
 from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
 
@@ -66,21 +65,6 @@ ODD_POLICY = ScriptPolicy(line_batch=2, send_lease_ms=300, out_lease_ms=900, gra
 #: A state layout unlike the default in every field: few buckets per window and few kept,
 #: so that a sliding state folds, and a fixed one keeps few windows ahead.
 ODD_LAYOUT = StateLayout(buckets=7, max_buckets=10, max_ahead=3, keep_ahead=1)
-
-
-@pytest.fixture(scope="module")
-def redis_client() -> Iterator[redis.Redis]:
-    client = redis_or_skip(STORE_URL)
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def key_prefix(redis_client: redis.Redis) -> Iterator[str]:
-    prefix = f"ct-test-{uuid.uuid4().hex[:12]}"
-    yield prefix
-    for key in redis_client.scan_iter(match=f"{prefix}:*", count=1000):
-        redis_client.delete(key)
 
 
 @pytest.mark.parametrize("rate_set", sorted(RATE_SETS))

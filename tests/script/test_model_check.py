@@ -27,28 +27,12 @@ from celery_throttle.core.rates import Rate, parse_rate
 from celery_throttle.core.state import STATE_FORMAT, rate_field
 from celery_throttle.core.timing import SCRIPT_POLICY, ScriptPolicy
 from celery_throttle.store.client import RedisStore
-from tests.helpers import STORE_URL, redis_or_skip
+from tests.helpers import STORE_URL
 from tests.reference import BUCKETS, FixedRate, SlidingRate, max_units_per_aligned_window
 
 ALGORITHMS = ("sliding", "fixed")
 #: A plausible "now": late 2023 in µs, well below 2**53.
 BASE_US = 1_700_000_000_000_000
-
-
-@pytest.fixture(scope="module")
-def redis_client() -> Iterator[redis.Redis]:
-    client = redis_or_skip(STORE_URL)
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def key_prefix(redis_client: redis.Redis) -> Iterator[str]:
-    """A prefix of this test's own; every key under it is deleted afterwards."""
-    prefix = f"ct-test-{uuid.uuid4().hex[:12]}"
-    yield prefix
-    for key in redis_client.scan_iter(match=f"{prefix}:*", count=1000):
-        redis_client.delete(key)
 
 
 class FakeClock:
