@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core import timing
-from ..core.errors import ThrottleError
-from ..core.protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowReply, per_rate
+from ..core.protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowReply
 from ..core.rates import Rate
 from ..core.spec import BoundCall
 from ..store.client import RedisStore
@@ -189,11 +188,6 @@ class Checker(Binder):
                  call.share is not None)
         request = self._requests.get(shape)
         if request is None:
-            too_costly = _too_costly(call.rates, call.cost)
-            if too_costly is not None:
-                units, rate = too_costly
-                raise ThrottleError(f"cost {units} of scope {call.scope!r} exceeds the limit of its rate "
-                                    f"{timing.as_declared(rate)}: it can never run")
             request = WindowCall(
                 call.algorithm, call.rates, call.cost, call.fields, slack_us=self.slack_us(call.rates),
                 not_before_us=not_before, concurrency=call.concurrency,
@@ -225,10 +219,3 @@ class Checker(Binder):
 #: Call shapes whose WindowCall a Checker keeps (rates, cost, max wait, pause end).
 _REQUEST_SHAPES = 1024
 
-
-def _too_costly(rates: tuple[Rate, ...], cost: Cost) -> tuple[int, Rate] | None:
-    """(units, rate) of a rate that ``cost`` never fits in, or None."""
-    for rate, units in zip(rates, per_rate(cost, len(rates))):
-        if units > rate.limit:
-            return units, rate
-    return None

@@ -169,8 +169,7 @@ class Throttle:
         waits its turn behind the tasks in their line: it is not admitted while any wait.
         """
         call = self.checker.finish_bind(self._direct_call(scope, key, rates, cost, algorithm), None)
-        reply = self.checker.acquire(call)
-        return decision(reply)
+        return decision(call, self.checker.acquire(call))
 
     def status(self, scope: str, key: str | None = None) -> Status:
         """Usage of every rate stored for ``scope``/``key``, consuming nothing."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from ..celery_parts.messages import resend, task_of
@@ -25,7 +26,7 @@ from ..core.errors import StoreError, ThrottleError
 from ..core.journal import Kind
 from ..core.keys import encode, glob_escape, line_index_key, state_key, target_of, window_keys
 from ..core.locks import ForkSafeLock
-from ..core.protocol import Code, WindowReply
+from ..core.protocol import Code, Verdict, WindowReply
 from ..core.spec import BoundCall
 from ..core.timing import RELEASER_BATCH
 from .journaling import Journaling
@@ -74,6 +75,24 @@ class Lines(OnCall):
         if len(self._full_at) >= CALLS_KEPT and call.state_key not in self._full_at:
             self._full_at.clear()
         self._full_at[call.state_key] = time.monotonic()
+
+    def check(self, call: BoundCall, ask: Callable[[bool], WindowReply], *,
+              message_first: bool = False) -> WindowReply:
+        """A task's check, whose :attr:`~.WindowReply.verdict` its path acts on: ``ask(with_message)``
+        is the path's call of the store (the hook's acquire or claim, the screen's, publish's
+        admit). The task's message goes with the first try when its key was full a moment ago
+        (or ``message_first``), else with a second only if it must wait. The tasks the reply
+        released are sent (:meth:`handle`); a key that made it wait is marked full."""
+        with_message = message_first or self.looks_full(call)
+        while True:
+            reply = ask(with_message)
+            self.handle(call, reply)
+            verdict = reply.verdict
+            if verdict is Verdict.WAITS or verdict is Verdict.NOT_KEPT:
+                self.full(call)
+            if verdict is not Verdict.NOT_KEPT or with_message:
+                return reply
+            with_message = True
 
     # -- what a call hands back ------------------------------------------------------------
     def handle(self, call: BoundCall, reply: WindowReply) -> int:

@@ -13,10 +13,11 @@ from typing import Any
 
 from ..core import timing
 from ..core.adapt import scaled_limit
+from ..core.cost import too_costly
 from ..core.keys import scan_pattern, state_key, target_matches, target_of
-from ..core.protocol import WindowCall, WindowReply
+from ..core.protocol import Verdict, WindowCall, WindowReply
 from ..core.rates import Rate
-from ..core.spec import ThrottleSpec, declared_spec
+from ..core.spec import BoundCall, ThrottleSpec, declared_spec
 from ..core.state import FOREVER_US, rate_of_field
 from ..store.client import RedisStore
 from .adaptive import Level, level_of
@@ -229,8 +230,11 @@ def unix(until_us: int) -> float:
     return float("inf") if until_us >= FOREVER_US else until_us / 1e6
 
 
-def decision(reply: WindowReply) -> Decision:
-    """The answer of a direct ``acquire``, from the window script's reply."""
+def decision(call: BoundCall, reply: WindowReply) -> Decision:
+    """The answer of a direct ``acquire`` of ``call``, from the window script's reply (a
+    cost that never fits its rates: a ThrottleError)."""
+    if reply.verdict is Verdict.REFUSED:
+        raise too_costly(call.scope, call.rates, call.cost)
     return Decision(
         allowed=reply.allowed,
         retry_after=0.0 if reply.allowed else reply.wait_us / 1e6,

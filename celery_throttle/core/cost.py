@@ -1,18 +1,24 @@
 """What a call costs, checked in one place: a declared cost (an int, a callable over the
 task's arguments, or a cost by unit), the cost a direct ``acquire`` is given, and what a
-cost by unit counts in each rate. The window script checks only what it must to stay
-safe against a message written by hand (a count per rate, each a positive integer)."""
+cost by unit counts in each rate.
+
+Whether a cost can ever fit its rates is one rule, :func:`never_fits`. The store applies it
+to every call under the limits in force (window.lua answers ``TOO_COSTLY``: a live limit
+may have been lowered by any process), and :func:`too_costly` says which rate; a
+declaration's fixed cost is held to it at once, so that a throttle that could never run
+fails at import."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
-from .errors import ConfigurationError
-from .protocol import Cost, one_cost
+from .errors import ConfigurationError, ThrottleError
+from .protocol import Cost, one_cost, per_rate
 from .rates import UNIT_NAME, Rate
+from .timing import as_declared
 
-__all__ = ["CostArg", "check_positive", "declared_cost", "direct_cost", "rate_costs"]
+__all__ = ["CostArg", "check_positive", "declared_cost", "direct_cost", "never_fits", "rate_costs", "too_costly"]
 
 #: A declared cost: units of every rate (an int, or a callable over the task's arguments),
 #: or a cost per unit its rates name, ``{"tokens": estimate}`` (any other unit: 1).
@@ -68,3 +74,24 @@ def direct_cost(cost: Any, rates: tuple[Rate, ...]) -> int | tuple[tuple[str, in
     if callable(cost) or (isinstance(cost, Mapping) and any(callable(v) for v in cost.values())):
         raise ConfigurationError(f"acquire takes a cost of units (an int, or by unit), not a callable: {cost!r}")
     return cast("int | tuple[tuple[str, int], ...]", declared_cost(cost, rates))
+
+
+def never_fits(rates: Sequence[Rate], cost: Cost) -> tuple[int, Rate] | None:
+    """(units, rate): the first of ``rates`` whose limit ``cost`` is above (a call of it
+    can never start), or None."""
+    for rate, units in zip(rates, per_rate(cost, len(rates))):
+        if units > rate.limit:
+            return units, rate
+    return None
+
+
+def too_costly(scope: str, rates: Sequence[Rate], cost: Cost) -> ThrottleError:
+    """The error of a call of ``scope`` that the store refused as costing more than a
+    rate's limit in force (``rates``: the rates this process bound it under; a live
+    limit it has not read yet may be lower)."""
+    over = never_fits(rates, cost)
+    if over is None:
+        return ThrottleError(f"cost {cost} of scope {scope!r} exceeds the limit of a rate in force: it can never run")
+    units, rate = over
+    return ThrottleError(f"cost {units} of scope {scope!r} exceeds the limit of its rate {as_declared(rate)}: "
+                         "it can never run")

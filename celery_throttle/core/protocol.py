@@ -1,7 +1,8 @@
 """The protocol between the plugin and its store's window script: pure data, no Redis.
 
 - :class:`Code`: what the window script decided (its reply's first field; the script gets
-  each code by name, :func:`.store.window_script`).
+  each code by name, :func:`.store.window_script`), and :class:`Verdict`: what that means
+  for a task, the one value the hook, the consumer's screen and publish act on.
 - :class:`WindowCall` (what the script is told about one call), :class:`Entry` (a task
   that may join the line), :func:`window_argv` (the ARGV of one operation) and
   :class:`WindowReply` (what it answered, with the tasks it released or reported).
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import Enum, IntEnum
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -28,6 +29,7 @@ __all__ = [
     "Counted",
     "Entry",
     "Reported",
+    "Verdict",
     "WindowCall",
     "WindowReply",
     "cost_arg",
@@ -93,6 +95,42 @@ class Code(IntEnum):
     #: a limit, a K), which would send it back to its place: nothing was done; the caller
     #: reads the controls (a resume or a raise it had not read yet) and claims again.
     STALE = 11
+
+
+class Verdict(Enum):
+    """What a check decided for a task: the one value the pool's hook, the consumer's screen
+    and publish act on (each as its place allows: the hook starts a body, the screen hands a
+    message to the pool, publish sends it). From the script's :class:`Code` by
+    :attr:`WindowReply.verdict`."""
+
+    #: It may go on now (RUN): the body starts; the message goes to the pool, or is sent.
+    START = "start"
+    #: A released task a little early (RUN_AT): it starts at the start granted to it.
+    START_AT = "start at"
+    #: At publish, it fits now (RELEASED): it is sent with its entry id as its ticket.
+    RELEASED = "released"
+    #: It waits in its key's line, its message kept (QUEUED).
+    WAITS = "waits"
+    #: Not kept (DENIED): without its message, check again with it; with it, the line
+    #: could not keep it.
+    NOT_KEPT = "not kept"
+    #: A copy of a task that started lately (DUPLICATE): it does not run again.
+    COPY = "copy"
+    #: It never runs as it is: its wait would pass its max wait (TOO_FAR), it waited past
+    #: it (WAITED), or its cost is above a rate's limit in force (TOO_COSTLY).
+    REFUSED = "refused"
+    #: Released under controls this process had not read (STALE): read them, check again.
+    STALE = "stale"
+    #: A holder's slot lease had run out (LOST).
+    LOST = "lost"
+
+
+_VERDICTS = {
+    Code.RUN: Verdict.START, Code.RUN_AT: Verdict.START_AT, Code.RELEASED: Verdict.RELEASED,
+    Code.QUEUED: Verdict.WAITS, Code.DENIED: Verdict.NOT_KEPT, Code.DUPLICATE: Verdict.COPY,
+    Code.TOO_FAR: Verdict.REFUSED, Code.WAITED: Verdict.REFUSED, Code.TOO_COSTLY: Verdict.REFUSED,
+    Code.STALE: Verdict.STALE, Code.LOST: Verdict.LOST,
+}
 
 
 @dataclass(frozen=True)
@@ -228,6 +266,11 @@ class WindowReply(NamedTuple):
     @property
     def allowed(self) -> bool:
         return self.code == Code.RUN
+
+    @property
+    def verdict(self) -> Verdict:
+        """What the reply decided for the task (see :class:`Verdict`)."""
+        return _VERDICTS[self.code]  # type: ignore[index]  # (an int from the script: a Code's hash)
 
     @classmethod
     def of(cls, raw: Sequence[Any]) -> WindowReply:

@@ -13,7 +13,7 @@ from typing import Any
 
 from .adapt import Adapt, adapt_of
 from .config import ALGORITHMS, check_margin, check_max_wait
-from .cost import CostArg, check_positive, declared_cost, direct_cost, rate_costs
+from .cost import CostArg, check_positive, declared_cost, direct_cost, never_fits, rate_costs
 from .errors import ConfigurationError, KeyBuildError
 from .keys import format_key, state_key, template_fields
 from .protocol import Cost
@@ -135,14 +135,13 @@ class ThrottleSpec:
         if scope is not None and (not isinstance(scope, str) or not scope):
             raise ConfigurationError(f"scope must be a non-empty string, got {scope!r}")
         declared = declared_cost(cost, parsed)
-        if isinstance(parsed, tuple):
-            fixed = dict(declared) if isinstance(declared, tuple) else None
-            for rate in parsed:
-                units = declared if isinstance(declared, int) else fixed.get(rate.unit, 1) if fixed else None
-                if isinstance(units, int) and units > rate.limit:
-                    raise ConfigurationError(
-                        f"cost {units} can never fit in rate {rate}: a call would wait forever"
-                    )
+        if isinstance(parsed, tuple) and not callable(declared):
+            # (A callable's units are known per call: the store refuses those that never fit.)
+            fixed = declared if isinstance(declared, int) else rate_costs(
+                parsed, [(unit, units if isinstance(units, int) else 0) for unit, units in declared])
+            over = never_fits(parsed, fixed)
+            if over is not None:
+                raise ConfigurationError(f"cost {over[0]} can never fit in rate {over[1]}: a call would wait forever")
         check_max_wait(max_wait, "max_wait")
         check_margin(margin, "margin")
         return cls(parsed, key, scope, declared, algorithm, max_wait, margin, concurrency, cost_after, adapted,

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 from .. import signals
 from ..check.controller import controller
 from ..check.slots import holder_id
-from ..core.errors import StoreError, WaitTooLong
+from ..core.cost import too_costly
+from ..core.errors import StoreError, ThrottleError, WaitTooLong
 from ..core.header import HEADER, Header
-from ..core.protocol import Code
+from ..core.protocol import Code, Verdict, WindowReply
 from ..core.spec import BoundCall, ThrottleSpec
 from ..waits.deferral import TurnedAway, new_entry_id, own_header
 from . import settle
@@ -58,14 +59,14 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     ticket = header.ticket if header.key == call.state_key else ""
     try:
         reply = _check(ctl, call, turned, holder, ticket, stale_ok=True)
-        if reply.code == Code.STALE:
+        if reply.verdict is Verdict.STALE:
             # Released under controls this process had not read yet (a resume, a raised
             # limit within CONTROL_REFRESH), which would send it back to its place: read
             # them now and claim again under them (once: then it goes back if it must).
             ctl.checker.refresh_controls()
             call = turned.call = ctl.checker.bind(task, args, kwargs)
             reply = _check(ctl, call, turned, holder, ticket)
-        if ticket and reply.code == Code.DUPLICATE and _redelivered(request):
+        if ticket and reply.verdict is Verdict.COPY and _redelivered(request):
             # The broker gave this message back (its worker died, or lost its connection,
             # before acking it): its process may have died waiting for the start granted
             # to its ticket. Never dropped then: checked as a new task (at least once, as
@@ -73,7 +74,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
             turned.entry_id = new_entry_id(request.id)
             ticket = ""
             reply = _check(ctl, call, turned, holder, ticket)
-        if reply.code == Code.RUN_AT and not _waited_for_start(ctl, call, reply):
+        if reply.verdict is Verdict.START_AT and not _waited_for_start(ctl, call, reply):
             # Woken past what its start allows (a loaded machine): that start is given back,
             # and it is checked again as the task it was released as.
             logger.info("throttled %s[%s] woke too late for the start granted to it; checking again", task.name,
@@ -81,14 +82,15 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
             reply = ctl.checker.claim(call, ticket or turned.entry_id, holder=holder, granted_us=reply.start_us,
                                       entry=turned.entry(with_message=True))
             ctl.lines.handle(call, reply)
-        if ticket and reply.code == Code.QUEUED and ctl.checker.refresh_controls():
+        if ticket and reply.verdict is Verdict.WAITS and ctl.checker.refresh_controls():
             # Released under limits this process had not read yet (one changed within
             # CONTROL_REFRESH: a raised or cleared limit, a resume): it went back to its
             # place under the old ones, so its line is looked at again under the new.
             ctl.lines.wake(call.scope, call.key)
     except StoreError as exc:
         return turned.on_store_error(exc)
-    if reply.code in (Code.RUN, Code.RUN_AT):
+    verdict = reply.verdict
+    if verdict is Verdict.START or verdict is Verdict.START_AT:
         _forget_header(request)
         ctl.metrics.admitted(call.scope, call.key)
         settle.started(request.id, call, ctl.checker.counted(call, reply))
@@ -96,22 +98,19 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
             holders.running[request.id] = holder
             ctl.slots.took(holder, call)
         return True
-    if reply.code == Code.QUEUED:
+    if verdict is Verdict.WAITS:
         turned.waits(reply, reason="concurrency" if call.concurrency and not call.rates else "rate")
         return False
-    if reply.code == Code.DUPLICATE:
+    if verdict is Verdict.COPY:
         # A copy of a task that started lately (sent again after a store error whose reply
         # was lost, or delivered twice): it does not run twice.
         logger.warning("%s[%s] is a copy of a task that started lately in scope %r%s: dropped, not run twice",
                        task.name, request.id, call.scope, "" if call.key is None else f" key {call.key!r}")
         ctl.metrics.store_error("duplicate")
         return False
-    if reply.code == Code.TOO_FAR:
-        raise _too_long(task, request, call, reply.wait_us / 1e6, max_wait or 0, "would wait", "scope")
-    if reply.code == Code.WAITED:
-        raise _too_long(task, request, call, reply.waited_us / 1e6, max_wait or 0, "waited",
-                        "its turn in the line of scope")
-    # (DENIED with its message given: nothing could keep it. Sent back for a moment.)
+    if verdict is Verdict.REFUSED:
+        raise _refused(task, request, call, reply, max_wait or 0)
+    # (NOT_KEPT with its message given: nothing could keep it. Sent back for a moment.)
     logger.warning("throttled %s[%s] could not join its line; sent back for a second", task.name, request.id)
     turned.send_back(1.0)
     return False
@@ -122,30 +121,21 @@ def _redelivered(request: Any) -> bool:
 
 
 def _check(ctl: Throttle, call: BoundCall, turned: TurnedAway, holder: str, ticket: str,
-           stale_ok: bool = False) -> Any:
-    """The call's check: its claim (a released task, with its ``ticket``; ``stale_ok``:
-    see :meth:`.Checker.claim`) or a fresh acquire. Its message goes with the first try
-    when its key was full a moment ago, else with a second call only if it must wait."""
-    checker, lines = ctl.checker, ctl.lines
-    with_message = lines.looks_full(call)
-    for attempt in (with_message, True):
-        entry = turned.entry(attempt)
+           stale_ok: bool = False) -> WindowReply:
+    """The call's check (:meth:`.Lines.check`): its claim (a released task, with its
+    ``ticket``; ``stale_ok``: see :meth:`.Checker.claim`) or a fresh acquire."""
+    checker = ctl.checker
+
+    def ask(with_message: bool) -> WindowReply:
         if ticket:
-            reply = checker.claim(call, ticket, holder=holder, entry=entry, stale_ok=stale_ok)
-        else:
-            reply = checker.acquire(call, holder=holder, entry=entry, lease=True)
-        lines.handle(call, reply)
-        if reply.code in (Code.QUEUED, Code.DENIED):
-            lines.full(call)
-        if reply.code == Code.STALE:
-            return reply
-        if reply.code != Code.DENIED or attempt:
-            return reply
-    return reply
+            return checker.claim(call, ticket, holder=holder, entry=turned.entry(with_message), stale_ok=stale_ok)
+        return checker.acquire(call, holder=holder, entry=turned.entry(with_message), lease=True)
+
+    return ctl.lines.check(call, ask)
 
 
 def _waited_for_start(ctl: Throttle, call: BoundCall, reply: Any) -> bool:
-    """Wait for the start a released task was granted early (``Code.RUN_AT``); False if the process
+    """Wait for the start a released task was granted early (``Verdict.START_AT``); False if the process
     woke too late for it: the body would start past its latest start less the slack (the
     wait counts from the script's now, so it never starts before its start). An Event, not
     time.sleep: libfaketime, with which the clock-skew test runs workers, breaks
@@ -162,10 +152,14 @@ def _waited_for_start(ctl: Throttle, call: BoundCall, reply: Any) -> bool:
     return reply.start_us + late_us + ctl.checker.slack_us(call.rates) <= reply.latest_us
 
 
-def _too_long(task: Any, request: Any, call: BoundCall, wait: float, max_wait: float, verb: str,
-              what: str) -> WaitTooLong:
-    """The error of a task that waits (``verb``) longer than its max_wait for ``what``, its
-    signal sent and counted (``celery_throttle_wait_exceeded_total``)."""
+def _refused(task: Any, request: Any, call: BoundCall, reply: WindowReply, max_wait: float) -> ThrottleError:
+    """The error of a task refused (:attr:`.Verdict.REFUSED`): one that would wait, or
+    waited, longer than its max_wait (its signal sent and counted:
+    ``celery_throttle_wait_exceeded_total``), or whose cost never fits its rates."""
+    if reply.code == Code.TOO_COSTLY:
+        return too_costly(call.scope, call.rates, call.cost)
+    verb, what = ("would wait", "scope") if reply.code == Code.TOO_FAR else ("waited", "its turn in the line of scope")
+    wait = (reply.wait_us if reply.code == Code.TOO_FAR else reply.waited_us) / 1e6
     controller(task.app).metrics.wait_exceeded(call.scope, call.key)
     signals.task_wait_exceeded.send(sender=task, request=request, wait=wait, max_wait=max_wait,
                                     scope=call.scope, key=call.key)

@@ -44,7 +44,7 @@ from ..check.breaker import Breaker
 from ..check.hints import Hints
 from ..core.errors import StoreError, ThrottleError
 from ..core.header import HEADER, Header
-from ..core.protocol import Code, Cost, Entry
+from ..core.protocol import Cost, Entry, Verdict, WindowReply
 from ..core.spec import BoundCall
 from ..core.timing import PUBLISH_HINT_MAX, STORE_ERROR_PAUSE, WORKER_BATCH, shortest_us
 from ..waits.deferral import expires_us, new_entry_id
@@ -148,15 +148,15 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
         return encode_message(app, app.signature(name, args, kwargs, **kept))
 
     try:
-        reply, kept = None, b""
-        for with_message in (hint == Hints.RESERVE or ctl.lines.looks_full(call), True):
+        kept = b""
+
+        def ask(with_message: bool) -> WindowReply:
+            nonlocal kept
             kept = message() if with_message else b""
-            entry = Entry(entry_id, kept, task_id, expires_us(expires),
-                          int(max_wait * 1_000_000) if max_wait else 0, WORKER_BATCH)
-            reply = ctl.checker.admit(call, entry)
-            ctl.lines.handle(call, reply)
-            if reply.code != Code.DENIED or with_message:
-                break
+            return ctl.checker.admit(call, Entry(entry_id, kept, task_id, expires_us(expires),
+                                                 int(max_wait * 1_000_000) if max_wait else 0, WORKER_BATCH))
+
+        reply = ctl.lines.check(call, ask, message_first=hint == Hints.RESERVE)
     except StoreError as exc:
         _unreachable(ctl, exc)
         # Sent unchecked: it names the entry a call whose reply was lost may have left it
@@ -164,16 +164,15 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
         headers = {**(options.get("headers") or {}), HEADER: Header(ident, pending=entry_id).value()}
         return send(name, args, kwargs, **{**options, "task_id": task_id, "headers": headers})
     except (EncodeError, TypeError, ValueError, ThrottleError):
-        return None  # an unserializable argument, a cost that never fits: the worker's check reports it
-    if reply is None:
-        return None
-    if reply.code == Code.RUN:  # room: this one and `leased - cost` more go unchecked
+        return None  # an unserializable argument: the worker's check reports it
+    verdict = reply.verdict
+    if verdict is Verdict.START:  # room: this one and `leased - cost` more go unchecked
         room: Cost = reply.leased - call.cost if isinstance(call.cost, int) else tuple(
             left - units for left, units in zip(reply.rooms, call.cost))
         seconds = min(shortest_us(call.rates) / 1e6, PUBLISH_HINT_MAX) if call.rates else FREE_HINT_S
         ctl.hints.open(ident, room, seconds)
         return None
-    if reply.code == Code.RELEASED:  # it fits now: it leaves with its ticket
+    if verdict is Verdict.RELEASED:  # it fits now: it leaves with its ticket
         headers = {**(options.get("headers") or {}), HEADER: Header(ident, entry_id).value()}
         sent_options = {**options, "task_id": task_id, "headers": headers}
         if expires is not None:
@@ -183,11 +182,10 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
         except Exception:
             _give_back(ctl, call, entry_id)  # (not sent: its room is not held for it)
             raise
-    if reply.code == Code.DUPLICATE:
+    if verdict is Verdict.COPY:
         return _result(app, task_id, options)  # (its entry started already: not sent twice)
-    if reply.code != Code.QUEUED:
-        return None  # too far for its max wait, or not kept: the worker decides, visibly
-    ctl.lines.full(call)
+    if verdict is not Verdict.WAITS:
+        return None  # refused (too far for its max wait, a cost that never fits), or not kept: the worker decides, visibly
     # (Kept in its line instead of the broker's queue: the journal, when on, holds its copy
     # in the broker all the same.)
     ctl.lines.journal.kept(ident, entry_id, reply.now_us, kept or message())

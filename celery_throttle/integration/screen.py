@@ -27,7 +27,7 @@ from ..check.breaker import Breaker
 from ..check.controller import controller
 from ..core.errors import StoreError, ThrottleError
 from ..core.header import HEADER, Header
-from ..core.protocol import Code
+from ..core.protocol import Verdict
 from ..core.timing import SCREEN_RTT_MAX_US, STORE_ERROR_PAUSE
 from ..waits.deferral import TurnedAway, own_header
 
@@ -95,12 +95,8 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             turned = TurnedAway(ctl, task, request_context(message), args, kwargs, call,
                                 own_header(Header.read(headers.get(HEADER)), str(headers.get("id"))),
                                 max_wait_us=int(max_wait * 1_000_000) if max_wait else 0)
-            reply = None
-            for with_message in (ctl.lines.looks_full(call), True):
-                reply = ctl.checker.screen(call, turned.entry(with_message))
-                ctl.lines.handle(call, reply)
-                if reply.code != Code.DENIED or with_message:
-                    break
+            entry = turned.entry
+            reply = ctl.lines.check(call, lambda with_message: ctl.checker.screen(call, entry(with_message)))
         except StoreError as exc:
             # Redis down or slow: stop screening for a while; the pool's check decides. It
             # names the entry the failed call may have left it in its line (its reply lost),
@@ -123,18 +119,19 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
         except Exception:
             logger.exception("could not screen %s[%s]; handing it to the pool", task.name, headers.get("id"))
             return handler(message, body, ack, reject, callbacks, **kw)
-        if reply is not None and reply.code == Code.DUPLICATE:
+        verdict = reply.verdict
+        if verdict is Verdict.COPY:
             logger.warning("%s[%s] is a copy of a task that started lately: dropped, not run twice", task.name,
                            headers.get("id"))
             ctl.metrics.store_error("duplicate")
             ack(logger, errors)
             return None
-        if reply is None or reply.code != Code.QUEUED:
-            if reply is not None and reply.code == Code.RUN:
+        if verdict is not Verdict.WAITS:
+            # (It fits, or could not be kept, or is refused: the pool's check decides.)
+            if verdict is Verdict.START:
                 fits_in_a_row = streak + 1
             return handler(message, body, ack, reject, callbacks, **kw)
         fits_in_a_row = 0
-        ctl.lines.full(call)
         turned.waits(reply)
         ack(logger, errors)
         return None

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from celery_throttle.core.errors import StoreError
-from celery_throttle.core.protocol import Code, Entry, WindowCall, window_argv
+from celery_throttle.core.protocol import Code, Entry, Verdict, WindowCall, WindowReply, window_argv
 from celery_throttle.core.rates import Rate
 from celery_throttle.core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, rate_field
 from celery_throttle.core.timing import SCRIPT_POLICY
@@ -69,6 +69,16 @@ def test_reply_codes_match_the_script() -> None:
     assert "DUPLICATE (a copy of a task" in header and "STALE (claim)" in header
     assert {c.name for c in Code} == {"RUN", "RUN_AT", "DENIED", "QUEUED", "RELEASED", "TOO_FAR", "TOO_COSTLY",
                                       "WAITED", "LOST", "DUPLICATE", "STALE"}
+
+
+def test_every_reply_code_has_one_verdict_and_every_verdict_a_code() -> None:
+    # The hook, the screen and publish act on the verdict alone: a code without one would
+    # be a KeyError in all three; a verdict no code gives would be a branch never taken.
+    verdicts = {code: WindowReply(code, 0, 0, 0, 0, 0).verdict for code in Code}
+    assert set(verdicts.values()) == set(Verdict)
+    assert verdicts[Code.RUN] is Verdict.START and verdicts[Code.QUEUED] is Verdict.WAITS
+    assert {c for c, v in verdicts.items() if v is Verdict.REFUSED} == {Code.TOO_FAR, Code.WAITED, Code.TOO_COSTLY}
+    assert WindowReply(int(Code.RUN_AT), 0, 0, 0, 0, 0).verdict is Verdict.START_AT  # (the script's int)
 
 
 #: The layout constants of the other algorithm: given to each script, read by one.

@@ -119,6 +119,21 @@ def test_shared_scope_two_rates_and_cost(workers: WorkerGroup) -> None:
     assert max_started_in(times, 3.0, weights) <= 9
 
 
+def test_a_call_costing_more_than_its_rate_fails_with_the_rate_and_does_not_run(workers: WorkerGroup) -> None:
+    # Given sync_issues at 6/s costing len(ids): a call of 7 ids can never fit. Publish,
+    # the consumer's screen and the pool's hook each get the store's verdict (refused:
+    # the cost is checked once, by the script, under the limits in force); publish and
+    # the screen hand it on, the hook fails it, naming the rate
+    label = new_label()
+    too_costly = workers.send("sync_issues", label, list(range(7)))
+    fits = workers.send("sync_issues", label, list(range(6)))
+    workers.wait_starts(label, 1, timeout=30)
+    result = AsyncResult(too_costly, app=workers.client)
+    wait_for(lambda: result.state == "FAILURE", timeout=30, what="the refused task to fail")
+    assert "cost 7 of scope 'shared-api' exceeds the limit of its rate 6/s" in str(result.result), result.result
+    assert [e["id"] for e in workers.starts(label)] == [fits]
+
+
 def test_callable_rate_gives_each_plan_its_limit(workers: WorkerGroup) -> None:
     label = new_label()
     free, pro = f"free-{label}", f"pro-{label}"
