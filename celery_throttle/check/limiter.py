@@ -67,11 +67,6 @@ class Throttle:
         self._metrics: Metrics | None = None
         #: What this process may send unchecked at publish (see :mod:`.publish`).
         self.hints = Hints()
-        #: The store's run id as last seen (a change: the store restarted), or None.
-        self.store_run_id: str | None = None
-        #: Where long waits go in the broker (:func:`.broker_parking.broker_parking`), once
-        #: looked at; False: in the store.
-        self.broker_parking: Any = None
 
     def configure(self, overrides: Mapping[str, Any]) -> None:
         """Apply more overrides (``install`` called again with settings)."""
@@ -79,7 +74,6 @@ class Throttle:
             self._overrides.update(overrides)
             self._settings = None
             self.checker.forget()
-            self.broker_parking = None
         self.close()
         _ = self.settings  # validate now, loudly
 

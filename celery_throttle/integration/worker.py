@@ -118,7 +118,6 @@ def _say_what_is_throttled(ctl: Throttle) -> None:
                 ", with a copy in the broker's journal" if ctl.lines.journal.enabled else "")
     for risk in report.risks:
         logger.warning("celery_throttle: the throttle store %s: %s", safe_url(store.url), risk)
-    ctl.store_run_id = report.run_id
 
 
 def _warm(ctl: Throttle, connections: int) -> None:

@@ -32,6 +32,9 @@ class StoreReport:
     risks: tuple[str, ...]
     #: What could not be checked (CONFIG refused, an INFO field missing).
     unchecked: tuple[str, ...]
+    #: The run id this store's connection saw at its report before, when it changed since
+    #: (the server restarted: whatever it did not keep on disk may be lost); else None.
+    restarted_from: str | None = None
 
     def summary(self) -> str:
         """For the worker's start line."""

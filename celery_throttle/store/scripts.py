@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from importlib import resources
 from typing import Any
 
@@ -58,6 +59,8 @@ class ScriptClient:
         self._clock = clock
         self._lock = ForkSafeLock()
         self._client: Any = None
+        #: The server's run id as this store's last report saw it (:meth:`report`).
+        self.run_id: str | None = None
         #: Every script's source by name, registered at connect (and again after a close),
         #: and where each of its lines comes from.
         self._sources: dict[str, str] = {}
@@ -169,9 +172,14 @@ class ScriptClient:
 
     def report(self, journaled: bool = False) -> StoreReport:
         """What this store risks (eviction, persistence) and its run id: see doctor.py
-        (``journaled``: the lines have a copy in the broker)."""
+        (``journaled``: the lines have a copy in the broker); whether it restarted since
+        the last report (``restarted_from``)."""
         with self.errors():
-            return examine(self.client, journaled)
+            report = examine(self.client, journaled)
+        seen, self.run_id = self.run_id, report.run_id or self.run_id
+        if seen is not None and report.run_id is not None and report.run_id != seen:
+            return replace(report, restarted_from=seen)
+        return report
 
     def now_us(self) -> int:
         """The Redis clock (or the test clock)."""

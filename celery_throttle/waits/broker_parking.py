@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
@@ -59,14 +60,20 @@ def parks_in_broker(ctl: Throttle) -> bool:
         return False
 
 
+#: Where each app's long waits went in the broker, as looked at under its settings, in this
+#: process: (settings, pid, parking). Kept here, not on the controller: nothing else needs it.
+_looked_at: weakref.WeakKeyDictionary[Any, tuple[Any, int, BrokerParking | None]] = weakref.WeakKeyDictionary()
+
+
 def broker_parking(ctl: Throttle) -> BrokerParking | None:
     """``ctl``'s broker parking, or None when nothing was parked in the broker (looked at
-    once per process: a prefork child gets one of its own, not its parent's lock, which
-    another thread of the parent may have held when it forked)."""
-    current = ctl.broker_parking
-    if current is None or (isinstance(current, BrokerParking) and current.pid != os.getpid()):
-        ctl.broker_parking = BrokerParking(ctl) if parks_in_broker(ctl) else False
-    return ctl.broker_parking or None
+    once per process and settings: a prefork child gets one of its own, not its parent's
+    lock, which another thread of the parent may have held when it forked; settings that
+    change, ``install`` called again, look again)."""
+    seen = _looked_at.get(ctl)
+    if seen is None or seen[0] is not ctl.settings or seen[1] != os.getpid():
+        seen = _looked_at[ctl] = (ctl.settings, os.getpid(), BrokerParking(ctl) if parks_in_broker(ctl) else None)
+    return seen[2]
 
 
 def _declared(conn: Any, name: str) -> bool:
@@ -88,7 +95,6 @@ class BrokerParking:
 
     def __init__(self, ctl: Throttle) -> None:
         self.ctl = ctl
-        self.pid = os.getpid()
         self._lock = ForkSafeLock()
 
     @property

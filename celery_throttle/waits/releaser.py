@@ -271,8 +271,8 @@ class Releaser(threading.Thread):
         whatever it did not keep on disk (lines, counts) may be lost."""
         ctl = self.ctl
         report = ctl.store.report(self.keeper is not None)
-        before, ctl.store_run_id = ctl.store_run_id, report.run_id
-        if before is not None and report.run_id is not None and report.run_id != before:
+        before = report.restarted_from
+        if before is not None and report.run_id is not None:
             ctl.metrics.store_error("restart")
             seen = self._lines_seen
             lines = (f" ({seen[0]} key(s) had tasks waiting in their lines {time.time() - seen[1]:.0f}s before)"
