@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 from ..celery_parts.messages import resend, task_of
@@ -76,23 +75,22 @@ class Lines(OnCall):
             self._full_at.clear()
         self._full_at[call.state_key] = time.monotonic()
 
-    def check(self, call: BoundCall, ask: Callable[[bool], WindowReply], *,
-              message_first: bool = False) -> WindowReply:
-        """A task's check, whose :attr:`~.WindowReply.verdict` its path acts on: ``ask(with_message)``
-        is the path's call of the store (the hook's acquire or claim, the screen's, publish's
-        admit). The task's message goes with the first try when its key was full a moment ago
-        (or ``message_first``), else with a second only if it must wait. The tasks the reply
-        released are sent (:meth:`handle`); a key that made it wait is marked full."""
-        with_message = message_first or self.looks_full(call)
-        while True:
-            reply = ask(with_message)
-            self.handle(call, reply)
-            verdict = reply.verdict
-            if verdict is Verdict.WAITS or verdict is Verdict.NOT_KEPT:
-                self.full(call)
-            if verdict is not Verdict.NOT_KEPT or with_message:
-                return reply
-            with_message = True
+    def tries(self, call: BoundCall, *, message_first: bool = False) -> tuple[bool, ...]:
+        """Whether a task's message goes with each try of its check (the hook's acquire or
+        claim, the screen's, publish's admit): with the first when its key was full a moment
+        ago (or ``message_first``), else with a second only if it must wait. Each try's
+        reply goes to :meth:`checked`; the last reply's verdict is the one to act on."""
+        return (True,) if message_first or self.looks_full(call) else (False, True)
+
+    def checked(self, call: BoundCall, reply: WindowReply) -> bool:
+        """One try of a task's check answered ``reply``: the tasks it released are sent
+        (:meth:`handle`), a key that made it wait is marked full. False: not kept without
+        its message (try again with it)."""
+        self.handle(call, reply)
+        verdict = reply.verdict
+        if verdict is Verdict.WAITS or verdict is Verdict.NOT_KEPT:
+            self.full(call)
+        return verdict is not Verdict.NOT_KEPT
 
     # -- what a call hands back ------------------------------------------------------------
     def handle(self, call: BoundCall, reply: WindowReply) -> int:

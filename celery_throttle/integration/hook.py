@@ -122,16 +122,18 @@ def _redelivered(request: Any) -> bool:
 
 def _check(ctl: Throttle, call: BoundCall, turned: TurnedAway, holder: str, ticket: str,
            stale_ok: bool = False) -> WindowReply:
-    """The call's check (:meth:`.Lines.check`): its claim (a released task, with its
+    """The call's check (:meth:`.Lines.tries`): its claim (a released task, with its
     ``ticket``; ``stale_ok``: see :meth:`.Checker.claim`) or a fresh acquire."""
-    checker = ctl.checker
-
-    def ask(with_message: bool) -> WindowReply:
+    checker, lines = ctl.checker, ctl.lines
+    for with_message in lines.tries(call):
+        entry = turned.entry(with_message)
         if ticket:
-            return checker.claim(call, ticket, holder=holder, entry=turned.entry(with_message), stale_ok=stale_ok)
-        return checker.acquire(call, holder=holder, entry=turned.entry(with_message), lease=True)
-
-    return ctl.lines.check(call, ask)
+            reply = checker.claim(call, ticket, holder=holder, entry=entry, stale_ok=stale_ok)
+        else:
+            reply = checker.acquire(call, holder=holder, entry=entry, lease=True)
+        if lines.checked(call, reply):
+            break
+    return reply
 
 
 def _waited_for_start(ctl: Throttle, call: BoundCall, reply: Any) -> bool:

@@ -44,7 +44,7 @@ from ..check.breaker import Breaker
 from ..check.hints import Hints
 from ..core.errors import StoreError, ThrottleError
 from ..core.header import HEADER, Header
-from ..core.protocol import Cost, Entry, Verdict, WindowReply
+from ..core.protocol import Cost, Entry, Verdict
 from ..core.spec import BoundCall
 from ..core.timing import PUBLISH_HINT_MAX, STORE_ERROR_PAUSE, WORKER_BATCH, shortest_us
 from ..waits.deferral import expires_us, new_entry_id
@@ -148,15 +148,12 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
         return encode_message(app, app.signature(name, args, kwargs, **kept))
 
     try:
-        kept = b""
-
-        def ask(with_message: bool) -> WindowReply:
-            nonlocal kept
+        for with_message in ctl.lines.tries(call, message_first=hint == Hints.RESERVE):
             kept = message() if with_message else b""
-            return ctl.checker.admit(call, Entry(entry_id, kept, task_id, expires_us(expires),
-                                                 int(max_wait * 1_000_000) if max_wait else 0, WORKER_BATCH))
-
-        reply = ctl.lines.check(call, ask, message_first=hint == Hints.RESERVE)
+            reply = ctl.checker.admit(call, Entry(entry_id, kept, task_id, expires_us(expires),
+                                                  int(max_wait * 1_000_000) if max_wait else 0, WORKER_BATCH))
+            if ctl.lines.checked(call, reply):
+                break
     except StoreError as exc:
         _unreachable(ctl, exc)
         # Sent unchecked: it names the entry a call whose reply was lost may have left it

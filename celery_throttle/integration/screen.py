@@ -95,8 +95,10 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             turned = TurnedAway(ctl, task, request_context(message), args, kwargs, call,
                                 own_header(Header.read(headers.get(HEADER)), str(headers.get("id"))),
                                 max_wait_us=int(max_wait * 1_000_000) if max_wait else 0)
-            entry = turned.entry
-            reply = ctl.lines.check(call, lambda with_message: ctl.checker.screen(call, entry(with_message)))
+            for with_message in ctl.lines.tries(call):
+                reply = ctl.checker.screen(call, turned.entry(with_message))
+                if ctl.lines.checked(call, reply):
+                    break
         except StoreError as exc:
             # Redis down or slow: stop screening for a while; the pool's check decides. It
             # names the entry the failed call may have left it in its line (its reply lost),
