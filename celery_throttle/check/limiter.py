@@ -1,35 +1,26 @@
 """The Throttle controller: the limiter as users and operators call it (``acquire``, ``status``
-(read in :mod:`.status`), ``pause``, ``set_limit``, ...), over the settings, the store connections
-and the :class:`.checker.Checker` the hook, the screen and publish check calls with."""
+(read in :mod:`.status`), ``pause``, ``set_limit``, ...), over the app's parts in this process
+(:class:`.parts.Parts`: the settings, the store connections and the checks)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..core import timing
-from ..core.config import Settings, require_redis_url
 from ..core.cost import check_positive
 from ..core.errors import ConfigurationError
 from ..core.keys import state_key
-from ..core.locks import ForkSafeLock
 from ..core.rates import Rate
 from ..core.spec import BoundCall, ThrottleSpec, direct_call
 from ..core.state import FOREVER_US
-from ..store.client import RedisStore
-from ..store.parking import ParkingStore
-from .checker import Checker
 from .control_set import (
     ControlSet,
     limit_field,
     parse_controls,
     pause_field,
 )
-from .hints import Hints
-from .lines import Lines
-from .metrics import Metrics
-from .slots import Slots
+from .parts import Parts
 from .status import (
     Decision,
     Status,
@@ -47,103 +38,11 @@ __all__ = ["Throttle"]
 logger = logging.getLogger("celery_throttle")
 
 
-class Throttle:
-    """Global limits for one Celery app. Get it from :func:`celery_throttle.install`."""
+class Throttle(Parts):
+    """Global limits for one Celery app. Get it from :func:`celery_throttle.install`.
 
-    def __init__(self, app: Any, overrides: Mapping[str, Any] | None = None,
-                 clock: Callable[[], int] | None = None) -> None:
-        self.app = app
-        self._overrides = dict(overrides or {})
-        self._clock = clock
-        self._settings: Settings | None = None
-        self._store: RedisStore | None = None
-        self._quick_store: RedisStore | None = None
-        self._parking: ParkingStore | None = None
-        self._slots: Slots | None = None
-        self._lines: Lines | None = None
-        self._lock = ForkSafeLock()
-        #: The checks of this app's calls (the hook, the screen and publish use it).
-        self.checker = Checker(self)
-        self._metrics: Metrics | None = None
-        #: What this process may send unchecked at publish (see :mod:`.publish`).
-        self.hints = Hints()
-
-    def configure(self, overrides: Mapping[str, Any]) -> None:
-        """Apply more overrides (``install`` called again with settings)."""
-        with self._lock:
-            self._overrides.update(overrides)
-            self._settings = None
-            self.checker.forget()
-        self.close()
-        _ = self.settings  # validate now, loudly
-
-    @property
-    def settings(self) -> Settings:
-        """Settings, read from ``app.conf`` on first use (the app may be configured
-        after ``install``)."""
-        if self._settings is None:
-            self._settings = Settings.from_app(self.app, self._overrides)
-        return self._settings
-
-    @property
-    def metrics(self) -> Metrics:
-        """What this process counts (Prometheus with the extra) and logs about it."""
-        if self._metrics is None:
-            self._metrics = Metrics(with_keys=self.settings.metrics_keys)
-        return self._metrics
-
-    @property
-    def store(self) -> RedisStore:
-        """The Redis store, connected on first use (in the process that uses it)."""
-        return self._store or self._open("_store")
-
-    @property
-    def parking(self) -> ParkingStore:
-        """The parked messages of :attr:`store`."""
-        parking = self._parking
-        if parking is None or parking.store is not self.store:
-            parking = self._parking = ParkingStore(self.store)
-        return parking
-
-    @property
-    def slots(self) -> Slots:
-        """This process's concurrency slots (:mod:`.slots`)."""
-        if self._slots is None:
-            self._slots = Slots(self)
-        return self._slots
-
-    @property
-    def lines(self) -> Lines:
-        """This process's side of the lines (:mod:`.lines`)."""
-        if self._lines is None:
-            self._lines = Lines(self)
-        return self._lines
-
-    @property
-    def quick_store(self) -> RedisStore:
-        """The store, through a connection that gives up after QUICK_TIMEOUT."""
-        return self._quick_store or self._open("_quick_store", timing.QUICK_TIMEOUT)
-
-    def _open(self, attribute: str, quick_timeout: float | None = None) -> RedisStore:
-        with self._lock:
-            if getattr(self, attribute) is None:
-                s = self.settings
-                opened = RedisStore.opened(require_redis_url(self.app, s), s.key_prefix, s.redis_options,
-                                           quick_timeout, clock=self._clock)
-                other = self._quick_store if attribute == "_store" else self._store
-                if other is not None:
-                    opened.rtt_us = other.rtt_us  # (the same store, as far away)
-                setattr(self, attribute, opened)
-            store: RedisStore = getattr(self, attribute)
-            return store
-
-    def close(self) -> None:
-        """Close the connections to the store (a later call opens new ones)."""
-        with self._lock:
-            for store in (self._store, self._quick_store):
-                if store is not None:
-                    store.close()
-            self._store = self._quick_store = None
+    The API users and operators call, over the app's :class:`.parts.Parts` (its settings,
+    store connections and checks), which the hook, the screen, publish and the waits use."""
 
     def acquire(
         self,

@@ -22,7 +22,7 @@ from ..waits.deferral import TurnedAway, new_entry_id, own_header
 from . import settle
 
 if TYPE_CHECKING:
-    from ..check.limiter import Throttle
+    from ..check.parts import Parts
 
 __all__ = ["guard"]
 
@@ -120,7 +120,7 @@ def _redelivered(request: Any) -> bool:
     return bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
 
 
-def _check(ctl: Throttle, call: BoundCall, turned: TurnedAway, holder: str, ticket: str,
+def _check(ctl: Parts, call: BoundCall, turned: TurnedAway, holder: str, ticket: str,
            stale_ok: bool = False) -> WindowReply:
     """The call's check (:meth:`.Lines.tries`): its claim (a released task, with its
     ``ticket``; ``stale_ok``: see :meth:`.Checker.claim`) or a fresh acquire."""
@@ -136,7 +136,7 @@ def _check(ctl: Throttle, call: BoundCall, turned: TurnedAway, holder: str, tick
     return reply
 
 
-def _waited_for_start(ctl: Throttle, call: BoundCall, reply: Any) -> bool:
+def _waited_for_start(ctl: Parts, call: BoundCall, reply: Any) -> bool:
     """Wait for the start a released task was granted early (``Verdict.START_AT``); False if the process
     woke too late for it: the body would start past its latest start less the slack (the
     wait counts from the script's now, so it never starts before its start). An Event, not

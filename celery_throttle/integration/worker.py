@@ -30,6 +30,7 @@ from ..celery_parts.internals import chain_on_close, wrap_update_strategies
 from ..check import slots
 from ..check.controller import controller
 from ..check.limiter import Throttle
+from ..check.parts import Parts
 from ..core.errors import StoreError
 from ..core.header import HEADER, Header
 from ..core.spec import declared_spec
@@ -98,7 +99,7 @@ class ThrottleStep(bootsteps.StartStopStep):
     shutdown = terminate = stop  # (a cold shutdown terminates steps instead of stopping them)
 
 
-def _say_what_is_throttled(ctl: Throttle) -> None:
+def _say_what_is_throttled(ctl: Parts) -> None:
     """One line at start: the throttled tasks, the store and what it risks (each risk
     also on a WARNING line of its own)."""
     store = ctl.store
@@ -120,7 +121,7 @@ def _say_what_is_throttled(ctl: Throttle) -> None:
         logger.warning("celery_throttle: the throttle store %s: %s", safe_url(store.url), risk)
 
 
-def _warm(ctl: Throttle, connections: int) -> None:
+def _warm(ctl: Parts, connections: int) -> None:
     """A store far away: open ``connections`` to it now, and read the controls, so that no
     check of a burst waits for a new connection's handshake or the first read."""
     if ctl.store.rtt_us < RTT_COUNTS_FROM_US:
@@ -290,7 +291,7 @@ def _patch_on_finalize(sender: Any, **_: Any) -> None:
     patch_tasks(controller(sender))
 
 
-def patch_tasks(ctl: Throttle) -> int:
+def patch_tasks(ctl: Parts) -> int:
     """Hook every throttled task of the app (decorated or matched by a rule)."""
     count = 0
     for name, task in list(ctl.app.tasks.items()):

@@ -28,7 +28,7 @@ from ..core.header import without_dead_letter_headers
 from ..core.locks import ForkSafeLock
 
 if TYPE_CHECKING:
-    from ..check.limiter import Throttle
+    from ..check.parts import Parts
 
 __all__ = ["DELAY_PREFIX", "DEST_HEADER", "BrokerParking", "broker_parking", "parks_in_broker"]
 
@@ -43,7 +43,7 @@ _MOVED_PROPERTIES = ("correlation_id", "reply_to", "priority", "delivery_mode", 
                      "timestamp")
 
 
-def parks_in_broker(ctl: Throttle) -> bool:
+def parks_in_broker(ctl: Parts) -> bool:
     """Whether an earlier version parked long waits in RabbitMQ: ``throttle_park_in`` says
     so, or is ``auto`` and the broker is an AMQP one."""
     where = ctl.settings.park_in
@@ -65,7 +65,7 @@ def parks_in_broker(ctl: Throttle) -> bool:
 _looked_at: weakref.WeakKeyDictionary[Any, tuple[Any, int, BrokerParking | None]] = weakref.WeakKeyDictionary()
 
 
-def broker_parking(ctl: Throttle) -> BrokerParking | None:
+def broker_parking(ctl: Parts) -> BrokerParking | None:
     """``ctl``'s broker parking, or None when nothing was parked in the broker (looked at
     once per process and settings: a prefork child gets one of its own, not its parent's
     lock, which another thread of the parent may have held when it forked; settings that
@@ -93,7 +93,7 @@ def _declared(conn: Any, name: str) -> bool:
 class BrokerParking:
     """What earlier versions parked in RabbitMQ: counted, and the held sent on."""
 
-    def __init__(self, ctl: Throttle) -> None:
+    def __init__(self, ctl: Parts) -> None:
         self.ctl = ctl
         self._lock = ForkSafeLock()
 

@@ -29,7 +29,7 @@ from ..core.spec import BoundCall
 from ..core.timing import RESEND_PATIENCE, RESEND_RETRY_DELAY, RESEND_RETRY_MAX_DELAY, WORKER_BATCH
 
 if TYPE_CHECKING:
-    from ..check.limiter import Throttle
+    from ..check.parts import Parts
 
 __all__ = ["KEPT_PROPERTIES", "TurnedAway", "expires_us", "kept_properties", "names_task",
            "new_entry_id", "own_header"]
@@ -131,7 +131,7 @@ _refusals = _Refusals()
 class TurnedAway:
     """A task a worker could not start now, with what putting it in its line takes."""
 
-    ctl: Throttle
+    ctl: Parts
     task: Any
     #: Its request (Celery's ``Context``): id, headers, routing, retries.
     request: Any

@@ -37,7 +37,7 @@ from ..core.journal import (
 from ..core.keys import journal_keys, line_index_key, target_of, window_keys
 
 if TYPE_CHECKING:
-    from ..check.limiter import Throttle
+    from ..check.parts import Parts
 
 __all__ = ["Pass"]
 
@@ -60,7 +60,7 @@ SENT_ON_KEEP = 3600
 class Pass:
     """One pass over the journal of ``ctl``'s app, on the keeper's ``connection``."""
 
-    def __init__(self, ctl: Throttle, connection: Any, stopping: threading.Event | None = None) -> None:
+    def __init__(self, ctl: Parts, connection: Any, stopping: threading.Event | None = None) -> None:
         self.ctl = ctl
         self.store = ctl.store
         self.broker = ctl.lines.journal.broker

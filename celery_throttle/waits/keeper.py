@@ -28,7 +28,7 @@ from .journal_pass import Pass
 from .outage import Outage
 
 if TYPE_CHECKING:
-    from ..check.limiter import Throttle
+    from ..check.parts import Parts
 
 __all__ = ["Keeper"]
 
@@ -49,7 +49,7 @@ STOP_WAIT = 5.0
 class Keeper(threading.Thread):
     """Reads the journal of one app now and then; sends on what the store lost."""
 
-    def __init__(self, ctl: Throttle) -> None:
+    def __init__(self, ctl: Parts) -> None:
         super().__init__(name="celery-throttle-keeper", daemon=True)
         self.ctl = ctl
         self._stop_event = threading.Event()

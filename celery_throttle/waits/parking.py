@@ -18,7 +18,7 @@ from ..celery_parts.messages import resend
 from ..core.keys import PARKED_TAG_END
 
 if TYPE_CHECKING:
-    from ..check.limiter import Throttle
+    from ..check.parts import Parts
 
 __all__ = ["BATCH", "MAX_ATTEMPTS", "parked_task_id", "release_parked"]
 
@@ -42,7 +42,7 @@ def parked_task_id(parked_id: str) -> str:
     return parked_id.rpartition(PARKED_TAG_END)[2].rpartition(":")[0]
 
 
-def release_parked(ctl: Throttle) -> int:
+def release_parked(ctl: Parts) -> int:
     """Send back what is parked and due within the next interval (a pause an earlier
     version parked behind is this version's to check: every one is due now); returns how
     many were taken."""

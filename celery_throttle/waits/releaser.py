@@ -35,7 +35,7 @@ from .parking import BATCH, release_parked
 from .sharer import Sharer
 
 if TYPE_CHECKING:
-    from ..check.limiter import Throttle
+    from ..check.parts import Parts
 
 __all__ = ["CLAIM_LEASE_US", "Outage", "Releaser"]
 
@@ -70,7 +70,7 @@ GAUGE_EVERY = 10.0
 class Releaser(threading.Thread):
     """Releases the heads of lines as their keys get room; sends on what earlier versions left."""
 
-    def __init__(self, ctl: Throttle) -> None:
+    def __init__(self, ctl: Parts) -> None:
         super().__init__(name="celery-throttle-releaser", daemon=True)
         self.ctl = ctl
         self._stop_event = threading.Event()

@@ -35,7 +35,7 @@ from ..store.sharing import CAP_KEEP_MS
 from .outage import Outage
 
 if TYPE_CHECKING:
-    from ..check.limiter import Throttle
+    from ..check.parts import Parts
 
 __all__ = ["LEAVE_AFTER", "PASS_DUTY", "SHARE_EVERY", "Sharer"]
 
@@ -65,7 +65,7 @@ SCOPES_EVERY = 5.0
 class Sharer(threading.Thread):
     """Moves the caps of the shared scopes of one app, where this worker holds the lock."""
 
-    def __init__(self, ctl: Throttle) -> None:
+    def __init__(self, ctl: Parts) -> None:
         super().__init__(name="celery-throttle-sharer", daemon=True)
         self.ctl = ctl
         self._stop_event = threading.Event()

@@ -28,6 +28,7 @@ from ..core.keys import PARKED_TAG_END, encode, glob_escape, line_index_key, sta
 
 if TYPE_CHECKING:
     from ..check.limiter import Throttle
+    from ..check.parts import Parts
     from ..check.status import RateStatus
 
 __all__ = ["Whereabouts", "explain", "parked_call"]
@@ -75,7 +76,7 @@ class Whereabouts:
     share_cap: int | None = None
 
 
-def parked_call(ctl: Throttle, message: bytes | None) -> tuple[str, Header]:
+def parked_call(ctl: Parts, message: bytes | None) -> tuple[str, Header]:
     """(task name, its ``celery_throttle`` header as read) of a kept message."""
     try:
         body = decode_message(ctl.app, message or b"")
@@ -84,7 +85,7 @@ def parked_call(ctl: Throttle, message: bytes | None) -> tuple[str, Header]:
     return body["task"], Header.read((body["options"].get("headers") or {}).get(HEADER))
 
 
-def find_in_lines(ctl: Throttle, task_id: str) -> tuple[str, str, int, bytes | None] | None:
+def find_in_lines(ctl: Parts, task_id: str) -> tuple[str, str, int, bytes | None] | None:
     """(``line`` | ``released``, state key, place in the line from 1 (0: released), its
     message) of task ``task_id``, among the keys with a line (the index)."""
     store = ctl.store

@@ -1,0 +1,124 @@
+"""This process's parts of one app's throttle, made on first use: its settings, its store
+connections, the checks of its calls (:class:`.checker.Checker`), its side of the lines
+and slots, what it counts, and what it may send unchecked at publish.
+
+The hook, the consumer's screen, publish and the waits work with these parts;
+:class:`.limiter.Throttle` (the controller) is them and the API users and operators call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..core import timing
+from ..core.config import Settings, require_redis_url
+from ..core.locks import ForkSafeLock
+from ..store.client import RedisStore
+from ..store.parking import ParkingStore
+from .checker import Checker
+from .hints import Hints
+from .lines import Lines
+from .metrics import Metrics
+from .slots import Slots
+
+__all__ = ["Parts"]
+
+
+class Parts:
+    """The parts of one app's throttle in this process (see the module's doc)."""
+
+    def __init__(self, app: Any, overrides: Mapping[str, Any] | None = None,
+                 clock: Callable[[], int] | None = None) -> None:
+        self.app = app
+        self._overrides = dict(overrides or {})
+        self._clock = clock
+        self._settings: Settings | None = None
+        self._store: RedisStore | None = None
+        self._quick_store: RedisStore | None = None
+        self._parking: ParkingStore | None = None
+        self._slots: Slots | None = None
+        self._lines: Lines | None = None
+        self._lock = ForkSafeLock()
+        #: The checks of this app's calls (the hook, the screen and publish use it).
+        self.checker = Checker(self)
+        self._metrics: Metrics | None = None
+        #: What this process may send unchecked at publish (see :mod:`.publish`).
+        self.hints = Hints()
+
+    def configure(self, overrides: Mapping[str, Any]) -> None:
+        """Apply more overrides (``install`` called again with settings)."""
+        with self._lock:
+            self._overrides.update(overrides)
+            self._settings = None
+            self.checker.forget()
+        self.close()
+        _ = self.settings  # validate now, loudly
+
+    @property
+    def settings(self) -> Settings:
+        """Settings, read from ``app.conf`` on first use (the app may be configured
+        after ``install``)."""
+        if self._settings is None:
+            self._settings = Settings.from_app(self.app, self._overrides)
+        return self._settings
+
+    @property
+    def metrics(self) -> Metrics:
+        """What this process counts (Prometheus with the extra) and logs about it."""
+        if self._metrics is None:
+            self._metrics = Metrics(with_keys=self.settings.metrics_keys)
+        return self._metrics
+
+    @property
+    def store(self) -> RedisStore:
+        """The Redis store, connected on first use (in the process that uses it)."""
+        return self._store or self._open("_store")
+
+    @property
+    def parking(self) -> ParkingStore:
+        """The parked messages of :attr:`store`."""
+        parking = self._parking
+        if parking is None or parking.store is not self.store:
+            parking = self._parking = ParkingStore(self.store)
+        return parking
+
+    @property
+    def slots(self) -> Slots:
+        """This process's concurrency slots (:mod:`.slots`)."""
+        if self._slots is None:
+            self._slots = Slots(self)
+        return self._slots
+
+    @property
+    def lines(self) -> Lines:
+        """This process's side of the lines (:mod:`.lines`)."""
+        if self._lines is None:
+            self._lines = Lines(self)
+        return self._lines
+
+    @property
+    def quick_store(self) -> RedisStore:
+        """The store, through a connection that gives up after QUICK_TIMEOUT."""
+        return self._quick_store or self._open("_quick_store", timing.QUICK_TIMEOUT)
+
+    def _open(self, attribute: str, quick_timeout: float | None = None) -> RedisStore:
+        with self._lock:
+            if getattr(self, attribute) is None:
+                s = self.settings
+                opened = RedisStore.opened(require_redis_url(self.app, s), s.key_prefix, s.redis_options,
+                                           quick_timeout, clock=self._clock)
+                other = self._quick_store if attribute == "_store" else self._store
+                if other is not None:
+                    opened.rtt_us = other.rtt_us  # (the same store, as far away)
+                setattr(self, attribute, opened)
+            store: RedisStore = getattr(self, attribute)
+            return store
+
+    def close(self) -> None:
+        """Close the connections to the store (a later call opens new ones)."""
+        with self._lock:
+            for store in (self._store, self._quick_store):
+                if store is not None:
+                    store.close()
+            self._store = self._quick_store = None
