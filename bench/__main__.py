@@ -1,9 +1,7 @@
 """``python -m bench [--quick] [--only NAME]``: the celery_throttle benchmark.
 
-Sections (CONTRIBUTING.md, "Benchmarks"): :data:`SECTIONS`, each on redis-servers of its own,
-writing bench/out/ (results.md, results.json, chart.png, worker logs); a run at full scale (no
---quick) also writes its rows of the headline table and its own table into bench/results.json, and
-bench/results.md from it (and bench/chart.png).
+Each section (:data:`SECTIONS`) runs on redis-servers of its own and writes bench/out/; a full-scale
+run also writes its headline cells and tables into bench/results.json, and bench/results.md from it.
 """
 
 from __future__ import annotations
@@ -21,12 +19,9 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.common import BENCH, MET, MISSED, OUT, ROOT, Results
+from bench.common import BENCH, MET, MISSED, OUT, ROOT, Results, md
 
-#: name -> (module, function, aliases), in the order of a full run: burst (1-4: violation, makespan, re-sends,
-#: the baselines, the chart), backlog (9: a deep line), neighbour (10), api429 (11), rpt (12: Redis per task),
-#: slow (13: a store 100 ms away), concurrency (14), llm (15), llmsweep (15b), deferral (capacity after the
-#: deferral), controls, journal, units, adapt (16: adaptive limits), share (17: a fair share of a scope's slots).
+#: name -> (module, function, aliases: the section numbers among them), in the order of a full run.
 SECTIONS = {
     "burst": ("bench.bursts", "run_burst", ("1", "2", "3", "4", "violation", "makespan", "chart")),
     "backlog": ("bench.after_deferral", "run_backlog", ("9", "depth", "deep-line")),
@@ -73,9 +68,8 @@ class Scale:
     adapt_calls: int = 3_000
     adapt_phase: float = 20.0
     adapt_extra: bool = True
-    #: a fair share of 8 slots: tasks of a and b (heavy 2x), a tenant alone's, the newcomer's flood, the
-    #: newcomer's sends and seconds between, the tenants beside a flood of the passes timed, and over how long;
-    #: the trickle's flood, its one-task tenants and the seconds between them.
+    #: a fair share (bench/share.py): a and b's tasks, alone's, the flood beside newcomers (how many, s apart),
+    #: tenants beside a flood of the passes timed (over s), the trickle's (flood, one-task tenants, s apart).
     share_weighted: int = 150
     share_alone: int = 320
     share_flood: int = 480
@@ -157,9 +151,9 @@ def section(res: Results, name: str, run: Any, *args: Any) -> None:
     cells = [(r.section, r.metric, r.variant, r.value, r.target, {MET: "met", MISSED: "**missed**"}.get(r.status, ""),
               r.note) for r in res.rows[first:]]
     if cells:
-        res.tables.setdefault(name, []).insert(0, "\n".join(
-            ["| Section | Metric | Variant | Value | Target | Status | Note |", "|---|---|---|---|---|---|---|"]
-            + ["| " + " | ".join(str(x).replace("|", "/") for x in row) + " |" for row in cells]))
+        res.tables.setdefault(name, []).insert(0, md("| Section | Metric | Variant | Value | Target | Status | Note |",
+                                                     ("| " + " | ".join(str(x).replace("|", "/") for x in row) + " |"
+                                                      for row in cells)))
 
 
 def commit() -> str:

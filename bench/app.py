@@ -1,21 +1,14 @@
 """The bench's one Celery app (``celery -A bench.app worker``), and its producer.
 
-Configured from the environment as tests/taskapp.py is (tests/harness.py's AppWorkers starts its
-workers): CT_BROKER, CT_STORE, CT_RECORDS (the notes), CT_PREFIX, CT_QUEUE, CT_PREFETCH,
-CT_CHECK_AT_PUBLISH (0: off), CT_SLOT_LEASE; BENCH_RATE (the burst's limit), BENCH_API_URL (the fake
-API), BENCH_START_GRACE (``throttle_start_grace``, no effect since the line), BENCH_DENIALS=1 (each
-denial counted in ``<prefix>:denied:<label>``), BENCH_SHARER_PASSES=1 (each pass of a worker's
-sharer counted in ``<prefix>:passes:<scope>``, in the notes). A body notes its start as JSON in
-``<prefix>:starts:<label>`` (a slot's, its span in ``<prefix>:spans``). The naive baselines re-send
-a denied task with ``countdown`` = time until its window opens; the API clients retry a 429 after
-``Retry-After`` (or raise ``Backoff`` with it).
+Configured from the environment as tests/taskapp.py is (CT_BROKER, CT_STORE, CT_RECORDS, CT_PREFIX,
+CT_QUEUE, CT_PREFETCH, CT_CHECK_AT_PUBLISH, CT_SLOT_LEASE) and BENCH_RATE, BENCH_API_URL,
+BENCH_START_GRACE, BENCH_DENIALS=1 (denials counted), BENCH_SHARER_PASSES=1 (sharer passes counted).
+A body notes its start in ``<prefix>:starts:<label>`` (a slot's span in ``<prefix>:spans``).
 
-``python -m bench.app '{"sends": [...]}'``: a producer as users write one (it imports this module,
-its sends are checked at publish, it never finalizes the app). A send: ``task``, ``args``,
-``count``, ``queue``, ``pace`` (s between calls), ``vary`` (``"index"``: the call's index added to
-its args; a list: its items in turn) at ``vary_at`` in the args (default: last), ``pooled`` (one
-producer for all, as a bulk sender holds; else as ``.delay()``), ``ids``. Prints one JSON line: per
-send, when its first and last call went, and (``ids``) each call's id and time.
+``python -m bench.app '{"sends": [...]}'``: a producer as users write one (imports this module, never
+finalizes the app). A send: ``task``, ``args``, ``count``, ``queue``, ``pace`` (s between calls), ``vary``
+(``"index"`` or a list, inserted at ``vary_at``), ``pooled`` (one producer for all), ``ids``. Prints
+one JSON line: per send, its first and last call's time and (``ids``) each call's id and time.
 """
 
 from __future__ import annotations
@@ -81,21 +74,16 @@ LLM_RATES, MEAN, MOST = ("60/m", "10000 tokens/m"), 250, 450
 SWEEP_RATES, MAX_COMPLETION = ("20/10s", "4000 tokens/10s"), 200
 
 app = Celery("bench", broker=os.environ.get("CT_BROKER", "redis://127.0.0.1:6379/1"))
-app.conf.update(
-    task_default_queue=os.environ.get("CT_QUEUE", f"{PREFIX}-q"),
-    broker_connection_retry_on_startup=True,
-    worker_hijack_root_logger=False,
-    task_ignore_result=True,
-    worker_prefetch_multiplier=int(os.environ.get("CT_PREFETCH", "4")),
-    throttle_redis_url=STORE,
-    throttle_key_prefix=PREFIX,
-    throttle_concurrency_lease=float(os.environ.get("CT_SLOT_LEASE", "30")),
-)
+app.conf.update(task_default_queue=os.environ.get("CT_QUEUE", f"{PREFIX}-q"), broker_connection_retry_on_startup=True,
+                worker_hijack_root_logger=False, task_ignore_result=True,
+                worker_prefetch_multiplier=int(os.environ.get("CT_PREFETCH", "4")), throttle_redis_url=STORE,
+                throttle_key_prefix=PREFIX, throttle_concurrency_lease=float(os.environ.get("CT_SLOT_LEASE", "30")))
 if "CT_CHECK_AT_PUBLISH" in os.environ:
     app.conf.throttle_check_at_publish = os.environ["CT_CHECK_AT_PUBLISH"] == "1"
 if "BENCH_START_GRACE" in os.environ:
     app.conf.throttle_start_grace = float(os.environ["BENCH_START_GRACE"])
 ctl = celery_throttle.install(app)
+
 
 @functools.cache
 def _per_process(what: str, pid: int) -> Any:
