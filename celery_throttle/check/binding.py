@@ -66,6 +66,11 @@ class Binder:
         """The longest a denied call of ``spec`` may wait (seconds), or None."""
         return spec.max_wait if spec.max_wait is not None else self.settings.max_wait
 
+    def max_wait_us(self, spec: ThrottleSpec) -> int:
+        """:meth:`max_wait` in µs, as a line's entry carries it (0: no cap)."""
+        max_wait = self.max_wait(spec)
+        return int(max_wait * 1_000_000) if max_wait else 0
+
     def rule_for(self, task_name: str) -> ThrottleSpec | None:
         """The first ``throttle_rules`` entry whose glob matches ``task_name``."""
         if self._rules is None:

@@ -52,9 +52,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     spec: ThrottleSpec = type(task)._throttle_spec
     call = ctl.checker.bind(task, args, kwargs)
     header = header_of(request)
-    max_wait = ctl.checker.max_wait(spec)
-    turned = TurnedAway(ctl, task, request, args, kwargs, call, header,
-                        max_wait_us=int(max_wait * 1_000_000) if max_wait else 0)
+    turned = TurnedAway(ctl, task, request, args, kwargs, call, header, max_wait_us=ctl.checker.max_wait_us(spec))
     holder = holder_id(request.id)
     ticket = header.ticket if header.key == call.state_key else ""
     try:
@@ -109,7 +107,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
         ctl.metrics.store_error("duplicate")
         return False
     if verdict is Verdict.REFUSED:
-        raise _refused(task, request, call, reply, max_wait or 0)
+        raise _refused(task, request, call, reply, turned.max_wait_us / 1e6)
     # (NOT_KEPT with its message given: nothing could keep it. Sent back for a moment.)
     logger.warning("throttled %s[%s] could not join its line; sent back for a second", task.name, request.id)
     turned.send_back(1.0)

@@ -135,7 +135,7 @@ def admit(ctl: Parts, send: Any, name: str, args: Any, kwargs: Any, options: dic
     if hint == Hints.SEND:
         return None
     task_id = options.get("task_id") or uuid()
-    max_wait = ctl.checker.max_wait(known.spec)
+    max_wait_us = ctl.checker.max_wait_us(known.spec)
     # (Relative to now, as the task leaves: it holds across its wait in the line.)
     expires = _absolute(options.get("expires"))
     entry_id = new_entry_id(task_id)
@@ -150,8 +150,8 @@ def admit(ctl: Parts, send: Any, name: str, args: Any, kwargs: Any, options: dic
     try:
         for with_message in ctl.lines.tries(call, message_first=hint == Hints.RESERVE):
             kept = message() if with_message else b""
-            reply = ctl.checker.admit(call, Entry(entry_id, kept, task_id, expires_us(expires),
-                                                  int(max_wait * 1_000_000) if max_wait else 0, WORKER_BATCH))
+            reply = ctl.checker.admit(call, Entry(entry_id, kept, task_id, expires_us(expires), max_wait_us,
+                                                  WORKER_BATCH))
             if ctl.lines.checked(call, reply):
                 break
     except StoreError as exc:

@@ -91,10 +91,9 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             args, kwargs = _arguments(message)
             spec = type(task)._throttle_spec
             call = ctl.checker.bind(task, args, kwargs, quick=True)
-            max_wait = ctl.checker.max_wait(spec)
             turned = TurnedAway(ctl, task, request_context(message), args, kwargs, call,
                                 own_header(Header.read(headers.get(HEADER)), str(headers.get("id"))),
-                                max_wait_us=int(max_wait * 1_000_000) if max_wait else 0)
+                                max_wait_us=ctl.checker.max_wait_us(spec))
             for with_message in ctl.lines.tries(call):
                 reply = ctl.checker.screen(call, turned.entry(with_message))
                 if ctl.lines.checked(call, reply):
