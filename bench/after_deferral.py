@@ -1,30 +1,24 @@
-"""``python -m bench.after_deferral [--only rows|depth|controls|journal] [--runs N] [--quick]``:
-capacity that appears after tasks were deferred, and what a deep line, a large control hash and
-the journal cost, each on a redis-server of its own.
+"""``python -m bench.after_deferral [--only rows|depth|controls|journal] [--runs N] [--quick]``.
 
-rows (``deferral``): workers of tests/taskapp.py fed by a producer process, against what the new
-capacity allows (:data:`ROWS`): a raised limit, a reset, refunds, a pool slower than the limit.
-depth (``backlog``, 9): a ``20/s`` key with D tasks in its line (300-byte messages), on a test clock,
-released and claimed: script time per task, the slowest call (SLOWLOG), bytes per waiting task.
-controls: P pauses in force: a refresh reading the hash whole and by the stamp; a pause's script
-time before the stamp (pause.lua pruned by reading the whole hash) and now.
-journal: RabbitMQ the broker, D tasks of a spent key sent with the journal off, then on: the
-producer's µs per task, the keeper's pass, and, the store emptied, the two passes that send every
-task on (and how many of the D its queue then holds).
+rows (``deferral``): workers of tests/taskapp.py against what new capacity allows (:data:`ROWS`).
+depth (``backlog``, 9): a ``20/s`` key with D tasks in its line on a test clock, released and claimed:
+script time per task, the slowest call, bytes per waiting task. controls: P pauses in force: a refresh
+reading the hash whole and by the stamp; a pause's script time before the stamp and now. journal:
+RabbitMQ the broker, D tasks of a spent key: the producer's µs per task with the journal off and on,
+the keeper's pass, and the recovery's two passes once the store is emptied.
 """
 
 from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import time
 import uuid
 from typing import Any
 
 import redis
 
-from bench.common import Results, md, standalone, urls
+from bench.common import Results, md, standalone
 from tests.harness import redis_server, waited
 
 #: pause.lua before the stamp: it pruned by reading the whole hash.
@@ -133,8 +127,8 @@ def deep_line(client: Any, url: str, algorithm: str, depth: int, measured: int =
 
 def depths(algorithms: tuple[str, ...], sizes: tuple[int, ...]) -> dict[str, list[tuple[int, dict[str, float]]]]:
     with redis_server("--slowlog-log-slower-than", "0", "--slowlog-max-len", "20000") as server:
-        client, url = redis.Redis(port=server.port, socket_timeout=120), urls(server)[0]
-        return {a: [(d, deep_line(client, url, a, d)) for d in sizes] for a in algorithms}
+        client = redis.Redis(port=server.port, socket_timeout=120)
+        return {a: [(d, deep_line(client, server.url, a, d)) for d in sizes] for a in algorithms}
 
 
 def run_backlog(res: Results, scale: Any) -> None:
@@ -170,7 +164,7 @@ def run_controls(res: Results, scale: Any, reads: int = 20) -> None:
     lines = []
     with redis_server() as server:
         client = redis.Redis(port=server.port, socket_timeout=120)
-        store, old = RedisStore(urls(server)[0], "bench"), client.register_script(old_lua)
+        store, old = RedisStore(server.url, "bench"), client.register_script(old_lua)
         for size in scale.pauses:
             client.delete("bench:control")
             for start in range(0, size, 1000):
@@ -227,7 +221,7 @@ def run_journal(res: Results, scale: Any) -> None:
                 @throttle("1/h")
                 def work(n: int) -> None: ...
 
-                ctl = Throttle(app, {"redis_url": urls(server)[0], "key_prefix": prefix, "journal": on})
+                ctl = Throttle(app, {"redis_url": server.url, "key_prefix": prefix, "journal": on})
                 wrap_send_task(ctl)
                 queues += [f"{prefix}-q", ctl.lines.journal.broker.name]
                 t = time.perf_counter()
@@ -265,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     scale = type(scale)(**{**vars(scale), "deferral_runs": args.runs}) if args.runs else scale
     parts = {"rows": ("deferral", run_rows), "controls": ("controls", run_controls), "journal": ("journal", run_journal),
              "depth": ("backlog", lambda r, s: depth_table(r, depths(("sliding",), s.depths)["sliding"]))}
-    standalone(" ".join(["python -m bench.after_deferral", *(argv if argv is not None else sys.argv[1:])]), scale,
-               not args.quick, *(part for name, part in parts.items() if not args.only or name in args.only))
+    standalone("bench.after_deferral", argv, scale, not args.quick,
+               *(part for name, part in parts.items() if not args.only or name in args.only))
     return 0
 
 

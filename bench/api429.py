@@ -1,18 +1,10 @@
-"""Sections 11 (429s from an API limiting each account to ``10 per 1 second``) and 16 (``adapt``:
-adaptive limits against an API whose limit moves).
+"""Sections 11 (429s from an API of ``10 per 1 second`` per account) and 16 (``adapt``: its limit moves).
 
-11: the API (bench/common.py's) runs ``limits``' strategies on Redis (Flask-Limiter's): ``moving``,
-``fixed``, and ``jitter`` (moving, each request held 0-100 ms first). Clients (bench/app.py's
-``api_*``, 2 workers x 2 prefork) make one request each and retry a 429 after ``Retry-After``; a
-producer process sends a batch at once on a fresh account, ``warm`` (the account warmed by 20 tasks
-that ended 1.5 s before) or ``cold`` (fresh API and workers). Per run: 429s per 100 tasks, makespan
-(first send to last 200) / tasks / 10 s, the closest any 11 accepted came, each task one 200.
-
-16: per account at most 50 accepted calls in any 1 s for a phase (20 s; 6 s at ``--quick``) from its
-first call, then 20, then 80 until all are in; a 429 says ``Retry-After: 1``. Clients one at a time
-(2 cores), each on a redis-server and 2 workers x 4 of its own (bench/app.py's ``adapt_*``, table
-:data:`ADAPT_CLIENTS`), against the oracle told each limit: 429s per 100 calls, makespan against the
-oracle's and the fastest possible (the limit integrated over time), each call once, where it went.
+11: ``limits``' strategies in a fake API (moving, fixed, moving with 0-100 ms jitter); clients
+(bench/app.py's ``api_*``) retry a 429 after ``Retry-After``; a batch sent at once, ``warm`` (20 tasks
+ended 1.5 s before) or ``cold``: 429s per 100 tasks, makespan / ideal, the closest 11 accepted, each once.
+16: at most 50 calls in any 1 s per account for a phase, then 20, then 80; clients one at a time
+(:data:`ADAPT_CLIENTS`) against the oracle told each limit, and the fastest possible.
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ import uuid
 from collections import deque
 from typing import Any
 
-from bench.common import Api, Arrival, Results, md, new_prefix, produce, running, urls, yes
+from bench.common import Api, Arrival, Results, md, new_prefix, produce, running, yes
 from tests.harness import redis_server, waited
 from tests.helpers import max_in_window
 
@@ -94,7 +86,7 @@ def run_api429(res: Results, scale: Any) -> None:
             plans = [("cold", [t]) for t in picked if server in scale.api_cold and t in COLD[server]]
             plans.append(("warm", [t for t in picked if WARM[server] is None or t in WARM[server]]))
             for phase, tasks in plans:
-                api = limiter_api(urls(redis)[0], "ct-bench", server)
+                api = limiter_api(redis.url, "ct-bench", server)
                 try:
                     with running(new_prefix("api"), redis, env={"BENCH_API_URL": api.url}) as group:
                         for task in tasks:
@@ -116,9 +108,9 @@ def report(res: Results, runs: list[dict[str, Any]], tasks: int, elapsed: float)
         run["once"] = run["complete"] and len(set(done)) == len(done) == tasks and set(done) <= run["ids"]
         target = run["server"] == "moving" and CLIENTS[run["task"]][1] is not None
         res.add(SEC, f"429s per 100 tasks, {SERVERS[run['server']][2]}, {run['phase']}", CLIENTS[run["task"]][0],
-                f"{run['429']:.1f}", "0" if target else "", run["429"] == 0 if target else None,
+                f"{run['429']:.1f}", "0", run["429"] == 0,
                 f"{len(arr)} requests; makespan / ideal {run['span']:.2f}; closest 11 accepted {closest(arr):.3f}s; "
-                f"most 200s in any 1 s {max_in_window([a.at for a in arr if a.status == 200], 1.0)}")
+                f"most 200s in any 1 s {max_in_window([a.at for a in arr if a.status == 200], 1.0)}", target)
         if run["server"] == "moving" and run["phase"] == "warm":
             column = {"api_sliding": "sliding", "api_fixed": "fixed", "api_builtin": "Celery `rate_limit`"}
             if run["task"] in column:
@@ -231,7 +223,7 @@ def watching(firsts: dict[str, float], phase: float) -> Any:
         for run in runs:
             run["levels"], run["set_at"] = [], []
             if run["variant"].task != "adapt_builtin":
-                ctls.append(ctl := Throttle(bench_app, {"redis_url": urls(run["server"])[0],
+                ctls.append(ctl := Throttle(bench_app, {"redis_url": run["server"].url,
                                                         "key_prefix": run["group"].prefix}))
                 jobs = [sample] + ([oracle] if run["variant"].task == "adapt_oracle" else [])
                 threads += [threading.Thread(target=job, args=(run, ctl, f"bench.app.{run['variant'].task}"),
@@ -315,15 +307,13 @@ def report_adapt(res: Results, runs: list[dict[str, Any]], firsts: dict[str, flo
         per100, span, ended = figures(run)
         more, target = "> " if ended else "", v.task == "adapt_learning"
         shape = anatomy(run, firsts.get(run["label"], run["t0"]), phase)
-        res.add(ADAPT_SEC, "429s per 100 calls", v.name, f"{per100:.1f}",
-                f"<= {ADAPT_429S:g} (the oracle: {o429:.1f})" if target else "",
-                per100 <= ADAPT_429S if target else None,
-                f"{len(run['tally'])} requests for {calls} calls; per 100 calls accepted")
+        res.add(ADAPT_SEC, "429s per 100 calls", v.name, f"{per100:.1f}", f"<= {ADAPT_429S:g} (the oracle: {o429:.1f})",
+                per100 <= ADAPT_429S, f"{len(run['tally'])} requests for {calls} calls; per 100 calls accepted", target)
         res.add(ADAPT_SEC, "makespan / the oracle's", v.name,
-                f"{more}{span:.1f} s / {ospan:.1f} s = {more}{span / ospan:.3f}", f"<= {ADAPT_SPAN:g}" if target else "",
-                span / ospan <= ADAPT_SPAN and not ended if target else None,
+                f"{more}{span:.1f} s / {ospan:.1f} s = {more}{span / ospan:.3f}", f"<= {ADAPT_SPAN:g}",
+                span / ospan <= ADAPT_SPAN and not ended,
                 (f"{ended}; " if ended else "") + f"/ fastest possible ({best:.1f} s): {more}{span / best:.3f}; sends "
-                f"took {run['send_s']:.1f} s; first call {shape['offset']:.2f} s after the first send")
+                f"took {run['send_s']:.1f} s; first call {shape['offset']:.2f} s after the first send", target)
         res.add(ADAPT_SEC, "every call got exactly one 200", v.name, yes(run["once"]), "yes", run["once"])
         reached = "–" if math.isnan(shape["climb"]) else f"{shape['climb']:.1f} s"
         paused = "–" if v.task == "adapt_builtin" else f"{shape['paused_s']:.1f} s"

@@ -1,6 +1,6 @@
-"""What the sections share: results, workers of bench/app.py (the tests' harness), its producer,
-a server's own counts, the fake APIs' HTTP server. Each section runs on redis-servers of its own
-(tests/harness.py's ``redis_server``): db 0 the store and the notes, db 1 the broker, unless said.
+"""What the sections share: results, workers of bench/app.py (tests/harness.py's AppWorkers), its
+producer, a server's own counts, the fake APIs' HTTP server. Each section runs on redis-servers of
+its own (tests/harness.py's ``redis_server``): db 0 the store and the notes, db 1 the broker, unless said.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager, nullcontext
+from dataclasses import astuple, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, urlparse
 
 import redis
 
-from tests.harness import AppWorkers
+from tests.harness import AppWorkers, redis_server, waited
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -53,9 +53,10 @@ class Results:
     headline: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def add(self, section: str, metric: str, variant: str, value: str, target: str = "",
-            ok: bool | None = None, note: str = "") -> None:
-        self.rows.append(Row(section, metric, variant, value, target, INFO if ok is None else MET if ok else MISSED,
-                             note))
+            ok: bool | None = None, note: str = "", judged: bool = True) -> None:
+        """A row; not ``judged`` (a peer's, a variant without the target): no target, no status."""
+        status = INFO if ok is None or not judged else MET if ok else MISSED
+        self.rows.append(Row(section, metric, variant, value, target if judged else "", status, note))
 
     def table(self, section: str, text: str) -> None:
         self.tables.setdefault(section, []).append(text)
@@ -96,23 +97,33 @@ def new_prefix(name: str = "") -> str:
     return f"ct-bench-{name}{'-' if name else ''}{uuid.uuid4().hex[:8]}"
 
 
-def urls(server: Any) -> tuple[str, str]:
-    """(store and notes, broker) on a redis-server of the section's own."""
-    return f"redis://127.0.0.1:{server.port}/0", f"redis://127.0.0.1:{server.port}/1"
+def db1(server: Any) -> str:
+    """The broker's database on a redis-server of the section's own (``server.url`` is db 0)."""
+    return f"redis://127.0.0.1:{server.port}/1"
 
 
-def workers(prefix: str, server: Any = None, *, store: str = "", broker: str = "", records: str | None = None,
-            **options: Any) -> AppWorkers:
-    """Workers of bench/app.py (2 x 2 prefork unless said) on ``server``'s store and broker."""
-    if server is not None:
-        store, broker = store or urls(server)[0], broker or urls(server)[1]
-    return AppWorkers("bench.app", prefix, broker, store, records=records, logs_to=OUT / "logs", **options)
+class Workers(AppWorkers):
+    """tests/harness.py's AppWorkers, reading the lists of spans (``<prefix>:<name>``) the slot tasks note."""
+
+    def noted(self, name: str) -> list[list[str]]:
+        """The notes' list ``<prefix>:<name>`` (``spans``, ``began``), each entry split on spaces."""
+        return [x.decode().split() for x in self.records.lrange(f"{self.prefix}:{name}", 0, -1)]
+
+    def await_noted(self, name: str, count: int, timeout: float, interval: float = 0.1) -> None:
+        """Wait for ``count`` entries in ``<prefix>:<name>``; raise if they do not come."""
+        key = f"{self.prefix}:{name}"
+        if not waited(lambda: self.records.llen(key) >= count, timeout, interval):
+            raise RuntimeError(f"{self.records.llen(key)} of {count} {name} within {timeout:.0f} s")
 
 
 @contextmanager
-def running(prefix: str, server: Any = None, start: bool = True, **options: Any) -> Iterator[AppWorkers]:
-    """:func:`workers`, started (unless not ``start``), and stopped after the block."""
-    group = workers(prefix, server, **options)
+def running(prefix: str, server: Any = None, start: bool = True, *, store: str = "", broker: str = "",
+            records: str | None = None, **options: Any) -> Iterator[Workers]:
+    """Workers of bench/app.py (2 x 2 prefork unless said) on ``server``'s store and broker,
+    started (unless not ``start``), and stopped after the block."""
+    if server is not None:
+        store, broker = store or server.url, broker or db1(server)
+    group = Workers("bench.app", prefix, broker, store, records=records, logs_to=OUT / "logs", **options)
     try:
         if start:
             group.start()
@@ -121,14 +132,30 @@ def running(prefix: str, server: Any = None, start: bool = True, **options: Any)
         group.stop()
 
 
-def produce(group: AppWorkers, *sends: dict[str, Any], timeout: float = 1800, **env: str) -> list[dict[str, Any]]:
-    """bench/app.py's producer, a process of its own with the workers' settings (``env`` on top):
-    what it reports of each send."""
+@contextmanager
+def served(name: str, one_db: bool = False, apart: bool = False, **options: Any) -> Iterator[tuple[Any, Workers]]:
+    """:func:`running` workers on a redis-server of their own (``one_db``: the broker on db 0 too); ``apart``:
+    the store on another, alone (its counts the throttle's). Yields (the store's server, the workers)."""
+    with (redis_server() as server, (redis_server() if apart else nullcontext(server)) as store,
+          running(new_prefix(name), server, store=store.url, broker=server.url if one_db else "", records=server.url,
+                  **options) as group):
+        yield store, group
+
+
+def produce(group: AppWorkers, *sends: dict[str, Any]) -> list[dict[str, Any]]:
+    """bench/app.py's producer, a process of its own with the workers' settings: what it reports of each send."""
     done = subprocess.run([sys.executable, "-m", "bench.app", json.dumps({"sends": list(sends)})], cwd=ROOT,
-                          env=group._environ() | env, capture_output=True, text=True, timeout=timeout, check=False)
+                          env=group._environ(), capture_output=True, text=True, timeout=1800, check=False)
     if done.returncode:
         raise RuntimeError(f"the producer failed ({done.returncode}):\n{done.stderr[-2000:]}")
     return list(json.loads(done.stdout.strip().splitlines()[-1])["sends"])
+
+
+def after_send(sent: Sequence[dict[str, Any]], starts: Iterable[tuple[str, float]]) -> list[float]:
+    """Each start's seconds after its send, sorted: ``sent`` the producer's reports (with ``ids``),
+    ``starts`` (task id, start time)."""
+    at = {i: t for send in sent for i, t in zip(send["ids"], send["times"])}
+    return sorted(t - at[i] for i, t in starts if i in at)
 
 
 def spend(store: str, prefix: str, scope: str, keys: Sequence[str], rate: str) -> None:
@@ -148,13 +175,15 @@ def spend(store: str, prefix: str, scope: str, keys: Sequence[str], rate: str) -
         ctl.close()
 
 
-def standalone(command: str, scale: Any, keep: bool, *parts: tuple[Any, ...]) -> None:
-    """``python -m bench.<module>``: each ``(title, run, *args)`` a section, then the run written."""
+def standalone(module: str, argv: list[str] | None, scale: Any, keep: bool, *parts: tuple[Any, ...]) -> None:
+    """``python -m <module> [argv]`` (default: sys.argv's): each ``(title, run, *args)`` a section, then the run
+    written."""
     from bench.__main__ import finish, section
 
     res, started = Results(), time.time()
     for title, run, *args in parts:
         section(res, title, run, scale, *args)
+    command = " ".join(["python -m", module, *(sys.argv[1:] if argv is None else argv)])
     finish(res, command, time.time() - started, keep)
 
 
@@ -168,8 +197,7 @@ class Counts:
     cpu_s: float = 0.0
 
     def __sub__(self, other: Counts) -> Counts:
-        return Counts(self.script_calls - other.script_calls, self.script_us - other.script_us,
-                      self.commands - other.commands, self.cpu_s - other.cpu_s)
+        return Counts(*(a - b for a, b in zip(astuple(self), astuple(other))))
 
 
 def counts(client: redis.Redis) -> Counts:

@@ -1,18 +1,10 @@
 """Sections 15 and 15b: an LLM-style API whose limits count requests and tokens.
 
-The API (bench/common.py's) counts a call when it arrives, at the tokens of bench/app.py's ``Plan``
-for its index: 200 (sent L s later) if the account's sliding window then holds at most the plan's
-requests and tokens, else 429 at once with ``Retry-After``, counted toward neither. Each client has
-a redis-server, an account, a producer process and 2 workers of its own.
-
-15 (``LLM_PLAN``, 60 requests and 10 000 tokens a minute): the clients of :data:`VARIANTS`: 429s per
-100 calls, makespan against 60 s x max(N / 60, T / 10 000), the most accepted in any 60 s.
-
-15b (``SWEEP_PLAN``, 20 requests and 4 000 tokens per 10 s, replies after L = 0..3 s): the clients of
-:data:`SWEEP` on 2 workers x 4 against F(L), the fastest compliant makespan of the calls' true tokens:
-the bound W x (ceil(T / K) - 1), W x (ceil(N / R) - 1), L x (ceil(N / P) - 1), + L, met by
-:func:`fastest_any` (a local search over :func:`greedy`'s orders: exact) or its best (an upper
-bound, said); beside it greedy in call order and :func:`held_greedy` (prompt + 200 held to the reply).
+The API counts a call when it arrives, at its ``Plan``'s tokens: 200 (L s later) if the account's
+window then holds it, else 429 with ``Retry-After``. Each client: a redis-server, an account, a
+producer and 2 workers of its own. 15 (``LLM_PLAN``): :data:`VARIANTS` against 60 s x max(N / 60,
+T / 10 000). 15b (``SWEEP_PLAN``, replies after L = 0..3 s): :data:`SWEEP` against the fastest compliant
+makespan (:func:`fastest_any`: exact when it meets the bound), greedy in call order and :func:`held_greedy`.
 """
 
 from __future__ import annotations
@@ -32,8 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.app import LLM_PLAN, MAX_COMPLETION, SWEEP_PLAN, Plan
-from bench.common import Api, Results, md, new_prefix, produce, urls, workers, yes
-from tests.harness import redis_server
+from bench.common import Api, Results, md, produce, served, yes
 from tests.helpers import max_in_window
 from tests.reference import max_units_in_any_interval
 
@@ -168,12 +159,9 @@ def drive(variants: Sequence[Variant], calls: int, plan: Plan | None, timeout: f
     with ExitStack() as stack:
         for v in variants:
             print(f"  {say}: {v.name}: a redis-server, 2 workers x {v.concurrency} processes ...", flush=True)
-            server = stack.enter_context(redis_server())
-            group = workers(new_prefix(say), server, broker=urls(server)[0], concurrency=v.concurrency,
-                            env={"BENCH_API_URL": api.url, **({} if v.start_grace is None else
-                                                              {"BENCH_START_GRACE": str(v.start_grace)})})
-            stack.callback(group.stop)
-            group.start()
+            grace = {} if v.start_grace is None else {"BENCH_START_GRACE": str(v.start_grace)}
+            server, group = stack.enter_context(served(say, one_db=True, concurrency=v.concurrency,
+                                                       env={"BENCH_API_URL": api.url, **grace}))
             plans[group.prefix] = (plan, v.latency)
             runs.append({"variant": v, "group": group, "label": group.prefix, "server": server, "done_at": 0.0})
         if on_start is not None:
@@ -217,8 +205,8 @@ def run_llm(res: Results, scale: Any) -> None:
         most, offered = ((max_in_window([a.at for a in x], plan.window),
                           max_units_in_any_interval(((a.at, a.tokens) for a in x), plan.window)) for x in (ok, arr))
         per100, ratio = run["refused"] * 100 / calls, run["makespan"] / ideal
-        res.add(SEC, "429s per 100 calls", v.name, f"{per100:.1f}", "0" if v.no_429 else "",
-                run["refused"] == 0 if v.no_429 else None, f"{len(arr)} requests for {calls} calls")
+        res.add(SEC, "429s per 100 calls", v.name, f"{per100:.1f}", "0", run["refused"] == 0,
+                f"{len(arr)} requests for {calls} calls", v.no_429)
         res.add(SEC, "makespan / ideal", v.name, f"{run['makespan']:.0f} s / {ideal:.0f} s = {ratio:.2f}",
                 note=f"fastest possible {max(fast, (calls - 1) * v.pace):.0f} s; sends took {run['send_s']:.1f} s")
         res.add(SEC, "most accepted in any 60 s: requests / tokens", v.name, f"{most[0]} / {most[1]:,}",
@@ -253,12 +241,11 @@ def run_sweep(res: Results, scale: Any) -> None:
         for run in runs:
             v, per100, ratio = run["variant"], run["refused"] * 100 / calls, run["makespan"] / best
             what = f"{v.name}, calls of {latency:g} s"
-            res.add(SWEEP_SEC, "429s per 100 calls", what, f"{per100:.1f}", "0" if v.no_429 else "",
-                    run["refused"] == 0 if v.no_429 else None)
+            res.add(SWEEP_SEC, "429s per 100 calls", what, f"{per100:.1f}", "0", run["refused"] == 0, judged=v.no_429)
             res.add(SWEEP_SEC, "makespan / fastest compliant", what, f"{run['makespan']:.1f} s / {best:.1f} s = "
-                    f"{ratio:.3f}", f"<= {SWEEP_TARGET}" if v.no_429 else "", ratio <= SWEEP_TARGET if v.no_429 else None,
+                    f"{ratio:.3f}", f"<= {SWEEP_TARGET}", ratio <= SWEEP_TARGET,
                     f"{'exact' if exact else 'an upper bound'}; in call order {in_order:.1f} s; the estimate held "
-                    f"until the reply allows {held:.1f} s; sends took {run['send_s']:.1f} s")
+                    f"until the reply allows {held:.1f} s; sends took {run['send_s']:.1f} s", v.no_429)
             res.add(SWEEP_SEC, "every call got exactly one 200", what, yes(run["once"]), "yes", run["once"])
             lines.append(f"| {latency:g} s | {v.name} | {per100:.1f} | {run['makespan']:.1f} s / {best:.0f}"
                          f"{'' if exact else ' (upper bound)'} s = {ratio:.3f} | {run['makespan'] / in_order:.3f} | "

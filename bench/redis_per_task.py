@@ -1,12 +1,8 @@
 """Section 12: what each task costs Redis, end to end, from a usual producer.
 
-``python -m bench.redis_per_task [--quick | --sizes=N,N]``: this section alone.
-
-Each run: a redis-server of its own (broker and store), one worker x 2 prefork, then a producer
-process (imports the app, never finalized) sends N empty tasks over 10 tenants: under the limit
-(plain Celery, ours with the check at publish on and off, ``limits`` by hand) and a flood (each
-tenant's ``100/h`` spent: ours keeps it in its key's line, the peer retries). Until every task ran
-or was turned away: script calls, their µs, the server's CPU per task against plain Celery's.
+``python -m bench.redis_per_task [--quick | --sizes=N,N]``: this section alone. Each run: a redis-server
+of its own, 1 worker x 2, a producer sending N empty tasks over 10 tenants, under the limit or a flood
+(each ``100/h`` spent): script calls, their µs, the server's CPU per task against plain Celery's.
 """
 
 from __future__ import annotations
@@ -16,9 +12,8 @@ import sys
 import time
 from typing import Any
 
-from bench.common import Counts, Results, counts, md, new_prefix, produce, running, spend, standalone, urls
+from bench.common import Counts, Results, counts, md, produce, served, spend, standalone
 from celery_throttle.core.keys import line_index_key, window_keys
-from tests.harness import redis_server
 
 SEC, TENANTS, CALLS_TARGET, CPU_TARGET = "12 Redis per task", [f"t{i}" for i in range(10)], 0.5, 1.3
 ON, OFF, PEER = "ours, check at publish on", "ours, check at publish off", "limits MovingWindow by hand"
@@ -43,9 +38,8 @@ def finished(client: Any, group: Any, task: str, flood: bool, n: int) -> bool:
 
 def per_task(task: str, check: str, flood: bool, n: int) -> tuple[Counts, bool, float]:
     """(the server's counts, whether all ended, seconds) of one run."""
-    with redis_server() as server, running(new_prefix("rpt"), server, broker=urls(server)[0], count=1,
-                                           env={"CT_CHECK_AT_PUBLISH": check}) as group:
-        store = urls(server)[0]
+    with served("rpt", one_db=True, count=1, env={"CT_CHECK_AT_PUBLISH": check}) as (server, group):
+        store = server.url
         if flood and task == "rpt_peer_flood":
             from limits import parse, storage, strategies
 
@@ -101,5 +95,5 @@ if __name__ == "__main__":
     from bench.__main__ import FULL, QUICK
 
     arg = next((a.removeprefix("--sizes=") for a in sys.argv[1:] if a.startswith("--sizes=")), "")
-    standalone(" ".join(["python -m bench.redis_per_task", *sys.argv[1:]]), QUICK if "--quick" in sys.argv else FULL,
-               "--quick" not in sys.argv, ("rpt", run_rpt, tuple(int(x) for x in arg.split(",") if x)))
+    standalone("bench.redis_per_task", None, QUICK if "--quick" in sys.argv else FULL, "--quick" not in sys.argv,
+               ("rpt", run_rpt, tuple(int(x) for x in arg.split(",") if x)))

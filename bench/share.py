@@ -1,27 +1,20 @@
 """Section 17 (share, issue 29 item 2): a fair share of a scope's slots.
 
-bench/app.py's ``share_fair``: ``@throttle(concurrency=8, scope="share-api", key="{tenant}",
-share=Share(weight=...))``, ``heavy`` weighing 2, the others 1, on 2 workers x 4 prefork (the pool
-just holds K: the share binds, not the pool). Bodies of 0.5 s: long against a sharer's pass and a
-start's round trips, short enough that a run of 30 s holds some 60 turns of each slot, and that a
-newcomer's bound (a flood's body ending) is within the 1 s target. Each run: a redis-server for
-the broker and notes, another for the store alone (its INFO commandstats the throttle's); a
-producer process sends while no worker runs, the workers start after. Beside it, the same tasks
-per-key ``concurrency=3`` (what users write today: 3 tenants hold 9 > 8, the pool binds) and plain
-Celery (FIFO).
+bench/app.py's ``share_fair``: ``concurrency=8`` over the scope, ``share=Share(weight=...)`` (``heavy``
+weighs 2), on 2 workers x 4 (the share binds, not the pool); bodies of 0.5 s (long against a pass,
+short enough for a newcomer's 1 s). Each run: the broker and notes on a redis-server, the store alone
+on another; a producer sends before the workers start. Beside it, per-key ``concurrency=3`` (3 tenants
+hold 9 > 8: the pool binds) and plain Celery (FIFO).
 
-1. weights: a and b send N each, heavy 2N: each one's share of the starts from the first + 1 s to
-   the first last start of a tenant (while all three wait), against its weight (within 5 %).
+1. weights: a, b send N, heavy 2N: each one's share of the starts while all three wait (within 5 %).
 2. alone: one tenant's flood: its body time / (K x first start to last end) (>= 95 %).
-3. newcomer: once 2K bodies of a flood began, another tenant sends one task M times, S s apart:
-   each one's start after its send (<= 1 s; no body is stopped).
-4. trickle: once 2K bodies of a flood began, a new tenant (one0, one1, ...) sends ONE task of 0.05 s
-   every 0.25 s: the flood's body time over the trickle's span against what the one-shots leave
-   (>= 85 %: a key with nothing more gives its slot back), and the one-shots' start after send.
-5. cost: the store's commands, script calls and CPU per task in run 1; the workers' sharer's passes
-   per second (counted by bench/app.py, BENCH_SHARER_PASSES=1). Then one pass over T = 3, 30, 300
-   tenants of one waiting task beside a flood, by a Sharer in the bench's process that holds the
-   scope's lock (the workers' stand by): each pass timed, its round trips and commands counted.
+3. newcomer: once 2K bodies of a flood began, another tenant sends one task M times, S s apart: each
+   one's start after its send (<= 1 s; no body is stopped).
+4. trickle: beside a flood, a new tenant sends ONE task of 0.05 s every 0.25 s: the flood's body
+   time against what the one-shots leave (>= 85 %), and their start after send.
+5. cost: the store's commands per task in run 1, the workers' sharer's passes per second; one pass
+   over 3, 30, 300 tenants of one task beside a flood, by a sharer of the bench's process that holds
+   the scope's lock: timed, its round trips and commands counted.
 """
 
 from __future__ import annotations
@@ -38,11 +31,11 @@ from celery import Celery
 from redis.connection import AbstractConnection
 
 from bench.app import PER_KEY, SHARE_K, SHARE_SCOPE, SHARE_WEIGHTS
-from bench.common import Counts, Results, counts, most_at_once, new_prefix, percentile, produce, running, urls
+from bench.common import Counts, Results, after_send, counts, most_at_once, percentile, produce, served
 from celery_throttle import Throttle
 from celery_throttle.core.keys import share_registry_key
 from celery_throttle.waits.sharer import Sharer
-from tests.harness import redis_server, waited
+from tests.harness import waited
 
 SEC, K, BODY_S, PROCESSES, SETTLE_S = "17 fair share", SHARE_K, 0.5, 8, 1.0
 TENANTS = ("a", "b", "heavy")
@@ -64,7 +57,8 @@ class Span(NamedTuple):
 
 @dataclass
 class Run:
-    """What one run saw: its bodies, the late sends, the store's counts and commands."""
+    """What one run saw: its bodies, the late sends, the store's counts and commands, the
+    passes of the workers' sharer over the shared scope (bench/app.py counts them)."""
 
     spans: list[Span]
     late: list[dict[str, Any]]
@@ -72,7 +66,6 @@ class Run:
     calls: dict[str, int]
     seconds: float
     errors: list[str] = field(default_factory=list)
-    #: the passes of the workers' sharer over the shared scope (bench/app.py counts them).
     passes: int = 0
 
     @property
@@ -95,10 +88,8 @@ def sends_of(task: str, *sends: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run(task: str, sends: Sequence[dict[str, Any]], late: Sequence[dict[str, Any]] = ()) -> Run:
     """``sends`` published before the workers start; ``late`` once 2K bodies began. Waits for every body."""
-    with (redis_server() as notes, redis_server() as store_server,
-          running(new_prefix("share"), start=False, store=urls(store_server)[0], broker=urls(notes)[1],
-                  records=urls(notes)[0], concurrency=PROCESSES // 2,
-                  env={"CT_PREFETCH": "1", "BENCH_SHARER_PASSES": "1"}) as group,
+    with (served("share", apart=True, start=False, concurrency=PROCESSES // 2,
+                 env={"CT_PREFETCH": "1", "BENCH_SHARER_PASSES": "1"}) as (store_server, group),
           redis.Redis(port=store_server.port) as store):
         before, calls = counts(store), commandstats(store)
         produce(group, *sends_of(task, *sends))
@@ -106,18 +97,14 @@ def run(task: str, sends: Sequence[dict[str, Any]], late: Sequence[dict[str, Any
         group.start()
         got: list[dict[str, Any]] = []
         if late:
-            if not waited(lambda: group.records.llen(f"{group.prefix}:began") >= 2 * K, 120, 0.02):
-                raise RuntimeError("the flood did not begin")
+            group.await_noted("began", 2 * K, 120, 0.02)
             got = produce(group, *sends_of(task, *late))
-        total, key = sum(s["count"] for s in (*sends, *late)), f"{group.prefix}:spans"
-        if not waited(lambda: group.records.llen(key) >= total, total * BODY_S / PER_KEY + 120, 0.2):
-            raise RuntimeError(f"{group.records.llen(key)} of {total} bodies ran")
+        total = sum(s["count"] for s in (*sends, *late))
+        group.await_noted("spans", total, total * BODY_S / PER_KEY + 120, 0.2)
         cost, after = counts(store) - before, commandstats(store)
-        spans = [Span(float(t0), float(t1), who, task_id, worker) for t0, t1, who, task_id, worker in
-                 (x.decode().split() for x in group.records.lrange(key, 0, -1))]
+        spans = [Span(float(t0), float(t1), *more) for t0, t1, *more in group.noted("spans")]
         return Run(spans, got, cost, {k: n - calls.get(k, 0) for k, n in after.items() if n > calls.get(k, 0)},
-                   max(s.t1 for s in spans) - started, group.errors(),
-                   int(group.records.get(f"{group.prefix}:passes:{SHARE_SCOPE}") or 0))
+                   max(s.t1 for s in spans) - started, group.errors(), group.note(f"passes:{SHARE_SCOPE}"))
 
 
 def all_running(spans: Sequence[Span]) -> float:
@@ -153,14 +140,12 @@ def use(spans: Sequence[Span], since: float | None = None) -> float:
 def weights_rows(res: Results, name: str, got: Run) -> None:
     share, n, over = shares(got.spans)
     off = {t: share[t] / weight_of(t) - 1 for t in TENANTS}
-    ours = name == SHARED
     res.add(SEC, "1:1:2 flood: share of starts while all three wait (× its weight)", name,
             ", ".join(f"{t} {share[t]:.3f} ({share[t] / weight_of(t):.2f}×)" for t in TENANTS),
-            f"each within {SHARE_TARGET:.0%} of its weight" if ours else "",
-            max(abs(v) for v in off.values()) <= SHARE_TARGET if ours else None,
+            f"each within {SHARE_TARGET:.0%} of its weight", max(abs(v) for v in off.values()) <= SHARE_TARGET,
             f"{n} starts in {over:.1f} s, from the first start + {SETTLE_S:g} s (caps being set) to a tenant's "
-            f"last start; weights 0.25 / 0.25 / 0.50")
-    if ours:
+            f"last start; weights 0.25 / 0.25 / 0.50", name == SHARED)
+    if name == SHARED:
         most = most_at_once(got.spans)
         res.add(SEC, "most bodies of the scope running at once", name, str(most), f"<= {K}", most <= K,
                 f"{got.tasks} bodies of a, b, heavy")
@@ -169,27 +154,25 @@ def weights_rows(res: Results, name: str, got: Run) -> None:
 def alone_rows(res: Results, name: str, got: Run) -> float:
     firsts = {w: min(s.t0 for s in got.spans if s.worker == w) for w in {s.worker for s in got.spans}}
     second = max(firsts.values())
-    ours, value = name == SHARED, use(got.spans)
-    makespan = max(s.t1 for s in got.spans) - min(s.t0 for s in got.spans)
+    value, makespan = use(got.spans), max(s.t1 for s in got.spans) - min(s.t0 for s in got.spans)
     res.add(SEC, f"a tenant alone: body time / ({K} slots x first start to last end)", name,
             f"{value:.3f} ({makespan:.1f} s for {got.tasks} bodies; ideal {got.tasks * BODY_S / K:.1f} s)",
-            f">= {USE_TARGET:.0%}" if ours else "", value >= USE_TARGET if ours else None,
+            f">= {USE_TARGET:.0%}", value >= USE_TARGET,
             f"from the second worker's first start ({second - min(firsts.values()):.2f} s after the first): "
             f"{use(got.spans, second):.3f}; {K} running at once from {all_running(got.spans):.2f} s after the first "
-            "start")
+            "start", name == SHARED)
     return value
 
 
 def newcomer_rows(res: Results, name: str, got: Run, flood: int) -> list[float]:
-    at = {i: t for send in got.late for i, t in zip(send["ids"], send["times"])}
-    latency = sorted(s.t0 - at[s.id] for s in got.spans if s.id in at)
+    count, latency = len(got.late[0]["ids"]), after_send(got.late, ((s.id, s.t0) for s in got.spans))
     ours = name == SHARED
-    res.add(SEC, f"newcomer beside a flood: start after send, min / median / max of {len(at)}", name,
+    res.add(SEC, f"newcomer beside a flood: start after send, min / median / max of {count}", name,
             f"{latency[0]:.2f} / {percentile(latency, 0.5):.2f} / {latency[-1]:.2f} s" if latency else "none ran",
-            f"max <= {NEWCOMER_TARGET:g} s" if ours else "", bool(latency) and latency[-1] <= NEWCOMER_TARGET
-            if ours else None, f"one task at a time, {len(at)} times; the flood of {flood} sent before the workers "
-            "started" + ("; no flood body is stopped: the first to end after the cap is lowered makes room"
-                         if ours else ""))
+            f"max <= {NEWCOMER_TARGET:g} s", bool(latency) and latency[-1] <= NEWCOMER_TARGET,
+            f"one task at a time, {count} times; the flood of {flood} sent before the workers started"
+            + ("; no flood body is stopped: the first to end after the cap is lowered makes room" if ours else ""),
+            ours)
     return latency
 
 
@@ -197,32 +180,25 @@ def trickle_rows(res: Results, name: str, got: Run, flood: int) -> float:
     """The flood's use of the slots while the trickle runs, and the one-shots' start after send."""
     send = got.late[0]
     lo, hi = send["times"][0], send["times"][-1]
-    span = hi - lo
-
-    def held(spans: Sequence[Span]) -> float:
-        return sum(max(0.0, min(s.t1, hi) - max(s.t0, lo)) for s in spans)
-
-    flood_s = held([s for s in got.spans if s.tenant == "solo"])
-    ones_s = held([s for s in got.spans if s.tenant != "solo"])
+    span, count = hi - lo, len(send["ids"])
+    held = {solo: sum(max(0.0, min(s.t1, hi) - max(s.t0, lo)) for s in got.spans if (s.tenant == "solo") == solo)
+            for solo in (True, False)}
+    flood_s, ones_s = held[True], held[False]
     left = K * span - ones_s
-    ratio = flood_s / left
-    ours = name == SHARED
+    ratio, ours = flood_s / left, name == SHARED
     res.add(SEC, f"flood beside a trickle of one-task tenants: the flood's body time / ({K} slots x the trickle's "
                  "span)", name,
             f"{flood_s / (K * span):.3f} ({flood_s / span:.2f} of {K} slots); {ratio:.3f} of what the one-shots "
-            "leave", f">= {TRICKLE_TARGET:.0%} of what they leave" if ours else "",
-            ratio >= TRICKLE_TARGET if ours else None,
-            f"{len(send['ids'])} tenants of one task of {ONE_S:g} s, one each {span / max(len(send['ids']) - 1, 1):.2f} "
+            "leave", f">= {TRICKLE_TARGET:.0%} of what they leave", ratio >= TRICKLE_TARGET,
+            f"{count} tenants of one task of {ONE_S:g} s, one each {span / max(count - 1, 1):.2f} "
             f"s over {span:.1f} s, beside a flood of {flood} bodies of {BODY_S:g} s; the one-shots held "
             f"{ones_s / span:.2f} slots, idle {(left - flood_s) / span:.2f}"
-            + (f"; the sharer's passes {got.passes / got.seconds:.1f}/s over the run" if ours else ""))
-    at = dict(zip(send["ids"], send["times"]))
-    latency = sorted(s.t0 - at[s.id] for s in got.spans if s.id in at)
-    res.add(SEC, f"the trickle's one-shots: start after send, median / max of {len(at)}", name,
+            + (f"; the sharer's passes {got.passes / got.seconds:.1f}/s over the run" if ours else ""), ours)
+    latency = after_send(got.late, ((s.id, s.t0) for s in got.spans))
+    res.add(SEC, f"the trickle's one-shots: start after send, median / max of {count}", name,
             f"{percentile(latency, 0.5):.2f} / {latency[-1]:.2f} s" if latency else "none ran",
-            f"max <= {NEWCOMER_TARGET:g} s" if ours else "",
-            bool(latency) and latency[-1] <= NEWCOMER_TARGET if ours else None,
-            f"each a tenant of its own (one0, one1, ...); {len(latency)} of {len(at)} ran")
+            f"max <= {NEWCOMER_TARGET:g} s", bool(latency) and latency[-1] <= NEWCOMER_TARGET,
+            f"each a tenant of its own (one0, one1, ...); {len(latency)} of {count} ran", ours)
     return ratio
 
 
@@ -239,19 +215,20 @@ def cost_rows(res: Results, runs: dict[str, Run]) -> None:
                 "commandstats counts the commands each script runs too")
     if SHARED in runs and len(runs) > 1:
         ours, other = runs[SHARED], next(got for name, got in runs.items() if name != SHARED)
+
+        def per_s(got: Run, command: str) -> str:
+            return f"{got.calls.get(command, 0) / got.seconds:.1f}"
         res.add(SEC, "sharer passes per second (run 1)", SHARED, f"{ours.passes / ours.seconds:.1f}/s",
                 note=f"{ours.passes} passes in {ours.seconds:.1f} s (the workers' start to the last end), counted "
-                     f"by bench/app.py in the notes; HGETALL/s {ours.calls.get('hgetall', 0) / ours.seconds:.1f} "
-                     f"shared against {other.calls.get('hgetall', 0) / other.seconds:.1f} per key (the controls' "
-                     f"reads too, one a check, and one of the registry a pass); BLPOP/s "
-                     f"{ours.calls.get('blpop', 0) / ours.seconds:.1f} against {other.calls.get('blpop', 0) / other.seconds:.1f} "
-                     "(the releasers' waits and the sharer's)")
+                     f"by bench/app.py in the notes; HGETALL/s {per_s(ours, 'hgetall')} shared against "
+                     f"{per_s(other, 'hgetall')} per key (the controls' reads too, one a check, and one of the "
+                     f"registry a pass); BLPOP/s {per_s(ours, 'blpop')} against {per_s(other, 'blpop')} (the "
+                     "releasers' waits and the sharer's)")
     res.table("share", "The store's commands per task in run 1 (1:1:2), INFO commandstats of a redis-server for the store "
                        "alone (the broker and the notes on another), from the producer's start to the last body's "
                        "end; a script's own commands counted too\n\n" + "\n".join(lines))
 
 
-# -- one pass over many tenants ----------------------------------------------------------
 class TimedSharer(Sharer):
     """The workers' sharer, run in the bench's process for the shared scope: each pass timed,
     its round trips and commands counted (:func:`counted`)."""
@@ -260,8 +237,7 @@ class TimedSharer(Sharer):
         super().__init__(ctl)
         self.counting = False
         self.trips = self.commands = 0
-        #: (when, seconds, round trips, commands) of each pass.
-        self.passes: list[tuple[float, float, int, int]] = []
+        self.passes: list[tuple[float, float, int, int]] = []  # (when, seconds, round trips, commands)
 
     def scopes(self) -> dict[str, int]:
         return {SHARE_SCOPE: K}
@@ -279,31 +255,25 @@ class TimedSharer(Sharer):
 @contextmanager
 def counted(sharer: TimedSharer) -> Iterator[None]:
     """Count ``sharer``'s round trips (packets of commands sent) and commands during its passes."""
-    names = ("send_packed_command", "send_command", "pack_commands")
-    send_packed, send_one, pack_many = saved = [getattr(AbstractConnection, name) for name in names]
+    saved = {name: getattr(AbstractConnection, name) for name in ("send_packed_command", "send_command",
+                                                                  "pack_commands")}
 
-    def mine() -> bool:
-        return sharer.counting and threading.current_thread() is sharer
+    def patch(name: str, field: str, size: Any) -> Any:
+        def patched(conn: Any, *args: Any, **kwargs: Any) -> Any:
+            if name == "pack_commands":
+                args = (list(args[0]), *args[1:])
+            if sharer.counting and threading.current_thread() is sharer:
+                setattr(sharer, field, getattr(sharer, field) + size(args))
+            return saved[name](conn, *args, **kwargs)
+        return patched
 
-    def packed(conn: Any, *args: Any, **kwargs: Any) -> Any:
-        sharer.trips += mine()
-        return send_packed(conn, *args, **kwargs)
-
-    def one(conn: Any, *args: Any, **kwargs: Any) -> Any:
-        sharer.commands += mine()
-        return send_one(conn, *args, **kwargs)
-
-    def many(conn: Any, commands: Any) -> Any:
-        commands = list(commands)
-        sharer.commands += len(commands) if mine() else 0
-        return pack_many(conn, commands)
-
-    for name, patch in zip(names, (packed, one, many)):
-        setattr(AbstractConnection, name, patch)
+    for name, attr, size in (("send_packed_command", "trips", lambda a: 1), ("send_command", "commands", lambda a: 1),
+                              ("pack_commands", "commands", lambda a: len(a[0]))):
+        setattr(AbstractConnection, name, patch(name, attr, size))
     try:
         yield
     finally:
-        for name, original in zip(names, saved):
+        for name, original in saved.items():
             setattr(AbstractConnection, name, original)
 
 
@@ -311,11 +281,10 @@ def pass_cost(tenants: int, seconds: float) -> dict[str, Any]:
     """A flood and ``tenants`` tenants of one task each, sent before the workers start; the
     passes of a sharer in this process over ``seconds`` from the first start + SETTLE_S."""
     flood = round(2 * K / BODY_S * (seconds + 6))  # (lasts beyond the measure even with every slot)
-    with (redis_server() as notes, redis_server() as store_server,
-          running(new_prefix("share-pass"), start=False, store=urls(store_server)[0], broker=urls(notes)[1],
-                  records=urls(notes)[0], concurrency=PROCESSES // 2, env={"CT_PREFETCH": "1"}) as group):
+    with served("share-pass", apart=True, start=False, concurrency=PROCESSES // 2,
+                env={"CT_PREFETCH": "1"}) as (store_server, group):
         ctl = Throttle(Celery("bench-sharer", broker="memory://", set_as_current=False),
-                       {"redis_url": urls(store_server)[0], "key_prefix": group.prefix})
+                       {"redis_url": store_server.url, "key_prefix": group.prefix})
         sharer = TimedSharer(ctl)
         try:
             with counted(sharer):
@@ -328,20 +297,16 @@ def pass_cost(tenants: int, seconds: float) -> dict[str, Any]:
                         *({"task": "share_fair", "args": [f"t{i:03d}", BODY_S]} for i in range(tenants)))
                 members = int(ctl.store.client.hlen(share_registry_key(group.prefix, SHARE_SCOPE)))
                 group.start()
-                began = f"{group.prefix}:began"
-                if not waited(lambda: group.records.llen(began) >= 1, 120, 0.02):
-                    raise RuntimeError("no body began")
-                first = float(group.records.lindex(began, 0).decode().split()[0])
+                group.await_noted("began", 1, 120, 0.02)
+                first = float(group.noted("began")[0][0])
                 time.sleep(max(0.0, first + SETTLE_S + seconds - time.time()))
                 sharer.stop()
                 sharer.join(10)
-            window = [p for p in sharer.passes if first + SETTLE_S <= p[0] <= first + SETTLE_S + seconds]
-            # (slots used in the window: every body begun, to its end or, not ended yet, to the window's)
-            ends = {t0: float(t1) for t0, t1, *_ in
-                    (x.decode().split() for x in group.records.lrange(f"{group.prefix}:spans", 0, -1))}
             lo, hi = first + SETTLE_S, first + SETTLE_S + seconds
-            bodies = [(float(t0), ends.get(t0, hi), who) for t0, who, _ in
-                      (x.decode().split() for x in group.records.lrange(began, 0, -1))]
+            window = [p for p in sharer.passes if lo <= p[0] <= hi]
+            # (slots used in the window: every body begun, to its end or, not ended yet, to the window's)
+            ends = {t0: float(t1) for t0, t1, *_ in group.noted("spans")}
+            bodies = [(float(t0), ends.get(t0, hi), who) for t0, who, _ in group.noted("began")]
             held = sum(max(0.0, min(t1, hi) - max(t0, lo)) for t0, t1, _ in bodies)
             singles = sum(1 for t0, _, who in bodies if who != "flood" and t0 <= hi)
             return {"tenants": tenants, "members": members, "passes": window, "seconds": seconds,
@@ -363,8 +328,8 @@ def pass_rows(res: Results, got: dict[str, Any]) -> None:
             f"{percentile(took, 0.5):.1f} / {percentile(took, 0.9):.1f} / {took[-1]:.1f} ms; "
             f"{sum(trips) / len(trips):.1f} ({trips[0]}-{trips[-1]}); {sum(commands) / len(commands):.0f} "
             f"({commands[0]}-{commands[-1]})",
-            note=f"{len(passes)} passes in {got['seconds']:g} s ({len(passes) / got['seconds']:.1f}/s), each followed by "
-                 f"a BLPOP (its wait, not counted); the sharer in the bench's process; slots used "
+            note=f"{len(passes)} passes in {got['seconds']:g} s ({len(passes) / got['seconds']:.1f}/s), each followed "
+                 f"by a BLPOP (its wait, not counted); the sharer in the bench's process; slots used "
                  f"{got['use']:.2f}, {got['singles']} of the {got['tenants']} single tasks started")
 
 
@@ -372,38 +337,30 @@ def run_share(res: Results, scale: Any) -> None:
     n, alone, flood = scale.share_weighted, scale.share_alone, scale.share_flood
     late_count, late_every = scale.share_newcomers
     trickle_flood, ones, ones_every = scale.share_trickle
-    weighted = [body("a", n), body("b", n), body("heavy", 2 * n)]
     late = [{"args": ["late", BODY_S], "count": late_count, "pace": late_every, "ids": True}]
     trickle = [{"args": [ONE_S], "vary": [f"one{i}" for i in range(ones)], "vary_at": 0, "count": ones,
                 "pace": ones_every, "ids": True}]
-    cells: dict[str, dict[str, str]] = {}
+    cells: dict[str, str] = {}
     first_runs: dict[str, Run] = {}
     for name, task in VARIANTS:
         print(f"  fair share: {name}: 1:1:2 ({4 * n} tasks) ...", flush=True)
-        got = first_runs[name] = run(task, weighted)
+        got = first_runs[name] = run(task, [body("a", n), body("b", n), body("heavy", 2 * n)])
         weights_rows(res, name, got)
-        share, _, _ = shares(got.spans)
-        cell = cells.setdefault(name, {})
-        cell["weights"] = " / ".join(f"{share[t] / weight_of(t):.2f}" for t in TENANTS)
+        weights = " / ".join(f"{share / weight_of(t):.2f}" for t, share in shares(got.spans)[0].items())
         print(f"  fair share: {name}: alone ({alone} tasks) ...", flush=True)
-        cell["alone"] = f"{alone_rows(res, name, run(task, [body('solo', alone)])):.2f}"
+        used = alone_rows(res, name, run(task, [body("solo", alone)]))
         print(f"  fair share: {name}: newcomer ({late_count} beside {flood}) ...", flush=True)
         got_late = run(task, [body("solo", flood)], late)
         latency = newcomer_rows(res, name, got_late, flood)
-        cell["late"] = f"{latency[-1]:.2f} s" if latency else "none"
         print(f"  fair share: {name}: trickle ({ones} one-task tenants beside {trickle_flood}) ...", flush=True)
         got_trickle = run(task, [body("solo", trickle_flood)], trickle)
-        cell["trickle"] = f"{trickle_rows(res, name, got_trickle, trickle_flood):.2f}"
+        ratio = trickle_rows(res, name, got_trickle, trickle_flood)
+        cells[name] = f"{weights}; {used:.2f}; {f'{latency[-1]:.2f} s' if latency else 'none'}; {ratio:.2f}"
         for label, g in (("1:1:2", got), ("newcomer", got_late), ("trickle", got_trickle)):
             res.errors(f"fair share, {name}, {label}", g.errors)
     cost_rows(res, {name: got for name, got in first_runs.items() if name != "plain Celery"})
     for tenants in scale.share_keys:
         print(f"  fair share: one pass over {tenants} tenants ...", flush=True)
         pass_rows(res, pass_cost(tenants, scale.share_pass_s))
-
-    def summary(name: str) -> str:
-        c = cells[name]
-        return f"{c['weights']}; {c['alone']}; {c['late']}; {c['trickle']}"
-    res.cell("share", "sliding", f"{summary(SHARED)} (per key: {summary(VARIANTS[1][0])})")
-    res.cell("share", "Celery `rate_limit`", f"plain Celery: {summary('plain Celery')}")
-
+    res.cell("share", "sliding", f"{cells[SHARED]} (per key: {cells[VARIANTS[1][0]]})")
+    res.cell("share", "Celery `rate_limit`", f"plain Celery: {cells['plain Celery']}")
