@@ -368,6 +368,13 @@ def live_slow(label):
     record(label)
 
 
+# A key per test (its tenant): a live limit of one key lowered below its cost.
+@app.task
+@throttle("4/10s", key="{tenant}", scope="live-costly-api", cost=lambda label, tenant, units: units)
+def live_costly(label, tenant, units):
+    record(label, tenant=tenant)
+
+
 @app.task
 @throttle("5/s", margin=0.2)
 def margined(label):

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from celery import Celery
+from celery.result import AsyncResult
 
 import celery_throttle
 from celery_throttle.check.controls import CONTROL_REFRESH
@@ -172,6 +173,28 @@ def test_a_lowered_live_limit_holds_the_running_backlog_within_a_second(
     after = sorted(e["t"] for e in starts if e["t"] >= set_at + 1.0)
     assert len(after) >= 20
     assert max_in_window(after, WINDOW) <= 2
+
+
+def test_tasks_waiting_in_a_line_that_a_lowered_limit_makes_too_costly_fail_naming_the_rate(
+        workers: WorkerGroup, ctl: celery_throttle.Throttle) -> None:
+    # Given a 4/10s key whose calls cost 3: one runs, two wait in its line
+    label = new_label()
+    tenant = f"t-{label}"
+    workers.send("live_costly", label, tenant, 3)
+    wait_for(lambda: len(workers.starts(label)) >= 1, 20, what="the first start")
+    waiting = [workers.send("live_costly", label, tenant, 3) for _ in range(2)]
+    wait_for(lambda: ctl.status("live-costly-api", tenant).waiting == 2, 20, what="two tasks in the line")
+    # When the key's limit is lowered to 2/10s, which a cost of 3 never fits
+    ctl.set_limit("live-costly-api", ["2/10s"], key=tenant)
+    # Then the store refuses them (not each process under its own copy of the limits):
+    # they leave the line and fail, naming the rate, and never run
+    results = [AsyncResult(task_id, app=workers.client) for task_id in waiting]
+    wait_for(lambda: all(r.state == "FAILURE" for r in results), 40, 0.2, "both to fail")
+    assert all("cost 3 of scope 'live-costly-api' exceeds the limit of its rate 2/10s" in str(r.result)
+               for r in results), [r.result for r in results]
+    assert ctl.status("live-costly-api", tenant).waiting == 0
+    assert len(workers.starts(label)) == 1
+    ctl.clear_limit("live-costly-api", tenant)
 
 
 def test_a_raised_live_limit_is_obeyed_at_once_and_unset_restores_the_code(
