@@ -21,6 +21,7 @@ from celery.signals import task_postrun, task_prerun, worker_process_init
 
 import celery_throttle
 from celery_throttle import throttle
+from celery_throttle.core.timing import CONTROL_REFRESH
 
 PREFIX = os.environ.get("CT_PREFIX", "ct-test")
 QUEUE = os.environ.get("CT_QUEUE", "ct-test")
@@ -373,6 +374,17 @@ def live_slow(label):
 @throttle("4/10s", key="{tenant}", scope="live-costly-api", cost=lambda label, tenant, units: units)
 def live_costly(label, tenant, units):
     record(label, tenant=tenant)
+
+
+@app.task
+@throttle("4/10s", key="{tenant}", scope="live-costly-api", cost=lambda label, tenant, units: units)
+def live_costly_backoff(label, tenant, units):
+    """Its key's limit is lowered below its cost while it runs (read by this process, a
+    refresh later), then it backs off: it can never fit again."""
+    record(label, tenant=tenant)
+    celery_throttle.install(app).set_limit("live-costly-api", ["2/10s"], key=tenant)
+    time.sleep(CONTROL_REFRESH + 0.3)
+    raise celery_throttle.Backoff(retry_after=1)
 
 
 @app.task

@@ -40,6 +40,8 @@ class Parts:
         self._slots: Slots | None = None
         self._lines: Lines | None = None
         self._lock = ForkSafeLock()
+        #: The store's run id as the last store closed saw it (see :meth:`.RedisStore.report`).
+        self._run_id: str | None = None
         #: The checks of this app's calls (the hook, the screen and publish use it).
         self.checker = Checker(self)
         self._metrics: Metrics | None = None
@@ -111,6 +113,9 @@ class Parts:
                 other = self._quick_store if attribute == "_store" else self._store
                 if other is not None:
                     opened.rtt_us = other.rtt_us  # (the same store, as far away)
+                # (A store opened anew, settings applied again: a restart since its last
+                # report is still told.)
+                opened.run_id = self._run_id
                 setattr(self, attribute, opened)
             store: RedisStore = getattr(self, attribute)
             return store
@@ -120,5 +125,6 @@ class Parts:
         with self._lock:
             for store in (self._store, self._quick_store):
                 if store is not None:
+                    self._run_id = store.run_id or self._run_id
                     store.close()
             self._store = self._quick_store = None

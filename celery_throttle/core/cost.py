@@ -2,11 +2,12 @@
 task's arguments, or a cost by unit), the cost a direct ``acquire`` is given, and what a
 cost by unit counts in each rate.
 
-Whether a cost can ever fit its rates is one rule, :func:`never_fits`. The store applies it
-to every call under the limits in force (window.lua answers ``TOO_COSTLY``: a live limit
-may have been lowered by any process), and :func:`too_costly` says which rate; a
-declaration's fixed cost is held to it at once, so that a throttle that could never run
-fails at import."""
+Whether a cost can ever fit its rates is one rule, :func:`never_fits`. The window script
+applies it to every call, under the rates its caller gives it (a callable cost; a live
+limit lowered since, which each process reads within CONTROL_REFRESH), and to the tasks of
+a line it releases (line.lua answers or reports ``TOO_COSTLY``); :func:`too_costly` says
+which rate. A declaration's fixed cost is held to it at once, so that a throttle that
+could never run fails at import."""
 
 from __future__ import annotations
 
@@ -87,8 +88,9 @@ def never_fits(rates: Sequence[Rate], cost: Cost) -> tuple[int, Rate] | None:
 
 def too_costly(scope: str, rates: Sequence[Rate], cost: Cost) -> ThrottleError:
     """The error of a call of ``scope`` that the store refused as costing more than a
-    rate's limit in force (``rates``: the rates this process bound it under; a live
-    limit it has not read yet may be lower)."""
+    rate's limit (``rates`` and ``cost``: as this process bound the call; when none of
+    them is exceeded, the script refused the units a released task was counted at when
+    it joined its line)."""
     over = never_fits(rates, cost)
     if over is None:
         return ThrottleError(f"cost {cost} of scope {scope!r} exceeds the limit of a rate in force: it can never run")

@@ -13,7 +13,9 @@ from celery.exceptions import Ignore
 from ..check.adaptive import lower
 from ..check.controller import controller
 from ..core.backoff import Backoff
+from ..core.cost import too_costly
 from ..core.errors import StoreError
+from ..core.protocol import Verdict
 from ..core.timing import shortest_us
 from ..waits.deferral import TurnedAway
 from . import settle
@@ -93,5 +95,8 @@ def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
         turned.send_back(exc.seconds)
         raise Ignore() from None
     ctl.lines.handle(call, reply)
+    if reply.verdict is Verdict.REFUSED:
+        # (Its cost is above a rate's limit now, lowered while it ran: it never fits.)
+        raise too_costly(call.scope, call.rates, call.cost)
     turned.waits(reply, reason="backoff")
     raise Ignore()

@@ -94,8 +94,17 @@ class BrokerParking:
     """What earlier versions parked in RabbitMQ: counted, and the held sent on."""
 
     def __init__(self, ctl: Parts) -> None:
-        self.ctl = ctl
+        # (Weakly: broker_parking() keeps this by its controller, which a strong reference
+        # here would keep alive for ever.)
+        self._ctl = weakref.ref(ctl)
         self._lock = ForkSafeLock()
+
+    @property
+    def ctl(self) -> Parts:
+        ctl = self._ctl()
+        if ctl is None:
+            raise ReferenceError("the throttle of this broker parking's app is gone")
+        return ctl
 
     @property
     def held_queue(self) -> str:

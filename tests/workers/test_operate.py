@@ -186,12 +186,29 @@ def test_tasks_waiting_in_a_line_that_a_lowered_limit_makes_too_costly_fail_nami
     wait_for(lambda: ctl.status("live-costly-api", tenant).waiting == 2, 20, what="two tasks in the line")
     # When the key's limit is lowered to 2/10s, which a cost of 3 never fits
     ctl.set_limit("live-costly-api", ["2/10s"], key=tenant)
-    # Then the store refuses them (not each process under its own copy of the limits):
-    # they leave the line and fail, naming the rate, and never run
+    # Then the script refuses them when it next looks at the line (a process that has read
+    # the lower limit no longer refuses to call it): they leave the line and fail, naming
+    # the rate, and never run
     results = [AsyncResult(task_id, app=workers.client) for task_id in waiting]
     wait_for(lambda: all(r.state == "FAILURE" for r in results), 40, 0.2, "both to fail")
     assert all("cost 3 of scope 'live-costly-api' exceeds the limit of its rate 2/10s" in str(r.result)
                for r in results), [r.result for r in results]
+    assert ctl.status("live-costly-api", tenant).waiting == 0
+    assert len(workers.starts(label)) == 1
+    ctl.clear_limit("live-costly-api", tenant)
+
+
+def test_a_task_that_backs_off_after_its_limit_fell_below_its_cost_fails_naming_the_rate(
+        workers: WorkerGroup, ctl: celery_throttle.Throttle) -> None:
+    # Given a task of a 4/10s key costing 3, whose key's limit falls to 2/10s while it runs
+    label = new_label()
+    tenant = f"t-{label}"
+    task_id = workers.send("live_costly_backoff", label, tenant, 3)
+    # When it backs off (as on a 429): it cannot join its line's front, it never fits
+    result = AsyncResult(task_id, app=workers.client)
+    wait_for(lambda: result.state == "FAILURE", 40, 0.2, "the task to fail")
+    # Then it fails naming the rate, not acked into no line (it ran its body once)
+    assert "cost 3 of scope 'live-costly-api' exceeds the limit of its rate 2/10s" in str(result.result), result.result
     assert ctl.status("live-costly-api", tenant).waiting == 0
     assert len(workers.starts(label)) == 1
     ctl.clear_limit("live-costly-api", tenant)
