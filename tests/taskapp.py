@@ -433,7 +433,8 @@ def span(label: str, seconds: float, **extra) -> None:
     start = time.time()
     time.sleep(seconds)
     entry = {"label": label, "id": current_task.request.id, "t0": start, "t1": time.time(), "pid": os.getpid(),
-             "ppid": os.getppid(), **extra}
+             "ppid": os.getppid(), "redelivered": bool((current_task.request.delivery_info or {}).get("redelivered")),
+             **extra}
     _records_client().rpush(f"{PREFIX}:spans", json.dumps(entry))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -129,8 +130,17 @@ def test_a_worker_that_stops_mid_batch_leaves_the_sharing_to_the_other(group: Wo
     # When one worker stops (warm shutdown: its bodies end, its locks are given back or run out)
     proc = group.procs[0]
     proc.terminate()
-    proc.wait(30)
-    # Then the other runs the rest, each task once, never more than K at once
-    done = wait_spans(group, label, len(ids), timeout=120)
-    assert sorted(e["id"] for e in done) == sorted(ids)
+    # (About 2.5 s; once in some 25 runs beside three CPU hogs on 2 cores it took over 30.)
+    proc.wait(60)
+    # Then the other runs the rest, every task, never more than K at once. One runs twice
+    # only where the broker gave its message back: Celery's warm shutdown can leave a task
+    # that started unacked (celery/celery#3796), and a redelivered copy of a task that
+    # started is run again (the hook's at-least-once choice: its process may have died
+    # before the body); the full suite saw this once.
+    wait_for(lambda: {e["id"] for e in spans(group, label)} >= set(ids), 120, 0.1, "every task run")
+    time.sleep(1.0)
+    done = spans(group, label)
+    twice = [i for i, n in Counter(e["id"] for e in done).items() if n > 1]
+    assert {e["id"] for e in done} == set(ids)
+    assert all(any(e["redelivered"] for e in done if e["id"] == i) for i in twice), twice
     assert most_at_once(done) <= K
