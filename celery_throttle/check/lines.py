@@ -84,11 +84,15 @@ class Lines(OnCall):
 
     def checked(self, call: BoundCall, reply: WindowReply) -> bool:
         """One try of a task's check answered ``reply``: the tasks it released are sent
-        (:meth:`handle`), a key that made it wait is marked full. False: not kept without
-        its message (try again with it)."""
+        (:meth:`handle`), a key where it waits is marked full. False: not kept without its
+        message (try again with it)."""
         self.handle(call, reply)
         verdict = reply.verdict
-        if verdict is Verdict.WAITS or verdict is Verdict.NOT_KEPT:
+        # (Only a task that waits marks it: a first try denied without its message is not
+        # a line yet. Marked full, publish gives the message with its first try, and an
+        # admit with a message releases a task that fits, with a ticket, where it would
+        # have let it go unchecked: a claim and a remembered entry more per task.)
+        if verdict is Verdict.WAITS:
             self.full(call)
         return verdict is not Verdict.NOT_KEPT
 

@@ -142,5 +142,6 @@ def test_a_worker_that_stops_mid_batch_leaves_the_sharing_to_the_other(group: Wo
     done = spans(group, label)
     twice = [i for i, n in Counter(e["id"] for e in done).items() if n > 1]
     assert {e["id"] for e in done} == set(ids)
-    assert all(any(e["redelivered"] for e in done if e["id"] == i) for i in twice), twice
+    assert all(any(e["redelivered"] for e in done if e["id"] == i) for i in twice), (
+        [e for e in done if e["id"] in twice], proc.pid, group.log_text()[-20000:])
     assert most_at_once(done) <= K
