@@ -25,17 +25,12 @@ from bench.common import BENCH, MET, MISSED, OUT, ROOT, Results, md
 SECTIONS = {
     "burst": ("bench.bursts", "run_burst", ("1", "2", "3", "4", "violation", "makespan", "chart")),
     "backlog": ("bench.after_deferral", "run_backlog", ("9", "depth", "deep-line")),
-    "neighbour": ("bench.neighbour", "run_neighbour", ("10", "neighbor")),
+    "neighbour": ("bench.bursts", "run_neighbour", ("10", "neighbor")),
     "api429": ("bench.api429", "run_api429", ("11", "api", "429")),
     "rpt": ("bench.redis_per_task", "run_rpt", ("12", "redis-per-task")),
     "slow": ("bench.bursts", "run_slow", ("13", "slow-store")),
-    "concurrency": ("bench.neighbour", "run_slots", ("14", "slots")),
-    "llm": ("bench.llm", "run_llm", ("15", "tokens")),
-    "llmsweep": ("bench.llm", "run_sweep", ("15b", "issue26")),
+    "llmsweep": ("bench.llm", "run_sweep", ("15b", "llm", "issue26")),
     "deferral": ("bench.after_deferral", "run_rows", ("rows", "after-deferral")),
-    "controls": ("bench.after_deferral", "run_controls", ()),
-    "journal": ("bench.after_deferral", "run_journal", ()),
-    "units": ("bench.units_calls", "run_units", ("units-calls",)),
     "adapt": ("bench.api429", "run_adapt", ("16", "adaptive", "issue29")),
     "share": ("bench.share", "run_share", ("17", "fair-share", "shared-slots")),
 }
@@ -50,24 +45,15 @@ class Scale:
     burst_tasks: int = 250
     depths: tuple[int, ...] = (100, 1_000, 10_000, 100_000)
     floods: tuple[int, ...] = (1_000, 10_000, 100_000)
-    #: API 429s: tasks per batch, the margins tried beside the default, the servers with cold runs.
     api_tasks: int = 150
-    api_margins: tuple[float, ...] = (0.0, 0.05, 0.1)
-    api_cold: tuple[str, ...] = ("moving", "fixed", "jitter")
     rpt_sizes: tuple[int, ...] = (1_000, 10_000, 100_000)
     slow_rounds: int = 3
-    slot_floods: tuple[int, ...] = (200, 2_000)
-    llm_calls: int = 100
     sweep_calls: int = 120
     sweep_latencies: tuple[float, ...] = (0.0, 1.0, 2.0, 3.0)
     deferral_runs: int = 3
-    pauses: tuple[int, ...] = (100, 5_000, 50_000)
-    journaled: tuple[int, ...] = (1_000, 10_000, 100_000)
-    units: tuple[int, ...] = (1_000, 10_000)
-    #: adaptive limits: calls per client, seconds of each phase but the last, a second adaptive law beside.
+    #: adaptive limits: calls per client, seconds of each phase but the last.
     adapt_calls: int = 3_000
     adapt_phase: float = 20.0
-    adapt_extra: bool = True
     #: a fair share (bench/share.py): a and b's tasks, alone's, the flood beside newcomers (how many, s apart),
     #: tenants beside a flood of the passes timed (over s), the trickle's (flood, one-task tenants, s apart).
     share_weighted: int = 150
@@ -81,9 +67,8 @@ class Scale:
 
 
 FULL = Scale()
-QUICK = Scale("20/s", 100, (100, 1_000, 10_000), (1_000, 10_000), 50, (0.05,), ("moving",), (1_000,), 1, (200,),
-              60, 60, (0.0, 3.0), 1, (100, 5_000), (1_000,), (1_000,), 900, 6.0, False, 40, 96, 200, (3, 2.0), (3, 30), 4.0,
-              (200, 24, 0.25), quick=True)
+QUICK = Scale("20/s", 100, (100, 1_000, 10_000), (1_000, 10_000), 50, (1_000,), 1, 60, (0.0, 3.0), 1,
+              900, 6.0, 40, 96, 200, (3, 2.0), (3, 30), 4.0, (200, 24, 0.25), quick=True)
 
 #: The headline table (README, "Benchmark"): its rows, and its columns.
 HEADLINE = {
@@ -92,13 +77,11 @@ HEADLINE = {
     "resends": "re-sends per task (target ≤ 0.95; ideal 0.90)",
     "aligned": "most starts in an aligned window / limit",
     "neighbour": "another tenant behind a flood of 1 000 / 10 000 / 100 000 sent first, p50",
-    "api429": "429s per 100 tasks from a `10/s` moving-window API (warm)",
+    "api429": "429s per 100 tasks from an API of 10 calls in any 1 s",
     "rpt": "far under the limit, 100 000 / 10 000 / 1 000 tasks: script calls, Redis CPU / plain Celery "
            "(target ≤ 0.5, ≤ 1.3×)",
-    "slots": "`concurrency=4` per tenant: b beside a's 2 000-task flood, p50 start (plain Celery in the last column)",
-    "llm": 'an LLM API\'s requests and tokens: 429s per 100, makespan / ideal (`cost={"tokens": 450}`, '
-           "`charge(tokens=n)`)",
-    "llmsweep": "the same per 10 s, calls of 0 / 1 / 2 / 3 s: 429s per 100, makespan / fastest compliant",
+    "llmsweep": "an LLM API's requests and tokens per 10 s, calls of 0 / 1 / 2 / 3 s: 429s per 100, makespan / "
+                "fastest compliant",
     "adapt": "an API whose limit moves 50 → 20 → 80/s unknown to the client (declared 100/s): 429s per 100, makespan "
              "/ the oracle's (a client told each limit; targets ≤ 2 429s per 100, ≤ 1.15)",
     "share": "`concurrency=8, share=True`, bodies of 0.5 s: starts / weight of 3 tenants flooding 1:1:2 (target within "

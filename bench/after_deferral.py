@@ -1,17 +1,13 @@
-"""``python -m bench.after_deferral [--only rows|depth|controls|journal] [--runs N] [--quick]``.
+"""``python -m bench.after_deferral [--only rows|depth] [--runs N] [--quick]``.
 
 rows (``deferral``): workers of tests/taskapp.py against what new capacity allows (:data:`ROWS`).
 depth (``backlog``, 9): a ``20/s`` key with D tasks in its line on a test clock, released and claimed:
-script time per task, the slowest call, bytes per waiting task. controls: P pauses in force: a refresh
-reading the hash whole and by the stamp; a pause's script time before the stamp and now. journal:
-RabbitMQ the broker, D tasks of a spent key: the producer's µs per task with the journal off and on,
-the keeper's pass, and the recovery's two passes once the store is emptied.
+script time per task, the slowest call, bytes per waiting task.
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 import uuid
 from typing import Any
@@ -19,19 +15,7 @@ from typing import Any
 import redis
 
 from bench.common import Results, md, standalone
-from tests.harness import redis_server, waited
-
-#: pause.lua before the stamp: it pruned by reading the whole hash.
-BEFORE = "903274a"
-
-
-def timed(*calls: Any) -> float:
-    """Seconds ``calls`` took, one after the other."""
-    t = time.perf_counter()
-    for call in calls:
-        call()
-    return time.perf_counter() - t
-
+from tests.harness import redis_server
 
 #: The rows: what each measures, the ideal, the figure before the line.
 ROWS = {"raise": ("raise 6/m to 600/m, 54 waiting: s from the raise to the last start", 0.0, "0 of 54 in 25 s"),
@@ -152,112 +136,17 @@ def depth_table(res: Results, runs: list[tuple[int, dict[str, float]]]) -> None:
                             (f"| {d:,} | {r['us']:.0f} | {r['bytes']:.0f} |" for d, r in runs)))
 
 
-def run_controls(res: Results, scale: Any, reads: int = 20) -> None:
-    """Each figure the mean of ``reads`` calls, side by side."""
-    from celery_throttle.check.control_set import pause_field
-    from celery_throttle.check.controls import Controls
-    from celery_throttle.core.state import FOREVER_US
-    from celery_throttle.store.client import RedisStore
-
-    old_lua = subprocess.run(["git", "show", f"{BEFORE}:celery_throttle/lua/pause.lua"], capture_output=True,
-                             text=True, check=True).stdout
-    lines = []
-    with redis_server() as server:
-        client = redis.Redis(port=server.port, socket_timeout=120)
-        store, old = RedisStore(server.url, "bench"), client.register_script(old_lua)
-        for size in scale.pauses:
-            client.delete("bench:control")
-            for start in range(0, size, 1000):
-                client.hset("bench:control", mapping={pause_field("api", f"tenant-{i}"): str(FOREVER_US)
-                                                      for i in range(start, min(size, start + 1000))})
-            store.pause(pause_field("api", "stamped"), 600)
-            whole = stamped = 0.0
-            controls = Controls()
-            controls.refresh(store)
-            for _ in range(reads):
-                whole += timed(store.controls)
-                stamped += timed(lambda c=controls: c.refresh(store))
-            client.config_resetstat()
-            for i in range(reads):
-                old(keys=["bench:control"], args=["", pause_field("api", f"old-{i}"), 60_000_000, FOREVER_US])
-            before = client.info("commandstats")["cmdstat_evalsha"]["usec"] / reads
-            client.config_resetstat()
-            for i in range(reads):
-                store.pause(pause_field("api", f"new-{i}"), 60)
-            now = client.info("commandstats")["cmdstat_evalsha"]["usec"] / reads
-            lines.append(f"| {size:,} | {whole / reads * 1e3:.2f} | {stamped / reads * 1e3:.3f} | {before:.0f} "
-                         f"| {now:.0f} |")
-        store.close()
-    res.table("controls", md("| pauses in force | refresh, hash read whole (ms) | refresh by the stamp (ms) "
-                             f"| a pause's script, before {BEFORE} (µs) | now (µs) |", lines))
-
-
-def run_journal(res: Results, scale: Any) -> None:
-    """A producer and a keeper in this process, RabbitMQ the broker, a redis-server the store."""
-    from celery import Celery
-    from kombu.connection import Connection
-    from kombu.entity import Queue
-
-    from celery_throttle import throttle
-    from celery_throttle.check.limiter import Throttle
-    from celery_throttle.core import journal
-    from celery_throttle.integration.publish import wrap_send_task
-    from celery_throttle.waits.keeper import Keeper
-    from tests.conftest import RABBITMQ_URL
-    from tests.helpers import delete_queues
-
-    journal.LOST_AFTER_US = 0  # (the two passes of a recovery back to back: the keeper's cost alone)
-    lines = []
-    with redis_server() as server:
-        client = redis.Redis(port=server.port, socket_timeout=120)
-        for size in scale.journaled:
-            per_send, queues = {}, []
-            for on in (False, True):
-                prefix = f"ct-bench-{uuid.uuid4().hex[:8]}"
-                app = Celery("journal-bench", broker=RABBITMQ_URL, set_as_current=False)
-                app.conf.task_default_queue = f"{prefix}-q"
-
-                @app.task(name="bench.journaled", shared=False)
-                @throttle("1/h")
-                def work(n: int) -> None: ...
-
-                ctl = Throttle(app, {"redis_url": server.url, "key_prefix": prefix, "journal": on})
-                wrap_send_task(ctl)
-                queues += [f"{prefix}-q", ctl.lines.journal.broker.name]
-                t = time.perf_counter()
-                for n in range(size):
-                    work.delay(n)
-                per_send[on] = (time.perf_counter() - t) / size * 1e6
-            keeper = Keeper(ctl)
-            keeper.pass_now()  # (the first adopts what it holds too: not timed)
-            one_pass = timed(keeper.pass_now) / size * 1e6
-            client.flushall()  # (the section's own server)
-            recovery = timed(keeper.pass_now, keeper.pass_now) / size * 1e6
-            with Connection(RABBITMQ_URL) as conn:  # (the broker counts the last publishes a moment later)
-                queue = Queue(f"{prefix}-q")(conn.default_channel)
-                waited(lambda q=queue, n=size: q.queue_declare(passive=True).message_count >= n, 10, 0.5)
-                sent_on = queue.queue_declare(passive=True).message_count
-            keeper._close()
-            ctl.close()
-            delete_queues(RABBITMQ_URL, queues)
-            client.flushall()
-            lines.append(f"| {size:,} | {per_send[False]:.0f} | {per_send[True]:.0f} | "
-                         f"{per_send[True] / per_send[False]:.2f} | {one_pass:.0f} | {recovery:.0f} | {sent_on:,} |")
-    res.table("journal", md("| tasks waiting | producer µs per task, journal off | on | on / off | keeper's pass, µs "
-                            "per task | recovery's two passes, µs per task | tasks in the queue after them |", lines))
-
-
 def main(argv: list[str] | None = None) -> int:
     from bench.__main__ import FULL, QUICK
 
     p = argparse.ArgumentParser(prog="python -m bench.after_deferral", description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=("rows", "depth", "controls", "journal"), action="append", default=[])
+    p.add_argument("--only", choices=("rows", "depth"), action="append", default=[])
     p.add_argument("--runs", type=int, help="runs of each row (default 3; --quick 1)")
-    p.add_argument("--quick", action="store_true", help="depths to 10 000, fewer pauses and journaled tasks")
+    p.add_argument("--quick", action="store_true", help="depths to 10 000, one run of each row")
     args = p.parse_args(argv)
     scale = QUICK if args.quick else FULL
     scale = type(scale)(**{**vars(scale), "deferral_runs": args.runs}) if args.runs else scale
-    parts = {"rows": ("deferral", run_rows), "controls": ("controls", run_controls), "journal": ("journal", run_journal),
+    parts = {"rows": ("deferral", run_rows),
              "depth": ("backlog", lambda r, s: depth_table(r, depths(("sliding",), s.depths)["sliding"]))}
     standalone("bench.after_deferral", argv, scale, not args.quick,
                *(part for name, part in parts.items() if not args.only or name in args.only))

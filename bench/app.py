@@ -2,7 +2,7 @@
 
 Configured from the environment as tests/taskapp.py is (CT_BROKER, CT_STORE, CT_RECORDS, CT_PREFIX,
 CT_QUEUE, CT_PREFETCH, CT_CHECK_AT_PUBLISH, CT_SLOT_LEASE) and BENCH_RATE, BENCH_API_URL,
-BENCH_START_GRACE, BENCH_DENIALS=1 (denials counted), BENCH_SHARER_PASSES=1 (sharer passes counted).
+BENCH_DENIALS=1 (denials counted), BENCH_SHARER_PASSES=1 (sharer passes counted).
 A body notes its start in ``<prefix>:starts:<label>`` (a slot's span in ``<prefix>:spans``).
 
 ``python -m bench.app '{"sends": [...]}'``: a producer as users write one (imports this module, never
@@ -29,7 +29,7 @@ import redis
 from celery import Celery
 
 import celery_throttle
-from celery_throttle import Adapt, Backoff, throttle
+from celery_throttle import Backoff, throttle
 from celery_throttle.core.rates import parse_rate
 from celery_throttle.signals import task_throttled
 
@@ -66,11 +66,8 @@ class Plan:
         return sum(self.cost(i) for i in range(calls))
 
 
-#: Section 15: 60 requests and 10 000 tokens a minute, no prompt, replies of 50..450 tokens;
-#: 15b: 20 requests and 4 000 tokens per 10 s, prompts of 50..250, replies of 20..200.
-LLM_PLAN = Plan(60, 10_000, 60.0, (0, 0), (50, 450), "bench-llm-15")
+#: Section 15b: 20 requests and 4 000 tokens per 10 s, prompts of 50..250, replies of 20..200.
 SWEEP_PLAN = Plan(20, 4_000, 10.0, (50, 250), (20, 200), "bench-llm-26")
-LLM_RATES, MEAN, MOST = ("60/m", "10000 tokens/m"), 250, 450
 SWEEP_RATES, MAX_COMPLETION = ("20/10s", "4000 tokens/10s"), 200
 
 app = Celery("bench", broker=os.environ.get("CT_BROKER", "redis://127.0.0.1:6379/1"))
@@ -80,8 +77,6 @@ app.conf.update(task_default_queue=os.environ.get("CT_QUEUE", f"{PREFIX}-q"), br
                 throttle_key_prefix=PREFIX, throttle_concurrency_lease=float(os.environ.get("CT_SLOT_LEASE", "30")))
 if "CT_CHECK_AT_PUBLISH" in os.environ:
     app.conf.throttle_check_at_publish = os.environ["CT_CHECK_AT_PUBLISH"] == "1"
-if "BENCH_START_GRACE" in os.environ:
-    app.conf.throttle_start_grace = float(os.environ["BENCH_START_GRACE"])
 ctl = celery_throttle.install(app)
 
 
@@ -135,9 +130,8 @@ def _task(name: str, fn: Any = None, *rates: Any, options: dict[str, Any] | None
     globals()[name] = app.task(bind=True, name=f"bench.app.{name}", max_retries=None, **(options or {}))(fn)
 
 
-# -- the burst (1-4), the slow store (13), units, the noisy neighbour (10): a key per label ----
+# -- the burst (1-4), the slow store (13), the noisy neighbour (10): a key per label -----------
 for _name, _rates, _limits in (("sliding", (RATE,), {}), ("fixed", (RATE,), {"algorithm": "fixed"}),
-                               ("sliding_tokens", (RATE, "1000000000 tokens/s"), {"cost": {"tokens": 5}}),
                                ("neighbour", (QUOTA,), {})):
     _task(_name, None, *_rates, key="{label}", **_limits)
 _task("builtin", options={"rate_limit": RATE})
@@ -211,9 +205,7 @@ def _api(backoff: bool = False) -> Any:
 
 
 for _name, _rates, _limits, _options in (
-        ("api_sliding", ("10/s",), {}, {}), ("api_margin_0", ("10/s",), {"margin": 0}, {}),
-        ("api_margin_05", ("10/s",), {"margin": 0.05}, {}), ("api_margin_10", ("10/s",), {"margin": 0.1}, {}),
-        ("api_9", ("9/s",), {}, {}), ("api_fixed", ("10/s",), {"algorithm": "fixed"}, {}),
+        ("api_sliding", ("10/s",), {}, {}), ("api_fixed", ("10/s",), {"algorithm": "fixed"}, {}),
         ("api_builtin", (), {}, {"rate_limit": "10/s"}), ("api_plain", (), {}, {})):
     _task(_name, _api(), *_rates, options=_options, **({"key": "{account}", **_limits} if _rates else {}))
 
@@ -222,7 +214,6 @@ for _name, _rates, _limits, _options in (
 #: The API's documented ceiling, above every limit it enforces; the oracle starts at the first.
 ADAPT_CEILING, ADAPT_FIRST = "100/s", "50/s"
 _task("adapt_learning", _api(backoff=True), ADAPT_CEILING, adapt=True)
-_task("adapt_fast", _api(backoff=True), ADAPT_CEILING, adapt=Adapt(decrease=0.85, growth=0.001))
 _task("adapt_backoff", _api(backoff=True), ADAPT_CEILING)
 _task("adapt_oracle", _api(backoff=True), ADAPT_FIRST)  # (its limit set by the bench at each change)
 _task("adapt_builtin", _api(), options={"rate_limit": "50/s"})  # (per worker: 100/s for 2)
@@ -251,32 +242,25 @@ _task("rpt_peer_under", _peer(UNDER))
 _task("rpt_peer_flood", _peer(QUOTA))
 
 
-# -- concurrency slots (14): K=4 per tenant -------------------------------------------------
-def _slot(ids: bool = False) -> Any:
-    """A body of ``seconds``: its start noted, then its span (``ids``: with its task id and worker)."""
+# -- a fair share of a scope's slots (17): K=8 for the scope, "heavy" weighing 2, the others 1 --
+def _slot() -> Any:
+    """A body of ``seconds``: its start noted, then its span with its task id and worker."""
     def task(self: Any, tenant: str, seconds: float) -> None:
         start = time.time()
         records().rpush(f"{PREFIX}:began", f"{start:.6f} {tenant} {os.getppid()}")
         time.sleep(seconds)
-        more = f" {self.request.id} {os.getppid()}" if ids else ""
-        records().rpush(f"{PREFIX}:spans", f"{start:.6f} {time.time():.6f} {tenant}{more}")
+        records().rpush(f"{PREFIX}:spans", f"{start:.6f} {time.time():.6f} {tenant} {self.request.id} {os.getppid()}")
     return task
 
 
-_task("export", _slot(), concurrency=4, scope="export-api", key="{tenant}")
-_task("export_one", _slot(), concurrency=1, scope="export-one", key="{tenant}")
-_task("slots_plain", _slot())
-
-
-# -- a fair share of a scope's slots (17): K=8 for the scope, "heavy" weighing 2, the others 1 --
 SHARE_K, SHARE_SCOPE, SHARE_WEIGHTS, PER_KEY = 8, "share-api", {"heavy": 2}, 3
-_task("share_fair", _slot(ids=True), concurrency=SHARE_K, scope=SHARE_SCOPE, key="{tenant}",
+_task("share_fair", _slot(), concurrency=SHARE_K, scope=SHARE_SCOPE, key="{tenant}",
       share=celery_throttle.Share(weight=lambda tenant, seconds: SHARE_WEIGHTS.get(tenant, 1)))
-_task("share_per_key", _slot(ids=True), concurrency=PER_KEY, scope="share-per-key", key="{tenant}")
-_task("share_plain", _slot(ids=True))
+_task("share_per_key", _slot(), concurrency=PER_KEY, scope="share-per-key", key="{tenant}")
+_task("share_plain", _slot())
 
 
-# -- the LLM API (15, 15b): requests and tokens ------------------------------------------------
+# -- the LLM API (15b): requests and tokens ------------------------------------------------
 def sweep_estimate(label: str, account: str, i: int) -> int:
     """15b's estimate: the prompt's tokens, known before the call, and the most a reply uses."""
     return SWEEP_PLAN.prompt_tokens(i) + MAX_COMPLETION
@@ -316,11 +300,6 @@ def _by_hand(account: str, estimate: int) -> float:
     return 0.0 if refused is None else max(0.05, lim.get_window_stats(refused, account).reset_time - time.time())
 
 
-_task("estimate", _llm(), *LLM_RATES, key="{account}", cost={"tokens": MEAN})
-_task("estimate_max", _llm(), *LLM_RATES, key="{account}", cost={"tokens": MOST})
-_task("settled", _llm(settle=True), *LLM_RATES, key="{account}", cost={"tokens": MOST})
-_task("estimate_settled", _llm(settle=True), *LLM_RATES, key="{account}", cost={"tokens": MEAN})
-_task("builtin_30m", _llm(), options={"rate_limit": "30/m"})
 _task("prompt_settled", _llm(settle=True, backoff=True), *SWEEP_RATES, key="{account}", cost={"tokens": sweep_estimate})
 _task("builtin_10s", _llm(), options={"rate_limit": "1/s"})
 _task("by_hand", _llm(by_hand=True))

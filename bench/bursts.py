@@ -1,9 +1,14 @@
-"""Sections 1-4 (a burst: violation, makespan, re-sends, the baselines; the chart) and 13 (a slow store).
+"""Sections 1-4 (a burst: violation, makespan, re-sends, the baselines; the chart), 10 (a noisy
+neighbour) and 13 (a slow store).
 
 1-4: ``burst_tasks`` calls of one key sent at once, 60 % into an aligned window (the fixed window's
 boundary burst shows), to 2 workers x 2 prefork: ours sliding and fixed, the naive baselines, Celery's
 ``rate_limit``. 13: 30 tasks at ``10/s`` on 1 worker x 4, the store behind tests/slow_proxy.py (0 or
 100 ms late), side by side each round: the pace at 100 ms over the pace at 0 ms (target >= 0.8).
+10: A, its ``100/h`` spent, sends a flood of N on a queue the 2 workers x 2 open once it is published;
+3 s later B (same task, another key) sends 10, to start within 1 s whatever N. Variants: ours, ours
+with the check at publish off, no throttle, the naive sliding log. (Concurrency slots beside a flood:
+section 17, bench/share.py.)
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import time
 from bisect import bisect_left, bisect_right
 from typing import Any
 
-from bench.common import OUT, Results, new_prefix, running, served
+from bench.common import OUT, Results, after_send, new_prefix, percentile, produce, running, served, spend
 from celery_throttle.core.rates import parse_rate
 from tests.harness import redis_server, waited
 from tests.helpers import SlowProxy, max_in_aligned_windows, max_in_window
@@ -161,3 +166,61 @@ def run_slow(res: Results, scale: Any, tasks: int = 30, rate: str = "10/s") -> N
             f"per round: {', '.join(f'{r:.2f}' for r in ratios)}; first to last at 0 ms "
             f"{', '.join(f'{s:.2f}s' for s in spans[0])}, at 100 ms {', '.join(f'{s:.2f}s' for s in spans[100])}; "
             f"{tasks} tasks at {rate}, most starts in any 0.98 s: {most} (limit 10)")
+
+
+NB_SEC, QUOTA, B_TASKS, B_AFTER, BIG = "10 noisy neighbour", "100/h", 10, 3.0, 100_000
+#: name, task, how A's quota is spent, CT_CHECK_AT_PUBLISH, run beside a flood of BIG too
+NEIGHBOURS = (("celery_throttle", "neighbour", "ours", "1", True),
+              ("celery_throttle, check at publish off", "neighbour", "ours", "0", False),
+              ("no throttle", "plain", None, "1", True), ("naive sliding log", "neighbour_naive", "naive", "1", True))
+
+
+def neighbour_run(name: str, task: str, spent: str | None, check: str, flood: int) -> dict[str, Any]:
+    a, b = f"{task}-A", f"{task}-B"
+    with served("nb", env={"CT_CHECK_AT_PUBLISH": check, "BENCH_DENIALS": "1"}) as (server, group):
+        if spent == "ours":
+            spend(server.url, group.prefix, f"bench.app.{task}", [a], QUOTA)
+        elif spent == "naive":  # the sliding log full: a member per start, now
+            log = f"{group.prefix}:naive-sliding:{a}"
+            group.records.zadd(log, {f"spent-{i}": time.time() * 1000 for i in range(100)})
+            group.records.expire(log, 3600)
+        flood_q = f"{group.queue}-flood"
+        sent = produce(group, {"task": task, "args": [a], "count": flood, "queue": flood_q, "pooled": True})[0]
+        done = (lambda: group.started(a)) if spent is None else (lambda: group.note(f"denied:{a}"))
+        at_publish = 0 if spent is None else done()
+        if group.consume(flood_q) < group.count:
+            raise RuntimeError("the workers did not open the flood's queue")
+        time.sleep(max(sent["last"] + B_AFTER - 1.5 - time.time(), 0))  # (the producer takes ~1.5 s to start)
+        b_sent = produce(group, {"task": task, "args": [b], "count": B_TASKS, "queue": flood_q, "ids": True})
+        finished, deadline = sent["last"] if at_publish >= flood else None, time.time() + min(60 + flood * 0.004, 150)
+        while time.time() < deadline and not (finished and group.started(b) >= B_TASKS):
+            finished = finished or (time.time() if done() >= flood else None)
+            time.sleep(0.1)
+        return {"name": name, "flood": flood, "publish": sent["last"] - sent["first"], "done": done(),
+                "latency": after_send(b_sent, ((s["id"], s["t"]) for s in group.starts(b))),
+                "at_publish": at_publish, "errors": group.errors(),
+                "flood_s": (finished - sent["last"]) if finished else None}
+
+
+def run_neighbour(res: Results, scale: Any) -> None:
+    runs = []
+    for flood in scale.floods:
+        for name, task, spent, check, big in NEIGHBOURS:
+            if flood < BIG or big:
+                print(f"  noisy neighbour: {name}, flood of {flood:,} ...", flush=True)
+                runs.append(neighbour_run(name, task, spent, check, flood))
+    for run in runs:
+        lat, n, ours = run["latency"], f"{run['flood']:,}", run["name"] == "celery_throttle"
+        value = f"p50 {percentile(lat, 0.5):.2f}s, max {lat[-1]:.2f}s" if len(lat) == B_TASKS else \
+            f"{len(lat)}/{B_TASKS} started"
+        res.add(NB_SEC, f"flood of {n}: B's start after its send", run["name"], value, "p50 <= 1s",
+                len(lat) == B_TASKS and percentile(lat, 0.5) <= 1.0,
+                f"B's {B_TASKS} sent {B_AFTER:g}s after A's flood was published (in {run['publish']:.1f}s)", ours)
+        done = f"{run['flood_s']:.1f}s" if run["flood_s"] is not None else f"not by the end: {run['done']:,}"
+        res.add(NB_SEC, f"flood of {n}: all of A's tasks turned away (or ran)", run["name"], done, "", None,
+                f"after the flood was published; turned away at publish: {run['at_publish']:,}")
+        res.errors(f"noisy neighbour, {run['name']}, {n}", run["errors"])
+    for column, name in (("sliding", "celery_throttle"), ("naive sliding log", "naive sliding log")):
+        got = [r["latency"] for r in runs if r["name"] == name]
+        res.cell("neighbour", column, " / ".join(f"{percentile(lat, 0.5):.2f} s" if len(lat) == B_TASKS else
+                                                 f"{len(lat)} of {B_TASKS}" for lat in got))

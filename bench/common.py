@@ -97,11 +97,6 @@ def new_prefix(name: str = "") -> str:
     return f"ct-bench-{name}{'-' if name else ''}{uuid.uuid4().hex[:8]}"
 
 
-def db1(server: Any) -> str:
-    """The broker's database on a redis-server of the section's own (``server.url`` is db 0)."""
-    return f"redis://127.0.0.1:{server.port}/1"
-
-
 class Workers(AppWorkers):
     """tests/harness.py's AppWorkers, reading the lists of spans (``<prefix>:<name>``) the slot tasks note."""
 
@@ -122,7 +117,7 @@ def running(prefix: str, server: Any = None, start: bool = True, *, store: str =
     """Workers of bench/app.py (2 x 2 prefork unless said) on ``server``'s store and broker,
     started (unless not ``start``), and stopped after the block."""
     if server is not None:
-        store, broker = store or server.url, broker or db1(server)
+        store, broker = store or server.url, broker or f"redis://127.0.0.1:{server.port}/1"  # (db 1: the broker)
     group = Workers("bench.app", prefix, broker, store, records=records, logs_to=OUT / "logs", **options)
     try:
         if start:

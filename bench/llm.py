@@ -1,10 +1,11 @@
-"""Sections 15 and 15b: an LLM-style API whose limits count requests and tokens.
+"""Section 15b: an LLM-style API whose limits count requests and tokens; the clients' driver.
 
 The API counts a call when it arrives, at its ``Plan``'s tokens: 200 (L s later) if the account's
-window then holds it, else 429 with ``Retry-After``. Each client: a redis-server, an account, a
-producer and 2 workers of its own. 15 (``LLM_PLAN``): :data:`VARIANTS` against 60 s x max(N / 60,
-T / 10 000). 15b (``SWEEP_PLAN``, replies after L = 0..3 s): :data:`SWEEP` against the fastest compliant
-makespan (:func:`fastest_any`: exact when it meets the bound), greedy in call order and :func:`held_greedy`.
+window then holds it, else 429 with ``Retry-After``. Each client (:func:`drive`): a redis-server, an
+account, a producer and 2 workers of its own. ``SWEEP_PLAN``, replies after L = 0..3 s: :data:`SWEEP`
+against the fastest compliant makespan (:func:`fastest_any`: exact when it meets the bound), greedy in
+call order and :func:`held_greedy`. (Section 15, 60 requests and 10 000 tokens a minute, was dropped
+at 2026-12-05's trim: 15b measures the same clients with replies that take time.)
 """
 
 from __future__ import annotations
@@ -23,12 +24,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from bench.app import LLM_PLAN, MAX_COMPLETION, SWEEP_PLAN, Plan
+from bench.app import MAX_COMPLETION, SWEEP_PLAN, Plan
 from bench.common import Api, Results, md, produce, served, yes
-from tests.helpers import max_in_window
-from tests.reference import max_units_in_any_interval
 
-SEC, SWEEP_SEC, SWEEP_TARGET = "15 llm", "15b llm sweep", 1.05
+SWEEP_SEC, SWEEP_TARGET = "15b llm sweep", 1.05
 
 
 @dataclass(frozen=True)
@@ -36,24 +35,10 @@ class Variant:
     name: str
     task: str  # in bench/app.py
     no_429: bool = False  # a target of 0 429s
-    pace: float = 0.0  # seconds between two sends (0: all at once)
     latency: float = 0.0  # seconds before the API sends a 200
-    start_grace: float | None = None  # throttle_start_grace (no effect since the line)
     concurrency: int = 2
 
 
-S450 = 'cost={"tokens": 450}, charge(tokens=n)'
-VARIANTS = (
-    Variant('cost={"tokens": 250} (the mean), not settled', "estimate"),
-    Variant('cost={"tokens": 450} (the most), not settled', "estimate_max", no_429=True),
-    Variant(S450, "settled", no_429=True),
-    Variant('cost={"tokens": 250} (the mean), charge(tokens=n)', "estimate_settled"),
-    Variant('Celery rate_limit="30/m" per worker', "builtin_30m"),
-    Variant('cost={"tokens": 450} (the most), not settled, sent 1/s', "estimate_max", no_429=True, pace=1.0),
-    Variant(f"{S450}, sent 1/s", "settled", no_429=True, pace=1.0),
-    Variant(f"{S450}, API answers in 0.5 s", "settled", no_429=True, latency=0.5),
-    Variant(f"{S450}, API answers in 0.5 s, start grace 4 s", "settled", no_429=True, latency=0.5, start_grace=4.0),
-    Variant(f"{S450}, start grace 4 s", "settled", no_429=True, start_grace=4.0))
 SWEEP = (Variant('@throttle("20/10s", "4000 tokens/10s", cost={"tokens": prompt + 200}), charge(tokens=n)',
                  "prompt_settled", no_429=True, concurrency=4),
          Variant('Celery rate_limit="1/s" per worker', "builtin_10s", concurrency=4),
@@ -97,17 +82,15 @@ def llm_api(plans: dict[str, tuple[Plan, float]]) -> Api:
     return Api(decide)
 
 
-def greedy(plan: Plan, order: Sequence[int], processes: int = 0, latency: float = 0.0) -> float:
+def greedy(plan: Plan, order: Sequence[int], processes: int, latency: float) -> float:
     """The makespan of a client that knew every call's tokens and sent each, in ``order``, as
-    soon as one of ``processes`` (0: no bound) was free and the API's window had room."""
+    soon as one of ``processes`` was free and the API's window had room."""
     window, at, free = Window(plan), 0.0, [0.0] * processes
     for i in order:
-        if free:
-            at = max(at, heapq.heappop(free))
+        at = max(at, heapq.heappop(free))
         while wait := window.admit(at, plan.cost(i)):
             at += wait + 1e-6
-        if processes:
-            heapq.heappush(free, at + latency)
+        heapq.heappush(free, at + latency)
     return at + latency
 
 
@@ -159,15 +142,14 @@ def drive(variants: Sequence[Variant], calls: int, plan: Plan | None, timeout: f
     with ExitStack() as stack:
         for v in variants:
             print(f"  {say}: {v.name}: a redis-server, 2 workers x {v.concurrency} processes ...", flush=True)
-            grace = {} if v.start_grace is None else {"BENCH_START_GRACE": str(v.start_grace)}
             server, group = stack.enter_context(served(say, one_db=True, concurrency=v.concurrency,
-                                                       env={"BENCH_API_URL": api.url, **grace}))
+                                                       env={"BENCH_API_URL": api.url}))
             plans[group.prefix] = (plan, v.latency)
             runs.append({"variant": v, "group": group, "label": group.prefix, "server": server, "done_at": 0.0})
         if on_start is not None:
             stack.callback(on_start(runs))
         send = lambda r: produce(r["group"], {"task": r["variant"].task, "args": [r["label"], r["label"]],
-                                              "count": calls, "vary": "index", "pace": r["variant"].pace,
+                                              "count": calls, "vary": "index",
                                               "ids": True, "pooled": True})[0]
         with ThreadPoolExecutor(len(runs)) as pool:  # every producer at once: the clients share the machine alike
             for run, sent in zip(runs, pool.map(send, runs)):
@@ -192,37 +174,6 @@ def drive(variants: Sequence[Variant], calls: int, plan: Plan | None, timeout: f
             run["errors"] = run["group"].errors()
     api.close()
     return runs
-
-
-def run_llm(res: Results, scale: Any) -> None:
-    calls, plan, started = scale.llm_calls, LLM_PLAN, time.time()
-    ideal = plan.window * max(calls / plan.requests, plan.total(calls) / plan.tokens)
-    runs, fast = drive(VARIANTS, calls, plan, 3 * ideal + 120), greedy(plan, range(calls))
-    lines = []
-    for run in runs:
-        v, arr = run["variant"], run["tally"]
-        ok = [a for a in arr if a.status == 200]
-        most, offered = ((max_in_window([a.at for a in x], plan.window),
-                          max_units_in_any_interval(((a.at, a.tokens) for a in x), plan.window)) for x in (ok, arr))
-        per100, ratio = run["refused"] * 100 / calls, run["makespan"] / ideal
-        res.add(SEC, "429s per 100 calls", v.name, f"{per100:.1f}", "0", run["refused"] == 0,
-                f"{len(arr)} requests for {calls} calls", v.no_429)
-        res.add(SEC, "makespan / ideal", v.name, f"{run['makespan']:.0f} s / {ideal:.0f} s = {ratio:.2f}",
-                note=f"fastest possible {max(fast, (calls - 1) * v.pace):.0f} s; sends took {run['send_s']:.1f} s")
-        res.add(SEC, "most accepted in any 60 s: requests / tokens", v.name, f"{most[0]} / {most[1]:,}",
-                f"<= {plan.requests} / {plan.tokens:,}", most[0] <= plan.requests and most[1] <= plan.tokens)
-        res.add(SEC, "every call got exactly one 200", v.name, yes(run["once"]), "yes", run["once"])
-        lines.append(f"| {v.name} | {per100:.1f} | {run['makespan']:.0f} s = {ratio:.2f} | {most[0]} / {most[1]:,} "
-                     f"| {offered[0]} / {offered[1]:,} | {yes(run['once'])} |")
-        if v.name in (S450, VARIANTS[4].name):
-            res.cell("llm", "sliding" if v.name == S450 else "Celery `rate_limit`", f"{per100:.0f}, {ratio:.2f}")
-        res.errors(f"llm, {v.name}", run["errors"])
-    res.table("llm", f"LLM API ({calls} calls per client, sent at once unless paced, T = {plan.total(calls):,} tokens, "
-                     f"ideal {ideal:.0f} s, {time.time() - started:.0f} s):\n\n" + md(
-                         "| client | 429s per 100 calls | makespan / ideal | most accepted in any 60 s: requests / tokens "
-                         "| offered in any 60 s (429s included) | each call once |", lines))
-    res.series["llm"] = {r["variant"].name: [(round(a.at - r["t0"], 3), a.status, a.tokens) for a in r["tally"]]
-                         for r in runs}
 
 
 def run_sweep(res: Results, scale: Any) -> None:

@@ -14,21 +14,18 @@ hold 9 > 8: the pool binds) and plain Celery (FIFO).
    time against what the one-shots leave (>= 85 %), and their start after send.
 5. cost: the store's commands per task in run 1, the workers' sharer's passes per second; one pass
    over 3, 30, 300 tenants of one task beside a flood, by a sharer of the bench's process that holds
-   the scope's lock: timed, its round trips and commands counted.
+   the scope's lock: timed.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import redis
 from celery import Celery
-from redis.connection import AbstractConnection
 
 from bench.app import PER_KEY, SHARE_K, SHARE_SCOPE, SHARE_WEIGHTS
 from bench.common import Counts, Results, after_send, counts, most_at_once, percentile, produce, served
@@ -107,16 +104,6 @@ def run(task: str, sends: Sequence[dict[str, Any]], late: Sequence[dict[str, Any
                    max(s.t1 for s in spans) - started, group.errors(), group.note(f"passes:{SHARE_SCOPE}"))
 
 
-def all_running(spans: Sequence[Span]) -> float:
-    """Seconds from the first start until K bodies first ran at once (nan: never)."""
-    at_once, first = 0, min(s.t0 for s in spans)
-    for t, step in sorted([(s.t0, 1) for s in spans] + [(s.t1, -1) for s in spans]):
-        at_once += step
-        if at_once >= K:
-            return t - first
-    return float("nan")
-
-
 def weight_of(tenant: str) -> float:
     return SHARE_WEIGHTS.get(tenant, 1) / sum(SHARE_WEIGHTS.get(t, 1) for t in TENANTS)
 
@@ -159,8 +146,7 @@ def alone_rows(res: Results, name: str, got: Run) -> float:
             f"{value:.3f} ({makespan:.1f} s for {got.tasks} bodies; ideal {got.tasks * BODY_S / K:.1f} s)",
             f">= {USE_TARGET:.0%}", value >= USE_TARGET,
             f"from the second worker's first start ({second - min(firsts.values()):.2f} s after the first): "
-            f"{use(got.spans, second):.3f}; {K} running at once from {all_running(got.spans):.2f} s after the first "
-            "start", name == SHARED)
+            f"{use(got.spans, second):.3f}", name == SHARED)
     return value
 
 
@@ -213,68 +199,31 @@ def cost_rows(res: Results, runs: dict[str, Run]) -> None:
                 f"{got.cost.commands / got.tasks:.1f} / {got.cost.script_calls / got.tasks:.2f}; "
                 f"{got.cost.cpu_s / got.tasks * 1e6:.0f} µs", note="a redis-server for the store alone; INFO "
                 "commandstats counts the commands each script runs too")
-    if SHARED in runs and len(runs) > 1:
-        ours, other = runs[SHARED], next(got for name, got in runs.items() if name != SHARED)
-
-        def per_s(got: Run, command: str) -> str:
-            return f"{got.calls.get(command, 0) / got.seconds:.1f}"
+    if ours := runs.get(SHARED):
         res.add(SEC, "sharer passes per second (run 1)", SHARED, f"{ours.passes / ours.seconds:.1f}/s",
                 note=f"{ours.passes} passes in {ours.seconds:.1f} s (the workers' start to the last end), counted "
-                     f"by bench/app.py in the notes; HGETALL/s {per_s(ours, 'hgetall')} shared against "
-                     f"{per_s(other, 'hgetall')} per key (the controls' reads too, one a check, and one of the "
-                     f"registry a pass); BLPOP/s {per_s(ours, 'blpop')} against {per_s(other, 'blpop')} (the "
-                     "releasers' waits and the sharer's)")
+                     "by bench/app.py in the notes")
     res.table("share", "The store's commands per task in run 1 (1:1:2), INFO commandstats of a redis-server for the store "
                        "alone (the broker and the notes on another), from the producer's start to the last body's "
                        "end; a script's own commands counted too\n\n" + "\n".join(lines))
 
 
 class TimedSharer(Sharer):
-    """The workers' sharer, run in the bench's process for the shared scope: each pass timed,
-    its round trips and commands counted (:func:`counted`)."""
+    """The workers' sharer, run in the bench's process for the shared scope: each pass timed."""
 
     def __init__(self, ctl: Throttle) -> None:
         super().__init__(ctl)
-        self.counting = False
-        self.trips = self.commands = 0
-        self.passes: list[tuple[float, float, int, int]] = []  # (when, seconds, round trips, commands)
+        self.passes: list[tuple[float, float]] = []  # (when, seconds)
 
     def scopes(self) -> dict[str, int]:
         return {SHARE_SCOPE: K}
 
     def share(self, scope: str, total: int) -> tuple[dict[str, int], list[str]]:
-        trips, commands, began = self.trips, self.commands, time.perf_counter()
-        self.counting = True
+        began = time.perf_counter()
         try:
             return super().share(scope, total)
         finally:
-            self.counting = False
-            self.passes.append((time.time(), time.perf_counter() - began, self.trips - trips, self.commands - commands))
-
-
-@contextmanager
-def counted(sharer: TimedSharer) -> Iterator[None]:
-    """Count ``sharer``'s round trips (packets of commands sent) and commands during its passes."""
-    saved = {name: getattr(AbstractConnection, name) for name in ("send_packed_command", "send_command",
-                                                                  "pack_commands")}
-
-    def patch(name: str, field: str, size: Any) -> Any:
-        def patched(conn: Any, *args: Any, **kwargs: Any) -> Any:
-            if name == "pack_commands":
-                args = (list(args[0]), *args[1:])
-            if sharer.counting and threading.current_thread() is sharer:
-                setattr(sharer, field, getattr(sharer, field) + size(args))
-            return saved[name](conn, *args, **kwargs)
-        return patched
-
-    for name, attr, size in (("send_packed_command", "trips", lambda a: 1), ("send_command", "commands", lambda a: 1),
-                              ("pack_commands", "commands", lambda a: len(a[0]))):
-        setattr(AbstractConnection, name, patch(name, attr, size))
-    try:
-        yield
-    finally:
-        for name, original in saved.items():
-            setattr(AbstractConnection, name, original)
+            self.passes.append((time.time(), time.perf_counter() - began))
 
 
 def pass_cost(tenants: int, seconds: float) -> dict[str, Any]:
@@ -287,21 +236,20 @@ def pass_cost(tenants: int, seconds: float) -> dict[str, Any]:
                        {"redis_url": store_server.url, "key_prefix": group.prefix})
         sharer = TimedSharer(ctl)
         try:
-            with counted(sharer):
-                # (its lock taken on its own thread, which extends it: redis-py keeps a lock's token
-                # per thread; taken before the workers start, whose sharers stand by)
-                sharer.start()
-                if not waited(lambda: SHARE_SCOPE in sharer._locks, 10, 0.02):
-                    raise RuntimeError("the bench's sharer could not take the scope's lock")
-                produce(group, {"task": "share_fair", "args": ["flood", BODY_S], "count": flood},
-                        *({"task": "share_fair", "args": [f"t{i:03d}", BODY_S]} for i in range(tenants)))
-                members = int(ctl.store.client.hlen(share_registry_key(group.prefix, SHARE_SCOPE)))
-                group.start()
-                group.await_noted("began", 1, 120, 0.02)
-                first = float(group.noted("began")[0][0])
-                time.sleep(max(0.0, first + SETTLE_S + seconds - time.time()))
-                sharer.stop()
-                sharer.join(10)
+            # (its lock taken on its own thread, which extends it: redis-py keeps a lock's token
+            # per thread; taken before the workers start, whose sharers stand by)
+            sharer.start()
+            if not waited(lambda: SHARE_SCOPE in sharer._locks, 10, 0.02):
+                raise RuntimeError("the bench's sharer could not take the scope's lock")
+            produce(group, {"task": "share_fair", "args": ["flood", BODY_S], "count": flood},
+                    *({"task": "share_fair", "args": [f"t{i:03d}", BODY_S]} for i in range(tenants)))
+            members = int(ctl.store.client.hlen(share_registry_key(group.prefix, SHARE_SCOPE)))
+            group.start()
+            group.await_noted("began", 1, 120, 0.02)
+            first = float(group.noted("began")[0][0])
+            time.sleep(max(0.0, first + SETTLE_S + seconds - time.time()))
+            sharer.stop()
+            sharer.join(10)
             lo, hi = first + SETTLE_S, first + SETTLE_S + seconds
             window = [p for p in sharer.passes if lo <= p[0] <= hi]
             # (slots used in the window: every body begun, to its end or, not ended yet, to the window's)
@@ -322,14 +270,11 @@ def pass_rows(res: Results, got: dict[str, Any]) -> None:
         res.add(SEC, f"one pass over {got['tenants']} tenants and a flood", SHARED, "no pass measured")
         return
     took = sorted(p[1] * 1e3 for p in passes)
-    trips, commands = sorted(p[2] for p in passes), sorted(p[3] for p in passes)
-    res.add(SEC, f"one pass over {got['tenants']} tenants (1 task each) beside a flood: time p50 / p90 / max; "
-                 "round trips; commands", f"{SHARED} ({got['members']} keys)",
-            f"{percentile(took, 0.5):.1f} / {percentile(took, 0.9):.1f} / {took[-1]:.1f} ms; "
-            f"{sum(trips) / len(trips):.1f} ({trips[0]}-{trips[-1]}); {sum(commands) / len(commands):.0f} "
-            f"({commands[0]}-{commands[-1]})",
+    res.add(SEC, f"one pass over {got['tenants']} tenants (1 task each) beside a flood: time p50 / p90 / max",
+            f"{SHARED} ({got['members']} keys)",
+            f"{percentile(took, 0.5):.1f} / {percentile(took, 0.9):.1f} / {took[-1]:.1f} ms",
             note=f"{len(passes)} passes in {got['seconds']:g} s ({len(passes) / got['seconds']:.1f}/s), each followed "
-                 f"by a BLPOP (its wait, not counted); the sharer in the bench's process; slots used "
+                 f"by a BLPOP (its wait, not timed); the sharer in the bench's process; slots used "
                  f"{got['use']:.2f}, {got['singles']} of the {got['tenants']} single tasks started")
 
 

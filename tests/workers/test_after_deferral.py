@@ -7,8 +7,8 @@ operator raises or resets its limit, bodies report costs below or above their es
 a pool slower than the limit) and measures what the backlog does after.
 
 The bounds asserted here are the behaviour's, with room for a loaded machine: the
-figures against the fastest schedule each load allows are bench/bench.py's (section
-"after the deferral"), reported in the README.
+figures against the fastest schedule each load allows are bench/after_deferral.py's (section
+`deferral`), reported in the README.
 """
 
 from __future__ import annotations

@@ -185,8 +185,8 @@ def test_a_slot_held_by_a_sigkilled_worker_is_reclaimed_within_its_lease(group_w
     assert nxt["ppid"] != holder["ppid"]
 
 
-#: b's median start in the flood test (s): the target is 1 s (bench section 14 measures
-#: it); a machine shared with other jobs is given twice that.
+#: b's median start in the flood test (s): the target is 1 s (bench section 17 measures a
+#: newcomer's start beside a flood); a machine shared with other jobs is given twice that.
 FLOOD_B_START_S = 2.0
 
 
