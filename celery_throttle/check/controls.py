@@ -18,8 +18,8 @@ The hash can be large (a ``Backoff`` per tenant pauses one field per key: 50 000
 are about 5 MB), so it is not read whole every time. Every write adds one to its field
 ``~stamp`` in the same transaction, and a process first reads the stamp alone: the hash
 only when the stamp moved, or when ``FULL_READ_EVERY`` has passed (a field written by
-hand, without the stamp, is obeyed within that time; a hash no write ever stamped, one
-an earlier version alone wrote, is read whole every time, as before). The process that
+hand, without the stamp, is obeyed within that time; a hash no write ever stamped, none
+at all or one an earlier version alone wrote, comes whole with the stamp's read). The process that
 reads pauses that are over deletes them (at most ``PRUNE_BATCH`` a read, each only if
 still over), so the hash holds the pauses in force and not every one ever set.
 """
@@ -135,14 +135,14 @@ class Controls:
         controls, stamp, over, read_at_us = None, None, [], 0
         started = time.monotonic()
         try:
-            stamp, read_at_us = store.control_stamp_at()
-            if stamp is None or stamp != self._stamp or started - self._whole_at > FULL_READ_EVERY:
+            stamp, read_at_us, raw = store.control_stamp_at()  # (raw: the hash whole if unstamped)
+            if raw is None and (stamp != self._stamp or started - self._whole_at > FULL_READ_EVERY):
                 # (The stamp of what this reads, whatever was written since the first.)
                 stamp, raw = store.stamped_controls()
+            if raw is not None:
                 controls = parse_controls(raw)
-                if controls.pauses:  # (the Redis clock only when there is a pause to compare)
-                    now_us = store.now_us()
-                    over = [f for f, until in controls.pauses.items() if until < now_us][:PRUNE_BATCH]
+                # (Over by the Redis clock of the stamp's read, a moment before: no round trip more.)
+                over = [f for f, until in controls.pauses.items() if until < read_at_us][:PRUNE_BATCH]
         except StoreError:
             pass  # the check that follows meets the same store and says so
         with self._lock:

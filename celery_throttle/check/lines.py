@@ -23,7 +23,7 @@ from typing import Any
 from ..celery_parts.messages import resend, task_of
 from ..core.errors import StoreError, ThrottleError
 from ..core.journal import Kind
-from ..core.keys import encode, glob_escape, line_index_key, state_key, target_of, window_keys
+from ..core.keys import encode, glob_escape, line_index_key, state_key, target_of
 from ..core.locks import ForkSafeLock
 from ..core.protocol import Code, Verdict, WindowReply
 from ..core.spec import BoundCall
@@ -221,7 +221,7 @@ class Lines(OnCall):
         with self._lock:
             seen = self._calls.get(key)
         if seen is None:
-            message = self._sample(key)
+            message = self.ctl.store.sample(key)
             if message is None:
                 return None
             try:
@@ -242,17 +242,6 @@ class Lines(OnCall):
         except ThrottleError:
             return None
         return call if call.state_key == key else None
-
-    def _sample(self, key: str) -> bytes | None:
-        """A message of ``key``'s line: its head's, else one released and not started."""
-        _, _, line, msgs, out, _, _ = window_keys(key)
-        with self.ctl.store.errors():
-            client = self.ctl.store.client
-            ids = [*client.zrange(line, 0, 0), *client.zrange(out, 0, 3)]
-            for message in (client.hmget(msgs, ids) if ids else []):
-                if message is not None:
-                    return bytes(message)
-        return None
 
     def release(self, key: str, *, drain: bool = False) -> tuple[int, int]:
         """Release the heads of ``key``'s line that fit (``drain``: whatever the room), and

@@ -13,7 +13,11 @@ from .scripts import ScriptClient, lua
 __all__ = ["ControlOps"]
 
 #: The controls' stamp and the server's clock, read at once.
-_STAMP_AND_TIME = "return {redis.call('HGET', KEYS[1], ARGV[1]) or false, redis.call('TIME')}"
+#: The stamp and the Redis clock; and a hash no write stamped (none at all, the usual case
+#: where no control was ever set) whole, in the same round trip: it is read whole anyway.
+_STAMP_AND_TIME = """local stamp, now = redis.call('HGET', KEYS[1], ARGV[1]), redis.call('TIME')
+if stamp then return {stamp, now} end
+return {false, now, redis.call('HGETALL', KEYS[1])}"""
 
 
 class ControlOps(ScriptClient):
@@ -48,8 +52,7 @@ class ControlOps(ScriptClient):
     def stamped_controls(self) -> tuple[str | None, dict[str, str]]:
         """The controls' stamp (see :meth:`control_stamp`) and every control set."""
         with self.errors():
-            raw = {k.decode(): v.decode(errors="replace")
-                   for k, v in self.client.hgetall(control_key(self.prefix)).items()}
+            raw = {_text(k): _text(v) for k, v in self.client.hgetall(control_key(self.prefix)).items()}
         return raw.pop(CONTROL_STAMP, None), raw
 
     def control_stamp(self) -> str | None:
@@ -57,13 +60,17 @@ class ControlOps(ScriptClient):
         or None if no write ever stamped them."""
         return self.control_stamp_at()[0]
 
-    def control_stamp_at(self) -> tuple[str | None, int]:
-        """The controls' stamp, and the Redis clock as it was read (one round trip: a
-        script, as a Redis Cluster client pipelines no TIME)."""
+    def control_stamp_at(self) -> tuple[str | None, int, dict[str, str] | None]:
+        """The controls' stamp, the Redis clock as it was read and, if no write stamped
+        them, every control set (one round trip: a script, as a Redis Cluster client
+        pipelines no TIME; a store far away pays it on each refresh)."""
         with self.errors():
-            raw, (secs, micros) = self.client.eval(_STAMP_AND_TIME, 1, control_key(self.prefix), CONTROL_STAMP)
+            raw, (secs, micros), *whole = self.client.eval(_STAMP_AND_TIME, 1, control_key(self.prefix), CONTROL_STAMP)
         now_us = int(self._clock()) if self._clock is not None else int(secs) * 1_000_000 + int(micros)
-        return None if not raw else (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)), now_us
+        if raw:
+            return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw), now_us, None
+        pairs = whole[0] if whole else []
+        return None, now_us, {_text(k): _text(v) for k, v in zip(pairs[::2], pairs[1::2])}
 
     def set_control(self, field: str, value: str) -> None:
         self.set_controls({field: value})
@@ -81,3 +88,6 @@ class ControlOps(ScriptClient):
             pipe.hincrby(control_key(self.prefix), CONTROL_STAMP, 1)
             return list(pipe.execute())
 
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

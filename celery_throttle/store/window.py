@@ -20,6 +20,15 @@ __all__ = ["ALGORITHMS", "WindowOps", "window_preamble", "window_script"]
 
 #: The window scripts, one per algorithm, each with window.lua and line.lua after it.
 ALGORITHMS = ("sliding", "fixed")
+#: A message of a line (KEYS: its line, released entries, messages): its head's, else one of
+#: the first released entries'. One round trip, not three: a store far away pays each.
+_SAMPLE = """local ids = redis.call('ZRANGE', KEYS[1], 0, 0)
+for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, 3)) do ids[#ids + 1] = id end
+for _, id in ipairs(ids) do
+  local message = redis.call('HGET', KEYS[3], id)
+  if message then return message end
+end
+return false"""
 
 
 class WindowOps(ScriptClient):
@@ -123,6 +132,13 @@ class WindowOps(ScriptClient):
     def peek(self, key: str, call: WindowCall) -> WindowReply:
         """Usage and the line, recording nothing."""
         return self.window(key, "peek", call)
+
+    def sample(self, key: str) -> bytes | None:
+        """A message of ``key``'s line: its head's, else one released and not started."""
+        _, _, line, msgs, out, _, _ = window_keys(key)
+        with self.errors():
+            message = self.client.eval(_SAMPLE, 3, line, out, msgs)
+        return bytes(message) if message else None
 
     # -- the index of keys with a line ---------------------------------------------------
     def index_claim(self, lookahead_us: int, most: int, lease_us: int) -> tuple[int, int, list[tuple[str, int]]]:

@@ -42,7 +42,9 @@ __all__ = ["CLAIM_LEASE_US", "Outage", "Releaser"]
 logger = logging.getLogger("celery_throttle")
 
 #: A releaser looks at keys due within this much of now (µs): its wake-ups are no more
-#: precise than a millisecond or two.
+#: precise than a millisecond or two. And a round trip more: the claim's now is one before
+#: the release's (a store far away: a claim that took only what was due at its own now
+#: found nothing, woken WAKE_TRIPS early, and the release came a settle and a claim late).
 LOOKAHEAD_US = 2_000
 #: Keys one claim takes at most (a round claims again while it gets this many).
 CLAIM_MOST = 32
@@ -158,7 +160,7 @@ class Releaser(threading.Thread):
         store, lines = self.ctl.store, self.ctl.lines
         drain = not self.ctl.settings.enabled  # (throttling switched off: every line goes)
         while True:
-            now_us, _, claimed = store.index_claim(LOOKAHEAD_US, CLAIM_MOST, CLAIM_LEASE_US)
+            now_us, _, claimed = store.index_claim(LOOKAHEAD_US + store.rtt_us, CLAIM_MOST, CLAIM_LEASE_US)
             settled = []
             for key, token in claimed:
                 try:
