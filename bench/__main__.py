@@ -29,7 +29,7 @@ SECTIONS = {
     "api429": ("bench.api429", "run_api429", ("11", "api", "429")),
     "rpt": ("bench.redis_per_task", "run_rpt", ("12", "redis-per-task")),
     "slow": ("bench.bursts", "run_slow", ("13", "slow-store")),
-    "llmsweep": ("bench.llm", "run_sweep", ("15b", "llm", "issue26")),
+    "llmsweep": ("bench.llm", "run_sweep", ("15b", "issue26")),
     "deferral": ("bench.after_deferral", "run_rows", ("rows", "after-deferral")),
     "adapt": ("bench.api429", "run_adapt", ("16", "adaptive", "issue29")),
     "share": ("bench.share", "run_share", ("17", "fair-share", "shared-slots")),

@@ -1,7 +1,7 @@
 """Sections 11 (429s from an API of at most 10 calls in any 1 s per account) and 16 (``adapt``: its limit moves).
 
-Both drive bench/llm.py's clients against :func:`moving_api`. 11: bench/app.py's ``api_*`` clients
-(retrying a 429 after ``Retry-After``), one at a time, a batch sent at once: 429s per 100 tasks, each once.
+Both run bench/llm.py's ``drive`` against :func:`moving_api`. 11: bench/app.py's ``api_*`` clients (a
+429 retried after ``Retry-After``), one at a time, a batch sent at once: 429s per 100 tasks, each once.
 16: at most 50 calls in any 1 s per account for a phase, then 20, then 80; clients one at a time
 (:data:`ADAPT_CLIENTS`) against the oracle told each limit, and the fastest possible.
 """
@@ -15,30 +15,29 @@ from collections import deque
 from typing import Any
 
 from bench.common import Api, Results, md, yes
+from bench.llm import Variant, drive
 
 SEC, PER_SECOND = "11 API 429s", 10
-#: task -> (client shown, judged against the target of no 429)
-CLIENTS = {"api_sliding": ('@throttle("10/s") sliding', True), "api_fixed": ('@throttle("10/s", algorithm="fixed")', False),
-           "api_builtin": ('Celery rate_limit="10/s"', False), "api_plain": ("no throttle", False)}
-COLUMNS = {"api_sliding": "sliding", "api_fixed": "fixed", "api_builtin": "Celery `rate_limit`"}
+#: task -> (client shown, its column of the headline table; the first is judged against no 429)
+CLIENTS = {"api_sliding": ('@throttle("10/s") sliding', "sliding"),
+           "api_fixed": ('@throttle("10/s", algorithm="fixed")', "fixed"),
+           "api_builtin": ('Celery rate_limit="10/s"', "Celery `rate_limit`"), "api_plain": ("no throttle", "")}
 
 
 def run_api429(res: Results, scale: Any) -> None:
-    from bench.llm import Variant, drive
-
     tasks, started, lines = scale.api_tasks, time.time(), []
     ideal = (tasks - 1) // PER_SECOND  # (a moving window lets the first 10 in at once)
-    for task, (name, judged) in CLIENTS.items():  # (one at a time: 2 cores)
+    for task, (name, column) in CLIENTS.items():  # (one at a time: 2 cores)
         run = drive([Variant(name, task)], tasks, None, 3 * ideal + 30, api=moving_api(math.inf, (PER_SECOND,))[0],
                     say="api429")[0]
         per100, span = run["refused"] * 100 / tasks, run["makespan"] / ideal
         res.add(SEC, "429s per 100 tasks, an API of 10 calls in any 1 s", name, f"{per100:.1f}", "0", not run["refused"],
-                f"{len(run['tally'])} requests; makespan / ideal {span:.2f}", judged)
+                f"{len(run['tally'])} requests; makespan / ideal {span:.2f}", task == "api_sliding")
         res.add(SEC, "every task got exactly one 200", name, yes(run["once"]), "yes", run["once"])
         res.errors(f"api429, {name}", run["errors"])
         lines.append(f"| {name} | {per100:.1f} | {run['makespan']:.1f} s / {ideal} s = {span:.2f} | {yes(run['once'])} |")
-        if task in COLUMNS:
-            res.cell("api429", COLUMNS[task], f"{per100:.1f}")
+        if column:
+            res.cell("api429", column, f"{per100:.1f}")
     res.table("api429", f"An API of at most {PER_SECOND} accepted calls in any 1 s per account, a 429 saying "
                         f"Retry-After: 1; {tasks} tasks sent at once per client, 2 workers x 2 processes, one client "
                         f"at a time ({time.time() - started:.0f} s); the ideal: the first 10 at once, then 10 a "
@@ -126,8 +125,6 @@ def oracle(firsts: dict[str, float], phase: float) -> Any:
 
 
 def run_adapt(res: Results, scale: Any) -> None:
-    from bench.llm import Variant, drive
-
     calls, phase, started = scale.adapt_calls, scale.adapt_phase, time.time()
     best, runs, firsts = fastest(calls, phase), [], {}
     print(f"  adapt: {calls} calls per client, limits {' -> '.join(map(str, ADAPT_LIMITS))}/s changing every "

@@ -56,7 +56,7 @@ class Plan:
 
     def prompt_tokens(self, i: int) -> int:
         low, high = self.prompt
-        return random.Random(f"{self.seed}:prompt:{i}").randint(low, high) if high else 0
+        return random.Random(f"{self.seed}:prompt:{i}").randint(low, high)
 
     def cost(self, i: int) -> int:
         """The tokens call ``i`` uses, as the API counts them."""
@@ -266,9 +266,9 @@ def sweep_estimate(label: str, account: str, i: int) -> int:
     return SWEEP_PLAN.prompt_tokens(i) + MAX_COMPLETION
 
 
-def _llm(settle: bool = False, backoff: bool = False, by_hand: bool = False) -> Any:
-    """One call. ``settle``: ``charge(tokens=n)`` (0 for a 429); ``backoff``: a 429 raises ``Backoff``
-    (the README's example); ``by_hand``: ``limits``' moving window first (:func:`_by_hand`)."""
+def _llm(settle: bool = False, by_hand: bool = False) -> Any:
+    """One call. ``settle``: ``charge(tokens=n)`` (0 for a 429) and a 429 raises ``Backoff`` (the
+    README's example); ``by_hand``: ``limits``' moving window first (:func:`_by_hand`)."""
     def task(self: Any, label: str, account: str, i: int) -> None:
         if by_hand and (wait := _by_hand(account, sweep_estimate(label, account, i))):
             raise self.retry(countdown=wait)
@@ -276,7 +276,6 @@ def _llm(settle: bool = False, backoff: bool = False, by_hand: bool = False) -> 
         if status == 429:
             if settle:
                 celery_throttle.charge(tokens=0)
-            if backoff:
                 raise Backoff(retry_after=wait)
             raise self.retry(countdown=wait)
         if settle:
@@ -300,7 +299,7 @@ def _by_hand(account: str, estimate: int) -> float:
     return 0.0 if refused is None else max(0.05, lim.get_window_stats(refused, account).reset_time - time.time())
 
 
-_task("prompt_settled", _llm(settle=True, backoff=True), *SWEEP_RATES, key="{account}", cost={"tokens": sweep_estimate})
+_task("prompt_settled", _llm(settle=True), *SWEEP_RATES, key="{account}", cost={"tokens": sweep_estimate})
 _task("builtin_10s", _llm(), options={"rate_limit": "1/s"})
 _task("by_hand", _llm(by_hand=True))
 

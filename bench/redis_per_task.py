@@ -94,6 +94,8 @@ def run_rpt(res: Results, scale: Any, sizes: tuple[int, ...] = ()) -> None:
 if __name__ == "__main__":
     from bench.__main__ import FULL, QUICK
 
+    if any(a != "--quick" and not a.startswith("--sizes=") for a in sys.argv[1:]):
+        sys.exit(f"usage: python -m bench.redis_per_task [--quick | --sizes=N,N]\n{__doc__}")
     arg = next((a.removeprefix("--sizes=") for a in sys.argv[1:] if a.startswith("--sizes=")), "")
     standalone("bench.redis_per_task", None, QUICK if "--quick" in sys.argv else FULL, "--quick" not in sys.argv,
                ("rpt", run_rpt, tuple(int(x) for x in arg.split(",") if x)))
