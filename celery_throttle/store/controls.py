@@ -12,9 +12,9 @@ from .scripts import ScriptClient, lua
 
 __all__ = ["ControlOps"]
 
-#: The controls' stamp and the server's clock, read at once.
-#: The stamp and the Redis clock; and a hash no write stamped (none at all, the usual case
-#: where no control was ever set) whole, in the same round trip: it is read whole anyway.
+#: The controls' stamp and the server's clock, read at once; and a hash no write stamped
+#: (none at all, the usual case where no control was ever set) whole, in the same round
+#: trip: it is read whole anyway.
 _STAMP_AND_TIME = """local stamp, now = redis.call('HGET', KEYS[1], ARGV[1]), redis.call('TIME')
 if stamp then return {stamp, now} end
 return {false, now, redis.call('HGETALL', KEYS[1])}"""
