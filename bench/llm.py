@@ -5,7 +5,7 @@ window then holds it, else 429 with ``Retry-After``. Each client (:func:`drive`)
 account, a producer and 2 workers of its own. ``SWEEP_PLAN``, replies after L = 0..3 s: :data:`SWEEP`
 against the fastest compliant makespan (:func:`fastest_any`: exact when it meets the bound), greedy in
 call order and :func:`held_greedy`. (Section 15, 60 requests and 10 000 tokens a minute, was dropped
-at 2026-12-05's trim: 15b measures the same clients with replies that take time.)
+after 7daff28: 15b measures the same clients with replies that take time.)
 """
 
 from __future__ import annotations

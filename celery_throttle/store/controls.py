@@ -68,7 +68,7 @@ class ControlOps(ScriptClient):
             raw, (secs, micros), *whole = self.client.eval(_STAMP_AND_TIME, 1, control_key(self.prefix), CONTROL_STAMP)
         now_us = int(self._clock()) if self._clock is not None else int(secs) * 1_000_000 + int(micros)
         if raw:
-            return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw), now_us, None
+            return _text(raw), now_us, None
         pairs = whole[0] if whole else []
         return None, now_us, {_text(k): _text(v) for k, v in zip(pairs[::2], pairs[1::2])}
 
