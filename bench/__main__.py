@@ -33,6 +33,7 @@ SECTIONS = {
     "deferral": ("bench.after_deferral", "run_rows", ("rows", "after-deferral")),
     "adapt": ("bench.api429", "run_adapt", ("16", "adaptive", "issue29")),
     "share": ("bench.share", "run_share", ("17", "fair-share", "shared-slots")),
+    "journal": ("bench.journal", "run_journal", ("44", "journal-cost")),
 }
 ALIASES = {alias: name for name, (_, _, aliases) in SECTIONS.items() for alias in aliases}
 
@@ -63,12 +64,14 @@ class Scale:
     share_keys: tuple[int, ...] = (3, 30, 300)
     share_pass_s: float = 10.0
     share_trickle: tuple[int, int, float] = (480, 32, 0.25)
+    #: the journal's price (bench/journal.py): tasks waiting.
+    journal_sizes: tuple[int, ...] = (200, 1_000, 5_000)
     quick: bool = False
 
 
 FULL = Scale()
 QUICK = Scale("20/s", 100, (100, 1_000, 10_000), (1_000, 10_000), 50, (1_000,), 1, 60, (0.0, 3.0), 1,
-              900, 6.0, 40, 96, 200, (3, 2.0), (3, 30), 4.0, (200, 24, 0.25), quick=True)
+              900, 6.0, 40, 96, 200, (3, 2.0), (3, 30), 4.0, (200, 24, 0.25), (100, 500), quick=True)
 
 #: The headline table (README, "Benchmark"): its rows, and its columns.
 HEADLINE = {

@@ -1,7 +1,7 @@
 """The bench's one Celery app (``celery -A bench.app worker``), and its producer.
 
 Configured from the environment as tests/taskapp.py is (CT_BROKER, CT_STORE, CT_RECORDS, CT_PREFIX,
-CT_QUEUE, CT_PREFETCH, CT_CHECK_AT_PUBLISH, CT_SLOT_LEASE) and BENCH_RATE, BENCH_API_URL,
+CT_QUEUE, CT_PREFETCH, CT_CHECK_AT_PUBLISH, CT_JOURNAL, CT_SLOT_LEASE) and BENCH_RATE, BENCH_API_URL,
 BENCH_DENIALS=1 (denials counted), BENCH_SHARER_PASSES=1 (sharer passes counted).
 A body notes its start in ``<prefix>:starts:<label>`` (a slot's span in ``<prefix>:spans``).
 
@@ -77,6 +77,8 @@ app.conf.update(task_default_queue=os.environ.get("CT_QUEUE", f"{PREFIX}-q"), br
                 throttle_key_prefix=PREFIX, throttle_concurrency_lease=float(os.environ.get("CT_SLOT_LEASE", "30")))
 if "CT_CHECK_AT_PUBLISH" in os.environ:
     app.conf.throttle_check_at_publish = os.environ["CT_CHECK_AT_PUBLISH"] == "1"
+if "CT_JOURNAL" in os.environ:
+    app.conf.throttle_journal = os.environ["CT_JOURNAL"] == "1"
 ctl = celery_throttle.install(app)
 
 
@@ -240,6 +242,10 @@ _task("rpt_under", lambda self, tenant: None, UNDER, key="{tenant}")
 _task("rpt_flood", lambda self, tenant: None, QUOTA, key="{tenant}")
 _task("rpt_peer_under", _peer(UNDER))
 _task("rpt_peer_flood", _peer(QUOTA))
+
+#: The journal's price (bench/journal.py, which spends each tenant's window first): notes its start.
+JOURNAL_RATE = "50/5s"
+_task("journal_wait", None, JOURNAL_RATE, key="{label}")
 
 
 # -- a fair share of a scope's slots (17): K=8 for the scope, "heavy" weighing 2, the others 1 --
