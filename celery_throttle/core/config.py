@@ -14,7 +14,8 @@ from .urls import SENTINEL_SCHEMES, check_store_url, safe_url
 
 logger = logging.getLogger("celery_throttle")
 
-__all__ = ["ALGORITHMS", "STORE_ERROR_POLICIES", "Settings", "check_margin", "check_max_wait", "require_redis_url"]
+__all__ = ["ALGORITHMS", "STORE_ERROR_POLICIES", "Settings", "check_margin", "check_max_wait", "hide_secrets",
+           "require_redis_url"]
 
 ALGORITHMS = ("sliding", "fixed")
 STORE_ERROR_POLICIES = ("defer", "allow", "fail")
@@ -28,10 +29,11 @@ class Settings:
 
     #: Where window state and the lines live: ``redis://``, ``rediss://``,
     #: ``sentinel://`` (or ``redis+sentinel://``), ``redis+cluster://``. (Not in the
-    #: repr: it may hold a password.)
+    #: repr: it may hold a password; in ``app.conf`` it is masked, see hide_secrets.)
     redis_url: str | None = field(default=_DEFAULT_REDIS, repr=False)
     #: Passed to the redis-py client: TLS certificates, ``username``/``password``,
     #: timeouts; for Sentinel ``master_name`` and ``sentinel_kwargs`` (connection.py).
+    #: (Not in the repr; Celery masks its ``password`` keys, nested ones too, by name.)
     redis_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     #: Every Redis key the plugin writes starts with it.
     key_prefix: str = "throttle"
@@ -94,7 +96,7 @@ class Settings:
                 f"unknown throttle setting(s) {sorted(unknown)}; known: {sorted(names)}"
             )
         _warn_unknown(app, names | {_SECRET_URL[len("throttle_"):]})
-        _hide_password(app)
+        hide_secrets(app)
         values: dict[str, Any] = {}
         for name in names:
             conf_value = app.conf.get(f"throttle_{name}")
@@ -102,7 +104,7 @@ class Settings:
                 values[name] = conf_value
         secret = app.conf.get(_SECRET_URL)
         if secret and values.get("redis_url") == safe_url(secret):
-            values["redis_url"] = secret  # (the URL as given: see _hide_password)
+            values["redis_url"] = secret  # (the URL as given: see hide_secrets)
         values.update(overrides)
         ignored = sorted(f"throttle_{name}" for name in _NO_EFFECT if values.get(name) is not None)
         if ignored:
@@ -130,7 +132,8 @@ class Settings:
         if not isinstance(self.redis_options, Mapping):
             raise ConfigurationError("throttle_redis_options must be a dict of redis-py client options")
         if self.redis_url is not None and not isinstance(self.redis_url, str):
-            raise ConfigurationError(f"throttle_redis_url must be a URL string, got {self.redis_url!r}")
+            # (its type, not its value: a URL given as bytes holds its password all the same)
+            raise ConfigurationError(f"throttle_redis_url must be a URL string, got a {type(self.redis_url).__name__}")
         if self.redis_url is not None:
             check_store_url(self.redis_url)
         if not isinstance(self.rules, Mapping):
@@ -154,22 +157,76 @@ class Settings:
         return self
 
 
-#: Where the store's URL is kept when it holds a password: Celery masks the value of a
-#: setting whose name says SECRET (``celery inspect conf``, ``celery report``).
+#: Where the store's URL is kept when it holds a password: Celery shows the value of no
+#: setting whose name says SECRET (``celery report``, ``celery inspect conf``).
 _SECRET_URL = "throttle_redis_secret_url"
+_URL = "throttle_redis_url"
+#: On the app: the masked URLs hide_secrets wrote over a config source's, by spelling,
+#: with the value each masks.
+_HIDDEN = "_celery_throttle_hidden"
 
 
-def _hide_password(app: Any) -> None:
-    """A ``throttle_redis_url`` with a password is shown to anyone who can send a
-    ``celery inspect conf`` over the broker: its value becomes the masked URL, and the URL
-    itself moves to _SECRET_URL, which Celery masks, for the settings to read."""
+def hide_secrets(app: Any) -> None:
+    """Keep the store's password out of everything that shows ``app.conf``.
+
+    Celery masks a setting by its name (``celery.app.utils.filter_hidden_settings``: PASS,
+    SECRET, KEY, ..., in dicts too) and the URL of a few of its own (``broker_url``);
+    ``throttle_redis_url`` is neither, and ``celery report`` and ``celery inspect conf``
+    would print its password. A ``throttle_redis_url`` with one becomes the masked URL,
+    under each spelling it is set in (``CELERY_THROTTLE_REDIS_URL`` under a Django
+    namespace), and the URL itself moves to ``throttle_redis_secret_url``, which Celery
+    masks, for :meth:`Settings.from_app` to read. ``throttle_redis_options`` needs none of
+    this: Celery masks its ``password`` keys (``sentinel_kwargs``'s too) by name.
+
+    Idempotent; reads ``app.conf`` (which loads a pending configuration): ``install`` calls
+    it when the app is configured, from ``on_after_configure``, and before a ``celery``
+    command imports the task modules (``import_modules``).
+    """
     try:
-        url = app.conf.get("throttle_redis_url")
-        if isinstance(url, str) and safe_url(url) != url:
-            app.conf[_SECRET_URL] = url
-            app.conf["throttle_redis_url"] = safe_url(url)
+        _put_back(app)
+        url = app.conf.get(_URL)
+        if not isinstance(url, str) or safe_url(url) == url:
+            return
+        conf = app.conf  # (read again: the configuration that get loaded, if it was pending)
+        maps = getattr(conf, "maps", None) or [conf]  # (a ChainMap: the app's changes first, then the sources)
+        hidden = app.__dict__.setdefault(_HIDDEN, {})
+        conf[_SECRET_URL] = url
+        for spelling in _spellings(conf, _URL):
+            held = next((m[spelling] for m in maps if spelling in m), None)
+            if isinstance(held, str) and safe_url(held) != held:
+                if spelling not in maps[0]:  # (a source's, not one of the app's own changes)
+                    hidden[spelling] = (safe_url(held), held)
+                conf[spelling] = safe_url(held)
     except Exception:  # noqa: BLE001 - a conf we cannot rewrite keeps its value: never fail for it
         return
+
+
+def _put_back(app: Any) -> None:
+    """The app's changes outlive a reload of its config source (``config_from_object`` a
+    second time): a masked URL written there over the source's URL would hide the URL the
+    source gives now, and the old one be used. Where the source gives another, the masked
+    one goes (the new one is masked in its turn)."""
+    hidden = app.__dict__.get(_HIDDEN)
+    if not hidden:
+        return
+    maps = getattr(app.conf, "maps", None) or [app.conf]
+    changes, sources = maps[0], maps[1:]
+    for spelling, (masked, held) in list(hidden.items()):
+        now = next((m[spelling] for m in sources if spelling in m), None)
+        if changes.get(spelling) != masked:
+            del hidden[spelling]  # (set since by the app itself)
+        elif now != held:
+            del changes[spelling], hidden[spelling]
+
+
+def _spellings(conf: Any, name: str) -> list[str]:
+    """``name`` as Celery reads it from ``conf``: as it is, and after the conf's namespace
+    in the namespace's case (celery.utils.text.match_case), e.g. CELERY_THROTTLE_REDIS_URL."""
+    namespace = getattr(conf, "prefix", None) or ""
+    if not namespace:
+        return [name]
+    spelt = namespace + name
+    return [spelt.upper() if namespace.isupper() else spelt.lower(), name]
 
 
 #: Settings an earlier version used that the line made pointless: read and warned about.

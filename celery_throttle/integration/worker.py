@@ -21,7 +21,7 @@ import weakref
 from typing import Any
 
 from billiard.exceptions import WorkerLostError
-from celery import bootsteps
+from celery import bootsteps, signals
 from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.exceptions import TimeLimitExceeded
 from celery.signals import task_failure, task_revoked, worker_init, worker_process_init, worker_shutdown
@@ -31,6 +31,7 @@ from ..check import slots
 from ..check.controller import controller
 from ..check.limiter import Throttle
 from ..check.parts import Parts
+from ..core.config import hide_secrets
 from ..core.errors import StoreError
 from ..core.header import HEADER, Header
 from ..core.spec import declared_spec
@@ -283,12 +284,23 @@ def install(app: Any, **overrides: Any) -> Throttle:
         app.on_after_finalize.connect(_patch_on_finalize, weak=False)
         if app.finalized:
             patch_tasks(ctl)  # (the signal has fired already: tasks are hooked now)
+        # The store's password out of app.conf, whether or not a worker ever reads the
+        # settings (`celery report` does not): when the configuration loads, and before
+        # any celery command imports the task modules (a URL set after the load).
+        app.on_after_configure.connect(_hide_secrets, weak=False)
+        signals.import_modules.connect(_hide_secrets, sender=app, weak=False)
+        if app.configured:
+            hide_secrets(app)
         attach_to_running_workers(ctl)
     return ctl
 
 
 def _patch_on_finalize(sender: Any, **_: Any) -> None:
     patch_tasks(controller(sender))
+
+
+def _hide_secrets(sender: Any, **_: Any) -> None:
+    hide_secrets(sender)
 
 
 def patch_tasks(ctl: Parts) -> int:

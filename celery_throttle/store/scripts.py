@@ -26,7 +26,7 @@ from redis.exceptions import NoScriptError, RedisError
 from ..core.errors import StoreError
 from ..core.locks import ForkSafeLock
 from ..core.timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
-from ..core.urls import safe_url
+from ..core.urls import safe_url, scrub, secrets_of
 from .connection import connect
 from .doctor import StoreReport, examine
 
@@ -102,7 +102,17 @@ class ScriptClient:
         try:
             yield
         except RedisError as exc:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {exc}") from exc
+            raise self._failure(exc) from exc
+
+    def _failure(self, exc: BaseException, lines: Sequence[tuple[int, str]] | None = None) -> StoreError:
+        """The StoreError for ``exc``, with no secret of the store in its text, nor in
+        ``exc``'s own (the cause a logged traceback shows): scrubbed in place. (redis-py
+        6.2 to 7.2 wrote a Sentinel's password into the error that says it found no master.)
+        ``lines``: where a script's lines come from, for its errors (:func:`true_lines`)."""
+        secrets = secrets_of(self.url, self.options)
+        exc.args = tuple(scrub(arg, secrets) if isinstance(arg, str) else arg for arg in exc.args)
+        text = scrub(str(exc), secrets)
+        return StoreError(f"Redis at {safe_url(self.url)} failed: {true_lines(text, lines) if lines else text}")
 
     def run(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         client = self.client
@@ -117,8 +127,7 @@ class ScriptClient:
                 client.script_load(registered.script)
                 return client.evalsha(registered.sha, len(keys), *keys, *args)
         except RedisError as exc:
-            lines = self._lines.get(script, [(1, f"{script}.lua")])
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {true_lines(str(exc), lines)}") from exc
+            raise self._failure(exc, self._lines.get(script, [(1, f"{script}.lua")])) from exc
         sample = int((time.perf_counter() - sent) * 1e6)
         self.rtt_us += (sample - self.rtt_us) // RTT_GAIN_PARTS
         return reply
@@ -158,7 +167,7 @@ class ScriptClient:
         for thread in threads:
             thread.join()
         if failed:
-            raise StoreError(f"Redis at {safe_url(self.url)} failed: {failed[0]}")
+            raise self._failure(failed[0]) from failed[0]
 
     def now_arg(self) -> str:
         """ARGV[1] of a script that reads the clock: '' (Redis TIME) but under a test clock."""
