@@ -195,11 +195,12 @@ class RedisServer:
 
 class SlowProxy:
     """``tests.slow_proxy`` in a process of its own: the store ``target`` (a Redis URL)
-    behind a link that delays every reply by ``delay_ms``."""
+    behind a link that delays every reply by ``delay_ms`` and (``lose``) drops the
+    connection instead of a reply at that chance (``seed``: which ones)."""
 
-    def __init__(self, target: str, delay_ms: float) -> None:
+    def __init__(self, target: str, delay_ms: float, lose: float = 0.0, seed: int = 0) -> None:
         self.target = redis.connection.parse_url(target)
-        self.delay_ms = delay_ms
+        self.delay_ms, self.lose, self.seed = delay_ms, lose, seed
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
@@ -208,7 +209,7 @@ class SlowProxy:
         return f"redis://127.0.0.1:{self.port}/{self.target.get('db', 0)}"
 
     def start(self) -> SlowProxy:
-        self.proc, self.port = spawn(self.target.get("port", 6379), self.delay_ms)
+        self.proc, self.port = spawn(self.target.get("port", 6379), self.delay_ms, self.lose, self.seed)
         return self
 
     def stop(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +126,8 @@ class KeyModel:
         self.slots: dict[str, int] = {}
         #: Entries that started lately (KEYS[7]): entry -> when.
         self.used: dict[str, int] = {}
+        #: A lost start this call took back (see _unuse), until it ends.
+        self.unused: tuple[str, int, str, int | None] | None = None
         # the line's counts (KEYS[2]), present while something waits or is out
         self.waiting = 0
         self.last_place = 0
@@ -344,10 +347,30 @@ class KeyModel:
     def _used(self, eid: str) -> bool:
         return bool(eid) and eid in self.used
 
-    def _use(self, eid: str) -> None:
+    def _use(self, eid: str, holder: str) -> None:
         cut = self.now - self.policy.used_keep_ms * 1000
         self.used = {e: t for e, t in self.used.items() if t > cut}
         self.used[eid] = self.now
+        nonce = re.search(r":([0-9a-fA-F]+)$", holder)
+        if nonce:
+            self.used[f"{eid}@{nonce.group(1)}"] = self.now
+
+    def _lost_start(self, eid: str, lost: str) -> bool:
+        """Entry ``eid`` was started lately by delivery ``lost``, whose reply was lost."""
+        return bool(lost) and bool(eid) and f"{eid}@{lost}" in self.used
+
+    def _unuse(self, eid: str, lost: str, holder: str) -> None:
+        member = f"{eid}@{lost}"
+        self.unused = (member, self.used.pop(member), holder, self.slots.pop(holder, None))
+
+    def _keep_unused(self, code: int) -> None:
+        """A call that changes nothing (DENIED, STALE) puts back the lost start it took."""
+        if self.unused is not None and code in (Code.DENIED, Code.STALE):
+            member, at, lost, until = self.unused
+            self.used[member] = at
+            if until is not None:
+                self.slots[lost] = until
+        self.unused = None
 
     def _forget(self, eid: str) -> None:
         self.messages.pop(eid, None)
@@ -452,6 +475,7 @@ class KeyModel:
     def _finish(self, code: int, wait: int, f: dict[str, Any] | None = None, release_op: bool = False,
                 readonly: bool = False) -> _Reply:
         f = f or {}
+        self._keep_unused(code)
         if not readonly:
             self._write_back()
         due, index = self._next_due(), 0
@@ -497,20 +521,25 @@ class KeyModel:
                 and self._earliest(self.now, self.call.costs, self._out_per_rate()) == self.now)
 
     def _fresh(self, runs: bool, lease: int, lease_span: int, holder: str, eid: str, message: bytes, task: str,
-               expires: int, max_wait: int, batch: int, again: bool = False) -> _Reply:
+               expires: int, max_wait: int, batch: int, lost_by: str = "", again: bool = False) -> _Reply:
         code, wait, f = Code.RUN, 0, {}
+        lost = not again and self._lost_start(eid, lost_by)
         out_m = self.meta.get(eid) if eid and eid in self.out else None
         if out_m is not None and out_m.phase != "g" and eid not in self.line:
             # (a copy of a task released from the line naming its entry: that task arriving)
             if runs:
                 self._write_back()
-                return self._arrive(eid, 0, holder, 0, eid, message, task, expires, max_wait, batch, "0")
+                return self._arrive(eid, 0, holder, 0, eid, message, task, expires, max_wait, batch, lost_by, "0")
             self._release_heads(batch)
             return self._finish(Code.RUN, 0, f)
         if eid and eid in self.meta:
             code = Code.QUEUED
-        elif not again and self._used(eid):
+        elif not again and self._used(eid) and not lost:
             code = Code.DUPLICATE
+        elif lost and runs:
+            self._unuse(eid, lost_by, holder)
+            return self._fresh(runs, lease, lease_span, holder, eid, message, task, expires, max_wait, batch, lost_by,
+                               True)
         elif self._fresh_fits():
             if runs:
                 units, span = list(self.call.costs), self.call.slack
@@ -521,6 +550,8 @@ class KeyModel:
                         units, span, f["leased"] = [self._lease_units(i, lease) for i in range(len(self.rates))], \
                             wide, lease
                 self._record(self.now, self.now + span, units)
+                if again:
+                    self._use(eid, holder)
                 if self.call.concurrency > 0:
                     self.slots[holder] = self.now + self.call.slot_lease
                     f["held"] = 1
@@ -530,12 +561,13 @@ class KeyModel:
         return self._finish(code, wait, f)
 
     def _acquire(self, runs: bool, lease: int, lease_span: int, holder: str, eid: str, message: bytes, task: str,
-                 expires: int, max_wait: int, batch: int) -> _Reply:
+                 expires: int, max_wait: int, batch: int, lost: str = "") -> _Reply:
         self._expire_out(self.policy.line_batch)
         self._reclaim()
-        return self._fresh(runs, lease, lease_span, holder, eid, message, task, expires, max_wait, batch)
+        return self._fresh(runs, lease, lease_span, holder, eid, message, task, expires, max_wait, batch, lost)
 
-    def _admit(self, eid: str, message: bytes, task: str, expires: int, max_wait: int, batch: int) -> _Reply:
+    def _admit(self, eid: str, message: bytes, task: str, expires: int, max_wait: int, batch: int,
+               lost: str = "") -> _Reply:
         self._expire_out(self.policy.line_batch)
         self._reclaim()
         code, wait, f = Code.RUN, 0, {}
@@ -561,7 +593,8 @@ class KeyModel:
         self._release_heads(batch)
         return self._finish(code, wait, f)
 
-    def _front(self, eid: str, message: bytes, task: str, expires: int, max_wait: int, batch: int) -> _Reply:
+    def _front(self, eid: str, message: bytes, task: str, expires: int, max_wait: int, batch: int,
+               lost: str = "") -> _Reply:
         self._expire_out(self.policy.line_batch)
         if eid not in self.meta:
             self._enqueue(eid, message, self._new_meta(task, expires, max_wait), True)
@@ -569,26 +602,32 @@ class KeyModel:
         return self._finish(Code.QUEUED, 0)
 
     def _claim(self, ticket: str, early_cap: int, holder: str, granted: int, eid: str, message: bytes, task: str,
-               expires: int, max_wait: int, batch: int, stale_ok: str = "0") -> _Reply:
+               expires: int, max_wait: int, batch: int, lost: str = "", stale_ok: str = "0") -> _Reply:
         self._expire_out(self.policy.line_batch)
         self._reclaim()
         return self._arrive(ticket, early_cap, holder, granted, eid, message, task, expires, max_wait, batch,
-                            stale_ok)
+                            lost, stale_ok)
 
     def _arrive(self, ticket: str, early_cap: int, holder: str, granted: int, eid: str, message: bytes, task: str,
-                expires: int, max_wait: int, batch: int, stale_ok: str) -> _Reply:
+                expires: int, max_wait: int, batch: int, lost_by: str, stale_ok: str) -> _Reply:
         early = min(early_cap, max(2 * self.lead(), 4 * self.call.slack))
         snapshot = copy.deepcopy(self.windows)
         m = self.meta.get(ticket) if ticket in self.out else None
+        lost = self._lost_start(ticket, lost_by)
+        if lost:
+            self._unuse(ticket, lost_by, holder)
+            if m is not None and m.phase == "g" and granted == 0:
+                granted = m.start
         if m is not None and m.phase == "g" and (granted == 0 or granted != m.start):
             m = None
         if m is None:
-            if self._used(ticket) and granted == 0:
+            if self._used(ticket) and granted == 0 and not lost:
                 self._release_heads(batch)
                 return self._finish(Code.DUPLICATE, 0)
             if any(c > r.limit for c, r in zip(self.call.costs, self.rates)):
                 return self._finish(Code.TOO_COSTLY, 0)
-            return self._fresh(True, 0, 0, holder, eid, message, task, expires, max_wait, batch, granted != 0)
+            return self._fresh(True, 0, 0, holder, eid, message, task, expires, max_wait, batch, lost_by,
+                               granted != 0 or lost)
         waited, phase, units = self.now - m.enqueued, m.phase, self._units_of(m)
         costly = any(u > r.limit for u, r in zip(units, self.rates))
         if costly or (max_wait > 0 and waited > max_wait):
@@ -630,7 +669,7 @@ class KeyModel:
             latest = x + (self.call.slack if x == self.now else p.grant_slacks * self.call.slack)
             self._come_in(ticket, m)
             self._record(x, latest, units)
-            self._use(ticket)
+            self._use(ticket, holder)
             held_now = self._hold(holder, x + self.call.slot_lease, ticket)
             if x == self.now:
                 self._forget(ticket)

@@ -232,7 +232,7 @@ class Walk:
         fit = m._earliest(self.clock.now, m._units_of(meta), m._out_per_rate())
         if fit is None:
             return
-        batch = args[{"release": 0, "drain": 0, "give_back": 1, "ended": 1, "settle": 3, "claim": 9}.get(op, -1)]
+        batch = args[{"release": 0, "drain": 0, "give_back": 1, "ended": 1, "settle": 3, "claim": 9}.get(op, -2)]  # (-2: an entry's batch, before its lost holder)
         looked = sum(1 for r in got.reported if r.kind in ("r", "x", "c", "l"))
         if fit <= self.clock.now + m.lead():
             assert looked >= batch, self.explain(f"head {head} fits at {fit} (lead {m.lead()}), not released")
@@ -332,7 +332,7 @@ class Walk:
         expires = self.clock.now + self.rng.choice([0, 0, 0, 200_000, 2_000_000]) if entry.get("expiring") else 0
         max_wait = self.rng.choice([0, 0, 500_000, 3_000_000])
         args: tuple[Any, ...] = (eid, b"m-" + eid.encode() if message else b"", "task-" + eid, expires, max_wait,
-                                 self.rng.choice([1, 2, 8]))
+                                 self.rng.choice([1, 2, 8]), "")
         if op in ("acquire", "screen"):
             # (a lease of the call's own cost is none; a long span crosses fixed windows)
             args = (self.rng.choice([0, 0, 1, 2, 4, 16]), self.rng.choice([0, 50_000, 400_000]), holder, *args)
@@ -358,22 +358,30 @@ class Walk:
             self.seen["released at publish"] += 1
         return got
 
-    def claim(self, ticket: str, granted: int = 0, copied: bool = False, pending: bool = False) -> WindowReply:
+    def claim(self, ticket: str, granted: int = 0, copied: bool = False, pending: bool = False,
+              lose: bool = False, lost_by: str = "", message_now: bool = False) -> WindowReply:
         """The task released with ``ticket`` arrives (``granted``: its process woke too late
         for the start granted to it; ``copied``: a copy of its message), or (``pending``) a
         copy of it that names its entry, sent as a fresh call (a producer whose admit
-        released it and whose reply was lost): that task arriving all the same."""
+        released it and whose reply was lost): that task arriving all the same. ``lose``:
+        its reply is lost (a start it was given never ran: its copy comes next, naming
+        this delivery in ``lost_by``; a start granted ahead is then given back by it, as
+        by a process woken too late)."""
         holder, eid = self.new_id("h"), self.new_id("t")
+        if lost_by:  # (a copy sent again keeps its holder's nonce)
+            holder = f"{holder.rsplit(':', 1)[0]}:{lost_by}"
+        sent_granted = 0 if lost_by else granted
         meta = self.model.meta.get(ticket)
         costs = tuple(meta.units.get(u, 1) for u in _units(self.names)) if meta else self.costs(1, 5)
-        message = self.rng.choice([b"", b"m-" + ticket.encode()])
+        message = b"m-" + ticket.encode() if message_now else self.rng.choice([b"", b"m-" + ticket.encode()])
         if pending:
             args: tuple[Any, ...] = (0, 0, holder, ticket, message, "task", 0, self.rng.choice([0, 0, 2_000_000]),
-                                     self.rng.choice([1, 4]))
+                                     self.rng.choice([1, 4]), lost_by)
         else:
-            args = (ticket, self.rng.choice([1_000_000, 20_000]), holder, granted, eid, message, "task", 0,
-                    self.rng.choice([0, 0, 2_000_000]), self.rng.choice([1, 4]), self.rng.choice(["0", "1"]))
-        known = ticket in self.tickets and not copied
+            args = (ticket, self.rng.choice([1_000_000, 20_000]), holder, sent_granted, eid, message, "task", 0,
+                    self.rng.choice([0, 0, 2_000_000]), self.rng.choice([1, 4]), lost_by, self.rng.choice(["0", "1"]))
+        # (a copy after a lost reply: the task itself, which ran nothing)
+        known = (ticket in self.tickets or bool(lost_by)) and not copied
         # (its process woke past the grant's keep: the store forgot the grant; it started
         # nothing, and must not be dropped as a copy of a task that started)
         late = bool(granted) and 0 < self.model.out.get(ticket, 0) <= self.clock.now
@@ -381,6 +389,12 @@ class Walk:
         if late:
             assert got.code != Code.DUPLICATE, self.explain(f"{ticket}, woken late for its grant, was dropped")
             self.seen["late grant"] += 1
+        if lost_by:
+            assert got.code != Code.DUPLICATE, self.explain(f"{ticket}, whose start's reply was lost, was dropped")
+            self.seen["lost reply"] += 1
+            if got.code == Code.DENIED:  # (told without its message: it calls again with it, as the hook does)
+                self.settle_out(got)
+                return self.claim(ticket, granted, lost_by=lost_by, message_now=True)
         forgotten = any(r.id == ticket and r.kind == "f" for r in got.reported)
         if forgotten:
             known = False  # (its time was up: it came back as a new task)
@@ -408,6 +422,19 @@ class Walk:
                     self.grants[ticket] = start
                     self.seen["granted"] += 1
                 self.end(ticket, Code(got.code).name)
+            if lose and known:
+                # (the store error, the re-send: now and then past a start's keep, when the
+                # store has forgotten the start granted to the delivery that lost its reply)
+                keep = max(got.start_us - self.clock.now, 0) + self.model.policy.grant_keep_ms * 1000 + 3 * self.slack
+                self.advance(self.rng.choice([0, 0, 3 * self.slack, keep]))
+                nonce = holder.rsplit(":", 1)[1]
+                if got.code == Code.RUN_AT:
+                    self.tickets.pop(ticket, None)  # (nobody else claims it: its copy comes next)
+                    return self.claim(ticket, granted=got.start_us, lost_by=nonce)
+                # (its body never ran: the copy decides)
+                self.started_tickets[ticket] -= 0 if granted else 1
+                self.end(ticket, "reply lost", -1)
+                return self.claim(ticket, lost_by=nonce)
             if got.held:
                 self.holders.append(holder)
         elif got.code == Code.QUEUED and known:
@@ -473,6 +500,16 @@ class Walk:
             ticket = rng.choice(sorted(self.tickets))
             self.claim(ticket, pending=True)
             self.seen["pending copy"] += 1
+        elif roll < 0.54 and self.tickets:
+            # A released task's claim whose reply is lost, and its copy sent again.
+            ticket = rng.choice(sorted(self.tickets))
+            granted = self.tickets[ticket][2]
+            if not granted:
+                self.claim(ticket, lose=True)
+            else:  # (granted ahead, its reply came: its process wakes past the grant's keep)
+                self.advance(max(granted - self.clock.now, 0) + self.model.policy.grant_keep_ms * 1000
+                             + 3 * self.slack)
+                self.claim(ticket, granted=granted)
         elif roll < 0.6:
             if rng.random() < 0.5 and self.clock.now < self.last_due < self.clock.now + 10 * shortest:
                 self.advance(self.last_due - self.clock.now)  # (as a releaser does)

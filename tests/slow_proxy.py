@@ -1,21 +1,27 @@
-"""A TCP proxy that delays both ways: a store on a slow link, for the tests.
+"""A TCP proxy that delays both ways, and may lose replies: a store on a slow or bad link,
+for the tests.
 
-``python -m tests.slow_proxy LISTEN_PORT TARGET_PORT DELAY_MS``: each chunk reaches the
-other side DELAY_MS / 2 later, in order, each way. So every round trip to the store takes
-DELAY_MS more, half of it on the way there, as across a slow network or a far region. It
-prints "ready" once it listens.
+``python -m tests.slow_proxy LISTEN_PORT TARGET_PORT DELAY_MS [LOSE SEED]``: each chunk
+reaches the other side DELAY_MS / 2 later, in order, each way. So every round trip to the
+store takes DELAY_MS more, half of it on the way there, as across a slow network or a far
+region. With LOSE (0 to 1), each chunk of a reply is, with that chance, never delivered:
+the connection is cut both ways instead, after the server ran what it was sent (a reply
+lost on a dropped link: the caller cannot tell whether its command ran). SEED makes the
+losses repeatable. It prints "ready" once it listens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float,
+                lose: float = 0.0, rng: random.Random | None = None) -> None:
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
@@ -32,13 +38,19 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
     sender = asyncio.create_task(send())
     try:
         while data := await reader.read(65536):
+            if lose and rng is not None and rng.random() < lose:
+                sender.cancel()
+                writer.transport.abort()  # (the reply never arrives: the link dropped)
+                break
             queue.put_nowait((loop.time() + delay, data))
     finally:
         queue.put_nowait((loop.time() + delay, b""))
-        await sender
+        await asyncio.gather(sender, return_exceptions=True)
 
 
-async def main(listen: int, target: int, delay_ms: float) -> None:
+async def main(listen: int, target: int, delay_ms: float, lose: float = 0.0, seed: int = 0) -> None:
+    rng = random.Random(seed)
+
     async def serve(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         try:
             upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", target)
@@ -47,7 +59,8 @@ async def main(listen: int, target: int, delay_ms: float) -> None:
             return
         one_way = delay_ms / 2000
         await asyncio.gather(_pipe(client_reader, upstream_writer, one_way),
-                             _pipe(upstream_reader, client_writer, one_way), return_exceptions=True)
+                             _pipe(upstream_reader, client_writer, one_way, lose, rng), return_exceptions=True)
+        upstream_writer.transport.abort()
 
     server = await asyncio.start_server(serve, "127.0.0.1", listen)
     print("ready", flush=True)
@@ -55,13 +68,14 @@ async def main(listen: int, target: int, delay_ms: float) -> None:
         await server.serve_forever()
 
 
-def spawn(target_port: int, delay_ms: float) -> tuple[subprocess.Popen[bytes], int]:
+def spawn(target_port: int, delay_ms: float, lose: float = 0.0, seed: int = 0) -> tuple[subprocess.Popen[bytes], int]:
     """This proxy in a process of its own, in front of the Redis at ``target_port``, once
     it listens: (the process, the port it listens on)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
-    proc = subprocess.Popen([sys.executable, "-m", "tests.slow_proxy", str(port), str(target_port), str(delay_ms)],
+    proc = subprocess.Popen([sys.executable, "-m", "tests.slow_proxy", str(port), str(target_port), str(delay_ms),
+                             str(lose), str(seed)],
                             cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL)
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
@@ -69,4 +83,5 @@ def spawn(target_port: int, delay_ms: float) -> tuple[subprocess.Popen[bytes], i
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])))
+    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]),
+                     *(float(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else ()))

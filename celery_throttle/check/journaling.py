@@ -1,10 +1,14 @@
 """This process's writes to the journal (:mod:`celery_throttle.core.journal`): a task that
 joins a line is ``kept`` there, one that leaves it for good is ``gone``.
 
-On by default when the broker is RabbitMQ (``throttle_journal``, None: by the broker),
-whose queues keep messages on disk while the store that holds the lines may not. Off with
-a Redis broker: the store is then usually the broker itself, and a copy in it would be
-no more durable than the line (``throttle_journal = True`` writes one all the same).
+On by default (``throttle_journal``, None: by the broker) wherever the store could fail
+apart from the broker: RabbitMQ, any other transport, a Redis broker on another server or
+another database of one server. A task that waits then survives whatever the broker
+survives, though the store be a cache (no persistence, an eviction policy, a Sentinel
+group that fails over). Off only where the store *is* the broker's own Redis database:
+the line and the queue fail together there, as plain Celery's queue would, and a copy in
+that database would be lost with the line (the worker's start line says so;
+``throttle_journal = True`` writes one all the same).
 
 A write that fails (the broker unreachable) is logged and counted, and nothing else
 happens: the task still waits in its line, as it would without a journal. Never raises.
@@ -21,8 +25,10 @@ import secrets
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import parse_qs, urlsplit
 
 from ..celery_parts.journal import BrokerJournal
+from ..core.errors import StoreError
 from ..core.journal import Kind
 from ..core.keys import journal_keys
 from ..core.locks import ForkSafeLock
@@ -33,12 +39,15 @@ if TYPE_CHECKING:
 
     from .metrics import Metrics
 
-__all__ = ["RABBITMQ_SCHEMES", "Journaling", "journal_on", "store_epoch"]
+__all__ = ["Journaling", "journal_on", "redis_database", "store_epoch", "store_is_broker_db"]
 
 logger = logging.getLogger("celery_throttle")
 
-#: Broker URL schemes of RabbitMQ, with which the journal is on by default.
-RABBITMQ_SCHEMES = ("amqp", "amqps", "pyamqp", "librabbitmq")
+#: URL schemes of one Redis server (or Sentinel group) and its database, as a broker or a
+#: store names it.
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "socket", "sentinel", "redis+sentinel", "rediss+sentinel")
+#: Host names that are this machine, as one.
+_LOOPBACK = ("localhost", "127.0.0.1", "::1", "")
 #: A failing journal is said again at most this often (seconds) by one process.
 REPORT_EVERY = 60.0
 #: How long (seconds) a process trusts the epoch it read. A task kept in the second after a
@@ -58,14 +67,51 @@ def store_epoch(store: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def journal_on(app: Any, setting: bool | None) -> bool:
-    """Whether tasks waiting in lines are journaled in ``app``'s broker."""
+def redis_database(url: Any) -> tuple[str, frozenset[str], int] | None:
+    """(kind, its servers, database) of a Redis URL, a ``;``-separated list of them (a
+    broker's failover list, a Sentinel group) as one; None for any other URL. Servers
+    are ``host:port`` (this machine's names as one) or a socket's path."""
+    if isinstance(url, (list, tuple)):
+        url = ";".join(str(part) for part in url)
+    if not isinstance(url, str) or not url:
+        return None
+    kinds, servers, dbs = set(), set(), set()
+    for part in filter(None, (p.strip() for p in url.split(";"))):
+        parsed = urlsplit(part)
+        scheme = parsed.scheme.lower()
+        if scheme not in _REDIS_SCHEMES:
+            return None
+        kinds.add("sentinel" if "sentinel" in scheme else "socket" if scheme in ("unix", "socket") else "redis")
+        query = parse_qs(parsed.query)
+        try:
+            db = int((query.get("db") or query.get("virtual_host") or [parsed.path.strip("/") or "0"])[0])
+            port = parsed.port
+        except ValueError:
+            return None
+        if scheme in ("unix", "socket"):
+            servers.add(parsed.path)
+        else:
+            host = (parsed.hostname or "").lower()
+            servers.add(f"{'localhost' if host in _LOOPBACK else host}:{port or 6379}")
+        dbs.add(db)
+    if len(kinds) != 1 or len(dbs) != 1:
+        return None
+    return kinds.pop(), frozenset(servers), dbs.pop()
+
+
+def store_is_broker_db(app: Any, store_url: str | None) -> bool:
+    """Whether the store is ``app``'s broker's own Redis database (one server, or Sentinel
+    group, and one database): the lines and the broker's queues fail together."""
+    broker = redis_database(app.conf.broker_url)
+    return broker is not None and broker == redis_database(store_url)
+
+
+def journal_on(app: Any, setting: bool | None, store_url: str | None = None) -> bool:
+    """Whether tasks waiting in lines are journaled in ``app``'s broker: ``setting``, or
+    (None) wherever the store at ``store_url`` is not the broker's own Redis database."""
     if setting is not None:
         return setting
-    url = app.conf.broker_url
-    url = url[0] if isinstance(url, (list, tuple)) and url else url
-    scheme = str(url or "").split(";", 1)[0].split("://", 1)[0].lower()
-    return scheme in RABBITMQ_SCHEMES
+    return not store_is_broker_db(app, store_url)
 
 
 class Owner(Stores, Protocol):
@@ -98,7 +144,7 @@ class Journaling:
     def enabled(self) -> bool:
         settings = self.ctl.settings
         if self._for is not settings:
-            self._enabled = journal_on(self.ctl.app, settings.journal)
+            self._enabled = journal_on(self.ctl.app, settings.journal, settings.redis_url)
             self._broker = BrokerJournal(self.ctl.app, settings.key_prefix)
             self._for = settings
         return self._enabled
@@ -111,10 +157,17 @@ class Journaling:
         return self._broker
 
     def epoch(self) -> str:
-        """The store's epoch, as this process read it lately."""
+        """The store's epoch, as this process read it lately. A read that fails (a reply
+        lost on the link, while the call that put the task in its line went through) does
+        not keep the task out of the journal: it names the epoch read last, or none (a
+        ``kept`` event of no epoch is sent on by the keeper if the store does not know it:
+        a task run twice in a double fault, rather than one lost)."""
         cached = self._epoch
         if cached is None or time.monotonic() - cached[1] > EPOCH_REFRESH:
-            cached = self._epoch = (store_epoch(self.ctl.store), time.monotonic())
+            try:
+                cached = self._epoch = (store_epoch(self.ctl.store), time.monotonic())
+            except StoreError:
+                return cached[0] if cached is not None else ""
         return cached[0]
 
     def kept(self, key: str, entry: str, us: int, message: bytes) -> None:

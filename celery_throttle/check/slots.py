@@ -37,7 +37,10 @@ from . import checker
 if TYPE_CHECKING:
     from .lines import Lines
 
-__all__ = ["RENEWALS_PER_LEASE", "WORKER_PID", "Slots", "holder_id", "holder_prefix"]
+__all__ = ["RENEWALS_PER_LEASE", "WORKER_PID", "Slots", "holder_id", "holder_prefix", "is_nonce", "nonce_of"]
+
+#: A holder's nonce: this many hex digits (64 random bits).
+NONCE_CHARS = 16
 
 logger = logging.getLogger("celery_throttle")
 
@@ -50,7 +53,19 @@ WORKER_PID = os.getpid()
 def holder_id(task_id: str, nonce: str | None = None) -> str:
     """A delivery of ``task_id`` holding a concurrency slot: its task id, this worker, and
     (given, or random) a nonce of its own: two deliveries of one task id hold two slots."""
-    return f"{holder_prefix(task_id)}{nonce or secrets.token_hex(8)}"
+    return f"{holder_prefix(task_id)}{nonce or secrets.token_hex(NONCE_CHARS // 2)}"
+
+
+def nonce_of(holder: str) -> str:
+    """The nonce a holder ends with ("" for none)."""
+    nonce = holder.rpartition(":")[2]
+    return nonce if is_nonce(nonce) else ""
+
+
+def is_nonce(text: str) -> bool:
+    """Whether ``text`` is a holder's nonce as :func:`holder_id` makes one (a header may
+    name one: anything else is read as none)."""
+    return len(text) == NONCE_CHARS and all(c in "0123456789abcdef" for c in text)
 
 
 def holder_prefix(task_id: str) -> str:

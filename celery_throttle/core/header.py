@@ -33,16 +33,20 @@ class Header:
     many times it was turned away (observability); ``errors``, store errors in a row (its
     back-off); ``pending``, the entry it may hold in the line of ``key`` already (a call
     that put it there, whose reply was lost: the store went away mid-call), so that it is
-    not let in twice. Every field is read from whatever a message holds: anything that is
+    not let in twice; ``lost``, the holder (a delivery id) of that call, should the store
+    have started the entry in its name: the copy that names it is that task, which ran
+    nothing, not a copy of one that ran. Every field is read from whatever a message holds: anything that is
     not what this version writes counts as absent, field by field, and never raises.
-    Nothing in it grants anything by itself: a ticket is one the store holds out, and a
-    pending entry one it holds waiting."""
+    Nothing in it grants anything by itself: a ticket is one the store holds out, a
+    pending entry one it holds waiting, and a lost holder only makes a copy a fresh call
+    (behind the line, counted), once."""
 
     key: str = ""
     ticket: str = ""
     deferrals: int = 0
     errors: int = 0
     pending: str = ""
+    lost: str = ""
 
     @classmethod
     def read(cls, value: Any) -> Header:
@@ -52,8 +56,9 @@ class Header:
         if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= HEADER_VERSION:
             return _EMPTY
         key = value.get("k")
-        ticket, pending = (value.get("t"), value.get("i")) if version >= 3 else (None, None)
-        return cls(_text(key), _text(ticket), _counter(value.get("n")), _counter(value.get("e")), _text(pending))
+        ticket, pending, lost = (value.get("t"), value.get("i"), value.get("l")) if version >= 3 else (None,) * 3
+        return cls(_text(key), _text(ticket), _counter(value.get("n")), _counter(value.get("e")), _text(pending),
+                   _text(lost))
 
     def value(self) -> dict[str, Any]:
         """The header to send."""
@@ -66,6 +71,8 @@ class Header:
             out["e"] = self.errors
         if self.pending:
             out["i"] = self.pending
+        if self.lost:
+            out["l"] = self.lost
         return out
 
 

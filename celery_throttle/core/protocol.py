@@ -191,7 +191,10 @@ class Entry:
     """A task as it joins a line: its entry id (random, unknown to the broker until it is
     released: its ticket then), its message (``b""``: not given; the script answers
     ``DENIED`` where it would wait), task id, ``expires`` (µs, Redis clock; 0: none),
-    ``max_wait`` (µs; 0: none), and how many heads the call may release on its way."""
+    ``max_wait`` (µs; 0: none), how many heads the call may release on its way, and
+    ``lost``: the holder (a delivery) of this task's own call whose reply was lost, should
+    the store have started the entry in its name (it ran nothing: checked again, not
+    dropped as a copy of a task that ran)."""
 
     id: str
     message: bytes = b""
@@ -199,9 +202,10 @@ class Entry:
     expires_us: int = 0
     max_wait_us: int = 0
     batch: int = 0
+    lost: str = ""
 
     def args(self) -> list[int | str | bytes]:
-        return [self.id, self.message, self.task_id, self.expires_us, self.max_wait_us, self.batch]
+        return [self.id, self.message, self.task_id, self.expires_us, self.max_wait_us, self.batch, self.lost]
 
 
 #: An entry for an operation that keeps none (a direct acquire: it does not wait).

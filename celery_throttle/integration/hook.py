@@ -52,8 +52,11 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     spec: ThrottleSpec = type(task)._throttle_spec
     call = ctl.checker.bind(task, args, kwargs)
     header = header_of(request)
-    turned = TurnedAway(ctl, task, request, args, kwargs, call, header, max_wait_us=ctl.checker.max_wait_us(spec))
-    holder = holder_id(request.id)
+    # (A copy sent again after a lost reply makes its calls in a holder of the nonce it
+    # names: the store may have started it in that name, and its copy is told apart.)
+    holder = holder_id(request.id, header.lost or None)
+    turned = TurnedAway(ctl, task, request, args, kwargs, call, header, max_wait_us=ctl.checker.max_wait_us(spec),
+                        holder=holder)
     ticket = header.ticket if header.key == call.state_key else ""
     try:
         reply = _check(ctl, call, turned, holder, ticket, stale_ok=True)

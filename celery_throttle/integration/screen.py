@@ -109,7 +109,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             if turned is not None and turned.entry_id and isinstance(message.headers, dict):
                 h = turned.header
                 message.headers[HEADER] = Header(turned.call.state_key, h.ticket, h.deferrals, h.errors,
-                                                 turned.entry_id).value()
+                                                 turned.entry_id, h.lost).value()
             return handler(message, body, ack, reject, callbacks, **kw)
         except ThrottleError:
             # Bad arguments: the pool path deals with it, visibly.

@@ -29,6 +29,7 @@ from celery.signals import task_failure, task_revoked, worker_init, worker_proce
 from ..celery_parts.internals import chain_on_close, wrap_update_strategies
 from ..check import slots
 from ..check.controller import controller
+from ..check.journaling import store_is_broker_db
 from ..check.limiter import Throttle
 from ..check.parts import Parts
 from ..core.config import hide_secrets
@@ -116,10 +117,19 @@ def _say_what_is_throttled(ctl: Parts) -> None:
         return
     logger.info("celery_throttle: throttling %d task(s) (%s); store %s: %s, round trip %.1f ms; tasks that "
                 "must wait do so in their key's line, in the store%s", len(names), shown, safe_url(store.url),
-                report.summary(), rtt_us / 1000,
-                ", with a copy in the broker's journal" if ctl.lines.journal.enabled else "")
+                report.summary(), rtt_us / 1000, _where_copies_are(ctl))
     for risk in report.risks:
         logger.warning("celery_throttle: the throttle store %s: %s", safe_url(store.url), risk)
+
+
+def _where_copies_are(ctl: Parts) -> str:
+    """The start line's word on what keeps a waiting task should the store be lost."""
+    if ctl.lines.journal.enabled:
+        return ", with a copy in the broker's journal"
+    if store_is_broker_db(ctl.app, ctl.settings.redis_url):
+        return (" (the store is the broker's own Redis database: a waiting task is lost only with the broker's "
+                "queues, as plain Celery's queued tasks would be)")
+    return " alone (throttle_journal is off: a store restarted empty or evicting loses them)"
 
 
 def _warm(ctl: Parts, connections: int) -> None:

@@ -20,6 +20,7 @@ from celery.exceptions import Reject
 
 from .. import signals
 from ..celery_parts.messages import encode_message
+from ..check.slots import is_nonce, nonce_of
 from ..core.errors import ResendRefused
 from ..core.header import HEADER, Header, without_dead_letter_headers
 from ..core.keys import encode
@@ -61,13 +62,14 @@ def names_task(entry: str, task_id: str) -> bool:
 
 
 def own_header(header: Header, task_id: str) -> Header:
-    """``header`` with its ticket and pending entry only where they name entries of
-    ``task_id``: what a message of that task may use of it."""
+    """``header`` with its ticket, pending entry and lost holder only where they name
+    entries and deliveries of ``task_id``: what a message of that task may use of it."""
     ticket = header.ticket if names_task(header.ticket, task_id) else ""
     pending = header.pending if names_task(header.pending, task_id) else ""
-    if (ticket, pending) == (header.ticket, header.pending):
+    lost = header.lost if is_nonce(header.lost) else ""
+    if (ticket, pending, lost) == (header.ticket, header.pending, header.lost):
         return header
-    return dataclasses.replace(header, ticket=ticket, pending=pending)
+    return dataclasses.replace(header, ticket=ticket, pending=pending, lost=lost)
 
 
 def expires_us(expires: Any) -> int:
@@ -144,6 +146,10 @@ class TurnedAway:
     entry_id: str = field(default="")
     #: The longest it may wait (µs; 0: no cap).
     max_wait_us: int = 0
+    #: The holder its calls are made in the name of (a slot's; a start the store records
+    #: names its nonce): a re-send after a lost reply names that nonce, and is made in a
+    #: holder of the same nonce, so that the store can tell that start never ran.
+    holder: str = ""
     #: Its message as last given to its line (the journal keeps a copy of it).
     kept_message: bytes = field(default=b"", repr=False)
 
@@ -157,8 +163,9 @@ class TurnedAway:
             self.entry_id = (mine and (header.ticket or header.pending)) or new_entry_id(self.request.id)
         if with_message:
             self.kept_message = self.message()
+        lost = self.header.lost if self.header.key == self.call.state_key else ""
         return Entry(self.entry_id, self.kept_message if with_message else b"", self.request.id,
-                     expires_us(getattr(self.request, "expires", None)), self.max_wait_us, WORKER_BATCH)
+                     expires_us(getattr(self.request, "expires", None)), self.max_wait_us, WORKER_BATCH, lost)
 
     def message(self) -> bytes:
         """Its message as the line keeps it: same id, arguments, routing, retry count and
@@ -194,7 +201,7 @@ class TurnedAway:
         :meth:`_resend`."""
         # (It names the entry a call whose reply was lost may have left it in its line.)
         sig = self.signature(Header(self.call.state_key, "", self.header.deferrals + 1, self.header.errors,
-                                    self.entry_id))
+                                    self.entry_id, self.header.lost))
         self._resend(sig, delay)
 
     def on_store_error(self, exc: Exception) -> bool:
@@ -214,10 +221,15 @@ class TurnedAway:
         delay = min(s.store_retry_delay * 2 ** min(h.errors, _BACKOFF_DOUBLINGS), s.store_retry_max_delay)
         delay *= random.uniform(0.5, 1.0)  # so deferred tasks do not return all at once
         logger.warning("throttle store unreachable, deferring %s[%s] for %.1fs: %s", task.name, request.id, delay, exc)
-        # (It keeps its ticket, and names the entry the failed call may have left it.)
+        # (It keeps its ticket, and names the entry the failed call may have left it, and
+        # the nonce of the holder it was made in: should the store have started it in that
+        # name, the reply lost, it never ran, and its copy must not be dropped as one of a
+        # task that ran. The copy makes its calls in a holder of that nonce, so a chain of
+        # lost replies names one nonce throughout.)
         mine = h.key == self.call.state_key
         sig = self.signature(Header(self.call.state_key, h.ticket if mine else "", h.deferrals + 1, h.errors + 1,
-                                    self.entry_id or (h.pending if mine else "")))
+                                    self.entry_id or (h.pending if mine else ""),
+                                    nonce_of(self.holder) or (h.lost if mine else "")))
         self._resend(sig, delay)
         return False
 

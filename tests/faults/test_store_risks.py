@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 
+import pytest
 import redis
 
 from celery_throttle.core.keys import state_key
@@ -85,16 +86,38 @@ def test_a_store_that_restarts_empty_is_noticed_by_the_running_worker() -> None:
         server.stop()
 
 
+def test_a_store_that_is_the_brokers_own_database_is_said_to_fail_with_it() -> None:
+    # Given a worker whose store is its Redis broker's own database (the default store of a
+    # Redis broker), and one whose store is another server
+    same = WorkerGroup(prefix=f"ct-test-{uuid.uuid4().hex[:10]}", broker=BROKER_URL, store=BROKER_URL, count=1)
+    try:
+        same.start()
+        # Then its start line says that its lines fail only with the broker's queues, and
+        # keeps no journal (a copy there would be lost with the line)
+        log = same.log_text()
+        assert "the store is the broker's own Redis database" in log, log
+        assert "with a copy in the broker's journal" not in log
+    finally:
+        same.stop()
+        delete_queues(BROKER_URL, same.queues)
+        with redis.Redis.from_url(BROKER_URL) as client:
+            for key in client.scan_iter(match=f"{same.prefix}*", count=1000):
+                client.delete(key)
+
+
 #: Tasks the restart test sends (3 start every 4 s: about 12 still wait when the store is
 #: killed, 11 s after the line formed).
 SENT = 24
 
 
-def test_with_a_rabbitmq_broker_a_store_restarted_empty_loses_none_of_its_lines(
-        store_client: redis.Redis) -> None:
-    # Given a RabbitMQ broker, and a store that keeps nothing on disk (a risk the worker
-    # names at start, with the journal that covers the lines)
-    broker = rabbitmq_or_skip(RABBITMQ_URL)
+@pytest.mark.parametrize("broker_kind", ["rabbitmq", "redis"])
+def test_a_store_restarted_empty_loses_none_of_its_lines_whatever_the_broker(
+        store_client: redis.Redis, broker_kind: str) -> None:
+    # Given a RabbitMQ broker, or a Redis broker that survives (another server than the
+    # store), and a store that keeps nothing on disk (a risk the worker names at start,
+    # with the journal that covers the lines: on by default, the store not being the
+    # broker's own database)
+    broker = rabbitmq_or_skip(RABBITMQ_URL) if broker_kind == "rabbitmq" else BROKER_URL
     server = RedisServer().start()
     group = WorkerGroup(prefix=f"ct-test-{uuid.uuid4().hex[:10]}", broker=broker, store=server.url, count=1)
     label, tenant = new_label(), f"durable-{new_label()}"

@@ -224,3 +224,29 @@ def test_a_task_put_back_after_its_release_is_kept_whichever_event_comes_first()
     # Then it waits, as far as the journal can tell
     assert journal.latest(events)[(KEY, "e")].us == 11
     assert journal.latest(reversed(events))[(KEY, "e")].us == 11
+
+
+@pytest.mark.parametrize(("broker_url", "store_url", "on"), [
+    # The store is the broker's own database: they fail together, no journal.
+    ("redis://localhost:6379/0", "redis://127.0.0.1:6379/0", False),
+    ("redis://:secret@127.0.0.1/3", "redis://127.0.0.1:6379/3", False),
+    ("sentinel://a:26379;sentinel://b:26379", "sentinel://b:26379;sentinel://a:26379", False),
+    ("unix:///run/redis.sock?db=2", "unix:///run/redis.sock?db=2", False),
+    # Another database or server than the broker's, or another transport: the journal.
+    ("redis://127.0.0.1:6379/13", "redis://127.0.0.1:6379/12", True),
+    ("redis://broker:6379/0", "redis://cache:6379/0", True),
+    ("redis://127.0.0.1:6379/0", "redis+cluster://127.0.0.1:7000", True),
+    ("amqp://guest:guest@localhost:5672//", "redis://127.0.0.1:6379/0", True),
+    ("sqs://", "redis://127.0.0.1:6379/0", True),
+    (None, "redis://127.0.0.1:6379/0", True),  # (Celery's default broker: RabbitMQ on localhost)
+])
+def test_the_journal_is_on_unless_the_store_is_the_brokers_own_database(broker_url: str | None, store_url: str,
+                                                                         on: bool) -> None:
+    from celery import Celery
+
+    from celery_throttle.check.journaling import journal_on
+
+    app = Celery("journal-default", broker=broker_url, set_as_current=False)
+    assert journal_on(app, None, store_url) is on
+    # (a setting wins either way)
+    assert journal_on(app, True, store_url) is True and journal_on(app, False, store_url) is False

@@ -23,7 +23,12 @@
 -- too late for it. A slot handed to a released task is held in the entry's name until that
 -- time; a running body's, in its holder's (a delivery id), renewed by its process.
 --
--- KEYS[7] holds the entries that started lately (entry -> when), for USED_KEEP_MS.
+-- KEYS[7] holds the entries that started lately (entry -> when), for USED_KEEP_MS, and
+-- beside each the nonce of the holder that started it (entry .. '@' .. nonce -> when; a
+-- holder ends in ':' and its nonce, which every delivery of one task sent again after a
+-- lost reply keeps): a copy sent again by that task, whose reply was lost (it never heard
+-- of its start, and ran nothing), names it and is checked again, not dropped as a copy of
+-- a task that ran.
 --
 -- KEYS[2], the line's counts: 'q' tasks in line, 's' the last place given, 'b' the first
 -- (places before 0: sent back to the front), 'o' units out by unit, 'u' units in line by
@@ -50,7 +55,7 @@
 --            may come at most (µs), [P+2] holder (its delivery: the slot handed to the
 --            ticket becomes the holder's), [P+3] the start granted to this process earlier,
 --            which it woke too late for (0: none), then its entry as a fresh call's, then
---            [P+10] '1' if it may be told STALE (released under other controls than the
+--            [P+11] '1' if it may be told STALE (released under other controls than the
 --            caller's, it would go back: the caller reads them and claims again with '0')
 --   release  release the heads that fit. [P] batch
 --   ack      the tasks released were sent: their messages go. [P..] tickets
@@ -67,7 +72,8 @@
 --   drop     an operator deletes tasks waiting in the line (they never run). [P..] entries
 --   peek     usage and the line, nothing written
 -- The entry's arguments: [E] entry id, [E+1] message ('' none), [E+2] task id, [E+3]
--- expires (µs, 0 none), [E+4] max wait (µs, 0 none), [E+5] batch.
+-- expires (µs, 0 none), [E+4] max wait (µs, 0 none), [E+5] batch, [E+6] the nonce of the
+-- holder of this task's own call whose reply was lost ('' none; see KEYS[7]).
 --
 -- Codes (protocol.Code): RUN, RUN_AT, DENIED, QUEUED, RELEASED, TOO_FAR, TOO_COSTLY,
 -- WAITED, LOST (ended, renew: a slot's lease had run out), DUPLICATE (a copy of a task that
@@ -391,11 +397,26 @@ local function remaining_beside_out()
   return math.max(free or 0, 0)
 end
 
+-- A start of a delivery whose reply was lost, taken back by this call (see unuse): the
+-- member that named it and its time, the holder's slot and its lease (false: none).
+local unused = nil
+
+-- A call that changes nothing (DENIED: it calls again with its message; STALE) puts it
+-- back as it was, for that next call to take back.
+local function keep_unused(code)
+  if unused and (code == DENIED or code == STALE) then
+    redis.call('ZADD', used_key, unused[2], unused[1])
+    if unused[4] then redis.call('ZADD', slots_key, unused[4], unused[3]) end
+  end
+  unused = nil
+end
+
 -- The reply: window.lua's head, the line's counts and what the index must be told
 -- (`release_op`: the releaser's, which writes the index itself; `readonly`: nothing
 -- written), and the tasks reported.
 local function finish(code, wait, f, release_op, readonly)
   f = f or {}
+  keep_unused(code)
   if not readonly then
     write_back()
     -- The slots' holders go by themselves when every lease in them has run out.
@@ -442,7 +463,7 @@ end
 -- A call's entry, from ARGV[e..e+5]: id, message, task id, expires, max wait, batch.
 local function entry_at(e)
   return {id = ARGV[e], message = ARGV[e + 1], task = ARGV[e + 2], expires = tonumber(ARGV[e + 3]),
-          max_wait = tonumber(ARGV[e + 4]), batch = tonumber(ARGV[e + 5])}
+          max_wait = tonumber(ARGV[e + 4]), batch = tonumber(ARGV[e + 5]), lost = ARGV[e + 6]}
 end
 
 -- A call that cannot start now: it waits in the line if its message came, else the
@@ -474,10 +495,29 @@ local function used(id)
   return id ~= '' and redis.call('ZSCORE', used_key, id) ~= false
 end
 
-local function use(id)
+local function use(id, holder)
   redis.call('ZREMRANGEBYSCORE', used_key, '-inf', now - USED_KEEP_MS * 1000)
   redis.call('ZADD', used_key, now, id)
+  local nonce = string.match(holder, ':(%x+)$')
+  if nonce then redis.call('ZADD', used_key, now, id .. '@' .. nonce) end
   redis.call('PEXPIRE', used_key, USED_KEEP_MS)
+end
+
+-- Whether entry `id` was started lately by a holder of nonce `lost` whose reply was lost:
+-- the copy that names it is that task, which never ran.
+local function lost_start(id, lost)
+  return lost ~= '' and id ~= '' and redis.call('ZSCORE', used_key, id .. '@' .. lost) ~= false
+end
+
+-- That start never ran: it names it no more (used once), and the slot its holder took
+-- goes (its body never began; `holder`, of the same nonce, is the copy's: in the worker
+-- that lost the reply, the same holder).
+local function unuse(id, lost, holder)
+  local member = id .. '@' .. lost
+  unused = {member, redis.call('ZSCORE', used_key, member), holder, redis.call('ZSCORE', slots_key, holder)}
+  redis.call('ZREM', used_key, member)
+  redis.call('ZREM', slots_key, holder)
+  return true
 end
 
 -- A released task arriving (claim's own work, defined below): forward-declared, as a fresh
@@ -486,10 +526,12 @@ local arrive
 
 -- A fresh call (`runs`: recorded if it fits; else the pool's acquire will). `a`: its
 -- entry, and `lease`, `lease_span`, `holder`. `again`: the process that was granted the
--- start of entry `a.id` and woke too late even for the grant's keep: it started nothing,
--- and is not a copy of a task that started.
+-- start of entry `a.id` and woke too late even for the grant's keep, or the delivery that
+-- started it and lost the reply: it started nothing, and is not a copy of a task that
+-- started. A start after such a check is used in the delivery's name, as a claim's is.
 local function fresh(runs, a, again)
   local code, wait, f = RUN, 0, {}
+  local lost = not again and lost_start(a.id, a.lost)
   local out_m = known_entry(a.id) and redis.call('ZSCORE', out_key, a.id) and meta_of(a.id)
   if out_m and out_m[M.PHASE] ~= 'g' and not redis.call('ZSCORE', line_key, a.id) then
     -- A copy of a task released from this line that names its entry (sent unchecked by a
@@ -504,8 +546,10 @@ local function fresh(runs, a, again)
     return finish(RUN, 0, f)
   elseif known_entry(a.id) then
     code = QUEUED
-  elseif not again and used(a.id) then
+  elseif not again and used(a.id) and not lost then
     code = DUPLICATE
+  elseif lost and runs and unuse(a.id, a.lost, a.holder) then
+    return fresh(runs, a, true)
   elseif fresh_fits() then
     if runs then
       local units, span = call_units, slack
@@ -518,6 +562,7 @@ local function fresh(runs, a, again)
         end
       end
       record(now, now + span, units)
+      if again then use(a.id, a.holder) end  -- (a task checked again: a later copy of it is one)
       if concurrency > 0 then
         redis.call('ZADD', slots_key, now + slot_lease, a.holder)
         f.held = 1
@@ -598,19 +643,28 @@ end
 arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
   local early = math.min(early_cap, math.max(2 * lead(half_pace), 4 * slack))
   local m = redis.call('ZSCORE', out_key, ticket) and meta_of(ticket)
+  -- The task's own delivery that claimed it before, whose reply was lost: that start
+  -- never ran. A start it was granted ahead is given back as a process woken too late
+  -- gives it back; one it was let in on stays counted (the store cannot tell it from a
+  -- body that ran until the copy comes), and the copy is checked again.
+  local lost = lost_start(ticket, a.lost)
+  if lost then
+    unuse(ticket, a.lost, holder)
+    if m and m[M.PHASE] == 'g' and granted == 0 then granted = m[M.START] end
+  end
   if m and m[M.PHASE] == 'g' and (granted == 0 or granted ~= m[M.START]) then m = nil end
   if not m then
     -- A copy of a task that started on this ticket lately: dropped. (Not the process the
     -- ticket's start was granted to, which names it: it woke too late even for the grant's
-    -- keep, and started nothing: a fresh call.)
-    if used(ticket) and granted == 0 then
+    -- keep, and started nothing: a fresh call. Nor the delivery whose reply was lost.)
+    if used(ticket) and granted == 0 and not lost then
       release_heads(a.batch)
       return finish(DUPLICATE, 0)
     end
     -- Not released by this store (forged, its time up, its state lost): a fresh call.
     if too_costly(call_units) then return finish(TOO_COSTLY, 0) end
     a.lease, a.lease_span, a.holder = 0, 0, holder
-    return fresh(true, a, granted ~= 0)
+    return fresh(true, a, granted ~= 0 or lost)
   end
   local waited, phase, units = now - m[M.ENQUEUED], m[M.PHASE], units_of(m)
   if too_costly(units) or (a.max_wait > 0 and waited > a.max_wait) then
@@ -667,7 +721,7 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
     local latest = x + (x == now and slack or GRANT_SLACKS * slack)
     come_in(ticket, m)
     record(x, latest, units)
-    use(ticket)
+    use(ticket, holder)
     local held_now = hold(holder, x + slot_lease, ticket)
     if x == now then
       forget(ticket)
@@ -709,7 +763,7 @@ local function claim()
   reclaim()
   write_back()  -- (what expire_out gave back stays given back, whatever this claim does)
   return arrive(ARGV[P], tonumber(ARGV[P + 1]), ARGV[P + 2], tonumber(ARGV[P + 3]), entry_at(P + 4),
-                ARGV[P + 10] == '1')
+                ARGV[P + 11] == '1')
 end
 
 local function release()
