@@ -74,7 +74,7 @@ test-passes:
 	$(MAKE) --no-print-directory -j2 --output-sync=target pass-suite pass-soak
 	$(MAKE) --no-print-directory -j3 --output-sync=target pass-redis62 pass-valkey pass-celery
 
-.PHONY: pass-suite pass-soak pass-redis62 pass-valkey pass-celery
+.PHONY: pass-suite pass-soak pass-redis62 pass-valkey pass-celery pass-campaign campaign
 pass-suite:
 	$(PYTHON) -m pytest -n $(TEST_PROCS)
 pass-soak:
@@ -87,6 +87,18 @@ pass-valkey:
 	CT_QUICK=1 $(PYTHON) -m tests.valkey $(REDIS62_TESTS) $(VALKEY_WORKER_TESTS)
 pass-celery:
 	$(PYTHON) -m tests.celery_versions $(CELERY_VERSIONS)
+# The fault campaign (tests/faults/test_campaign.py), alone: it kills and restarts servers
+# and workers of its own, and its waits are for faults to heal, not windows to pass. The
+# short one: one seed, 600 tasks over 20 tenants, 6 faults. Not yet a pass of `make test`:
+# it still loses a task now and then (docs/guarantees.md, "The fault campaign").
+pass-campaign:
+	$(PYTHON) -m pytest -m campaign -s -p no:cacheprovider tests/faults/test_campaign.py
+
+# A long campaign on demand: CAMPAIGN_SEEDS seeds of CAMPAIGN_TENANTS tenants (30 tasks each).
+CAMPAIGN_SEEDS ?= 1,2,3,4,5
+CAMPAIGN_TENANTS ?= 100
+campaign: install
+	CT_CAMPAIGN_SEEDS=$(CAMPAIGN_SEEDS) CT_CAMPAIGN_TENANTS=$(CAMPAIGN_TENANTS) $(MAKE) --no-print-directory pass-campaign
 
 bench: install
 	$(PYTHON) -m pip install -q -e '.[bench]'

@@ -209,7 +209,7 @@ class SlowProxy:
         return f"redis://127.0.0.1:{self.port}/{self.target.get('db', 0)}"
 
     def start(self) -> SlowProxy:
-        self.proc, self.port = spawn(self.target.get("port", 6379), self.delay_ms, self.lose, self.seed)
+        self.proc, self.port = spawn(self.target.get("port", 6379), self.delay_ms, self.lose, self.seed, self.port)
         return self
 
     def stop(self) -> None:

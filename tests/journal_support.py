@@ -86,8 +86,10 @@ def make_app(name: str, broker: str, queue: str) -> tuple[Celery, Any]:
     return app, work
 
 
-def make_deploy(monkeypatch: pytest.MonkeyPatch, policy: ScriptPolicy | None = None, on: bool = True) -> Deploy:
-    broker = rabbitmq_or_skip(RABBITMQ_URL)
+def make_deploy(monkeypatch: pytest.MonkeyPatch, policy: ScriptPolicy | None = None, on: bool = True,
+                broker: str | None = None) -> Deploy:
+    """The deploy, on RabbitMQ or (``broker``) another broker."""
+    broker = broker or rabbitmq_or_skip(RABBITMQ_URL)
     monkeypatch.setattr(journal, "LOST_AFTER_US", LOST_AFTER_US)
     server = RedisServer().start()
     prefix = f"ct-test-{uuid.uuid4().hex[:10]}"

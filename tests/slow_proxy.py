@@ -68,12 +68,14 @@ async def main(listen: int, target: int, delay_ms: float, lose: float = 0.0, see
         await server.serve_forever()
 
 
-def spawn(target_port: int, delay_ms: float, lose: float = 0.0, seed: int = 0) -> tuple[subprocess.Popen[bytes], int]:
+def spawn(target_port: int, delay_ms: float, lose: float = 0.0, seed: int = 0,
+          port: int = 0) -> tuple[subprocess.Popen[bytes], int]:
     """This proxy in a process of its own, in front of the Redis at ``target_port``, once
-    it listens: (the process, the port it listens on)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
+    it listens (on ``port``, else a free one): (the process, the port it listens on)."""
+    if not port:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
     proc = subprocess.Popen([sys.executable, "-m", "tests.slow_proxy", str(port), str(target_port), str(delay_ms),
                              str(lose), str(seed)],
                             cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE,

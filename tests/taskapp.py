@@ -69,6 +69,10 @@ if os.environ.get("CT_BROKER_MAX_CONNECTIONS"):
 # in the sender, as users who must not lose a message configure it.
 if os.environ.get("CT_CONFIRM_PUBLISH") == "1":
     app.conf.broker_transport_options = {"confirm_publish": True}
+# A Redis broker's visibility timeout (CT_VISIBILITY, seconds): how long a message taken and
+# not acked (a worker that lost its broker) waits before the broker gives it out again.
+if os.environ.get("CT_VISIBILITY"):
+    app.conf.broker_transport_options = {"visibility_timeout": float(os.environ["CT_VISIBILITY"])}
 ctl = celery_throttle.install(app)
 
 # The worker's metrics on CT_METRICS_PORT, as docs/operations.md tells users to serve them:
@@ -458,6 +462,17 @@ def exporting(label, tenant, seconds=0.3):
 def single_slot(label, tenant, seconds=0.3):
     """One body at a time per tenant (a repeated task id too)."""
     span(label, seconds, tenant=tenant)
+
+
+@app.task
+@throttle("6/s", concurrency=2, key="{tenant}")
+def campaign(label, tenant, seconds, units):
+    """The fault campaign's task (tests/faults/test_campaign.py): per tenant 6 starts a
+    second and 2 bodies at once; a body of ``seconds`` that reports ``units`` (0: a
+    refund; 1: its estimate)."""
+    record(label, tenant=tenant, units=units)
+    time.sleep(seconds)
+    celery_throttle.charge(units)
 
 
 @app.task

@@ -24,6 +24,7 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
@@ -56,15 +57,26 @@ REPORT_EVERY = 60.0
 EPOCH_REFRESH = 1.0
 
 
+#: Makes the store's epoch if it has none, noting when (the store's clock, µs): one call.
+_EPOCH = """if redis.call('HSETNX', KEYS[1], 'epoch', ARGV[1]) == 1 then
+  local t = redis.call('TIME')
+  redis.call('HSET', KEYS[1], 'since', string.format('%d', t[1] * 1000000 + t[2]))
+end
+return redis.call('HMGET', KEYS[1], 'epoch', 'since')"""
+
+
 def store_epoch(store: Any) -> str:
     """The store's epoch, made now if it has none (raises StoreError)."""
-    key = journal_keys(store.prefix)[0]
+    return store_epoch_since(store)[0]
+
+
+def store_epoch_since(store: Any) -> tuple[str, int]:
+    """(the store's epoch, when it was made: the store's clock, µs; 0 unknown), made now if
+    it has none (raises StoreError)."""
     with store.errors():
-        value = store.client.hget(key, "epoch")
-        if value is None:
-            store.client.hsetnx(key, "epoch", secrets.token_hex(12))
-            value = store.client.hget(key, "epoch")
-    return value.decode() if isinstance(value, bytes) else str(value)
+        value, since = store.client.eval(_EPOCH, 1, journal_keys(store.prefix)[0], secrets.token_hex(12))
+    text = value.decode() if isinstance(value, bytes) else str(value)
+    return text, int(since or 0)
 
 
 def redis_database(url: Any) -> tuple[str, frozenset[str], int] | None:
@@ -138,7 +150,7 @@ class Journaling:
         self._lock = ForkSafeLock()
         self._reported_at = float("-inf")
         self._failures = 0
-        self._epoch: tuple[str, float] | None = None  # (epoch, when read: monotonic)
+        self._epoch: tuple[str, int, float] | None = None  # (epoch, made at: µs, when read: monotonic)
 
     @property
     def enabled(self) -> bool:
@@ -156,24 +168,38 @@ class Journaling:
         assert self._broker is not None
         return self._broker
 
-    def epoch(self) -> str:
-        """The store's epoch, as this process read it lately. A read that fails (a reply
-        lost on the link, while the call that put the task in its line went through) does
-        not keep the task out of the journal: it names the epoch read last, or none (a
-        ``kept`` event of no epoch is sent on by the keeper if the store does not know it:
-        a task run twice in a double fault, rather than one lost)."""
+    def prime(self) -> None:
+        """Read the store's epoch now, before this process's first call to the store that
+        may put a task in a line (see :meth:`epoch`; a fork inherits it). Never raises."""
+        if self._epoch is None and self.enabled:
+            with suppress(StoreError):
+                self._epoch = (*store_epoch_since(self.ctl.store), time.monotonic())
+
+    def epoch(self, us: int) -> str:
+        """The store's epoch for a task that joined its line at ``us`` (the store's clock),
+        as this process read it lately. An epoch made after the call (the store restarted
+        empty between the call and this read) is not the one of the store the call went
+        to: the task is named by the epoch read before (every process reads it before its
+        first call: :meth:`prime`), or by none. (Named by the new epoch, the keeper would
+        take it for one that left its line without a word, and drop it.) A read that fails
+        (a reply lost on the link, while the call went through) names the epoch read
+        last, or none. A ``kept`` event of no epoch is sent on by the keeper if the store
+        does not know it: a task run twice in a double fault, rather than one lost."""
         cached = self._epoch
-        if cached is None or time.monotonic() - cached[1] > EPOCH_REFRESH:
+        if cached is None or time.monotonic() - cached[2] > EPOCH_REFRESH:
             try:
-                cached = self._epoch = (store_epoch(self.ctl.store), time.monotonic())
+                fresh = self._epoch = (*store_epoch_since(self.ctl.store), time.monotonic())
             except StoreError:
                 return cached[0] if cached is not None else ""
+            if fresh[1] > us:
+                return cached[0] if cached is not None and cached[0] != fresh[0] else ""
+            cached = fresh
         return cached[0]
 
     def kept(self, key: str, entry: str, us: int, message: bytes) -> None:
         """``entry`` joined the line of ``key`` at ``us`` with ``message``."""
         if self.enabled and entry and message:
-            self._write(lambda: self.broker.kept(key, entry, us, message, self.epoch()),
+            self._write(lambda: self.broker.kept(key, entry, us, message, self.epoch(us)),
                         f"task {entry} of the line of {key}")
 
     def gone(self, key: str, entries: Sequence[str], us: int, kind: Kind = Kind.GONE) -> None:

@@ -139,6 +139,7 @@ def admit(ctl: Parts, send: Any, name: str, args: Any, kwargs: Any, options: dic
     # (Relative to now, as the task leaves: it holds across its wait in the line.)
     expires = _absolute(options.get("expires"))
     entry_id = new_entry_id(task_id)
+    ctl.lines.journal.prime()  # (the store's epoch, read before this process's first call)
 
     def message() -> bytes:
         kept = _kept_options(app, options)

@@ -108,8 +108,10 @@ def _say_what_is_throttled(ctl: Parts) -> None:
     names = sorted(name for name, task in ctl.app.tasks.items() if type(task).__dict__.get("_throttle_hooked"))
     shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
     try:
-        # (Before the pool forks: every child starts knowing how far away the store is.)
+        # (Before the pool forks: every child starts knowing how far away the store is,
+        # and the store's epoch, read before any call of its own: Journaling.epoch.)
         rtt_us = store.measure_rtt()
+        ctl.lines.journal.prime()
         report = store.report(ctl.lines.journal.enabled)
     except StoreError as exc:
         logger.warning("celery_throttle: throttling %d task(s) (%s); store %s not checked: %s", len(names), shown,

@@ -68,6 +68,9 @@ class Pass:
         self.stopping = stopping or threading.Event()
         self._lock: Any = None
         self._renewed = 0.0
+        #: Delivery tags of the messages this pass read and has not acked yet (a pass that
+        #: fails leaves them to its keeper: see Keeper.give_back).
+        self.unacked: list[Any] = []
 
     def run(self, adopt: bool = False) -> int | None:
         """The pass; returns how many tasks it left waiting in the journal (None: another
@@ -86,7 +89,7 @@ class Pass:
             held = self.broker.length(self.connection)
             if adopt:
                 held += self._adopt(producer, epoch)  # (read back in this pass, at the journal's tail)
-            tags: list[Any] = []
+            tags = self.unacked
             with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
                 events: list[Event] = []
                 for message in self.broker.take(self.connection, held):
@@ -94,13 +97,15 @@ class Pass:
                     events.extend(self._events(message, spool))
                     self._renew()
                 left, suspects = self._decide(events, spool, producer, epoch)
-            for tag in tags:
-                channel.basic_ack(tag)
+            read = len(tags)
+            while tags:
+                channel.basic_ack(tags[0])
+                tags.pop(0)
                 self._renew()
             due = time.time() + journal.LOST_AFTER_US / 1e6 if suspects else 0
             with store.errors():
                 store.client.hset(state, mapping={"left": left, "at": time.time(), "adopted": 1, "due": due})
-            logger.debug("celery_throttle: the journal's pass read %d message(s) and left %d", len(tags), left)
+            logger.debug("celery_throttle: the journal's pass read %d message(s) and left %d", read, left)
             return left
         finally:
             try:

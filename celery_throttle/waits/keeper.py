@@ -59,6 +59,9 @@ class Keeper(threading.Thread):
         self._urgent_until = 0.0
         self._connection: Any = None
         self._outage = Outage("read the journal of the tasks waiting in the lines")
+        #: Delivery tags of journal messages a pass read and could not ack nor give back
+        #: (its broker connection broke: see give_back).
+        self._orphans: list[Any] = []
 
     def urge(self) -> None:
         """The store restarted: a pass now, and on each look for a while."""
@@ -98,17 +101,42 @@ class Keeper(threading.Thread):
     def pass_now(self) -> int | None:
         """A pass now, due or not (None: another keeper holds the lock)."""
         state = self._state()
+        journal_pass = Pass(self.ctl, self._connected(), self._stop_event)
         try:
-            return Pass(self.ctl, self._connected(), self._stop_event).run(adopt=state.get("adopted") is None)
+            return journal_pass.run(adopt=state.get("adopted") is None)
         except Exception:
+            self._orphans.extend(journal_pass.unacked)
             self._close()  # (what it read and did not ack goes back to the journal)
             raise
+
+    def give_back(self) -> int:
+        """Put back in the journal what a failed pass read and did not ack. RabbitMQ does it
+        itself when the connection closes. A Redis broker does it only for a connection
+        still open; one that broke (the broker restarted) leaves the messages aside until
+        its visibility timeout (an hour by default), and the copies of the waiting tasks
+        with them: a store lost meanwhile would lose those tasks. Returns how many."""
+        if not self._orphans:
+            return 0
+        qos = getattr(self._connected().default_channel, "qos", None)
+        restore = getattr(qos, "restore_by_tag", None)
+        orphans, self._orphans = self._orphans, []
+        if restore is not None:
+            for n, tag in enumerate(orphans):
+                try:
+                    restore(tag)
+                except Exception:
+                    self._orphans = orphans[n:]
+                    raise
+            logger.info("celery_throttle: %d message(s) of the journal that a pass read when the broker went "
+                        "away are back in it", len(orphans))
+        return len(orphans)
 
     def look(self) -> int | None:
         """A pass if one is due; returns what it left in the journal (None: no pass)."""
         journal = self.ctl.lines.journal
         if not journal.enabled:
             return None
+        self.give_back()
         held = journal.broker.length(self._connected())
         state = self._state()
         now = time.time()

@@ -31,9 +31,10 @@ from celery_throttle.core.timing import ScriptPolicy
 from celery_throttle.integration.hook import guard
 from celery_throttle.integration.publish import wrap_send_task
 from celery_throttle.integration.trace import attach
+from celery_throttle.waits.journal_pass import Pass
 from celery_throttle.waits.keeper import Keeper
 from tests.conftest import RABBITMQ_URL
-from tests.helpers import delete_queues, rabbitmq_or_skip
+from tests.helpers import RedisServer, delete_queues, rabbitmq_or_skip
 from tests.journal_support import (
     LOST_AFTER_US,
     Deploy,
@@ -348,3 +349,42 @@ def test_a_copy_naming_an_entry_released_at_publish_runs(monkeypatch: pytest.Mon
         assert ran or in_line, "the copy was told it waits (and acked), but nothing waits: the task is lost"
     finally:
         teardown(d)
+
+
+def test_a_pass_cut_by_a_redis_broker_restart_gives_back_what_it_read_at_the_next_look(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a Redis broker that keeps its data (AOF), and tasks waiting in a line with
+    # their copies in the journal
+    broker = RedisServer(extra=["--appendonly", "yes", "--appendfsync", "always"]).start()
+    d = make_deploy(monkeypatch, broker=broker.url)
+    try:
+        send(d, 8)
+        d.keeper.pass_now()  # (a first pass: what it adopts and publishes again is in)
+        held = d.journal_length()
+        assert held >= 5
+        # When a pass has read some of them and the broker restarts before it acks them
+        # (a Redis broker sets messages taken and not acked aside, and gives them back
+        # only after its visibility timeout: an hour by default)
+        read = 0
+        events = Pass._events
+
+        def read_then_restart(message: Any, spool: Any) -> Any:
+            nonlocal read
+            read += 1
+            if read == 3:
+                broker.kill()
+            return events(message, spool)
+
+        monkeypatch.setattr(Pass, "_events", staticmethod(read_then_restart))
+        with pytest.raises(Exception, match="111|[Cc]onnect"):
+            d.keeper.pass_now()
+        monkeypatch.setattr(Pass, "_events", staticmethod(events))
+        broker.start()
+        assert d.journal_length() == held - 3
+        # Then the keeper's next look puts them back in the journal, where a store lost
+        # later finds them
+        d.keeper.look()
+        assert d.journal_length() >= held
+    finally:
+        teardown(d)
+        broker.stop()

@@ -111,3 +111,42 @@ def test_a_task_released_from_its_line_and_run_is_never_sent_on_once_the_store_f
     # Then nothing is sent on, and the others still wait
     assert _taken(app) == []
     assert len([w for w in ctl.lines.waiting() if w.place]) == 2
+
+
+def test_a_kept_event_names_the_epoch_of_the_store_its_call_went_to_though_the_store_restarted_since() -> None:
+    # Given a process that read the store's epoch, and a store that then restarts empty
+    # between a task's call (it joined the line of the store that is lost) and the
+    # process's next read of the epoch (made anew by the next writer)
+    server = RedisServer().start()
+    app = Celery("epoch", broker="memory://", set_as_current=False)
+    ctl = Throttle(app, {"redis_url": server.url, "key_prefix": f"ct-test-{uuid.uuid4().hex[:10]}",
+                         "journal": True})
+    try:
+        journaling = ctl.lines.journal
+        journaling.prime()
+        before = journaling.epoch(ctl.store.now_us())
+        assert before
+        call_us = ctl.store.now_us()
+        server.kill()
+        server.start()
+        journaling._epoch = (journaling._epoch[0], journaling._epoch[1], 0.0)  # (due for a read)
+        # Then the event of that call names the lost store's epoch (the keeper sends the
+        # task on: the new store does not know it and has another epoch), and a call made
+        # after the restart names the new one
+        assert journaling.epoch(call_us) == before
+        after = journaling.epoch(ctl.store.now_us())
+        assert after and after != before
+        # And a process that read no epoch before its call (its read at start failed)
+        # names none for a call older than the epoch (the keeper sends it on if the store
+        # does not know it), and one that read it first (as every worker and producer
+        # does) names it for its calls
+        fresh = Throttle(app, {"redis_url": server.url, "key_prefix": ctl.settings.key_prefix, "journal": True})
+        assert fresh.lines.journal.epoch(call_us) == ""
+        fresh.close()
+        primed = Throttle(app, {"redis_url": server.url, "key_prefix": ctl.settings.key_prefix, "journal": True})
+        primed.lines.journal.prime()
+        assert primed.lines.journal.epoch(primed.store.now_us()) == after
+        primed.close()
+    finally:
+        ctl.close()
+        server.stop()
