@@ -71,6 +71,9 @@ class Pass:
         #: Delivery tags of the messages this pass read and has not acked yet (a pass that
         #: fails leaves them to its keeper: see Keeper.give_back).
         self.unacked: list[Any] = []
+        #: The sent-on note this pass is writing, whose task is not sent yet (a pass that
+        #: fails there leaves it to its keeper to void: see Keeper.void_notes).
+        self.note_in_flight: str | None = None
 
     def run(self, adopt: bool = False) -> int | None:
         """The pass; returns how many tasks it left waiting in the journal (None: another
@@ -205,13 +208,18 @@ class Pass:
         as any other: it joins its line again, first come first served), once: the store
         notes it first. False: not sent (sent by an earlier pass, or kept as a dead letter:
         it could not be)."""
-        sent_on = journal_keys(self.store.prefix)[2]
+        sent_on, note = journal_keys(self.store.prefix)[2], f"{event.key}\n{event.entry}"
+        # (Should the note's reply be lost, or the send fail, the note was made and the task
+        # not sent: the pass fails with the note in flight, and its keeper voids it before
+        # its next pass, which then sends the task on. A note no pass holds is a send made.)
+        self.note_in_flight = note
         with self.store.errors():
             pipe = self.store.client.pipeline(transaction=False)
-            pipe.hsetnx(sent_on, f"{event.key}\n{event.entry}", int(time.time()))
+            pipe.hsetnx(sent_on, note, int(time.time()))
             pipe.expire(sent_on, SENT_ON_KEEP)
             first, _ = pipe.execute()
         if not first:
+            self.note_in_flight = None
             return False
         target = target_of(self.store.prefix, event.key)
         try:
@@ -221,9 +229,11 @@ class Pass:
                          "journal cannot be sent (%r): kept as a dead letter (throttle parked --dead)", event.entry,
                          target or event.key, exc)
             self.ctl.parking.bury(event.entry, body)
+            self.note_in_flight = None
             return False
         logger.info("celery_throttle: task %s waited in the line of %s and the store lost it: sent on from the "
                     "journal, as a new task", event.entry, target or event.key)
+        self.note_in_flight = None
         return True
 
     def _adopt(self, producer: Producer, epoch: str) -> int:

@@ -20,13 +20,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from amqp.channel import Channel as AmqpChannel
 from celery import Celery
 
 from celery_throttle import throttle
 from celery_throttle.check.limiter import Throttle
 from celery_throttle.core import journal
+from celery_throttle.core.errors import StoreError
 from celery_throttle.core.header import HEADER, Header
+from celery_throttle.core.keys import journal_keys
 from celery_throttle.core.timing import ScriptPolicy
 from celery_throttle.integration.hook import guard
 from celery_throttle.integration.publish import wrap_send_task
@@ -388,3 +391,42 @@ def test_a_pass_cut_by_a_redis_broker_restart_gives_back_what_it_read_at_the_nex
     finally:
         teardown(d)
         broker.stop()
+
+
+def test_a_sent_on_note_whose_reply_was_lost_does_not_keep_its_task_from_running(deploy: Deploy,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    d = deploy
+    # Given tasks waiting in a line, their copies in the journal, and a store that loses
+    # everything (a pass marks them, one LOST_AFTER later sends them on)
+    d.ctl.configure({"journal": True})
+    send(d, 6)
+    waiting = d.waiting_ids()
+    d.sent_on()
+    d.keeper.pass_now()
+    d.lose_the_store()
+    assert d.keeper.pass_now() == len(waiting) and d.sent_on() == []
+    time.sleep(LOOK)
+    # When the pass that sends them on notes the first in the store and the note's reply
+    # is lost (the link cut after the server ran it): the pass fails before its send
+    real = Pass._send_on
+    calls = 0
+
+    def note_then_lose_the_reply(self: Pass, event: Any, body: bytes) -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            with self.store.errors():
+                self.note_in_flight = f"{event.key}\n{event.entry}"
+                self.store.client.hsetnx(journal_keys(self.store.prefix)[2], self.note_in_flight, 1)
+                raise redis.ConnectionError("Connection closed by server.")
+        return real(self, event, body)
+
+    monkeypatch.setattr(Pass, "_send_on", note_then_lose_the_reply)
+    with pytest.raises(StoreError):
+        d.keeper.pass_now()
+    monkeypatch.setattr(Pass, "_send_on", real)
+    # Then the keeper's next look sends every one of them on, once, that first one too
+    # (its note was made, its task not sent: taken for sent, it never ran)
+    time.sleep(LOOK)
+    d.keeper.look()
+    assert sorted(d.sent_on()) == sorted(waiting)
