@@ -21,6 +21,10 @@ from hypothesis import settings
 settings.register_profile("celery_throttle", deadline=None)
 settings.register_profile("celery_throttle_quick", deadline=None, max_examples=10)
 
+from kombu.transport.redis import Channel
+
+from celery_throttle.celery_parts.journal import journal_queue_name
+from examples.local_redis import drop_bindings
 from tests.helpers import (
     BROKER_URL,
     QUICK,
@@ -45,8 +49,15 @@ def store_client() -> redis.Redis:
 
 
 def _clean(client: redis.Redis, prefix: str) -> None:
+    """Delete the keys under ``prefix`` in ``client``'s database, and the journal queue of
+    that prefix in the tests' Redis broker (the journal is on wherever the store is not the
+    broker's own database: an app of a test's own writes one there)."""
     for key in client.scan_iter(match=f"{prefix}*", count=1000):
         client.delete(key)
+    journal = journal_queue_name(prefix)
+    with redis.Redis.from_url(BROKER_URL) as broker:
+        broker.delete(journal, *(f"{journal}{Channel.sep}{step}" for step in Channel.priority_steps))
+        drop_bindings(broker, [journal])
 
 
 @pytest.fixture
@@ -162,3 +173,36 @@ def cluster_url() -> Iterator[str]:
     finally:
         for server in servers:
             server.stop()
+
+
+def _journal_owner_gone(queue: str, store: redis.Redis) -> bool:
+    """Whether ``queue`` is the journal of a test whose keys are all gone from the store."""
+    name = queue.split(Channel.sep, 1)[0]
+    if not name.startswith(JOURNAL_OF_A_TEST):
+        return False
+    prefix = name[len("celery_throttle.journal."):]
+    return next(store.scan_iter(match=f"{prefix}*", count=1000), None) is None
+
+
+#: The journal queues the tests' apps write in the Redis broker (key prefixes ct-test-...).
+JOURNAL_OF_A_TEST = journal_queue_name("ct-test-")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A journal queue whose test is over and left no key in the store goes too: a worker's
+    last kept or gone event can reach the broker after its test deleted the queue (the
+    journal is on wherever the store is not the broker's own database). Only in the
+    process that ends the run (not each xdist worker), and never a queue whose test still
+    holds keys (another pass may be running it)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    try:
+        store, broker = redis.Redis.from_url(STORE_URL), redis.Redis.from_url(BROKER_URL)
+        with store, broker:
+            gone = [k.decode() for k in broker.scan_iter(match=f"{JOURNAL_OF_A_TEST}*", count=1000)]
+            gone = [k for k in gone if _journal_owner_gone(k, store)]
+            if gone:
+                broker.delete(*gone)
+            drop_bindings(broker, lambda queue: _journal_owner_gone(queue, store))
+    except redis.RedisError:
+        pass  # (no Redis: nothing was written)
