@@ -37,7 +37,7 @@ from celery_throttle.integration.trace import attach
 from celery_throttle.waits.journal_pass import Pass
 from celery_throttle.waits.keeper import Keeper
 from tests.conftest import RABBITMQ_URL
-from tests.helpers import RedisServer, delete_queues, rabbitmq_or_skip
+from tests.helpers import RedisServer, delete_queues, rabbitmq_or_skip, wait_for
 from tests.journal_support import (
     LOST_AFTER_US,
     Deploy,
@@ -403,9 +403,13 @@ def test_a_sent_on_note_whose_reply_was_lost_does_not_keep_its_task_from_running
     waiting = d.waiting_ids()
     d.sent_on()
     d.keeper.pass_now()
+    # (what a pass publishes again is in the journal's count a moment later: RabbitMQ
+    # routes a publish after it answers the next declare, under load)
+    wait_for(lambda: d.journal_length() >= len(waiting), 10, 0.05, "the copies published again")
     d.lose_the_store()
     assert d.keeper.pass_now() == len(waiting) and d.sent_on() == []
     time.sleep(LOOK)
+    wait_for(lambda: d.journal_length() >= len(waiting), 10, 0.05, "the copies marked")
     # When the pass that sends them on notes the first in the store and the note's reply
     # is lost (the link cut after the server ran it): the pass fails before its send
     real = Pass._send_on
@@ -428,5 +432,6 @@ def test_a_sent_on_note_whose_reply_was_lost_does_not_keep_its_task_from_running
     # Then the keeper's next look sends every one of them on, once, that first one too
     # (its note was made, its task not sent: taken for sent, it never ran)
     time.sleep(LOOK)
+    wait_for(lambda: d.journal_length() >= len(waiting), 10, 0.05, "the copies given back")
     d.keeper.look()
     assert sorted(d.sent_on()) == sorted(waiting)
