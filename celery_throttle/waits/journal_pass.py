@@ -68,9 +68,11 @@ class Pass:
         self.stopping = stopping or threading.Event()
         self._lock: Any = None
         self._renewed = 0.0
-        #: Delivery tags of the messages this pass read and has not acked yet (a pass that
-        #: fails leaves them to its keeper: see Keeper.give_back).
+        #: Delivery tags of the messages this pass read (a pass that fails leaves those it
+        #: did not ack to its keeper: see Keeper.give_back).
         self.unacked: list[Any] = []
+        #: How many of them it has acked (the rest are still the broker's to give back).
+        self.acked = 0
         #: The sent-on note this pass is writing, whose task is not sent yet (a pass that
         #: fails there leaves it to its keeper to void: see Keeper.void_notes).
         self.note_in_flight: str | None = None
@@ -100,15 +102,14 @@ class Pass:
                     events.extend(self._events(message, spool))
                     self._renew()
                 left, suspects = self._decide(events, spool, producer, epoch)
-            read = len(tags)
-            while tags:
-                channel.basic_ack(tags[0])
-                tags.pop(0)
+            for tag in tags:
+                channel.basic_ack(tag)
+                self.acked += 1
                 self._renew()
             due = time.time() + journal.LOST_AFTER_US / 1e6 if suspects else 0
             with store.errors():
                 store.client.hset(state, mapping={"left": left, "at": time.time(), "adopted": 1, "due": due})
-            logger.debug("celery_throttle: the journal's pass read %d message(s) and left %d", read, left)
+            logger.debug("celery_throttle: the journal's pass read %d message(s) and left %d", len(tags), left)
             return left
         finally:
             try:

@@ -107,7 +107,7 @@ class Keeper(threading.Thread):
         try:
             return journal_pass.run(adopt=state.get("adopted") is None)
         except Exception:
-            self._orphans.extend(journal_pass.unacked)
+            self._orphans.extend(journal_pass.unacked[journal_pass.acked:])
             if journal_pass.note_in_flight is not None:
                 self._void.append(journal_pass.note_in_flight)
             self._close()  # (what it read and did not ack goes back to the journal)
@@ -115,7 +115,7 @@ class Keeper(threading.Thread):
 
     def void_notes(self) -> None:
         """Delete the sent-on notes a failed pass of this keeper made for tasks it did not
-        send (the note's reply lost, the send refused): else the next pass would take them
+        send (the note's reply lost): else the next pass would take them
         for sent, and they would never run. (Raises StoreError: kept for the next look.)"""
         if self._void:
             store = self.ctl.store
