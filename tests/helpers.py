@@ -212,6 +212,11 @@ class SlowProxy:
         self.proc, self.port = spawn(self.target.get("port", 6379), self.delay_ms, self.lose, self.seed, self.port)
         return self
 
+    def cut_replication(self) -> None:
+        """A replica replicating through this link hears nothing more (see tests.slow_proxy)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGUSR1)
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()

@@ -8,20 +8,30 @@ region. With LOSE (0 to 1), each chunk of a reply is, with that chance, never de
 the connection is cut both ways instead, after the server ran what it was sent (a reply
 lost on a dropped link: the caller cannot tell whether its command ran). SEED makes the
 losses repeatable. It prints "ready" once it listens.
+
+SIGUSR1 cuts replication through it: a replica that replicates from this proxy (its
+connection sent REPLCONF) is cut off, and every such connection after it, while every
+other client goes on: the primary acknowledges writes that its replica never gets. (A
+Sentinel that monitors the primary at this proxy's address sees the replica pointed at its
+master, and leaves it so.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+#: Set by SIGUSR1: replication through this proxy is cut.
+_CUT = {"replication": False}
+
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float,
-                lose: float = 0.0, rng: random.Random | None = None) -> None:
+                lose: float = 0.0, rng: random.Random | None = None, link: dict[str, bool] | None = None) -> None:
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
@@ -38,6 +48,12 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
     sender = asyncio.create_task(send())
     try:
         while data := await reader.read(65536):
+            if link is not None and b"REPLCONF" in data.upper():
+                link["replica"] = True
+            if link is not None and link.get("replica") and _CUT["replication"]:
+                sender.cancel()
+                writer.transport.abort()
+                break
             if lose and rng is not None and rng.random() < lose:
                 sender.cancel()
                 writer.transport.abort()  # (the reply never arrives: the link dropped)
@@ -57,11 +73,13 @@ async def main(listen: int, target: int, delay_ms: float, lose: float = 0.0, see
         except OSError:
             client_writer.close()
             return
-        one_way = delay_ms / 2000
-        await asyncio.gather(_pipe(client_reader, upstream_writer, one_way),
-                             _pipe(upstream_reader, client_writer, one_way, lose, rng), return_exceptions=True)
+        one_way, link = delay_ms / 2000, {"replica": False}
+        await asyncio.gather(_pipe(client_reader, upstream_writer, one_way, link=link),
+                             _pipe(upstream_reader, client_writer, one_way, lose, rng, link), return_exceptions=True)
         upstream_writer.transport.abort()
+        client_writer.transport.abort()
 
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: _CUT.update(replication=True))
     server = await asyncio.start_server(serve, "127.0.0.1", listen)
     print("ready", flush=True)
     async with server:

@@ -11,6 +11,7 @@ would have kept the task in its queue. Read only by the keeper
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -76,6 +77,33 @@ class BrokerJournal:
         """How many messages the journal holds (declaring it if it does not exist)."""
         _, count, _ = self.queue(connection.default_channel).queue_declare()
         return int(count or 0)
+
+    def restore_strays(self, connection: Connection) -> int:
+        """Put back in the journal every message of it that a reader took and never acked
+        (its worker was SIGKILLed mid-pass, its connection broke): called under the
+        keeper's lock, when no other pass reads. RabbitMQ gives such messages back when
+        the reader's connection closes; a Redis broker sets them aside until its
+        visibility timeout (an hour by default), and the copies of the waiting tasks with
+        them: a store lost meanwhile would lose those tasks. Returns how many."""
+        channel: Any = connection.default_channel  # (kombu's Redis channel, or any other)
+        restore = getattr(getattr(channel, "qos", None), "restore_by_tag", None)
+        key = getattr(channel, "unacked_key", None)
+        if restore is None or not isinstance(key, str):
+            return 0
+        name, strays = self.name.encode(), []
+        with channel.conn_or_acquire() as client:
+            for tag, raw in client.hscan_iter(key, count=1000):
+                if name not in raw:
+                    continue  # (most are the tasks workers hold: not parsed)
+                try:
+                    _, exchange, routing_key = json.loads(raw)
+                except (ValueError, TypeError):
+                    continue
+                if routing_key == self.name and not exchange:
+                    strays.append(tag)
+        for tag in strays:
+            restore(tag)
+        return len(strays)
 
     def take(self, connection: Connection, most: int) -> Iterator[Any]:
         """Up to ``most`` messages from the journal's head, each unacked until the caller

@@ -57,11 +57,23 @@ REPORT_EVERY = 60.0
 EPOCH_REFRESH = 1.0
 
 
-#: Makes the store's epoch if it has none, noting when (the store's clock, µs): one call.
-_EPOCH = """if redis.call('HSETNX', KEYS[1], 'epoch', ARGV[1]) == 1 then
+#: Makes the store's epoch if it has none, noting when (the store's clock, µs), and the
+#: server's replication id then; makes a new one when the server's replication id is no
+#: longer the one noted: one call. A server has a new replication id when a replica was
+#: promoted in its place (a Sentinel failover), or it restarted: what it holds may then
+#: lack writes its predecessor acknowledged and never replicated (or never wrote to
+#: disk), so the tasks of the epoch before that the store does not know are sent on from
+#: the journal, as after a restart empty. (A restart that lost nothing costs a look: the
+#: store knows every task that waits.) A server that refuses INFO to the store's user
+#: (an ACL without it) notes no id, and only a store emptied gets a new epoch.
+_EPOCH = """local ok, info = pcall(redis.call, 'INFO', 'replication')
+local replid = ok and type(info) == 'string' and string.match(info, 'master_replid:(%w+)') or ''
+local seen = redis.call('HMGET', KEYS[1], 'epoch', 'replid')
+if not seen[1] or (seen[2] and replid ~= '' and seen[2] ~= replid) then
   local t = redis.call('TIME')
-  redis.call('HSET', KEYS[1], 'since', string.format('%d', t[1] * 1000000 + t[2]))
+  redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'since', string.format('%d', t[1] * 1000000 + t[2]))
 end
+if replid ~= '' and seen[2] ~= replid then redis.call('HSET', KEYS[1], 'replid', replid) end
 return redis.call('HMGET', KEYS[1], 'epoch', 'since')"""
 
 

@@ -12,17 +12,21 @@ fields out of shape) holds no event: it is acked and dropped, and never stops a 
 from __future__ import annotations
 
 import logging
+import secrets
 import tempfile
 import threading
 import time
 from collections.abc import Iterable
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
+from kombu.exceptions import OperationalError
 from kombu.messaging import Producer
 
 from ..celery_parts.messages import resend
 from ..check.journaling import store_epoch
 from ..core import journal
+from ..core.errors import StoreError
 from ..core.journal import (
     CONTENT_TYPE,
     GONE_BATCH,
@@ -55,6 +59,9 @@ ADOPT_PAGE = 1000
 #: died after sending and before its acks has its messages back within minutes, and the
 #: next pass finds the mark and sends nothing twice.
 SENT_ON_KEEP = 3600
+#: A sent-on note holds PENDING and its pass's id while the pass sends the task, then SENT
+#: and when.
+PENDING, SENT = "pending ", "sent "
 
 
 class Pass:
@@ -73,9 +80,8 @@ class Pass:
         self.unacked: list[Any] = []
         #: How many of them it has acked (the rest are still the broker's to give back).
         self.acked = 0
-        #: The sent-on note this pass is writing, whose task is not sent yet (a pass that
-        #: fails there leaves it to its keeper to void: see Keeper.void_notes).
-        self.note_in_flight: str | None = None
+        #: What this pass's sent-on notes hold until their sends are done (see _note).
+        self.pending = f"{PENDING}{secrets.token_hex(8)}"
 
     def run(self, adopt: bool = False) -> int | None:
         """The pass; returns how many tasks it left waiting in the journal (None: another
@@ -91,6 +97,10 @@ class Pass:
             epoch = store_epoch(store)
             channel = self.connection.default_channel
             producer = Producer(channel)
+            strays = self.broker.restore_strays(self.connection)
+            if strays:
+                logger.info("celery_throttle: %d message(s) of the journal that a pass read and never acked (its "
+                            "worker died, or its broker went away) are back in it", strays)
             held = self.broker.length(self.connection)
             if adopt:
                 held += self._adopt(producer, epoch)  # (read back in this pass, at the journal's tail)
@@ -208,34 +218,50 @@ class Pass:
         """A task the store lost: its message is sent to the broker as a new task (checked
         as any other: it joins its line again, first come first served), once: the store
         notes it first. False: not sent (sent by an earlier pass, or kept as a dead letter:
-        it could not be)."""
-        sent_on, note = journal_keys(self.store.prefix)[2], f"{event.key}\n{event.entry}"
-        # (Should the note's reply be lost, or the send fail, the note was made and the task
-        # not sent: the pass fails with the note in flight, and its keeper voids it before
-        # its next pass, which then sends the task on. A note no pass holds is a send made.)
-        self.note_in_flight = note
-        with self.store.errors():
-            pipe = self.store.client.pipeline(transaction=False)
-            pipe.hsetnx(sent_on, note, int(time.time()))
-            pipe.expire(sent_on, SENT_ON_KEEP)
-            first, _ = pipe.execute()
-        if not first:
-            self.note_in_flight = None
+        it could not be). Raises the broker's connection errors (the pass fails; the next
+        sends it)."""
+        note = f"{event.key}\n{event.entry}"
+        if not self._note(note):
             return False
         target = target_of(self.store.prefix, event.key)
         try:
             resend(self.ctl.app, body)
+        except (OperationalError, OSError):
+            raise  # (the broker is away: not sent, and the note says so to the next pass)
         except Exception as exc:  # noqa: BLE001 - a message that cannot be sent: kept for people
             logger.error("celery_throttle: task %s waited in the line of %s and the store lost it; its copy in the "
                          "journal cannot be sent (%r): kept as a dead letter (throttle parked --dead)", event.entry,
                          target or event.key, exc)
             self.ctl.parking.bury(event.entry, body)
-            self.note_in_flight = None
             return False
         logger.info("celery_throttle: task %s waited in the line of %s and the store lost it: sent on from the "
                     "journal, as a new task", event.entry, target or event.key)
-        self.note_in_flight = None
+        # (Best effort: the gone event this pass publishes next says it too.)
+        with suppress(StoreError), self.store.errors():
+            self.store.client.hset(journal_keys(self.store.prefix)[2], note, f"{SENT}{int(time.time())}")
         return True
+
+    def _note(self, note: str) -> bool:
+        """Note in the store that this pass sends on the task of ``note``; whether it is
+        this pass's to send. A note another pass made and never marked sent is taken over:
+        that pass failed or died between its note and its send's end (passes run one at a
+        time, under the lock), and whether its send went out is not known (its reply lost,
+        its process killed): the task is sent again, to run twice rather than never."""
+        sent_on = journal_keys(self.store.prefix)[2]
+        with self.store.errors():
+            pipe = self.store.client.pipeline(transaction=False)
+            pipe.hsetnx(sent_on, note, self.pending)
+            pipe.expire(sent_on, SENT_ON_KEEP)
+            pipe.hget(sent_on, note)
+            first, _, held = pipe.execute()
+        held = held.decode(errors="replace") if isinstance(held, bytes) else str(held or "")
+        if first or held == self.pending:
+            return True
+        if held.startswith(PENDING):
+            with self.store.errors():
+                self.store.client.hset(sent_on, note, self.pending)
+            return True
+        return False
 
     def _adopt(self, producer: Producer, epoch: str) -> int:
         """Keep in the journal what waits in the store's lines now (joined before the

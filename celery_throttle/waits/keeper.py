@@ -62,8 +62,6 @@ class Keeper(threading.Thread):
         #: Delivery tags of journal messages a pass read and could not ack nor give back
         #: (its broker connection broke: see give_back).
         self._orphans: list[Any] = []
-        #: Sent-on notes a failed pass made for tasks it did not send (see void_notes).
-        self._void: list[str] = []
 
     def urge(self) -> None:
         """The store restarted: a pass now, and on each look for a while."""
@@ -108,20 +106,8 @@ class Keeper(threading.Thread):
             return journal_pass.run(adopt=state.get("adopted") is None)
         except Exception:
             self._orphans.extend(journal_pass.unacked[journal_pass.acked:])
-            if journal_pass.note_in_flight is not None:
-                self._void.append(journal_pass.note_in_flight)
             self._close()  # (what it read and did not ack goes back to the journal)
             raise
-
-    def void_notes(self) -> None:
-        """Delete the sent-on notes a failed pass of this keeper made for tasks it did not
-        send (the note's reply lost): else the next pass would take them
-        for sent, and they would never run. (Raises StoreError: kept for the next look.)"""
-        if self._void:
-            store = self.ctl.store
-            with store.errors():
-                store.client.hdel(journal_keys(store.prefix)[2], *self._void)
-            self._void = []
 
     def give_back(self) -> int:
         """Put back in the journal what a failed pass read and did not ack. RabbitMQ does it
@@ -151,7 +137,6 @@ class Keeper(threading.Thread):
         if not journal.enabled:
             return None
         self.give_back()
-        self.void_notes()
         held = journal.broker.length(self._connected())
         state = self._state()
         now = time.time()
