@@ -141,6 +141,30 @@ class KeyModel:
         #: the slots it may hold in the call being run.
         self.share_cap = 0
         self.slot_cap = 0
+        #: KEYS[2] was evicted since the last call, the entries staying (see lose_counts).
+        self.counts_lost = False
+
+    def lose_counts(self) -> None:
+        """The line's counts (KEYS[2]) are evicted, its entries stay: the next call counts
+        them again from the entries (line.lua), and tells the index of the key."""
+        self.counts_lost = True
+
+    def _count_again(self) -> None:
+        self.counts_lost = False
+        self.waiting, self.out_count = len(self.line), len(self.out)
+        self.first_place = min(0, min(self.line.values(), default=0))
+        self.last_place = max(0, max(self.line.values(), default=0),
+                              *(self.meta[i].place for i in self.out if i in self.meta))
+        self.line_units, self.out_units = {}, {}
+        for eid in self.line:
+            m = self.meta.get(eid)
+            self._add(self.line_units, m.units if m is not None else self.call_by_unit, 1)
+        for eid in self.out:
+            m = self.meta.get(eid)
+            if m is not None and m.phase != "g":
+                self._add(self.out_units, m.units, 1)
+        self.indexed = self.indexed_at = 0
+        self.existed = False  # (the script read no counts: to it, the line began)
 
     def reset_windows(self) -> None:
         """The state hash is gone (a reset, its TTL): its windows, epoch and learnt delay."""
@@ -149,7 +173,10 @@ class KeyModel:
     # -- the run of one call ---------------------------------------------------------------
     def run(self, now: int, op: str, call: Call, *args: Any, delta: tuple[int, ...] | None = None) -> _Reply:
         """One run of the script: ``op`` with its own ``args`` (as line.lua lists them)."""
+        lost = self.counts_lost
         self._begin(now, call)
+        if op == "peek":
+            self.counts_lost = lost  # (it writes nothing: the counts stay lost, counted again each call)
         if op == "settle":
             return self._settle(delta or (), *args)
         handler = {"ack": self._ack, "ended": self._ended, "renew": self._renew, "release": self._release,
@@ -160,6 +187,7 @@ class KeyModel:
             return self._claim(*args)
         for r, c in zip(self.rates, call.costs):
             if c > r.limit:
+                self.counts_lost = lost  # (refused before it reads anything: nothing written)
                 return _Reply(Code.TOO_COSTLY, now=now, lead=-1, slot_cap=self.slot_cap)
         handler = {"acquire": lambda *a: self._acquire(True, *a), "screen": lambda *a: self._acquire(False, *a),
                    "admit": self._admit, "front": self._front, "peek": self._peek}[op]
@@ -192,6 +220,8 @@ class KeyModel:
         self.existed = self.waiting > 0 or self.out_count > 0
         self.reported: list[tuple[str, Any, str]] = []
         self.call_by_unit = {unit: c for unit, c in zip(self.units_of_rate, call.costs)}
+        if self.counts_lost:
+            self._count_again()
 
     # -- what every operation shares --------------------------------------------------------
     def lead(self) -> int:
@@ -332,7 +362,7 @@ class KeyModel:
         self.out_count += 1
         self._add(self.out_units, m.units, 1)
         if self.call.concurrency > 0:
-            self.slots[eid] = until
+            self.slots[eid] = min(until, self.now + self.policy.handed_slot_ms * 1000)
 
     def _come_in(self, eid: str, m: Meta) -> None:
         if self.out.pop(eid, None) is not None:
@@ -720,7 +750,7 @@ class KeyModel:
                 m.phase = "o"
                 self.out[ticket] = self.now + self.policy.out_lease_ms * 1000
                 if ticket in self.slots:
-                    self.slots[ticket] = self.now + self.policy.out_lease_ms * 1000
+                    self.slots[ticket] = self.now + min(self.policy.out_lease_ms, self.policy.handed_slot_ms) * 1000
         return self._finish(Code.RUN, 0)
 
     def _give_back(self, ticket: str, batch: int) -> _Reply:

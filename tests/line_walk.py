@@ -165,7 +165,9 @@ class Walk:
             value = stored.get(name)
             live = r.live(r.decode(value), now) if value else []
             assert live == r.entries(), self.explain(f"window {name}: stored {live}, model {r.entries()}")
-        if m.waiting or m.out_count:
+        if m.counts_lost:
+            assert not client.exists(lm), self.explain("line counts back without a call that writes")
+        elif m.waiting or m.out_count:
             raw = {k.decode(): v for k, v in client.hgetall(lm).items()}
             got = (int(raw["q"]), int(raw["s"]), int(raw["b"]), _map(raw["o"]), _map(raw["u"]), int(raw["c"]),
                    int(raw["x"]), int(raw["xt"]))
@@ -590,6 +592,13 @@ class Walk:
             self.grants = {}  # (starts granted before: nothing of them is given back now)
             self.advance(1)
             self.seen["reset"] += 1
+        elif roll < 0.835:
+            # The line's counts evicted (allkeys-lru takes one key of a line), its entries
+            # staying: the next call counts them again.
+            lm = window_keys(self.key)[1]
+            if self.store.client.delete(lm):
+                self.model.lose_counts()
+                self.seen["counts evicted"] += 1
         elif roll < 0.85:
             got = self.run("peek", self.costs(1, 5))
         elif roll < 0.86:

@@ -650,9 +650,10 @@ def downstream_takes(call_id: str) -> bool:
 
 @app.task(bind=True)
 @throttle("20/s", scope="adaptive-api", adapt=True)
-def adaptive_call(self, label, n):
-    """A call of a downstream whose limit the throttle does not know: a 429 raises Backoff."""
+def adaptive_call(self, label, n, retry_after=1):
+    """A call of a downstream whose limit the throttle does not know: a 429 raises Backoff
+    (with ``retry_after`` as the API's Retry-After: None, it says nothing)."""
     if not downstream_takes(f"{self.request.id}:{time.time()}"):
         _records_client().rpush(f"{PREFIX}:refused", json.dumps({"label": label, "n": n, "t": time.time()}))
-        raise celery_throttle.Backoff(retry_after=1)
+        raise celery_throttle.Backoff(retry_after=retry_after)
     record(label, n=n)

@@ -69,14 +69,16 @@ class OnCall:
 
     def keys(self) -> list[str]:
         """The state keys that have a line: the index's, and (by SCAN, for the operator's
-        tools: one missing from the index is still shown) every one with line counts."""
+        tools: one missing from the index is still shown) every one with line counts or
+        entries (a store evicting may take either)."""
         store = self.ctl.store
         found: dict[str, None] = {}
         with store.errors():
             for member, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000):
                 found[text(member)] = None
-            for name in store.client.scan_iter(match=f"{glob_escape(store.prefix)}:{{*}}:lm", count=1000):
-                found[text(name)[: -len(":lm")]] = None
+            for suffix in (":lm", ":line"):
+                for name in store.client.scan_iter(match=f"{glob_escape(store.prefix)}:{{*}}{suffix}", count=1000):
+                    found[text(name)[: -len(suffix)]] = None
         return list(found)
 
     def count(self) -> int:

@@ -162,6 +162,13 @@ class ScriptPolicy:
     #: a worker's prefetch, behind a pool slower than the limit) before its room is given
     #: back. It is not lost: if it comes later, it is checked as a fresh call.
     out_lease_ms: int = 600_000
+    #: How long (ms) the concurrency slot handed to a released task that was sent stays
+    #: its own (at most its out lease). One that arrives later takes a free slot, as any
+    #: call, or waits in its line again. A release whose start the store lost (a failover
+    #: that took the claim's last writes; its body ran) held its key's slot for the whole
+    #: out lease, and a key of `concurrency=2` with two of them started nothing for ten
+    #: minutes.
+    handed_slot_ms: int = 30_000
     #: How long (ms) past a start granted early its entry is kept, for a process that
     #: woke too late for it (it gives the start back and is checked again).
     grant_keep_ms: int = 1_000

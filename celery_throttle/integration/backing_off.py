@@ -6,24 +6,65 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
+from collections import OrderedDict
 from typing import Any
 
 from celery.exceptions import Ignore
 
 from ..check.adaptive import lower
 from ..check.controller import controller
-from ..core.backoff import Backoff
+from ..core.backoff import DEFAULT_BACKOFF, FIRST_UNASKED_BACKOFF, MIN_BACKOFF, Backoff
 from ..core.cost import too_costly
 from ..core.errors import StoreError
+from ..core.locks import ForkSafeLock
 from ..core.protocol import Verdict
 from ..core.timing import shortest_us
 from ..waits.deferral import TurnedAway
 from . import settle
 from .hook import header_of
 
-__all__ = ["back_off", "catching_backoff"]
+__all__ = ["back_off", "catching_backoff", "pause_for"]
 
 logger = logging.getLogger("celery_throttle")
+
+#: A refusal without a Retry-After repeats the one before (for the same scope and key, in
+#: this process) when it comes after that one's pause ended and within this many seconds
+#: of its end: the API still refuses once the pause is over, so the next pause is twice as
+#: long. (Refusals during a pause, of calls that started before it, are the same refusal.)
+REPEAT_WITHIN = 10.0
+#: The most scopes and keys a process remembers the refusals of (the oldest forgotten first).
+STREAKS_KEPT = 10_000
+
+_streaks: OrderedDict[tuple[str, Any], tuple[float, float]] = OrderedDict()
+_streaks_lock = ForkSafeLock()
+
+
+def pause_for(exc: Backoff, *, adaptive: bool, window_us: float, ident: tuple[str, Any]) -> float:
+    """How long (seconds) a :class:`Backoff` pauses its scope or key (0: not at all).
+
+    The API's Retry-After when it gave one; under ``adaptive``, only if it is longer than a
+    window of the rate (``window_us``): the lowered limit is the answer to a refusal that
+    asks for a moment, or for nothing. Without a Retry-After and without ``adaptive``:
+    FIRST_UNASKED_BACKOFF, doubling while refusals repeat (REPEAT_WITHIN), at most
+    DEFAULT_BACKOFF."""
+    if exc.asked is not None:
+        return 0.0 if adaptive and exc.asked * 1_000_000 <= window_us else exc.asked
+    if adaptive:
+        return 0.0
+    now = time.monotonic()
+    with _streaks_lock:
+        last = _streaks.pop(ident, None)
+        if last is not None and now < last[1]:
+            _streaks[ident] = last  # (during the pause: the same refusal, the pause it got)
+            return max(last[1] - now, MIN_BACKOFF)
+        seconds = FIRST_UNASKED_BACKOFF
+        if last is not None and now <= last[1] + REPEAT_WITHIN:
+            seconds = min(2 * last[0], DEFAULT_BACKOFF)
+        _streaks[ident] = (seconds, now + seconds)
+        while len(_streaks) > STREAKS_KEPT:
+            _streaks.popitem(last=False)
+    return seconds
 
 
 def catching_backoff(run: Any, task: Any) -> Any:
@@ -76,15 +117,16 @@ def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
         except StoreError as error:
             logger.warning("could not lower the adaptive limit of scope %r for %s[%s]: %s", call.scope, task.name,
                            request.id, error)
-    # (An adaptive limit lowered is the answer to a refusal that asks for a moment: only a
-    # downstream that asks for more than a window of the rate is paused for it.)
-    if adapt is None or not call.rates or exc.seconds * 1_000_000 > shortest_us(call.rates):
+    seconds = pause_for(exc, adaptive=adapt is not None and bool(call.rates),
+                        window_us=shortest_us(call.rates) if call.rates else 0, ident=(call.scope, key))
+    if seconds:
         try:
-            ctl.pause(call.scope, key, exc.seconds)
+            ctl.pause(call.scope, key, seconds)
         except StoreError as error:
             logger.warning("could not pause scope %r for %s[%s]: %s", call.scope, task.name, request.id, error)
-        logger.warning("%s[%s] backs off: scope %r%s paused for %.1fs on every worker", task.name, request.id,
-                       call.scope, "" if key is None else f" key {key!r}", exc.seconds)
+        logger.warning("%s[%s] backs off: scope %r%s paused for %.1fs on every worker%s", task.name, request.id,
+                       call.scope, "" if key is None else f" key {key!r}", seconds,
+                       " (no Retry-After: longer while refusals repeat)" if exc.asked is None else "")
     turned = TurnedAway(ctl, task, request, args, kwargs, call, header_of(request))
     try:
         reply = ctl.checker.front(call, turned.entry(with_message=True))
@@ -92,7 +134,7 @@ def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
         # Not kept in its line: sent back for the pause all the same.
         logger.warning("could not put %s[%s] back in its line (%s): it is sent back for the pause", task.name,
                        request.id, error)
-        turned.send_back(exc.seconds)
+        turned.send_back(seconds or FIRST_UNASKED_BACKOFF)
         raise Ignore() from None
     ctl.lines.handle(call, reply)
     if reply.verdict is Verdict.REFUSED:

@@ -249,7 +249,9 @@ class Releaser(threading.Thread):
 
     def index_lost_lines(self) -> int:
         """Give the index back every line it does not hold (its writer died between its
-        script and the index, or the index was evicted): SCAN, one worker a round."""
+        script and the index, or the index was evicted): SCAN, one worker a round. A line
+        is found by its counts or by its entries (a store evicting may take either: the
+        next call counts a line again from its entries, line.lua)."""
         store = self.ctl.store
         prefix = store.prefix
         with store.errors():
@@ -257,12 +259,16 @@ class Releaser(threading.Thread):
                                     px=int(INDEX_SWEEP_EVERY * 1000 * 0.8)):
                 return 0
             now_us = store.now_us()
-            found = 0
-            for name in store.client.scan_iter(match=f"{glob_escape(prefix)}:{{*}}:lm", count=1000):
-                key = (name.decode(errors="surrogateescape") if isinstance(name, bytes) else name)[: -len(":lm")]
-                if store.client.zscore(line_index_key(prefix), key) is None:
-                    store.index_note(key, now_us, now_us)
-                    found += 1
+            found, seen = 0, set()
+            for suffix in (":lm", ":line"):
+                for name in store.client.scan_iter(match=f"{glob_escape(prefix)}:{{*}}{suffix}", count=1000):
+                    key = (name.decode(errors="surrogateescape") if isinstance(name, bytes) else name)[: -len(suffix)]
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    if store.client.zscore(line_index_key(prefix), key) is None:
+                        store.index_note(key, now_us, now_us)
+                        found += 1
         if found:
             logger.warning("celery_throttle: %d line(s) were missing from the index; they are looked at now", found)
             self.ctl.lines.wake_releasers()

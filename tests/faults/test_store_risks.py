@@ -158,3 +158,36 @@ def test_a_store_restarted_empty_loses_none_of_its_lines_whatever_the_broker(
         delete_queues(broker, group.queues)
         for key in store_client.scan_iter(match=f"{group.prefix}*", count=1000):
             store_client.delete(key)
+
+
+def test_a_line_whose_counts_and_index_entry_were_evicted_is_found_and_released_in_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery_throttle.core.keys import line_index_key, window_keys
+    from celery_throttle.waits.releaser import Releaser
+    from tests.journal_support import make_deploy, send, teardown
+
+    # Given 8 calls of a key at 1/h: one runs, 7 wait in its line
+    d = make_deploy(monkeypatch)
+    try:
+        send(d, 8)
+        first = d.sent_on()
+        waiting = d.waiting_ids()
+        assert len(first) == 1 and len(waiting) == 7
+        # When a store evicting (allkeys-lru) takes the line's counts and its index entry,
+        # and leaves its entries
+        lm = window_keys(d.key)[1]
+        with redis.Redis.from_url(d.server.url) as store:
+            assert store.delete(lm) == 1 and store.zrem(line_index_key(d.prefix), d.key) == 1
+            # Then the index sweep finds the line by its entries, and its next call counts
+            # them again (taken for empty, it was dropped from the index for good)
+            assert Releaser(d.ctl).index_lost_lines() == 1
+            assert store.zscore(line_index_key(d.prefix), d.key) is not None
+            d.ctl.lines.release(d.key)
+            assert int(store.hget(lm, "q")) == 7
+        # and, given room, its tasks go in the order they came
+        d.ctl.set_limit("keeper.work", "100/s", replace=True)
+        d.ctl.checker.refresh_controls()
+        d.ctl.lines.release(d.key)
+        assert d.sent_on() == waiting
+    finally:
+        teardown(d)

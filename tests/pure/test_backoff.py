@@ -39,4 +39,40 @@ def test_backoff_from_raises_on_429_and_503_only() -> None:
     assert too_many.value.seconds == 12
     with pytest.raises(celery_throttle.Backoff) as unavailable:
         celery_throttle.backoff_from(Response(503, {}), default=5)
-    assert unavailable.value.seconds == 5
+    assert unavailable.value.seconds == 5 and unavailable.value.asked == 5
+    # (no Retry-After and no default: the API did not say, and the pause is the throttle's)
+    with pytest.raises(celery_throttle.Backoff) as silent:
+        celery_throttle.backoff_from(Response(503, {"Retry-After": "soon"}))
+    assert silent.value.asked is None and silent.value.seconds == 1.0
+
+
+def test_a_refusal_without_retry_after_pauses_briefly_and_longer_only_while_refusals_repeat(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery_throttle.core.backoff import DEFAULT_BACKOFF, Backoff
+    from celery_throttle.integration import backing_off
+
+    clock = [1000.0]
+    monkeypatch.setattr(backing_off.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(backing_off, "_streaks", backing_off.OrderedDict())
+    window = 1_000_000  # (a rate of one second)
+
+    def pause(retry_after: object = None, adaptive: bool = False, ident: tuple = ("api", "acme")) -> float:
+        return backing_off.pause_for(Backoff(retry_after), adaptive=adaptive, window_us=window, ident=ident)
+
+    # Under adapt: the lowered limit is the answer, unless the API asks for more than a window
+    assert pause(adaptive=True) == 0 and pause("1", adaptive=True) == 0 and pause("7", adaptive=True) == 7
+    # Without: what the API asks for; when it says nothing, a second first
+    assert pause("12") == 12
+    assert pause() == 1.0
+    # and a burst of refusals of calls already under way is the same refusal (no growth)
+    clock[0] += 0.5
+    assert pause() == pytest.approx(1.0) and pause(ident=("api", "other")) == 1.0
+    # Refused again once each pause is over: twice as long each time, at most DEFAULT_BACKOFF
+    seen = []
+    for _ in range(8):
+        clock[0] += seen[-1] + 0.1 if seen else 1.0
+        seen.append(pause())
+    assert seen == [2, 4, 8, 16, DEFAULT_BACKOFF, DEFAULT_BACKOFF, DEFAULT_BACKOFF, DEFAULT_BACKOFF]
+    # and after a quiet spell (no refusal within REPEAT_WITHIN of the pause's end), a second again
+    clock[0] += DEFAULT_BACKOFF + backing_off.REPEAT_WITHIN + 1
+    assert pause() == 1.0

@@ -32,13 +32,16 @@ def operator(workers: WorkerGroup) -> Iterator[celery_throttle.Throttle]:
     ctl.close()
 
 
+@pytest.mark.parametrize("retry_after", [1, None], ids=["retry-after", "no-retry-after"])
 def test_an_adaptive_limit_learns_a_downstream_below_its_declared_rate_and_says_so(
-        workers: WorkerGroup, operator: celery_throttle.Throttle) -> None:
-    # Given a downstream that takes 5 calls a second behind a throttle declared at 20/s
+        workers: WorkerGroup, operator: celery_throttle.Throttle, retry_after: int | None) -> None:
+    # Given a downstream that takes 5 calls a second behind a throttle declared at 20/s,
+    # whose refusals say Retry-After: 1, or nothing (most 503s, many 429s: the lowered
+    # limit is the answer, and no refusal pauses the scope; it paused 30 s each time)
     label = new_label()
     workers.records.set(f"{workers.prefix}:downstream-limit", DOWNSTREAM)
     # When a producer sends 60 calls at once
-    out = workers.produce({"how": "delay", "task": "adaptive_call", "args": [label, 0], "count": CALLS})
+    out = workers.produce({"how": "delay", "task": "adaptive_call", "args": [label, 0, retry_after], "count": CALLS})
     starts = workers.wait_starts(label, CALLS, timeout=90)
     # Then every call ran once (a refused one ran again, its retries untouched)
     assert_each_ran_once(starts, out["sent"][0])
@@ -55,19 +58,23 @@ def test_an_adaptive_limit_learns_a_downstream_below_its_declared_rate_and_says_
     assert len(late) <= 5, (refused, times)
     assert max_started_in(times, 1.0) <= 2 * DOWNSTREAM + 5
     assert times[-1] - times[0] < 4 * CALLS / DOWNSTREAM, times
-    # And the key shows the limit in force below its declared rate, and why it moved
+    # And the key shows why its limit moved, and the limit in force as it is at each read
+    # (the level climbs back while no refusal comes: each read is checked on its own, and
+    # two reads only in the order the level moves, never for the same answer)
     status = operator.status("adaptive-api")
     assert status.adaptive is not None and status.adaptive.pushback is not None, status
-    assert status.adaptive.pushback.reason == "backoff" and status.adaptive.share < 1.0, status
-    assert status.rates[0].rate.limit < 20, status
+    assert status.adaptive.pushback.reason == "backoff", status
+    assert status.rates[0].rate.limit <= 20 and status.adaptive.share <= 1.0, status
+    table = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.taskapp", "throttle", "status",
+                            "adaptive-api"], cwd=ROOT, env=workers._environ(), capture_output=True, text=True,
+                           timeout=60, check=True).stdout
     cli = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.taskapp", "throttle", "status", "adaptive-api",
                           "--json"], cwd=ROOT, env=workers._environ(), capture_output=True, text=True, timeout=60,
                          check=True)
     shown = json.loads(cli.stdout)
     adaptive = shown["keys"][0]["adaptive"]
-    assert adaptive["share"] < 1.0 and adaptive["last_pushback"]["reason"] == "backoff", shown
-    table = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.taskapp", "throttle", "status",
-                            "adaptive-api"], cwd=ROOT, env=workers._environ(), capture_output=True, text=True,
-                           timeout=60, check=True).stdout
-    assert "(adapt " in table, table
+    assert adaptive["last_pushback"]["reason"] == "backoff", shown
+    # (the table, read first, marks a level below the ceiling; a level at the ceiling then
+    # is at the ceiling in the JSON read after it: it only climbs, no refusal coming)
+    assert "(adapt " in table or adaptive["share"] >= 1.0, (table, shown)
     workers.records.delete(f"{workers.prefix}:downstream-limit", f"{workers.prefix}:downstream")

@@ -193,6 +193,32 @@ local function forget(id)
   redis.call('HDEL', msgs_key, id, id .. '#')
 end
 
+-- A line whose counts are gone while its entries stay (a store evicting under allkeys-lru
+-- takes one key of a line and may leave the others) is counted again from its entries,
+-- on the call that finds it so: else it would be taken for empty, dropped from the index,
+-- and its tasks left in it for good. (Its entries once each: a line evicted in part. The
+-- index's due time is not known either: the call tells the index of the key again.)
+if not lm[1] and not lm[6] then
+  local places = redis.call('ZRANGE', line_key, 0, -1, 'WITHSCORES')
+  local outs = redis.call('ZRANGE', out_key, 0, -1)
+  if #places > 0 or #outs > 0 then
+    waiting, out_count = #places / 2, #outs
+    first_place = math.min(0, tonumber(places[2]) or 0)
+    last_place = math.max(0, tonumber(places[#places]) or 0)
+    for i = 1, #places, 2 do
+      local m = meta_of(places[i])
+      add_units(line_units, m and map_of(m[M.UNITS]) or call_by_unit, 1)
+    end
+    for _, id in ipairs(outs) do
+      local m = meta_of(id)
+      if m then
+        if m[M.PHASE] ~= 'g' then add_units(out_units, map_of(m[M.UNITS]), 1) end
+        last_place = math.max(last_place, tonumber(m[M.PLACE]) or 0)
+      end
+    end
+  end
+end
+
 -- -- slots --------------------------------------------------------------------------------
 
 -- Running leases that ran out (a worker that died holding them). A slot handed to a
@@ -263,7 +289,7 @@ local function go_out(id, m, phase, until_)
   redis.call('ZADD', out_key, until_, id)
   out_count = out_count + 1
   add_units(out_units, map_of(m[M.UNITS]), 1)
-  if concurrency > 0 then redis.call('ZADD', slots_key, until_, id) end
+  if concurrency > 0 then redis.call('ZADD', slots_key, math.min(until_, now + HANDED_SLOT_MS * 1000), id) end
 end
 
 -- No longer out (it arrived, its time is up, or it will not start).
@@ -804,7 +830,9 @@ local function ack()
       m[M.PHASE] = 'o'
       set_meta(ticket, m)
       redis.call('ZADD', out_key, now + OUT_LEASE_MS * 1000, ticket)
-      if redis.call('ZSCORE', slots_key, ticket) then redis.call('ZADD', slots_key, now + OUT_LEASE_MS * 1000, ticket) end
+      if redis.call('ZSCORE', slots_key, ticket) then
+        redis.call('ZADD', slots_key, now + math.min(OUT_LEASE_MS, HANDED_SLOT_MS) * 1000, ticket)
+      end
     end
   end
   return finish(RUN, 0)
