@@ -120,8 +120,8 @@ def _note(what: str, sender, request, **fields) -> None:
 
 
 @celery_throttle.signals.task_throttled.connect
-def _note_denial(sender, request, delay, scope, key, parked, **_):
-    _note("throttled", sender, request, delay=delay, scope=scope, key=key, parked=parked)
+def _note_denial(sender, request, delay, scope, key, parked, reason=None, **_):
+    _note("throttled", sender, request, delay=delay, scope=scope, key=key, parked=parked, reason=reason)
 
 
 @worker_process_init.connect

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from .adapt import Adapt, adapt_of
@@ -58,6 +59,12 @@ class BoundCall:
     #: The key's part in its scope's share of :attr:`concurrency` slots (:mod:`.share`):
     #: (weight, most; 0: none), or None (the key's own K).
     share: tuple[float, int] | None = None
+
+    @property
+    def wait_reason(self) -> str:
+        """What ``task_throttled`` says holds such a call when it waits: ``concurrency``
+        for a throttle of slots alone, else ``rate``."""
+        return "concurrency" if self.concurrency and not self.rates else "rate"
 
 
 @dataclass(frozen=True)
@@ -179,13 +186,24 @@ class ThrottleSpec:
         except ConfigurationError as exc:
             raise ConfigurationError(f"throttle_rules[{pattern!r}]: {exc}") from None
 
+    @property
+    def _callables(self) -> bool:
+        """Whether anything of a call is a callable over its arguments."""
+        costs = self.cost if isinstance(self.cost, tuple) else ((None, self.cost),)
+        return (callable(self.rates) or callable(self.key) or any(callable(c) for _, c in costs)
+                or (self.share is not None and callable(self.share.weight)))
+
     def check_signature(self, fn: Callable[..., Any], where: str) -> None:
-        """Fail now if the key template names an argument ``fn`` does not take."""
-        if not isinstance(self.key, str):
-            return
+        """Fail now if the key template names an argument ``fn`` does not take, or a share's
+        weight callable cannot take ``fn``'s arguments (by name, as a key binds them, or
+        as they are passed)."""
         try:
             params = inspect.signature(fn).parameters
         except (TypeError, ValueError):
+            return
+        if self.share is not None and callable(self.share.weight):
+            _check_takes(self.share.weight, params, where)
+        if not isinstance(self.key, str):
             return
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             return
@@ -209,36 +227,37 @@ class ThrottleSpec:
         state is kept under ``prefix``."""
         scope = self.scope or task_name
         algorithm = self.algorithm or default_algorithm
+        named = named_arguments(signature, args, kwargs) if self._callables else None
         if isinstance(self.rates, tuple):
             rates = self.rates
         else:
-            value = _call(self.rates, task_name, "rate", args, kwargs)
+            value = _call(self.rates, task_name, "rate", args, kwargs, named)
             try:
                 rates = parse_rates(value)
             except ConfigurationError as exc:
                 raise KeyBuildError(f"task {task_name}: the rate callable returned {value!r}: {exc}") from None
         unit_costs: tuple[tuple[str, int], ...] = ()
         if isinstance(self.cost, tuple):
-            unit_costs = tuple((unit, self._units(task_name, c, args, kwargs, f"cost of {unit!r}"))
+            unit_costs = tuple((unit, self._units(task_name, c, args, kwargs, f"cost of {unit!r}", named))
                                for unit, c in self.cost)
             cost = rate_costs(rates, unit_costs)
         else:
-            cost = self._units(task_name, self.cost, args, kwargs, "cost")
-        key = self._key(task_name, signature, args, kwargs)
+            cost = self._units(task_name, self.cost, args, kwargs, "cost", named)
+        key = self._key(task_name, signature, args, kwargs, named)
         share = None
         if self.share is not None:
-            share = (self._weight(task_name, self.share.weight, args, kwargs), self.share.most or 0)
+            share = (self._weight(task_name, self.share.weight, args, kwargs, named), self.share.most or 0)
         return BoundCall(scope, key, rates, cost, algorithm, state_key(prefix, scope, key),
                          concurrency=self.concurrency or 0, unit_costs=unit_costs,
                          declared_concurrency=self.concurrency or 0, share=share)
 
     @staticmethod
     def _weight(task_name: str, weight: float | Callable[..., Any], args: Sequence[Any],
-                kwargs: Mapping[str, Any]) -> float:
+                kwargs: Mapping[str, Any], named: Mapping[str, Any] | None = None) -> float:
         """A key's weight in its scope's share: the number, or what its callable answers."""
         if not callable(weight):
             return float(weight)
-        value = _call(weight, task_name, "share weight", args, kwargs)
+        value = _call(weight, task_name, "share weight", args, kwargs, named)
         try:
             return check_weight(value)
         except ConfigurationError as exc:
@@ -246,11 +265,11 @@ class ThrottleSpec:
 
     @staticmethod
     def _units(task_name: str, cost: int | Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
-               what: str) -> int:
+               what: str, named: Mapping[str, Any] | None = None) -> int:
         """A declared cost of one call: the int, or what its callable answers (checked)."""
         if not callable(cost):
             return cost
-        value = _call(cost, task_name, what, args, kwargs)
+        value = _call(cost, task_name, what, args, kwargs, named)
         try:
             check_positive(value, what)
         except ConfigurationError as exc:
@@ -263,11 +282,12 @@ class ThrottleSpec:
         signature: inspect.Signature | None,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
+        named: Mapping[str, Any] | None = None,
     ) -> str | None:
         if self.key is None:
             return None
         if callable(self.key):
-            value = _call(self.key, task_name, "key", args, kwargs)
+            value = _call(self.key, task_name, "key", args, kwargs, named)
             if value is None or value == "" or not isinstance(value, (str, int)):
                 raise KeyBuildError(
                     f"task {task_name}: the key callable returned {value!r}; it must return a non-empty string"
@@ -276,11 +296,77 @@ class ThrottleSpec:
         return format_key(self.key, task_name, signature, args, kwargs)
 
 
-def _call(fn: Callable[..., Any], task_name: str, what: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+def _call(fn: Callable[..., Any], task_name: str, what: str, args: Sequence[Any], kwargs: Mapping[str, Any],
+          named: Mapping[str, Any] | None = None) -> Any:
+    """``fn`` over one call's arguments: by name (``named``: bound to the task's signature,
+    so a positional call and a keyword one look alike, as keys see them) where ``fn``
+    takes them so, else as the call passed them."""
     try:
+        if named is not None and _binds(fn, named):
+            return fn(**named)
         return fn(*args, **kwargs)
     except Exception as exc:
         raise KeyBuildError(f"task {task_name}: the {what} callable raised {exc!r}") from exc
+
+
+def _check_takes(weight: Callable[..., Any], params: Mapping[str, inspect.Parameter], where: str) -> None:
+    """ConfigurationError unless ``weight`` takes a task's arguments (``params``; a bound
+    task's ``self`` aside) by name or as passed."""
+    signature = _signature_of(weight)
+    if signature is None or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()):
+        return
+    names = [name for name, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    if names[:1] == ["self"]:
+        names = names[1:]
+    for args, kwargs in (((), dict.fromkeys(names)), ((None,) * len(names), {})):
+        try:
+            signature.bind(*args, **kwargs)
+            return
+        except TypeError:
+            continue
+    raise ConfigurationError(f"{where}: the share's weight callable takes {signature}, but the task takes "
+                             f"({', '.join(names)}): take them by name, e.g. weight=lambda {names[0] if names else 'x'}, "
+                             f"**_: ...")
+
+
+@lru_cache(maxsize=1024)
+def _signature_of(fn: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _binds(fn: Callable[..., Any], named: Mapping[str, Any]) -> bool:
+    signature = _signature_of(fn)
+    if signature is None:
+        return False
+    try:
+        signature.bind(**named)
+    except TypeError:
+        return False
+    return True
+
+
+def named_arguments(signature: inspect.Signature | None, args: Sequence[Any],
+                    kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
+    """One call's arguments by name, bound to the task's ``signature`` with its defaults
+    (None: they cannot be named: no signature and positional arguments, or they do not fit)."""
+    if signature is None:
+        return None if args else dict(kwargs)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            named[name] = value
+    return named
 
 
 def declared_spec(task: Any) -> ThrottleSpec | None:

@@ -100,7 +100,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
             ctl.slots.took(holder, call)
         return True
     if verdict is Verdict.WAITS:
-        turned.waits(reply, reason="concurrency" if call.concurrency and not call.rates else "rate")
+        turned.waits(reply)
         return False
     if verdict is Verdict.COPY:
         # A copy of a task that started lately (sent again after a store error whose reply

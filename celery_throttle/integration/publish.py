@@ -191,7 +191,7 @@ def admit(ctl: Parts, send: Any, name: str, args: Any, kwargs: Any, options: dic
     request = Context(id=task_id, task=name, args=args, kwargs=kwargs, headers={HEADER: Header(deferrals=1).value()})
     signals.task_throttled.send(sender=known.task if known.task is not None else name, request=request,
                                 delay=reply.wait_us / 1e6, scope=call.scope, key=call.key, parked=True,
-                                reason="concurrency" if call.concurrency and not call.rates else "rate")
+                                reason=call.wait_reason)
     return _result(app, task_id, options)
 
 

@@ -181,11 +181,13 @@ class TurnedAway:
         return self.task.signature_from_request(self.request, self.args, self.kwargs, headers=headers,
                                                 **kept_properties(self.request))
 
-    def waits(self, reply: WindowReply, reason: str = "rate") -> None:
+    def waits(self, reply: WindowReply, reason: str | None = None) -> None:
         """It waits in its key's line (``reply``: the call that put it there, or kept it
         there): its copy goes to the journal, before its message is acked (its release
-        sends it again), and it is said."""
+        sends it again), and it is said (``reason``: the call's own, see
+        :attr:`.BoundCall.wait_reason`, unless told)."""
         task, request, call = self.task, self.request, self.call
+        reason = reason or call.wait_reason
         self.ctl.lines.journal.kept(call.state_key, self.entry_id, reply.now_us,
                                     self.kept_message or self.message())
         delay = max(reply.wait_us, 0) / 1e6

@@ -82,6 +82,36 @@ def test_the_declaration() -> None:
             share_of(bad)
 
 
+def test_a_weight_binds_positional_and_keyword_calls_alike_and_one_that_cannot_fails_at_import() -> None:
+    import inspect
+
+    from celery_throttle.core.spec import ThrottleSpec
+
+    plans = {"acme": 3.0}
+
+    def body(tenant: str, seconds: float = 0.1) -> None: ...
+
+    spec = ThrottleSpec.declare([], key="{tenant}", concurrency=6,
+                                share=Share(weight=lambda tenant, **_: plans.get(tenant, 1.0)))
+    spec.check_signature(body, "task body")
+    signature = inspect.signature(body)
+    # (the README's form: it took only keyword calls, and a positional one failed in the worker)
+    for args, kwargs in ((("acme", 0.1), {}), (("acme",), {"seconds": 0.1}), ((), {"tenant": "acme"})):
+        call = spec.bind("body", signature, args, kwargs, "sliding", "p")
+        assert call.share == (3.0, 0) and call.key == "acme", (args, kwargs)
+    # A key callable binds the same way
+    keyed = ThrottleSpec.declare(["5/s"], key=lambda tenant, **_: tenant.upper())
+    assert keyed.bind("body", signature, ("acme", 0.1), {}, "sliding", "p").key == "ACME"
+    # A weight over other names, taking the arguments as they are passed, still works
+    loose = ThrottleSpec.declare([], key="{tenant}", concurrency=6, share=Share(weight=lambda t, s=0: 2.0))
+    loose.check_signature(body, "task body")
+    assert loose.bind("body", signature, ("acme", 0.1), {}, "sliding", "p").share == (2.0, 0)
+    # One that can take them neither way fails at import, naming the task's arguments
+    bad = ThrottleSpec.declare([], key="{tenant}", concurrency=6, share=Share(weight=lambda plan: 1.0))
+    with pytest.raises(ConfigurationError, match=r"weight callable takes \(plan\).*\(tenant, seconds\)"):
+        bad.check_signature(body, "task body")
+
+
 # -- the model of a scope ----------------------------------------------------------------
 STEP = 0.01  # seconds a step of the model
 PASS_STEPS = 10  # a pass every 0.1 s (SHARE_EVERY)

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -93,6 +94,10 @@ def test_at_most_k_bodies_of_a_key_run_at_once_in_every_pool(slot_workers: Worke
     assert sorted(e["id"] for e in done) == sorted(ids)  # each ran, once
     for tenant in ("a", "b"):
         assert most_at_once([e for e in done if e["tenant"] == tenant]) == 2
+    # and each task that waited was said to wait for a slot, on every path (the consumer's
+    # screen said "rate")
+    reasons = Counter(n["reason"] for n in group.notes("throttled") if n["id"] in ids)
+    assert reasons and set(reasons) == {"concurrency"}, reasons
     client = group.records
     for tenant in ("a", "b"):
         _, _, line, messages, out, holders, _ = window_keys(state_key(group.prefix, "export-api", tenant))
