@@ -24,7 +24,7 @@ from .core.errors import (
 from .core.rates import Rate, parse_rate
 from .core.share import Share
 from .integration.decorator import throttle
-from .integration.settle import charge
+from .integration.settle import charge, observe
 from .integration.worker import install
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "backoff_from",
     "charge",
     "install",
+    "observe",
     "parse_rate",
     "signals",
     "throttle",

@@ -581,6 +581,14 @@ def refused_once(label, tenant, used, refund):
 
 
 @app.task
+@throttle("10/m", "1000 tokens/m", key="{tenant}", cost={"tokens": 100})
+def observing(label, tenant, headers):
+    """A call whose reply carries the API's own count (``headers``): its key is brought to it."""
+    added = celery_throttle.observe(headers)
+    record(label, tenant=tenant, added=added)
+
+
+@app.task
 @throttle("20/2s", "8 tokens/2s", key="{tenant}", cost={"tokens": 4})
 def tokens_quick(label, tenant):
     """20 requests and 8 tokens per 2 s, 4 tokens a call: 2 a window, by the tokens."""

@@ -28,11 +28,12 @@ from typing import Any
 from celery import current_task
 
 from ..check.controller import controller
+from ..core import api_limits
 from ..core.errors import StoreError, ThrottleError
 from ..core.protocol import Cost, Counted, one_cost, per_rate
 from ..core.spec import BoundCall
 
-__all__ = ["charge"]
+__all__ = ["charge", "observe"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -107,6 +108,64 @@ def charge(units: int | None = None, **by_unit: int) -> None:
                        task_id, units if units is not None else by_unit, running.units, exc)
         return
     running.units = reported
+
+
+def observe(response: Any) -> dict[str, int]:
+    """Bring this throttled body's key to the API's own count: where a reply's headers
+    (``response``: a ``requests``/``httpx`` response, or its headers) say the API has less
+    room left in its window than the throttle's window of that unit has, this call is
+    charged the difference on top of what it counts, for every worker's next check. Returns
+    the units added, by unit (``""``: requests). Never lowers a count: an API that sees more
+    room than the throttle (its window began later) leaves the throttle's count as it is.
+
+    Read: ``x-ratelimit-remaining-requests``/``-tokens``, ``anthropic-ratelimit-*-remaining``,
+    ``x-ratelimit-remaining``, ``x-rate-limit-remaining``, ``ratelimit-remaining`` and the
+    IETF ``RateLimit`` field (:mod:`celery_throttle.core.api_limits`). Does nothing outside a
+    throttled call (a direct call, eager). Costs one read of the key's windows; a store that
+    cannot be reached is logged, not raised. (Two bodies that observe the same reply's count
+    at once each add the difference: the key is held back more than the API asks, never
+    less.)"""
+    headers = getattr(response, "headers", response)
+    said = api_limits.remaining(headers)
+    request = getattr(current_task, "request", None)
+    task_id = getattr(request, "id", None)
+    running = _bodies.running.get(task_id) if task_id else None
+    if not said or running is None or not running.call.rates:
+        return {}
+    ctl = controller(current_task.app)
+    call, n = running.call, len(running.call.rates)
+    try:
+        status = ctl.status(call.scope, call.key)
+    except StoreError as exc:
+        logger.warning("could not read the windows of %s[%s] to bring them to the API's count: %s",
+                       current_task.name, task_id, exc)
+        return {}
+    delta = [0] * n
+    for i, rate in enumerate(call.rates):
+        theirs = said.get(rate.unit)
+        # (the status's rate of this unit and window: the call's window has the margin added)
+        same = [r for r in status.rates if r.rate.unit == rate.unit]
+        if theirs is None or not same:
+            continue
+        ours = min(same, key=lambda r: abs(r.rate.period - rate.period)).remaining
+        if ours > theirs:
+            delta[i] = ours - theirs
+    if not any(delta):
+        return {}
+    try:
+        reply = ctl.checker.settle(call, running.counted, one_cost(delta))
+        ctl.lines.handle(call, reply)
+    except StoreError as exc:
+        ctl.metrics.store_error("settle")
+        logger.warning("could not bring the windows of %s[%s] to the API's count: %s", current_task.name, task_id,
+                       exc)
+        return {}
+    running.units = one_cost([c + d for c, d in zip(per_rate(running.units, n), delta)])
+    added: dict[str, int] = {}
+    for rate, d in zip(call.rates, delta):
+        if d:
+            added[rate.unit] = max(added.get(rate.unit, 0), d)
+    return added
 
 
 def _reported(call: BoundCall, counted: Cost, units: int | None, by_unit: dict[str, int]) -> Cost:

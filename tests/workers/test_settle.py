@@ -12,7 +12,8 @@ import pytest
 
 import celery_throttle
 from celery_throttle import ThrottleError
-from tests.helpers import WorkerGroup, new_label, run_cli
+from tests.helpers import STORE_URL, WorkerGroup, new_label, run_cli
+from tests.taskapp import app as tasks_app
 
 #: How long after its admission the first body may note its start (a busy machine): the
 #: window is kept on admissions, the test reads the bodies' own start times.
@@ -117,6 +118,30 @@ def test_a_call_refused_with_a_429_is_counted_again_when_it_runs_again(workers: 
 
     wait_for(lambda: used().get("1000 tokens/m") == tokens, 5, what=f"{tokens} tokens counted, got {used()}")
     assert used() == {"20/m": 2, "1000 tokens/m": tokens}
+
+
+def test_a_body_brings_its_key_to_the_apis_own_count(workers: WorkerGroup) -> None:
+    # Given a key of 10 calls and 1 000 tokens a minute, and a call whose reply says the API
+    # has 3 requests and 250 tokens left (another client on the account, calls it counted
+    # that the throttle did not see); and one whose reply says more is left than the
+    # throttle sees
+    label, tenant = new_label(), f"api-{uuid.uuid4().hex[:8]}"
+    workers.send("observing", label, tenant, {"x-ratelimit-remaining-requests": "3",
+                                              "x-ratelimit-remaining-tokens": "250"})
+    first = workers.wait_starts(label, 1, timeout=30, settle=0.2)
+    ctl = celery_throttle.Throttle(tasks_app, {"redis_url": STORE_URL, "key_prefix": workers.prefix})
+    try:
+        status = ctl.status("tests.taskapp.observing", tenant)
+        # Then the throttle's windows hold what the API holds (9 and 900 left before)
+        assert first[0]["added"] == {"": 6, "tokens": 650}, first[0]
+        assert [r.remaining for r in status.rates] == [3, 250], status
+        # And a reply that sees more room changes nothing: the count is never lowered
+        workers.send("observing", label, tenant, {"x-ratelimit-remaining-requests": "9"})
+        second = workers.wait_starts(label, 2, timeout=30, settle=0.2)
+        assert [s["added"] for s in second if s["id"] != first[0]["id"]] == [{}]
+        assert [r.remaining for r in ctl.status("tests.taskapp.observing", tenant).rates] == [2, 150]
+    finally:
+        ctl.close()
 
 
 @pytest.mark.pure
