@@ -42,12 +42,8 @@ class SentinelStore:
     def __init__(self, lose: float, seed: int) -> None:
         self.nodes = [RedisServer(), RedisServer()]
         self.links = [SlowProxy(node.url, 0, lose=lose, seed=seed + i).start() for i, node in enumerate(self.nodes)]
-        a, b = self.nodes
-        a.extra = ["--replica-announce-ip", "127.0.0.1", "--replica-announce-port", str(self.links[0].port)]
-        b.extra = ["--replica-announce-ip", "127.0.0.1", "--replica-announce-port", str(self.links[1].port)]
-        a.start()
-        b.extra += ["--replicaof", "127.0.0.1", str(self.links[0].port)]
-        b.start()
+        self._start(0)
+        self._start(1, replica_of=0)
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="ct-sentinel-")
         conf = Path(self.dir) / "sentinel.conf"
@@ -55,10 +51,10 @@ class SentinelStore:
                         f"sentinel monitor {MASTER} 127.0.0.1 {self.links[0].port} 1\n"
                         f"sentinel down-after-milliseconds {MASTER} {DOWN_AFTER_MS}\n"
                         f"sentinel failover-timeout {MASTER} 5000\n")
-        self.proc = subprocess.Popen([a.binary or "redis-server", str(conf), "--sentinel"],
+        self.proc = subprocess.Popen([self.nodes[0].binary or "redis-server", str(conf), "--sentinel"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.sentinel = redis.Redis(port=self.port, socket_connect_timeout=0.5, decode_responses=True)
-        replica = redis.Redis(port=b.port, decode_responses=True)
+        replica = redis.Redis(port=self.nodes[1].port, decode_responses=True)
         wait_for(lambda: _asks(lambda: replica.info("replication").get("master_link_status") == "up"), 15,
                  what="the replica in sync")
         wait_for(lambda: _asks(lambda: self.sentinel.execute_command("SENTINEL", "REPLICAS", MASTER)), 15,
@@ -82,12 +78,23 @@ class SentinelStore:
         """A client of the primary now, straight to it (not across its link)."""
         return redis.Redis(port=self.nodes[self.primary()].port)
 
+    def _start(self, i: int, replica_of: int | None = None) -> None:
+        """Node ``i`` started (empty), a primary or (``replica_of``) a replica of that
+        node, announcing its link's port. (Each start says the role: a node started
+        again by its first command line would come back as the replica it once was, of a
+        node that is now its own replica, and the group would have no primary.)"""
+        node = self.nodes[i]
+        node.extra = ["--replica-announce-ip", "127.0.0.1", "--replica-announce-port", str(self.links[i].port)]
+        if replica_of is not None:
+            node.extra += ["--replicaof", "127.0.0.1", str(self.links[replica_of].port)]
+        node.start()
+
     def restart_primary_empty(self) -> None:
         """The primary killed and started again, empty, before the Sentinel calls it down
         (its replica follows it, and empties too)."""
-        node = self.nodes[self.primary()]
-        node.kill()
-        node.start()
+        i = self.primary()
+        self.nodes[i].kill()
+        self._start(i)
 
     def fail_over(self) -> None:
         """The primary killed; once the Sentinel has promoted its replica, started again,
@@ -95,7 +102,7 @@ class SentinelStore:
         was = self.primary()
         self.nodes[was].kill()
         wait_for(lambda: _asks(lambda: self.primary() != was), 30, 0.2, what="the Sentinel to promote the replica")
-        self.nodes[was].start()
+        self._start(was, replica_of=1 - was)
         with redis.Redis(port=self.nodes[was].port, decode_responses=True) as old:
             wait_for(lambda: _asks(lambda: old.info("replication").get("master_link_status") == "up"), 60, 0.2,
                      what="the old primary back as the new one's replica")
