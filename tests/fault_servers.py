@@ -96,16 +96,19 @@ class SentinelStore:
         self.nodes[i].kill()
         self._start(i)
 
-    def fail_over(self) -> None:
+    def fail_over(self) -> float:
         """The primary killed; once the Sentinel has promoted its replica, started again,
-        empty (the Sentinel makes it the new primary's replica)."""
+        empty (the Sentinel makes it the new primary's replica). Returns when the replica
+        was seen promoted (time.time()): what the old primary wrote last is lost then."""
         was = self.primary()
         self.nodes[was].kill()
-        wait_for(lambda: _asks(lambda: self.primary() != was), 30, 0.2, what="the Sentinel to promote the replica")
+        wait_for(lambda: _asks(lambda: self.primary() != was), 30, 0.05, what="the Sentinel to promote the replica")
+        promoted = time.time()
         self._start(was, replica_of=1 - was)
         with redis.Redis(port=self.nodes[was].port, decode_responses=True) as old:
             wait_for(lambda: _asks(lambda: old.info("replication").get("master_link_status") == "up"), 60, 0.2,
                      what="the old primary back as the new one's replica")
+        return promoted
 
     def drop_links(self, seconds: float) -> None:
         for link in self.links:

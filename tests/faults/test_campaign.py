@@ -24,10 +24,11 @@ The workers run as users who must not lose a task run Celery: ``acks_late`` with
 ``task_reject_on_worker_lost`` (with Celery's default, early acks, a worker SIGKILLed loses
 the tasks it had acked and not finished, throttle or not: the campaign's first runs lost
 them so, 4 of 600);
-- in any 1 s, a tenant's started units (a body reports 0 or 1) never passed 6, nor 2
-  bodies ran at once, but within a second of a store lost (restarted empty, evicting, a
-  failover): what it counted is lost with it, so up to twice the limit there (design.md,
-  Durability).
+- in any 1 s (less the 20 ms slack), a tenant's started units (a body reports 0 or 1)
+  never passed 6, nor 2 bodies ran at once, but within a second of a store lost
+  (restarted empty, a failover): what it counted is lost with it, so up to twice the limit
+  there (design.md, Durability); and while the store evicted (it drops the counts as they
+  are written) and a second after, no bound.
 
 ``CT_CAMPAIGN_SEEDS`` (default ``1``), ``CT_CAMPAIGN_TENANTS`` (default 20, 30 tasks each)
 and ``CT_CAMPAIGN_BROKERS`` (default ``redis,rabbitmq``) make it longer: ``make campaign``
@@ -171,6 +172,8 @@ class Campaign:
     faults: list[tuple[float, str]] = field(default_factory=list)
     #: When the store lost what it held (its counts, slots): the bounds are doubled there.
     losses: list[float] = field(default_factory=list)
+    #: When the store evicted (from, to): no bound holds there.
+    evictions: list[tuple[float, float]] = field(default_factory=list)
     #: Workers that exited by themselves and were started again, as a supervisor does
     #: (Celery's worker exits on some broker errors: a Redis broker restarted, with
     #: kombu 5.7 and redis-py 8, ends it with "Unrecoverable error").
@@ -199,9 +202,8 @@ class Campaign:
         elif fault == "failover":
             # (Replication is asynchronous: the new primary may lack the old one's last
             # writes, the counts with them.)
-            self.store.fail_over()
             self.losses.append(at)
-            self.losses.append(time.time())
+            self.losses.append(self.store.fail_over())
         elif fault == "store evicting":
             with self.store.client() as client:
                 used = int(client.info("memory")["used_memory"])
@@ -209,8 +211,7 @@ class Campaign:
                 client.config_set("maxmemory", max(used - 200_000, 1_000_000))
                 time.sleep(rng.uniform(1.0, 2.0))
                 client.config_set("maxmemory", 0)
-            self.losses.append(at)
-            self.losses.append(time.time())
+            self.evictions.append((at, time.time()))
         elif fault == "link dropped":
             self.store.drop_links(rng.uniform(1.0, 3.0))
         elif fault == "worker killed":
@@ -282,28 +283,31 @@ def _trace(c: Campaign, lost: set[str]) -> str:
     return "\n".join(out)
 
 
-def _most_in_any_second(starts: list[tuple[float, int]]) -> tuple[int, float]:
-    """(the most units started within any 1 s, where that second begins)."""
-    best, at, j, inside = 0, 0.0, 0, 0
-    for t, units in starts:
-        inside += units
-        while starts[j][0] <= t - 1.0:
-            inside -= starts[j][1]
-            j += 1
-        if inside > best:
-            best, at = inside, starts[j][0]
-    return best, at
+#: Starts are read in the bodies: one checked at the end of a second that read its clock in
+#: the next (a loaded 2-core machine) shows late. Windows are measured 20 ms short of the
+#: limit's, the documented slack, as the suite's window tests do.
+WINDOW = 0.98
 
 
-def _most_at_once(bodies: list[tuple[float, float]]) -> tuple[int, float]:
-    """(the most bodies running at once, when)."""
+def _overs_in_windows(starts: list[tuple[float, int]], bound: int) -> list[tuple[int, float]]:
+    """(units, when) of every window beginning at a start that holds more than ``bound``."""
+    out = []
+    for i, (t0, _) in enumerate(starts):
+        units = sum(u for t, u in starts[i:] if t < t0 + WINDOW)
+        if units > bound:
+            out.append((units, t0))
+    return out
+
+
+def _overs_at_once(bodies: list[tuple[float, float]], bound: int) -> list[tuple[int, float]]:
+    """(bodies, when) of every moment more than ``bound`` bodies ran at once."""
     edges = sorted([(s, 1) for s, _ in bodies] + [(e, -1) for _, e in bodies], key=lambda x: (x[0], x[1]))
-    best, at, running = 0, 0.0, 0
+    out, running = [], 0
     for t, step in edges:
         running += step
-        if running > best:
-            best, at = running, t
-    return best, at
+        if running > bound:
+            out.append((running, t))
+    return out
 
 
 @pytest.mark.parametrize("kind", BROKERS)
@@ -355,20 +359,24 @@ def test_a_fault_campaign_loses_no_task_runs_none_twice_and_keeps_the_limits(see
         # (A broker restarted drops the acks on their way: with acks_late, Celery runs each
         # task whose ack it lost again, after the visibility timeout, throttle or not.)
         restarts = sum(1 for _, f in c.faults if f == "broker restarted")
-        # And the limits held, but within a second of a store lost
-        over, beyond = 0, []
+        # And the limits held: but while the store evicted (it drops the counts as they
+        # are written: no bound holds) and within a second of a store lost (what it
+        # counted is lost with it: twice the limit there)
+        near, evicting, beyond = 0, 0, []
         for tenant in tenants:
             mine = sorted((e["t"], e["units"]) for e in starts if e["tenant"] == tenant)
             bodies = [(e["t"], e["t"] + (0.02 if e["units"] else 0.25)) for e in starts if e["tenant"] == tenant]
-            for (most, at), bound in ((_most_in_any_second(mine), LIMIT), (_most_at_once(bodies), SLOTS)):
-                near_loss = any(at - 1.0 <= t <= at + 2.0 for t in c.losses)
-                if most > bound:
-                    over += 1
-                    if not (near_loss and most <= 2 * bound):
+            for overs, bound in ((_overs_in_windows(mine, LIMIT), LIMIT), (_overs_at_once(bodies, SLOTS), SLOTS)):
+                for most, at in overs:
+                    if any(s - 1.0 <= at <= e + 2.0 for s, e in c.evictions):
+                        evicting += 1
+                    elif any(at - 1.0 <= t <= at + 2.0 for t in c.losses) and most <= 2 * bound:
+                        near += 1
+                    else:
                         beyond.append((tenant, most, bound, round(at - began, 2)))
         figures = {"broker": kind, "seed": seed, "tasks": len(ids), "faults": [(round(t - began, 1), f) for t, f in c.faults],
-                   "lost": len(lost), "lost by the transport": len(transport), "doubled": len(doubled), "kills": kills, "broker restarts": restarts, "over near a loss": over - len(beyond),
-                   "over beyond": len(beyond), "workers that exited": c.restarted,
+                   "lost": len(lost), "lost by the transport": len(transport), "doubled": len(doubled), "kills": kills, "broker restarts": restarts, "over while evicting": evicting,
+                   "over near a loss": near, "over beyond": len(beyond), "workers that exited": c.restarted,
                    "seconds": round(time.time() - began, 1)}
         print("campaign:", json.dumps(figures))
         assert not lost, f"lost {len(lost)} of {len(ids)}; {figures}\n{_trace(c, lost)}"
