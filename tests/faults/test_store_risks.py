@@ -191,3 +191,38 @@ def test_a_line_whose_counts_and_index_entry_were_evicted_is_found_and_released_
         assert d.sent_on() == waiting
     finally:
         teardown(d)
+
+
+def test_a_line_evicted_whole_is_sent_on_from_the_journal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery_throttle.core.keys import window_keys
+    from tests.journal_support import LOOK, make_deploy, send, teardown
+
+    # Given 8 calls of a key at 1/h on a RabbitMQ broker (the journal on): one runs, 7
+    # wait in its line, with their copies in the journal
+    d = make_deploy(monkeypatch)
+    try:
+        send(d, 8)
+        d.sent_on()
+        waiting = d.waiting_ids()
+        assert len(waiting) == 7
+        d.keeper.pass_now()
+        # When the store evicts (a memory cap under volatile-lru takes a key with a TTL),
+        # and the line's keys are among what it took
+        with redis.Redis.from_url(d.server.url) as store:
+            store.set("ct-test-ballast", "x" * 2_000_000, ex=3600)
+            used = int(store.info("memory")["used_memory"])
+            store.config_set("maxmemory-policy", "volatile-lru")
+            store.config_set("maxmemory", used - 1_000_000)
+            wait_for(lambda: int(store.info("stats")["evicted_keys"]) > 0, 5, what="an eviction")
+            store.config_set("maxmemory", 0)
+            _, lm, line, msgs, _, _, _ = window_keys(d.key)
+            assert store.delete(lm, line, msgs) == 3
+        # Then the keeper sends every one of them on, once: the store's epoch is new (its
+        # count of evicted keys grew), so a task it no longer knows was lost, not gone
+        # without a word (the keeper dropped them: 7 of 7 never ran)
+        d.keeper.pass_now()
+        time.sleep(LOOK)
+        d.keeper.pass_now()
+        assert sorted(d.sent_on()) == sorted(waiting)
+    finally:
+        teardown(d)
