@@ -1,7 +1,7 @@
 """The bench's one Celery app (``celery -A bench.app worker``), and its producer.
 
 Configured from the environment as tests/taskapp.py is (CT_BROKER, CT_STORE, CT_RECORDS, CT_PREFIX,
-CT_QUEUE, CT_PREFETCH, CT_CHECK_AT_PUBLISH, CT_JOURNAL, CT_SLOT_LEASE) and BENCH_RATE, BENCH_API_URL,
+CT_QUEUE, CT_PREFETCH, CT_CHECK_AT_PUBLISH, CT_ACKS_LATE, CT_HAND_OFF, CT_JOURNAL, CT_SLOT_LEASE) and BENCH_RATE, BENCH_API_URL,
 BENCH_DENIALS=1 (denials counted), BENCH_SHARER_PASSES=1 (sharer passes counted).
 A body notes its start in ``<prefix>:starts:<label>`` (a slot's span in ``<prefix>:spans``).
 
@@ -77,6 +77,10 @@ app.conf.update(task_default_queue=os.environ.get("CT_QUEUE", f"{PREFIX}-q"), br
                 throttle_key_prefix=PREFIX, throttle_concurrency_lease=float(os.environ.get("CT_SLOT_LEASE", "30")))
 if "CT_CHECK_AT_PUBLISH" in os.environ:
     app.conf.throttle_check_at_publish = os.environ["CT_CHECK_AT_PUBLISH"] == "1"
+if "CT_ACKS_LATE" in os.environ:
+    app.conf.task_acks_late = os.environ["CT_ACKS_LATE"] == "1"
+if "CT_HAND_OFF" in os.environ:
+    app.conf.throttle_hand_off = os.environ["CT_HAND_OFF"] == "1"
 if "CT_JOURNAL" in os.environ:
     app.conf.throttle_journal = os.environ["CT_JOURNAL"] == "1"
 ctl = celery_throttle.install(app)

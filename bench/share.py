@@ -83,10 +83,12 @@ def sends_of(task: str, *sends: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**s, "task": task} for s in sends]
 
 
-def run(task: str, sends: Sequence[dict[str, Any]], late: Sequence[dict[str, Any]] = ()) -> Run:
-    """``sends`` published before the workers start; ``late`` once 2K bodies began. Waits for every body."""
+def run(task: str, sends: Sequence[dict[str, Any]], late: Sequence[dict[str, Any]] = (),
+        env: dict[str, str] | None = None) -> Run:
+    """``sends`` published before the workers start; ``late`` once 2K bodies began. Waits for every body.
+    The workers run at Celery's defaults (prefetch 4, acks on receipt) unless ``env`` says otherwise."""
     with (served("share", apart=True, start=False, concurrency=PROCESSES // 2,
-                 env={"CT_PREFETCH": "1", "BENCH_SHARER_PASSES": "1"}) as (store_server, group),
+                 env={"BENCH_SHARER_PASSES": "1", **(env or {})}) as (store_server, group),
           redis.Redis(port=store_server.port) as store):
         before, calls = counts(store), commandstats(store)
         produce(group, *sends_of(task, *sends))

@@ -22,6 +22,7 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_throttle.celery_parts.hand import hand_queue
 from celery_throttle.celery_parts.journal import journal_queue_name
 from celery_throttle.core.keys import glob_escape
 from examples.local_redis import drop_bindings, server_binary
@@ -264,7 +265,12 @@ class WorkerGroup:
     def queues(self) -> list[str]:
         """The broker queues this group's tasks use: its own, the second one, the queue
         where tasks a pause holds wait when parking is in the broker, and the journal."""
-        return [self.queue, f"{self.queue}-alt", f"{self.prefix}.held", journal_queue_name(self.prefix)]
+        return [self.queue, f"{self.queue}-alt", f"{self.prefix}.held", journal_queue_name(self.prefix),
+                *(hand_queue(self.hostname(i)).name for i in range(self.count))]
+
+    def hostname(self, i: int) -> str:
+        """Worker ``i``'s node name."""
+        return f"w{i}-{self.prefix}@{socket.gethostname()}"
 
     def _environ(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -287,7 +293,7 @@ class WorkerGroup:
         log = self.logdir / f"worker{i}-{uuid.uuid4().hex[:6]}.log"
         cmd = [sys.executable, "-m", "celery", "-A", self.app, "worker",
                "-Q", f"{self.queue},{self.queue}-alt",
-               "-c", str(self.concurrency), "-P", self.pool, "-n", f"w{i}-{self.prefix}@%h",
+               "-c", str(self.concurrency), "-P", self.pool, "-n", self.hostname(i),
                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=self._environ(), stdout=out,

@@ -643,6 +643,10 @@ class KeyModel:
         early = min(early_cap, max(2 * self.lead(), 4 * self.call.slack))
         snapshot = copy.deepcopy(self.windows)
         m = self.meta.get(ticket) if ticket in self.out else None
+        in_line = False
+        if m is None and ticket in self.line:
+            m = self.meta.get(ticket)
+            in_line = m is not None
         lost = self._lost_start(ticket, lost_by)
         if lost:
             self._unuse(ticket, lost_by, holder)
@@ -662,6 +666,8 @@ class KeyModel:
         costly = any(u > r.limit for u, r in zip(units, self.rates))
         if costly or (max_wait > 0 and waited > max_wait):
             self._come_in(ticket, m)
+            if in_line:
+                self._leave(ticket, m)
             self._ungrant(m)
             self.slots.pop(ticket, None)
             self._forget(ticket)
@@ -678,9 +684,11 @@ class KeyModel:
                 self.rates = [snapshot[name] for name in self.call.fields]
                 return self._finish(Code.STALE, 0, {"waited": waited})
         p = self.policy
+        if in_line:
+            self._leave(ticket, m)
         if phase == "g":
             self._ungrant(m)
-        elif m.released > 0:
+        elif m.released > 0 and not in_line:
             trip = self.now - m.released
             if trip <= p.learn_outlier_ms * 1000:
                 sample = max(0, min(trip, math.floor(self.shortest / p.learnt_cap_parts)))
@@ -690,7 +698,7 @@ class KeyModel:
                     err = sample - self.delay
                     self.delay += math.floor(err / p.delay_gain_parts)
                     self.jitter += math.floor((abs(err) - self.jitter) / p.jitter_gain_parts)
-        beside = self._out_per_rate(units if phase != "g" else None)
+        beside = self._out_per_rate(units if phase != "g" and not in_line else None)
         held = ticket in self.slots or holder in self.slots
         x = None
         if self.not_before == 0 and (held or self._slot_free()):
@@ -753,11 +761,16 @@ class KeyModel:
                     self.slots[ticket] = self.now + min(self.policy.out_lease_ms, self.policy.handed_slot_ms) * 1000
         return self._finish(Code.RUN, 0)
 
-    def _give_back(self, ticket: str, batch: int) -> _Reply:
+    def _give_back(self, ticket: str, batch: int, handed_back: str = "0") -> _Reply:
         self._expire_out(self.policy.line_batch)
         self._reclaim()
         m = self.meta.get(ticket) if ticket in self.out else None
-        if m is not None and not (m.phase == "g" and self.now >= m.start):
+        if handed_back == "1":
+            if m is not None and m.phase == "s" and ticket in self.messages:
+                self._come_in(ticket, m)
+                self.slots.pop(ticket, None)
+                self._join(ticket, m, m.place)
+        elif m is not None and not (m.phase == "g" and self.now >= m.start):
             self._come_in(ticket, m)
             self._ungrant(m)
             self.slots.pop(ticket, None)

@@ -212,8 +212,9 @@ class Walk:
             meta = self.model.meta.get(r.id)
             if meta is not None:
                 places[r.id] = meta.place
-        if op == "claim" and places.get(args[0]) == 0:
-            places[args[0]] = -(2**62)  # (released at publish, put back before everyone)
+        arriving = args[0] if op == "claim" else args[3] if op == "acquire" else None  # (a pending copy's entry)
+        if arriving is not None and places.get(arriving) == 0:
+            places[arriving] = -(2**62)  # (released at publish, put back before everyone)
         candidates = sorted((p, i.encode()) for i, p in places.items() if i in set(left) | set(self.model.line))
         order = [i.decode() for _, i in candidates]
         assert order[:len(left)] == left, self.explain(
@@ -447,7 +448,9 @@ class Walk:
             self.seen["duplicate"] += 1
         elif got.code == Code.STALE:
             # (released under other controls: nothing done; its process claims again)
-            assert ticket in self.model.out, self.explain(f"STALE for {ticket}, not out")
+            # (out, or put back in its place before it came: the task itself, all the same)
+            assert ticket in self.model.out or ticket in self.model.line, self.explain(
+                f"STALE for {ticket}, neither out nor in line")
             self.seen["stale"] += 1
         elif got.code in (Code.WAITED, Code.TOO_COSTLY) and known and ticket not in self.model.out:
             # (a copy's own cost over a limit is refused before its entry is looked at)
@@ -527,12 +530,19 @@ class Walk:
             # (one whose time is up is put back, forgotten or done by the call's own look first)
             was_out = self.model.out.get(ticket, 0) > self.clock.now
             meta = self.model.meta.get(ticket)
-            if was_out and meta is not None and (meta.phase != "g" or self.clock.now < meta.start):
+            # (handed back: a worker with no process for it puts one never acked back in its
+            # place, and leaves any other as it is)
+            handed_back = rng.random() < 0.5
+            unacked = was_out and meta is not None and meta.phase == "s" and ticket in self.model.messages
+            if was_out and meta is not None and (meta.phase != "g" or self.clock.now < meta.start) and (
+                    not handed_back or unacked):
                 if meta.phase == "g":
                     self.end(ticket, "granted start given back", -1)
                 self.take_back(ticket)
-            got = self.run("give_back", self.costs(1, 5), ticket, rng.choice([1, 8]))
+            got = self.run("give_back", self.costs(1, 5), ticket, rng.choice([1, 8]), "1" if handed_back else "0")
             reported = {r.id for r in got.reported}
+            if handed_back and unacked:
+                self.seen["handed back"] += 1
             self.settle_out(got)
             if was_out and ticket not in reported and ticket not in self.model.line and ticket not in self.model.out:
                 self.tickets.pop(ticket, None)

@@ -436,9 +436,10 @@ def span(label: str, seconds: float, **extra) -> None:
     started(label, **extra)
     start = time.time()
     time.sleep(seconds)
+    delivery = current_task.request.delivery_info or {}
     entry = {"label": label, "id": current_task.request.id, "t0": start, "t1": time.time(), "pid": os.getpid(),
-             "ppid": os.getppid(), "redelivered": bool((current_task.request.delivery_info or {}).get("redelivered")),
-             **extra}
+             "ppid": os.getppid(), "redelivered": bool(delivery.get("redelivered")),
+             "via": delivery.get("routing_key"), "hostname": current_task.request.hostname, **extra}
     _records_client().rpush(f"{PREFIX}:spans", json.dumps(entry))
 
 

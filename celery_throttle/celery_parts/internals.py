@@ -21,9 +21,20 @@ from celery.utils.imports import symbol_by_name
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 
-__all__ = ["build_task_tracer", "chain_on_close", "deferred_trace_result", "has_own", "held_requests", "proxied_function",
-           "registered_task", "request_context_factory", "trace_context", "worker_hostname",
-           "wrap_update_strategies"]
+__all__ = [
+    "build_task_tracer",
+    "chain_on_close",
+    "deferred_trace_result",
+    "has_own",
+    "held_requests",
+    "no_process_free",
+    "proxied_function",
+    "registered_task",
+    "request_context_factory",
+    "trace_context",
+    "worker_hostname",
+    "wrap_update_strategies",
+]
 
 
 def worker_hostname() -> str | None:
@@ -123,3 +134,15 @@ def held_requests(consumer: Any) -> Iterator[tuple[str, Any]]:
     for where, requests in (("running", worker_state.active_requests), ("received", worker_state.reserved_requests)):
         for request in list(requests):
             yield where, request
+
+
+def no_process_free(consumer: Any) -> bool:
+    """Whether a task this worker's consumer takes now would wait for a pool process:
+    as many received and not yet running as the processes not running one (at least one:
+    a process whose body just ended counts as running until the pool says it is done, and
+    the task its end released should start there). From ``celery.worker.state``'s active
+    and reserved requests, and the pool's size (the autoscaler's ceiling when it has one)."""
+    limit = getattr(consumer.controller, "max_concurrency", None) or consumer.pool.num_processes
+    running = len(worker_state.active_requests)
+    waiting = len(worker_state.reserved_requests) - running
+    return waiting >= max(limit - running, 1)

@@ -13,6 +13,8 @@ __all__ = ["KEPT_FIELDS", "decode_message", "encode_message", "resend", "task_of
 
 #: What a kept message holds: encode_message writes these, and decode_message reads no other.
 KEPT_FIELDS = ("task", "args", "kwargs", "options")
+#: A send's options that choose where it goes (dropped from one sent to a given queue).
+_ROUTING = ("queue", "exchange", "routing_key", "exchange_type")
 
 
 def encode_message(app: Any, sig: Any) -> bytes:
@@ -46,10 +48,13 @@ def task_of(app: Any, message: bytes) -> tuple[str, list[Any], dict[str, Any]]:
 
 
 def resend(app: Any, message: bytes, countdown: float = 0.0, *, key: str | None = None,
-           ticket: str | None = None) -> None:
+           ticket: str | None = None, queue: Any = None) -> None:
     """Send a kept message (:func:`encode_message`) to the broker, as its task again; with
-    ``ticket``, as released from the line of state key ``key`` (its header says so)."""
+    ``ticket``, as released from the line of state key ``key`` (its header says so); with
+    ``queue`` (a kombu Queue), to that queue whatever its routes say."""
     body = decode_message(app, message)
+    if queue is not None:
+        body["options"] = {k: v for k, v in body["options"].items() if k not in _ROUTING}
     if ticket is not None:
         options = body["options"]
         headers = options.get("headers")
@@ -57,4 +62,7 @@ def resend(app: Any, message: bytes, countdown: float = 0.0, *, key: str | None 
         deferrals = Header.read(headers.get(HEADER)).deferrals
         headers[HEADER] = Header(key or "", ticket, deferrals).value()
         options["headers"] = headers
-    app.signature(body).apply_async(countdown=countdown or None)
+    if queue is not None:
+        app.signature(body).apply_async(countdown=countdown or None, queue=queue)
+    else:
+        app.signature(body).apply_async(countdown=countdown or None)

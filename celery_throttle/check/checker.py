@@ -154,10 +154,11 @@ class Checker(Binder):
         key, request = self._window_call(call, self.store)
         return self.store.ack(key, request, tickets)
 
-    def give_back(self, call: BoundCall, ticket: str) -> WindowReply:
-        """The task released with ``ticket`` will not start (expired, revoked)."""
+    def give_back(self, call: BoundCall, ticket: str, handed_back: bool = False) -> WindowReply:
+        """The task released with ``ticket`` will not start (expired, revoked; or, handed
+        back, not here: it goes again from its place)."""
         key, request = self._window_call(call, self.store)
-        return self.store.give_back(key, request, ticket, timing.WORKER_BATCH)
+        return self.store.give_back(key, request, ticket, timing.WORKER_BATCH, handed_back)
 
     def ended(self, call: BoundCall, holder: str) -> WindowReply:
         """``holder``'s body ended: its slot goes to the line's head."""

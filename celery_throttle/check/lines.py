@@ -20,7 +20,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from ..celery_parts.messages import resend, task_of
+from ..celery_parts.hand import Hand
+from ..celery_parts.messages import decode_message, resend, task_of
 from ..core.errors import StoreError, ThrottleError
 from ..core.journal import Kind
 from ..core.keys import encode, glob_escape, line_index_key, state_key, target_of
@@ -62,6 +63,8 @@ class Lines(OnCall):
         self._full_at: dict[str, float] = {}
         #: The copy of every task waiting in a line in the broker (when on).
         self.journal = Journaling(ctl)
+        #: This worker's own queue, for the task a body's end releases (a worker's only).
+        self.hand = Hand()
 
     # -- whether a task's message goes with its first try ---------------------------------
     def looks_full(self, call: BoundCall) -> bool:
@@ -97,12 +100,16 @@ class Lines(OnCall):
         return verdict is not Verdict.NOT_KEPT
 
     # -- what a call hands back ------------------------------------------------------------
-    def handle(self, call: BoundCall, reply: WindowReply) -> int:
+    def handle(self, call: BoundCall, reply: WindowReply, *, ended: bool = False) -> int:
         """Send the tasks ``reply`` released (each with its ticket), report the others,
         ack those sent and tell the index what the reply says. Returns how many were sent.
-        Never raises: a task that could not be sent is put back in its place after the
-        send lease, and the index hears of the key from its next call."""
+        ``ended``: a body of this process just ended, and the first task released goes to
+        this worker's own queue if it takes it (:mod:`..celery_parts.hand`; not acked: put
+        back in its place if it does not arrive within the send lease). Never raises: a
+        task that could not be sent is put back in its place after the send lease, and
+        the index hears of the key from its next call."""
         sent: list[str] = []
+        handed = 0
         gone: list[str] = []  # (sent to the broker, or buried: out of their lines for good)
         lost: list[str] = []  # (their messages gone from the store: the journal has a copy)
         app, metrics = self.ctl.app, self.ctl.metrics
@@ -115,7 +122,11 @@ class Lines(OnCall):
                     gone.append(task.id)
                     continue
                 try:
-                    if task.kind == "r":
+                    if task.kind == "r" and ended and not handed and self._hand(task.payload):
+                        # (Its journal copy stays until it starts: the hook says it is gone.)
+                        resend(app, task.payload, key=call.state_key, ticket=task.id, queue=self.hand.queue)
+                        handed += 1
+                    elif task.kind == "r":
                         resend(app, task.payload, key=call.state_key, ticket=task.id)
                         sent.append(task.id)
                         gone.append(task.id)
@@ -150,8 +161,9 @@ class Lines(OnCall):
                 # (Its key has tasks waiting and no cap: it takes part in its scope's share
                 # from now on, and the sharer's next pass gives it one.)
                 self.ctl.store.share_join(call.scope, call.state_key, *call.share)
+            if sent or handed:
+                metrics.released(len(sent) + handed)
             if sent:
-                metrics.released(len(sent))
                 # (Its own look may move the key's due time earlier: what it sent is now
                 # out for longer. Never dropped: the index would keep the later one.)
                 acked = self.ctl.checker.ack(call, sent)
@@ -161,7 +173,14 @@ class Lines(OnCall):
                 self.note(call.state_key, reply.due_us, reply.now_us)
         except (StoreError, ThrottleError) as exc:
             logger.warning("could not tell the store about the line of %s: %s", call.state_key, exc)
-        return len(sent)
+        return len(sent) + handed
+
+    def _hand(self, message: bytes) -> bool:
+        """Whether this worker takes the task of ``message`` from its own queue."""
+        if self.hand.queue is None:
+            return False
+        body = decode_message(self.ctl.app, message)
+        return self.hand.takes(self.ctl.app, body["task"], body["args"], body["kwargs"], body["options"])
 
     def _bury(self, call: BoundCall, entry: str, message: bytes, released: bool) -> None:
         """A message of ``call``'s line that cannot be decoded: kept as a dead letter, and its

@@ -81,6 +81,10 @@ class Settings:
     #: a store that loses them (restarted empty, evicting) loses none: the keeper sends
     #: them on. None: when the broker is RabbitMQ (check/journaling.py says why).
     journal: bool | None = None
+    #: Send a task released because a body ended to that body's worker, through a queue of
+    #: its own (``<worker>.throttle-hand``): the slot and the process that freed are used
+    #: at once, whatever the prefetch (celery_parts/hand.py). Redis and AMQP brokers.
+    hand_off: bool = True
     #: Backoff (seconds) for tasks deferred because Redis could not be reached.
     store_retry_delay: float = 1.0
     store_retry_max_delay: float = 30.0
@@ -148,6 +152,8 @@ class Settings:
             raise ConfigurationError("throttle_enabled must be True or False")
         if self.journal is not None and not isinstance(self.journal, bool):
             raise ConfigurationError("throttle_journal must be True, False or None (None: on with a RabbitMQ broker)")
+        if not isinstance(self.hand_off, bool):
+            raise ConfigurationError("throttle_hand_off must be True or False")
         if not isinstance(self.check_at_publish, bool):
             raise ConfigurationError("throttle_check_at_publish must be True or False")
         for name in ("park_after", "release_interval", "store_retry_delay", "store_retry_max_delay",

@@ -91,6 +91,10 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     except StoreError as exc:
         return turned.on_store_error(exc)
     verdict = reply.verdict
+    if ticket and verdict is not Verdict.WAITS and ctl.lines.hand.delivered(request):
+        # (Handed to this worker, its journal copy was kept until it came: it has left
+        # its line now. One that waits again is back in its place, and keeps it.)
+        ctl.lines.journal.gone(call.state_key, [ticket], reply.now_us)
     if verdict is Verdict.START or verdict is Verdict.START_AT:
         _forget_header(request)
         ctl.metrics.admitted(call.scope, call.key)

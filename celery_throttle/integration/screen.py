@@ -22,7 +22,7 @@ from typing import Any
 from celery import bootsteps
 from kombu.exceptions import ContentDisallowed, DecodeError
 
-from ..celery_parts.internals import request_context_factory
+from ..celery_parts.internals import no_process_free, request_context_factory
 from ..check.breaker import Breaker
 from ..check.controller import controller
 from ..core.errors import StoreError, ThrottleError
@@ -57,7 +57,8 @@ def screen_strategies(ctl: Any, c: Any) -> None:
                 and not getattr(c.strategies[name], "_throttle_screened", False)):
             # (Once: at consumer start, update_strategies builds them and screens them,
             # then this step runs; wrapped twice, a message would be screened twice.)
-            c.strategies[name] = _screened(ctl, task, c.strategies[name], c.connection_errors, breaker)
+            c.strategies[name] = _screened(ctl, task, c.strategies[name], c.connection_errors, breaker,
+                                           lambda: no_process_free(c))
 
 
 
@@ -71,13 +72,17 @@ _SAMPLE = 8
 
 
 def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
-              breaker: Breaker) -> Callable[..., Any]:
+              breaker: Breaker, busy: Callable[[], bool] = lambda: False) -> Callable[..., Any]:
     request_context = request_context_factory(task)
     fits_in_a_row = 0
 
     def screened(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any) -> Any:
         nonlocal fits_in_a_row
         headers = message.headers or {}
+        if ("task" in headers and not breaker.open and ctl.lines.hand.delivered(message)
+                and busy() and _hand_back(ctl, task, message)):
+            ack(logger, errors)
+            return None
         if ("task" not in headers or headers.get("eta") or breaker.open
                 or ctl.store.rtt_us >= SCREEN_RTT_MAX_US or Header.read(headers.get(HEADER)).ticket):
             return handler(message, body, ack, reject, callbacks, **kw)
@@ -139,6 +144,25 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
 
     screened._throttle_screened = True  # type: ignore[attr-defined]
     return screened
+
+
+def _hand_back(ctl: Any, task: Any, message: Any) -> bool:
+    """A task handed to this worker (:mod:`..celery_parts.hand`) that would wait here for a
+    process (its worker took more than it has: a task sent to the common queue before it
+    came) goes back to its place and is released again to the common queue, where a worker
+    with a free process takes it. True: done (its message is acked); False: it stays here."""
+    header = Header.read((message.headers or {}).get(HEADER))
+    try:
+        args, kwargs = _arguments(message)
+        call = ctl.checker.bind(task, args, kwargs, quick=True)
+        if not header.ticket or header.key != call.state_key:
+            return False
+        reply = ctl.checker.give_back(call, header.ticket, handed_back=True)
+    except Exception as exc:  # noqa: BLE001 - it starts here, later: the pool's check decides
+        logger.debug("could not hand %s[%s] back to its line: %r", task.name, (message.headers or {}).get("id"), exc)
+        return False
+    ctl.lines.handle(call, reply)
+    return True
 
 
 def _arguments(message: Any) -> tuple[Any, Any]:

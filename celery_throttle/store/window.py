@@ -107,9 +107,11 @@ class WindowOps(ScriptClient):
         """The tasks released with ``tickets`` were sent to the broker."""
         return self.window(key, "ack", call, *tickets)
 
-    def give_back(self, key: str, call: WindowCall, ticket: str, batch: int) -> WindowReply:
-        """The task released with ``ticket`` will not start: its room comes back."""
-        return self.window(key, "give_back", call, ticket, batch)
+    def give_back(self, key: str, call: WindowCall, ticket: str, batch: int, handed_back: bool = False) -> WindowReply:
+        """The task released with ``ticket`` will not start: its room comes back.
+        ``handed_back``: one never acked goes back in its place (its worker had no process
+        for it), to be released again at once."""
+        return self.window(key, "give_back", call, ticket, batch, "1" if handed_back else "0")
 
     def settle(self, key: str, call: WindowCall, counted: Counted, delta: Cost, batch: int) -> WindowReply:
         """A call that started, counted as ``counted``, reports its real cost: ``delta``

@@ -151,3 +151,29 @@ def test_the_requests_a_worker_holds_are_found(memory_app: Celery) -> None:
         timer.clear()
     assert ("countdown", "in-timer") in found, "the timer's schedule no longer holds its entries' args"
     assert ("running", "running") in found, "celery.worker.state.active_requests changed"
+
+
+def test_no_process_free_reads_the_pools_size_and_the_requests_held() -> None:
+    """no_process_free: reserved_requests and active_requests are sets of the requests
+    received and running; the pool's size is ``num_processes`` (or the autoscaler's max)."""
+    consumer = SimpleNamespace(controller=SimpleNamespace(max_concurrency=None), pool=SimpleNamespace(num_processes=2))
+    class Held:  # (the sets may hold weak references)
+        def __init__(self, i: int) -> None:
+            self.id = f"r{i}"
+
+    made = [Held(i) for i in range(3)]
+    try:
+        worker_state.reserved_requests.update(made[:2])
+        worker_state.active_requests.update(made[:2])
+        # (both processes running, nothing waiting: the task a body's end released starts there)
+        assert not internals.no_process_free(consumer)
+        worker_state.reserved_requests.add(made[2])
+        assert internals.no_process_free(consumer)  # (one waits already)
+        worker_state.active_requests.discard(made[1])
+        # (one process free, one waiting for it)
+        assert internals.no_process_free(consumer)
+        consumer.controller.max_concurrency = 4  # (an autoscaler's ceiling: 3 free, 2 waiting)
+        assert not internals.no_process_free(consumer)
+    finally:
+        worker_state.reserved_requests.difference_update(made)
+        worker_state.active_requests.difference_update(made)

@@ -669,6 +669,14 @@ end
 arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
   local early = math.min(early_cap, math.max(2 * lead(half_pace), 4 * slack))
   local m = redis.call('ZSCORE', out_key, ticket) and meta_of(ticket)
+  -- Put back in its place before it came (never acked: its sender died, or the worker it
+  -- was handed to took longer than the send lease): it is that task, and leaves the line
+  -- as it arrives; as a fresh call beside its own entry it would run twice.
+  local in_line = false
+  if not m and redis.call('ZSCORE', line_key, ticket) then
+    m = meta_of(ticket)
+    in_line = m ~= nil
+  end
   -- The task's own delivery that claimed it before, whose reply was lost: that start
   -- never ran. A start it was granted ahead is given back as a process woken too late
   -- gives it back; one it was let in on stays counted (the store cannot tell it from a
@@ -697,6 +705,7 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
     -- It costs more than a limit in force now (a live limit lowered or cleared), or it
     -- waited past its max wait (a limit lowered, a long pause): it leaves, its room back.
     come_in(ticket, m)
+    if in_line then leave(ticket, m) end
     ungrant(m)
     redis.call('ZREM', slots_key, ticket)
     forget(ticket)
@@ -714,9 +723,10 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
       return finish(STALE, 0, {waited = waited})
     end
   end
+  if in_line then leave(ticket, m) end
   if phase == 'g' then
     ungrant(m)
-  elseif m[M.RELEASED] > 0 then
+  elseif m[M.RELEASED] > 0 and not in_line then
     -- Learn how long a released task takes to arrive, the way TCP learns a round trip
     -- (a trip longer than LEARN_OUTLIER_MS is not a dispatch delay: no worker ran).
     local trip = now - m[M.RELEASED]
@@ -737,7 +747,7 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
     end
   end
   -- Room for it beside the others out (its own units no longer are)?
-  local beside = out_per_rate(phase ~= 'g' and units or nil)
+  local beside = out_per_rate((phase ~= 'g' and not in_line) and units or nil)
   local held = redis.call('ZSCORE', slots_key, ticket) or redis.call('ZSCORE', slots_key, holder)
   local x = nil
   if not_before == 0 and (held or slot_free()) then x = earliest(now, units, beside) end
@@ -838,13 +848,23 @@ local function ack()
   return finish(RUN, 0)
 end
 
+-- The task released with a ticket will not start (expired, revoked): it is forgotten. Or
+-- [P+2] '1', handed back (the worker it was handed to has no process for it): never acked,
+-- it goes back in its place, to go again at once; anything else is left as it is (a copy
+-- of one released again since, which the other copy claims).
 local function give_back()
   expire_out(LINE_BATCH)
   reclaim()
   local ticket, batch = ARGV[P], tonumber(ARGV[P + 1])
   local m = redis.call('ZSCORE', out_key, ticket) and meta_of(ticket)
+  if ARGV[P + 2] == '1' then
+    if m and m[M.PHASE] == 's' and redis.call('HEXISTS', msgs_key, ticket) == 1 then
+      come_in(ticket, m)
+      redis.call('ZREM', slots_key, ticket)
+      join(ticket, m, m[M.PLACE])
+    end
   -- (A start granted ahead whose time has come was taken by its process: it stays.)
-  if m and not (m[M.PHASE] == 'g' and now >= m[M.START]) then
+  elseif m and not (m[M.PHASE] == 'g' and now >= m[M.START]) then
     come_in(ticket, m)
     ungrant(m)
     redis.call('ZREM', slots_key, ticket)

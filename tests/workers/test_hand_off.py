@@ -1,0 +1,81 @@
+"""The hand-off with real workers (celery_parts/hand.py): a task released because a body
+ended goes to that body's worker, through the worker's own queue, at Celery's default
+prefetch; one handed to a worker that does not take it in time is put back in its place
+and runs elsewhere, once, and the copy left in the worker's queue is dropped when it comes."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import Counter
+
+import redis
+
+from celery_throttle.celery_parts.hand import hand_queue
+from tests.helpers import STORE_URL, WorkerGroup, new_label, wait_for
+
+
+def spans(group: WorkerGroup, label: str) -> list[dict]:
+    raw = group.records.lrange(f"{group.prefix}:spans", 0, -1)
+    return [e for e in (json.loads(x) for x in raw) if e["label"] == label]
+
+
+def test_a_task_released_by_a_body_s_end_starts_on_that_body_s_worker(store_client: redis.Redis,
+                                                                      broker_url: str) -> None:
+    group = WorkerGroup(f"ct-test-hand-{uuid.uuid4().hex[:8]}", broker_url, STORE_URL, count=2, concurrency=2)
+    label = new_label()
+    try:
+        group.start()
+        for i in range(16):
+            group.send("exporting", label, "solo", 0.2)  # (concurrency=2 per tenant)
+        wait_for(lambda: len(spans(group, label)) >= 16, 60, 0.1, "16 bodies")
+        time.sleep(0.5)
+        got = spans(group, label)
+    finally:
+        group.stop()
+    assert len(got) == 16 and len({s["id"] for s in got}) == 16, Counter(s["id"] for s in got)
+    handed = [s for s in got if (s["via"] or "").endswith(".throttle-hand")]
+    # (the first two go through the common queue: no body had ended; most of the others
+    # are handed, each to the worker whose body's end released it)
+    assert len(handed) >= 8, [(s["via"], s["hostname"]) for s in got]
+    assert all(s["via"] == hand_queue(s["hostname"]).name for s in handed), [(s["via"], s["hostname"]) for s in handed]
+    edges = sorted([(s["t0"], 1) for s in got] + [(s["t1"], -1) for s in got])
+    running = most = 0
+    for _, step in edges:
+        running += step
+        most = max(most, running)
+    assert most <= 2
+
+
+def test_a_task_handed_to_a_worker_that_does_not_take_it_goes_again_and_runs_once(store_client: redis.Redis,
+                                                                                  broker_url: str) -> None:
+    """Worker 0 stops taking from its own queue while its body runs: the task that body's
+    end releases is handed there and sits. Within the send lease the store puts it back in
+    its place; the releaser sends it to the common queue, and it runs. When worker 0
+    takes from its queue again, the copy there finds its ticket used and is dropped."""
+    group = WorkerGroup(f"ct-test-hand-{uuid.uuid4().hex[:8]}", broker_url, STORE_URL, count=2, concurrency=1)
+    label = new_label()
+    try:
+        group.start_one(0)
+        group.wait_ready(0)
+        first = group.send("single_slot", label, "t", 3.0)
+        wait_for(lambda: group.records.llen(f"{group.prefix}:began") >= 1, 30, 0.05, "the first body")
+        own = hand_queue(group.hostname(0)).name
+        replies = group.client.control.cancel_consumer(own, destination=[group.hostname(0)], reply=True, timeout=5)
+        assert replies, "worker 0 did not answer cancel_consumer"
+        second = group.send("single_slot", label, "t", 0.1)
+        group.start_one(1)
+        group.wait_ready(1)
+        wait_for(lambda: len(spans(group, label)) >= 2, 60, 0.1, "both bodies")
+        got = {s["id"]: s for s in spans(group, label)}
+        assert (got[first]["hostname"], got[second]["via"]) == (group.hostname(0), group.queue), got
+        # Worker 0 takes from its own queue again: the copy handed there comes, and is dropped.
+        group.client.control.add_consumer(own, destination=[group.hostname(0)], reply=True, timeout=5)
+        wait_for(lambda: "is a copy of a task that started lately" in group.log_text(), 30, 0.2,
+                 "the handed copy dropped")
+        time.sleep(0.5)
+        ran = Counter(s["id"] for s in spans(group, label))
+    finally:
+        group.stop()
+    assert ran == {first: 1, second: 1}, ran
