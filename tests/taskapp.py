@@ -448,7 +448,8 @@ def started(label: str, **extra) -> None:
     from celery import current_task
 
     entry = {"label": label, "id": current_task.request.id, "t": time.time(), "pid": os.getpid(),
-             "ppid": os.getppid(), **extra}
+             "ppid": os.getppid(), "via": (current_task.request.delivery_info or {}).get("routing_key"),
+             "hostname": current_task.request.hostname, **extra}
     _records_client().rpush(f"{PREFIX}:began", json.dumps(entry))
 
 

@@ -53,10 +53,10 @@ def resend(app: Any, message: bytes, countdown: float = 0.0, *, key: str | None 
     ``ticket``, as released from the line of state key ``key`` (its header says so); with
     ``queue`` (a kombu Queue), to that queue whatever its routes say."""
     body = decode_message(app, message)
+    options = body["options"]
     if queue is not None:
-        body["options"] = {k: v for k, v in body["options"].items() if k not in _ROUTING}
+        options = body["options"] = {k: v for k, v in options.items() if k not in _ROUTING}
     if ticket is not None:
-        options = body["options"]
         headers = options.get("headers")
         headers = dict(headers) if isinstance(headers, dict) else {}
         deferrals = Header.read(headers.get(HEADER)).deferrals

@@ -83,7 +83,8 @@ class Settings:
     journal: bool | None = None
     #: Send a task released because a body ended to that body's worker, through a queue of
     #: its own (``<worker>.throttle-hand``): the slot and the process that freed are used
-    #: at once, whatever the prefetch (celery_parts/hand.py). Redis and AMQP brokers.
+    #: at once, whatever the prefetch (celery_parts/hand.py). On a Redis broker only:
+    #: RabbitMQ gives a released task to a worker with room by itself.
     hand_off: bool = True
     #: Backoff (seconds) for tasks deferred because Redis could not be reached.
     store_retry_delay: float = 1.0

@@ -125,6 +125,7 @@ def _redelivered(request: Any) -> bool:
     return bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
 
 
+
 def _check(ctl: Parts, call: BoundCall, turned: TurnedAway, holder: str, ticket: str,
            stale_ok: bool = False) -> WindowReply:
     """The call's check (:meth:`.Lines.tries`): its claim (a released task, with its

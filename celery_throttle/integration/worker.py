@@ -81,9 +81,8 @@ class ThrottleStep(bootsteps.StartStopStep):
             # No Redis to use, or a Sentinel URL without its group: a clear error now (the
             # client connects lazily: a Redis that is down is not an error here).
             _ = self.controller.store.client
-            if self.controller.settings.hand_off:
-                # (Before the consumer starts, which consumes the queues chosen by then.)
-                self.controller.lines.hand.open(worker.app, worker.hostname)
+            # (Before the consumer starts, which consumes the queues chosen by then.)
+            self.controller.lines.hand.open(worker.app, worker.hostname, self.controller.settings.hand_off)
             _say_what_is_throttled(self.controller)
             _stepped.add(self.controller)
             if not (isinstance(worker.pool_cls, type) and issubclass(worker.pool_cls, PreforkPool)):

@@ -9,7 +9,10 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery
 
-from celery_throttle.celery_parts.hand import HAND_QUEUE_EXPIRES_MS, Hand, hand_queue
+from celery_throttle.celery_parts.hand import (
+    Hand,
+    hand_queue,
+)
 
 
 @pytest.fixture
@@ -33,20 +36,19 @@ def routed_app() -> Iterator[Celery]:
 def test_a_worker_takes_only_what_it_would_take_from_its_own_queues(routed_app: Celery) -> None:
     app = routed_app
     hand = Hand()
-    assert not hand.takes(app, "hand.here", (), {}, {})  # (no queue of its own: a producer, a memory broker)
-    assert not hand.open(app, "w1@host")  # (the memory transport cannot send by a queue's name)
+    assert not hand.takes(app, "hand.here", (), {}, {})  # (no queue of its own: a producer)
+    assert not hand.open(app, "w1@host")  # (a broker that needs no hand-off: here, memory)
     hand.queue, hand._consumed = hand_queue("w1@host"), frozenset({"main", "extra"})
     assert hand.takes(app, "hand.here", (), {}, {})
     assert hand.takes(app, "hand.here", (), {}, {"queue": "extra"})
-    assert not hand.takes(app, "hand.here", (), {}, {"queue": "other"})  # (sent to a queue it does not consume)
+    assert not hand.takes(app, "hand.here", (), {}, {"queue": "other"})  # (a queue it does not consume)
     assert not hand.takes(app, "hand.elsewhere", (), {}, {})  # (its routes say gpu)
     assert not hand.takes(app, "hand.late", (), {}, {})  # (acked late: a dead worker's queue would keep it)
     assert not hand.takes(app, "hand.unknown", (), {}, {})
 
 
-def test_the_queue_is_one_per_worker_and_expires_unused() -> None:
+def test_the_queue_is_one_per_worker() -> None:
     queue = hand_queue("w1@host")
     assert queue.name == queue.routing_key == "w1@host.throttle-hand"
-    assert queue.exchange.name == "" and queue.durable
-    assert queue.queue_arguments == {"x-expires": HAND_QUEUE_EXPIRES_MS}
+    assert queue.exchange.name == ""
     assert hand_queue("w2@host").name != queue.name
