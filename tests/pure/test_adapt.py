@@ -117,16 +117,20 @@ def run(adapt: Adapt, ceiling: int, phases: list[tuple[int, int]]) -> tuple[Clie
     """(the client, each window's (downstream limit, accepted + refused, refused)): a window
     offered more than the downstream takes has the calls in flight refused, then the
     lowered limit holds."""
+    return run_limits(adapt, ceiling, [limit for limit, length in phases for _ in range(length)])
+
+
+def run_limits(adapt: Adapt, ceiling: int, limits: list[int]) -> tuple[Client, list[tuple[int, int, int]]]:
+    """:func:`run` against a downstream whose limit is ``limits[i]`` in window i."""
     client, windows, now = Client(adapt, ceiling), [], 0
-    for limit, length in phases:
-        for _ in range(length):
-            offered = client.allowed(now)
-            refused = min(offered - limit, math.ceil(IN_FLIGHT * offered)) if offered > limit else 0
-            for n in range(refused):  # (each refused call raises its Backoff, with the
-                # downstream's and the calls in flight in the window)
-                client.refused(now + n, (limit + math.ceil(IN_FLIGHT * offered)) / ceiling)
-            windows.append((limit, min(offered, limit) + refused, refused))
-            now += WINDOW_US
+    for limit in limits:
+        offered = client.allowed(now)
+        refused = min(offered - limit, math.ceil(IN_FLIGHT * offered)) if offered > limit else 0
+        for n in range(refused):  # (each refused call raises its Backoff, with the
+            # downstream's and the calls in flight in the window)
+            client.refused(now + n, (limit + math.ceil(IN_FLIGHT * offered)) / ceiling)
+        windows.append((limit, min(offered, limit) + refused, refused))
+        now += WINDOW_US
     return client, windows
 
 
@@ -212,3 +216,66 @@ def test_the_model_catches_a_law_that_bursts_or_a_lowering_counted_per_refusal(
     found = find(phases, lambda moves: broken(moves, adapt) is not None,
                  settings=settings(max_examples=2000, deadline=None))
     assert broken(found, adapt) is not None
+
+
+# -- other shapes: a slow drift, a limit shared with a client whose load changes ----------
+def drift(start: int, end: int, windows: int) -> list[int]:
+    """A limit moving evenly from ``start`` to ``end`` over ``windows`` windows."""
+    return [round(start + (end - start) * i / (windows - 1)) for i in range(windows)]
+
+
+def shared(limit: int, others: list[tuple[int, int]]) -> list[int]:
+    """A limit of ``limit`` shared with another client, who takes ``load`` of it for
+    ``length`` windows, phase by phase."""
+    return [max(limit - load, 10) for load, length in others for _ in range(length)]
+
+
+#: Drifts of at most 90 % of the ceiling over 60 windows or more (from 10/s to 100/s in a
+#: minute, for a limit of 100/s), and a partner's load of up to 60 % of the limit.
+drifts = st.builds(drift, st.integers(10, 100), st.integers(10, 100), st.integers(60, 300))
+shares = st.builds(shared, st.integers(40, 100),
+                   st.lists(st.tuples(st.integers(0, 60), st.integers(20, 120)), min_size=1, max_size=5))
+#: Against a shape it did not see: at most this many refused per 100 calls, at least this
+#: share of what the downstream allows used, after its first CLIMB windows.
+SHAPE_REFUSED, SHAPE_USED = 0.025, 0.8
+
+
+def unmet(limits: list[int], adapt: Adapt = DEFAULT, ceiling: int = 100) -> str | None:
+    """The promise the law breaks against a downstream whose limit is ``limits``, window by
+    window, counted over the whole run but for the windows the step promises cover (the
+    first CLIMB, CLIMB after a jump up of the limit, SETTLE after a jump down: a jump is a
+    tenth of the ceiling or more in one window; a slow drift has none)."""
+    _, windows = run_limits(adapt, ceiling, limits)
+    skip = set(range(CLIMB))
+    for i in range(1, len(limits)):
+        if abs(limits[i] - limits[i - 1]) >= ceiling // 10:
+            skip.update(range(i, i + (CLIMB if limits[i] > limits[i - 1] else SETTLE)))
+    tail = [w for i, w in enumerate(windows) if i not in skip]
+    offered = sum(o for _, o, _ in tail)
+    if len(tail) < 20 or offered < 300:  # (too few settled windows to judge a share by)
+        return None
+    refused = sum(r for _, _, r in tail) / offered
+    used = sum(o - r for _, o, r in tail) / sum(lim for lim, _, _ in tail)
+    if refused > SHAPE_REFUSED:
+        return f"{100 * refused:.1f} refused per 100"
+    if used < SHAPE_USED:
+        return f"{100 * used:.0f} % of the downstream used"
+    return None
+
+
+@settings(max_examples=100 if QUICK else 400, deadline=None)
+@given(st.one_of(drifts, shares))
+def test_against_a_drifting_or_shared_downstream_the_default_law_refuses_little_and_uses_most_of_it(
+        limits: list[int]) -> None:
+    # Given a downstream whose limit drifts slowly, or is shared with a client whose load
+    # changes (shapes the law was not tuned on)
+    # Then it refuses little and uses most of what the downstream allows
+    assert unmet(limits) is None, unmet(limits)
+
+
+@pytest.mark.parametrize("mutation", ["no dwell", "steep decrease"])
+def test_the_shapes_catch_a_law_that_overshoots_or_gives_up_too_much(mutation: str) -> None:
+    adapt = Adapt(growth=0.1) if mutation == "no dwell" else Adapt(decrease=0.2)
+    found = find(st.one_of(drifts, shares), lambda limits: unmet(limits, adapt) is not None,
+                 settings=settings(max_examples=2000, deadline=None))
+    assert unmet(found, adapt) is not None
