@@ -34,6 +34,7 @@ SECTIONS = {
     "adapt": ("bench.api429", "run_adapt", ("16", "adaptive", "issue29")),
     "share": ("bench.share", "run_share", ("17", "fair-share", "shared-slots")),
     "journal": ("bench.journal", "run_journal", ("44", "journal-cost")),
+    "observe": ("bench.llm", "run_observe", ("46", "headers")),
 }
 ALIASES = {alias: name for name, (_, _, aliases) in SECTIONS.items() for alias in aliases}
 

@@ -187,15 +187,20 @@ for _name, _algorithm, _rate in (("naive_fixed", "fixed", RATE), ("naive_sliding
 # -- the API clients (11): one request each; a 429 retried after Retry-After ---------------
 def request(path: str, **query: Any) -> tuple[int, dict[str, Any], float]:
     """(status, JSON body, Retry-After in s, at least 1) of one GET to the bench's API."""
+    return fetch(path, **query)[:3]  # type: ignore[return-value]
+
+
+def fetch(path: str, **query: Any) -> tuple[int, dict[str, Any], float, Any]:
+    """:func:`request`, and the reply's headers."""
     try:
         with urllib.request.urlopen(f"{API_URL}{path}?{urllib.parse.urlencode(query)}", timeout=30) as reply:
-            return reply.status, json.load(reply), 0.0
+            return reply.status, json.load(reply), 0.0, reply.headers
     except urllib.error.HTTPError as exc:
         try:
             wait = max(float(exc.headers.get("Retry-After", "1")), 1.0)
         except ValueError:
             wait = 1.0
-        return exc.code, {}, wait
+        return exc.code, {}, wait, exc.headers
 
 
 def _api(backoff: bool = False) -> Any:
@@ -276,20 +281,30 @@ def sweep_estimate(label: str, account: str, i: int) -> int:
     return SWEEP_PLAN.prompt_tokens(i) + MAX_COMPLETION
 
 
-def _llm(settle: bool = False, by_hand: bool = False) -> Any:
+def sweep_mean(label: str, account: str, i: int) -> int:
+    """An estimate of a reply's mean: the prompt's tokens and half the most a reply uses."""
+    return SWEEP_PLAN.prompt_tokens(i) + MAX_COMPLETION // 2
+
+
+def _llm(settle: bool = False, by_hand: bool = False, observe: bool = False) -> Any:
     """One call. ``settle``: ``charge(tokens=n)`` (0 for a 429) and a 429 raises ``Backoff`` (the
-    README's example); ``by_hand``: ``limits``' moving window first (:func:`_by_hand`)."""
+    README's example); ``by_hand``: ``limits``' moving window first (:func:`_by_hand`); ``observe``:
+    every reply's rate-limit headers brought to the key (``observe(reply)``)."""
     def task(self: Any, label: str, account: str, i: int) -> None:
         if by_hand and (wait := _by_hand(account, sweep_estimate(label, account, i))):
             raise self.retry(countdown=wait)
-        status, body, wait = request("/v1/complete", account=account, label=label, i=i, id=self.request.id)
+        status, body, wait, headers = fetch("/v1/complete", account=account, label=label, i=i, id=self.request.id)
         if status == 429:
             if settle:
                 celery_throttle.charge(tokens=0)
+                if observe:
+                    celery_throttle.observe(headers)
                 raise Backoff(retry_after=wait)
             raise self.retry(countdown=wait)
         if settle:
             celery_throttle.charge(tokens=int(body["tokens"]))
+            if observe:
+                celery_throttle.observe(headers)
     return task
 
 
@@ -310,6 +325,8 @@ def _by_hand(account: str, estimate: int) -> float:
 
 
 _task("prompt_settled", _llm(settle=True), *SWEEP_RATES, key="{account}", cost={"tokens": sweep_estimate})
+_task("mean_settled", _llm(settle=True), *SWEEP_RATES, key="{account}", cost={"tokens": sweep_mean})
+_task("mean_observed", _llm(settle=True, observe=True), *SWEEP_RATES, key="{account}", cost={"tokens": sweep_mean})
 _task("builtin_10s", _llm(), options={"rate_limit": "1/s"})
 _task("by_hand", _llm(by_hand=True))
 

@@ -214,8 +214,9 @@ class Arrival:
     answered: float = 0.0
 
 
-#: ``decide(path, query)`` -> (status, tokens, Retry-After s, seconds before a 200 is sent).
-Decide = Callable[[str, dict[str, str]], tuple[int, int, float, float]]
+#: ``decide(path, query)`` -> (status, tokens, Retry-After s, seconds before a 200 is sent[, the
+#: reply's own headers]).
+Decide = Callable[[str, dict[str, str]], tuple[Any, ...]]
 
 
 class Api:
@@ -232,7 +233,7 @@ class Api:
             def do_GET(self) -> None:  # (http.server's name)
                 url = urlparse(self.path)
                 q = {k: v[0] for k, v in parse_qs(url.query).items()}
-                status, tokens, retry, latency = decide(url.path, q)
+                status, tokens, retry, latency, *said = decide(url.path, q)
                 arrival = Arrival(time.time(), status, q.get("id", "-"), tokens)
                 with api.lock:
                     api.tallies.setdefault(q.get("label", "-"), []).append(arrival)
@@ -241,7 +242,8 @@ class Api:
                 body = json.dumps({"tokens": tokens}).encode()
                 self.send_response(status)
                 for name, value in (("Content-Type", "application/json"), ("Content-Length", str(len(body))),
-                                    *([("Retry-After", str(max(0, math.ceil(retry))))] if status == 429 else [])):
+                                    *([("Retry-After", str(max(0, math.ceil(retry))))] if status == 429 else []),
+                                    *(said[0].items() if said else ())):
                     self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)

@@ -51,6 +51,12 @@ class Window:
     def __init__(self, plan: Plan) -> None:
         self.plan, self.calls, self.tokens = plan, deque[tuple[float, int]](), 0
 
+    def left(self) -> dict[str, str]:
+        """What the API says is left of its window, as OpenAI's headers say it."""
+        return {"x-ratelimit-limit-requests": str(self.plan.requests), "x-ratelimit-limit-tokens": str(self.plan.tokens),
+                "x-ratelimit-remaining-requests": str(max(self.plan.requests - len(self.calls), 0)),
+                "x-ratelimit-remaining-tokens": str(max(self.plan.tokens - self.tokens, 0))}
+
     def admit(self, now: float, cost: int) -> float:
         """Count the call and return 0, or return the seconds until it would fit."""
         while self.calls and self.calls[0][0] <= now - self.plan.window:
@@ -76,8 +82,10 @@ def llm_api(plans: dict[str, tuple[Plan, float]]) -> Api:
         plan, latency = plans[q["account"]]
         cost = plan.cost(int(q["i"]))
         with lock:
-            wait = windows.setdefault(q["account"], Window(plan)).admit(time.time(), cost)
-        return (429, cost, wait, 0.0) if wait else (200, cost, 0.0, latency)
+            window = windows.setdefault(q["account"], Window(plan))
+            wait = window.admit(time.time(), cost)
+            left = window.left()
+        return (429, cost, wait, 0.0, left) if wait else (200, cost, 0.0, latency, left)
 
     return Api(decide)
 
@@ -211,3 +219,40 @@ def run_sweep(res: Results, scale: Any) -> None:
                           f"{time.time() - started:.0f} s):\n\n" + md(
                               "| L | client | 429s per 100 calls | makespan / fastest compliant | / fastest in call "
                               "order | / fastest with prompt + 200 held until the reply | each call once |", lines))
+
+
+# -- 46: the API's own count, read from its replies' headers ---------------------------------
+OBSERVE_SEC, OBSERVE_LATENCY, OBSERVE_TARGET = "46 the API's headers", 3.0, 1.10
+#: Clients of the same API (L = 3 s): a call estimated at its prompt and a reply's mean, settled
+#: with what it used, with and without the reply's headers; the worst case estimated (prompt + the
+#: most a reply uses), the one that drew no 429 before.
+OBSERVE = (Variant('cost={"tokens": prompt + 100}, charge(tokens=n), observe(reply)', "mean_observed",
+                   no_429=True, concurrency=4, latency=OBSERVE_LATENCY),
+           Variant('cost={"tokens": prompt + 100}, charge(tokens=n)', "mean_settled", concurrency=4,
+                   latency=OBSERVE_LATENCY),
+           Variant('cost={"tokens": prompt + 200}, charge(tokens=n)', "prompt_settled", concurrency=4,
+                   latency=OBSERVE_LATENCY))
+
+
+def run_observe(res: Results, scale: Any) -> None:
+    plan, calls, started = SWEEP_PLAN, scale.sweep_calls, time.time()
+    best, exact = fastest_any(plan, calls, 8, OBSERVE_LATENCY)
+    lines = []
+    for variant in OBSERVE:  # (one at a time: 2 cores)
+        print(f"  observe: {variant.name} (fastest compliant {best:.1f} s) ...", flush=True)
+        run = drive([variant], calls, plan, 3 * best + 120, say="observe")[0]
+        per100, ratio = run["refused"] * 100 / calls, run["makespan"] / best
+        res.add(OBSERVE_SEC, "429s per 100 calls", variant.name, f"{per100:.1f}", "0", run["refused"] == 0,
+                judged=variant.no_429)
+        res.add(OBSERVE_SEC, "makespan / fastest compliant", variant.name, f"{run['makespan']:.1f} s / {best:.1f} s = "
+                f"{ratio:.3f}", f"<= {OBSERVE_TARGET}", ratio <= OBSERVE_TARGET,
+                "exact" if exact else "an upper bound", variant.no_429)
+        res.add(OBSERVE_SEC, "every call got exactly one 200", variant.name, yes(run["once"]), "yes", run["once"])
+        res.errors(f"observe, {variant.name}", run["errors"])
+        lines.append(f"| {variant.name} | {per100:.1f} | {run['makespan']:.1f} s / {best:.0f} s = {ratio:.3f} | "
+                     f"{yes(run['once'])} |")
+    res.table("observe", f"LLM API of {plan.requests} requests and {plan.tokens:,} tokens per {plan.window:g} s, counting "
+                         f"each call's real tokens at arrival and saying what is left on every reply "
+                         f"(x-ratelimit-remaining-requests/-tokens); calls of {OBSERVE_LATENCY:g} s, {calls} per client, "
+                         f"2 workers x 4 processes, one client at a time ({time.time() - started:.0f} s)\n\n" + md(
+                             "| client | 429s per 100 calls | makespan / fastest compliant | each call once |", lines))

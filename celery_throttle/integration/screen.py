@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
 
 from celery import bootsteps
+from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu.exceptions import ContentDisallowed, DecodeError
 
 from ..celery_parts.internals import no_process_free, request_context_factory
@@ -83,7 +85,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
                 and busy() and _hand_back(ctl, task, message)):
             ack(logger, errors)
             return None
-        if ("task" not in headers or headers.get("eta") or breaker.open
+        if ("task" not in headers or headers.get("eta") or breaker.open or _expired(headers)
                 or ctl.store.rtt_us >= SCREEN_RTT_MAX_US or Header.read(headers.get(HEADER)).ticket):
             return handler(message, body, ack, reject, callbacks, **kw)
         streak = fits_in_a_row
@@ -144,6 +146,20 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
 
     screened._throttle_screened = True  # type: ignore[attr-defined]
     return screened
+
+
+def _expired(headers: dict[str, Any]) -> bool:
+    """Whether a message's ``expires`` has passed: Celery discards it (its own revoked
+    signal says so); screened, it would join its line again, and be said throttled again
+    each time the line sends it on as expired."""
+    raw = headers.get("expires")
+    if not raw:
+        return False
+    try:
+        when = maybe_make_aware(maybe_iso8601(raw))
+    except (TypeError, ValueError, OverflowError):
+        return False  # (a value Celery cannot read either: its own path reports it)
+    return bool(when <= datetime.now(timezone.utc))
 
 
 def _hand_back(ctl: Any, task: Any, message: Any) -> bool:

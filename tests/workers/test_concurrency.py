@@ -405,6 +405,11 @@ def test_a_task_that_expires_while_it_waits_for_a_slot_leaves_and_those_behind_i
     done = wait_spans(group, label, 3, timeout=20)
     assert sorted(e["id"] for e in done) == sorted([holder, *behind]), [e["id"] for e in done]
     assert expiring not in {e["id"] for e in done}
+    # (said once: sent on when it expired, its worker discards it, not screened into the
+    # line again and again)
+    time.sleep(1.0)
+    said = [json.loads(x) for x in group.records.lrange(f"{group.prefix}:throttled", 0, -1)]
+    assert [e["id"] for e in said].count(expiring) == 1, [e for e in said if e["id"] == expiring]
     first = next(e for e in done if e["id"] == holder)
     assert max(e["t0"] for e in done if e["id"] in behind) - first["t1"] < 3.0
 
