@@ -9,6 +9,10 @@ floods). So each worker consumes a list of its own, and the process whose body e
 sends the first task its end released there (0.98). RabbitMQ already gives a released
 task to a worker with room (0.98 without this): nothing is handed there.
 
+A worker's releaser (its main process) hands the first task a release of its frees to
+its own worker too, when that worker has a process idle: a slot the sharer moved to
+another key, a window's room that came, go where a process waits for them.
+
 Only where that worker would take the task from its own queues too: the task is known to
 it, the queue its routes send it to is one the worker consumes, and it is acked as it
 starts (Celery's default: one acked late and killed mid-body is given back to the queue
@@ -25,6 +29,7 @@ left behind finds its ticket used if it ever comes, and is dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kombu.entity import Exchange, Queue
@@ -49,6 +54,9 @@ class Hand:
     def __init__(self) -> None:
         self.queue: Queue | None = None
         self._consumed: frozenset[str] = frozenset()
+        #: Whether this worker has a pool process idle now (set by the worker once its
+        #: consumer exists): its releaser hands a task it releases to it then.
+        self.idle: Callable[[], bool] = lambda: False
 
     def open(self, app: Any, hostname: str, setting: bool = True) -> bool:
         """Consume this worker's own queue from its start (the worker's queues are chosen,

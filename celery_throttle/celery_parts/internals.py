@@ -142,7 +142,19 @@ def no_process_free(consumer: Any) -> bool:
     a process whose body just ended counts as running until the pool says it is done, and
     the task its end released should start there). From ``celery.worker.state``'s active
     and reserved requests, and the pool's size (the autoscaler's ceiling when it has one)."""
+    limit, running, waiting = _pool_state(consumer)
+    return waiting >= max(limit - running, 1)
+
+
+def processes_idle(consumer: Any) -> int:
+    """How many of this worker's pool processes run nothing and have nothing waiting for
+    them (see :func:`no_process_free`)."""
+    limit, running, waiting = _pool_state(consumer)
+    return limit - running - waiting
+
+
+def _pool_state(consumer: Any) -> tuple[int, int, int]:
+    """(the pool's size, the requests running, those received and waiting for a process)."""
     limit = getattr(consumer.controller, "max_concurrency", None) or consumer.pool.num_processes
     running = len(worker_state.active_requests)
-    waiting = len(worker_state.reserved_requests) - running
-    return waiting >= max(limit - running, 1)
+    return int(limit), running, len(worker_state.reserved_requests) - running

@@ -100,11 +100,11 @@ class Lines(OnCall):
         return verdict is not Verdict.NOT_KEPT
 
     # -- what a call hands back ------------------------------------------------------------
-    def handle(self, call: BoundCall, reply: WindowReply, *, ended: bool = False) -> int:
+    def handle(self, call: BoundCall, reply: WindowReply, *, here: bool = False) -> int:
         """Send the tasks ``reply`` released (each with its ticket), report the others,
         ack those sent and tell the index what the reply says. Returns how many were sent.
-        ``ended``: a body of this process just ended, and the first task released goes to
-        this worker's own queue if it takes it (:mod:`..celery_parts.hand`; not acked: put
+        ``here``: this worker has a process for the first task released (a body of this
+        process just ended, or one is idle): it goes to this worker's own queue if it takes it (:mod:`..celery_parts.hand`; not acked: put
         back in its place if it does not arrive within the send lease). Never raises: a
         task that could not be sent is put back in its place after the send lease, and
         the index hears of the key from its next call."""
@@ -122,7 +122,7 @@ class Lines(OnCall):
                     gone.append(task.id)
                     continue
                 try:
-                    if task.kind == "r" and ended and not handed and self._hand(task.payload):
+                    if task.kind == "r" and here and not handed and self._hand(task.payload):
                         # (Its journal copy stays until it starts: the hook says it is gone.)
                         resend(app, task.payload, key=call.state_key, ticket=task.id, queue=self.hand.queue)
                         handed += 1
@@ -283,7 +283,7 @@ class Lines(OnCall):
                 return 0, now_us
             call = BoundCall(target[0], target[1], (), 1, "sliding", key)
         reply = self.ctl.checker.release(call, RELEASER_BATCH, drain=drain)
-        self.handle(call, reply)
+        self.handle(call, reply, here=not drain and self.hand.idle())
         if reply.code == Code.RUN and drain and reply.waiting:
             return reply.now_us, reply.now_us  # (more to drain: at once)
         return reply.due_us, reply.now_us

@@ -138,7 +138,7 @@ class Slots:
             # sharer hands it on now, rather than at its next pass.)
             with suppress(StoreError):
                 self.ctl.store.share_poke(call.scope)
-        self.ctl.lines.handle(call, reply, ended=True)
+        self.ctl.lines.handle(call, reply, here=True)
 
     def release_killed(self, task: Any, task_id: str, args: Any, kwargs: Any) -> int:
         """Give back the slots held by bodies of ``task_id`` in this worker whose process

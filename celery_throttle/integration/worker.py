@@ -26,7 +26,7 @@ from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.exceptions import TimeLimitExceeded
 from celery.signals import task_failure, task_revoked, worker_init, worker_process_init, worker_shutdown
 
-from ..celery_parts.internals import chain_on_close, wrap_update_strategies
+from ..celery_parts.internals import chain_on_close, processes_idle, wrap_update_strategies
 from ..check import slots
 from ..check.controller import controller
 from ..check.journaling import store_is_broker_db
@@ -91,6 +91,9 @@ class ThrottleStep(bootsteps.StartStopStep):
                 _warm(self.controller, min(int(getattr(worker, "concurrency", 1) or 1), 64) + 1)
 
     def start(self, worker: Any) -> None:
+        hand, consumer = self.controller.lines.hand, getattr(worker, "consumer", None)
+        if hand.queue is not None and consumer is not None:
+            hand.idle = lambda: processes_idle(consumer) > 0
         self.releaser = _start_releaser(self.controller)
         _hook_at_reload(worker, self.controller)
 

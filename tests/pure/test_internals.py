@@ -167,6 +167,7 @@ def test_no_process_free_reads_the_pools_size_and_the_requests_held() -> None:
         worker_state.active_requests.update(made[:2])
         # (both processes running, nothing waiting: the task a body's end released starts there)
         assert not internals.no_process_free(consumer)
+        assert internals.processes_idle(consumer) == 0  # (the releaser hands nothing here)
         worker_state.reserved_requests.add(made[2])
         assert internals.no_process_free(consumer)  # (one waits already)
         worker_state.active_requests.discard(made[1])
@@ -174,6 +175,7 @@ def test_no_process_free_reads_the_pools_size_and_the_requests_held() -> None:
         assert internals.no_process_free(consumer)
         consumer.controller.max_concurrency = 4  # (an autoscaler's ceiling: 3 free, 2 waiting)
         assert not internals.no_process_free(consumer)
+        assert internals.processes_idle(consumer) == 1
     finally:
         worker_state.reserved_requests.difference_update(made)
         worker_state.active_requests.difference_update(made)
