@@ -10,8 +10,8 @@ sends the first task its end released there (0.98). RabbitMQ already gives a rel
 task to a worker with room (0.98 without this): nothing is handed there.
 
 A worker's releaser (its main process) hands the first task a release of its frees to
-its own worker too, when that worker has a process idle: a slot the sharer moved to
-another key, a window's room that came, go where a process waits for them.
+its own worker too, when that worker has a process idle and the key has a concurrency
+limit: a slot the sharer moved to another key goes where a process waits for it.
 
 Only where that worker would take the task from its own queues too: the task is known to
 it, the queue its routes send it to is one the worker consumes, and it is acked as it
@@ -42,9 +42,11 @@ _HANDING_TRANSPORTS = ("redis",)
 
 
 def hand_queue(hostname: str) -> Queue:
-    """The queue worker ``hostname`` takes hand-offs from."""
+    """The queue worker ``hostname`` takes hand-offs from: a list sent to by its name,
+    never declared (no binding is written for it: nothing is left of it in the broker once
+    its worker has taken what was sent there)."""
     name = f"{hostname}.throttle-hand"
-    return Queue(name, Exchange("", type="direct"), routing_key=name)
+    return Queue(name, Exchange("", type="direct"), routing_key=name, no_declare=True)
 
 
 class Hand:

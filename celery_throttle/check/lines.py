@@ -283,7 +283,8 @@ class Lines(OnCall):
                 return 0, now_us
             call = BoundCall(target[0], target[1], (), 1, "sliding", key)
         reply = self.ctl.checker.release(call, RELEASER_BATCH, drain=drain)
-        self.handle(call, reply, here=not drain and self.hand.idle())
+        # (A slot a release fills is held until its task starts: where a process is idle.)
+        self.handle(call, reply, here=call.concurrency > 0 and not drain and self.hand.idle())
         if reply.code == Code.RUN and drain and reply.waiting:
             return reply.now_us, reply.now_us  # (more to drain: at once)
         return reply.due_us, reply.now_us

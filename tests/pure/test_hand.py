@@ -50,5 +50,5 @@ def test_a_worker_takes_only_what_it_would_take_from_its_own_queues(routed_app: 
 def test_the_queue_is_one_per_worker() -> None:
     queue = hand_queue("w1@host")
     assert queue.name == queue.routing_key == "w1@host.throttle-hand"
-    assert queue.exchange.name == ""
+    assert queue.exchange.name == "" and queue.no_declare  # (sent to by its name; no binding left behind)
     assert hand_queue("w2@host").name != queue.name

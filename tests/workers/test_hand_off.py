@@ -14,6 +14,7 @@ from collections import Counter
 import redis
 
 from celery_throttle.celery_parts.hand import hand_queue
+from tests.conftest import _clean
 from tests.helpers import BROKER_URL, STORE_URL, WorkerGroup, new_label, wait_for
 
 
@@ -35,6 +36,7 @@ def test_a_task_released_by_a_body_s_end_starts_on_that_body_s_worker(store_clie
         got = spans(group, label)
     finally:
         group.stop()
+        _clean(store_client, group.prefix)
     assert len(got) == 16 and len({s["id"] for s in got}) == 16, Counter(s["id"] for s in got)
     handed = [s for s in got if (s["via"] or "").endswith(".throttle-hand")]
     if broker_url.startswith("amqp"):  # (RabbitMQ gives a released task to a worker with room)
@@ -66,6 +68,7 @@ def test_a_task_acked_late_is_not_handed(store_client: redis.Redis) -> None:
         got = spans(group, label)
     finally:
         group.stop()
+        _clean(store_client, group.prefix)
     assert {s["via"] for s in got} == {group.queue}, got
 
 
@@ -100,4 +103,5 @@ def test_a_task_handed_to_a_worker_that_does_not_take_it_goes_again_and_runs_onc
         ran = Counter(s["id"] for s in spans(group, label))
     finally:
         group.stop()
+        _clean(store_client, group.prefix)
     assert ran == {first: 1, second: 1}, ran
