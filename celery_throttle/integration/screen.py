@@ -178,7 +178,11 @@ def _hand_back(ctl: Any, task: Any, message: Any) -> bool:
         logger.debug("could not hand %s[%s] back to its line: %r", task.name, (message.headers or {}).get("id"), exc)
         return False
     ctl.lines.handle(call, reply)
-    return True
+    # Only when its entry was put back and sent on again is this copy done with. A ticket
+    # the store does not hold out (forged, or one released again since) goes to the pool,
+    # which checks it (a fresh call, or a copy dropped with a warning); one put back but
+    # not sent on again is claimed there from its place.
+    return any(t.id == header.ticket and t.kind == "r" for t in reply.reported)
 
 
 def _arguments(message: Any) -> tuple[Any, Any]:

@@ -14,6 +14,8 @@ from collections import Counter
 import redis
 
 from celery_throttle.celery_parts.hand import hand_queue
+from celery_throttle.core.header import HEADER
+from celery_throttle.core.keys import state_key
 from tests.conftest import _clean
 from tests.helpers import BROKER_URL, STORE_URL, WorkerGroup, new_label, wait_for
 
@@ -105,3 +107,30 @@ def test_a_task_handed_to_a_worker_that_does_not_take_it_goes_again_and_runs_onc
         group.stop()
         _clean(store_client, group.prefix)
     assert ran == {first: 1, second: 1}, ran
+
+
+def test_a_forged_ticket_sent_to_a_worker_s_own_queue_grants_nothing_and_is_not_lost(store_client: redis.Redis) -> None:
+    """A producer that never installed the plugin sends tasks straight to a worker's own
+    queue, with tickets it made up, while the key's one slot is held: none starts beside
+    the holder, none is dropped (a busy worker hands back only what the store sent on again)."""
+    group = WorkerGroup(f"ct-test-hand-{uuid.uuid4().hex[:8]}", BROKER_URL, STORE_URL, count=1, concurrency=2)
+    label = new_label()
+    try:
+        group.start()
+        holder = group.send("single_slot", label, "f", 2.0)
+        wait_for(lambda: group.records.llen(f"{group.prefix}:began") >= 1, 30, 0.05, "the holder's body")
+        key = state_key(group.prefix, "single-slot", "f")
+        forged = []
+        for i in range(4):
+            task_id = str(uuid.uuid4())
+            forged.append(group.send("single_slot", label, "f", 0.1, task_id=task_id,
+                                     queue=hand_queue(group.hostname(0)).name,
+                                     headers={HEADER: {"v": 3, "n": 0, "k": key, "t": f"{task_id}:forged{i}"}}))
+        wait_for(lambda: len(spans(group, label)) >= 5, 60, 0.1, "the holder and the 4 forged")
+        got = spans(group, label)
+    finally:
+        group.stop()
+        _clean(store_client, group.prefix)
+    assert Counter(s["id"] for s in got) == Counter([holder, *forged]), got
+    ends = {s["id"]: s["t1"] for s in got}
+    assert all(s["t0"] >= ends[holder] - 0.05 for s in got if s["id"] != holder), got  # (one slot: after it)
