@@ -35,6 +35,8 @@ SECTIONS = {
     "share": ("bench.share", "run_share", ("17", "fair-share", "shared-slots")),
     "journal": ("bench.journal", "run_journal", ("44", "journal-cost")),
     "observe": ("bench.llm", "run_observe", ("46", "headers")),
+    "shapes": ("bench.shapes", "run_shapes", ("46b", "adaptive-shapes")),
+    "tenants": ("bench.tenants", "run_tenants", ("46c", "small-tenants")),
 }
 ALIASES = {alias: name for name, (_, _, aliases) in SECTIONS.items() for alias in aliases}
 
@@ -67,12 +69,15 @@ class Scale:
     share_trickle: tuple[int, int, float] = (480, 32, 0.25)
     #: the journal's price (bench/journal.py): tasks waiting.
     journal_sizes: tuple[int, ...] = (200, 1_000, 5_000)
+    #: adaptive limits on moving shapes (bench/shapes.py): calls per client.
+    shape_calls: int = 1_500
     quick: bool = False
 
 
 FULL = Scale()
 QUICK = Scale("20/s", 100, (100, 1_000, 10_000), (1_000, 10_000), 50, (1_000,), 1, 60, (0.0, 3.0), 1,
-              900, 6.0, 40, 96, 200, (3, 2.0), (3, 30), 4.0, (200, 24, 0.25), (100, 500), quick=True)
+              900, 6.0, 40, 96, 200, (3, 2.0), (3, 30), 4.0, (200, 24, 0.25), (100, 500), shape_calls=1_500,
+              quick=True)
 
 #: The headline table (README, "Benchmark"): its rows, and its columns.
 HEADLINE = {

@@ -204,13 +204,14 @@ def fetch(path: str, **query: Any) -> tuple[int, dict[str, Any], float, Any]:
 
 
 def _api(backoff: bool = False) -> Any:
-    """One request (``i``: the call's index, for the API's log); a 429 retried after its
-    Retry-After, or (``backoff``) raised as ``Backoff`` with it."""
+    """One request (``i``: the call's index, for the API's log); a refusal (429, 503) retried after
+    its Retry-After (1 s when it gives none), or (``backoff``) raised as ``Backoff`` with the header
+    as the README writes it (none when the API gives none)."""
     def task(self: Any, label: str, account: str, i: int = -1) -> None:
-        status, _, wait = request("/call", account=account, label=label, id=self.request.id, i=i)
+        status, _, wait, headers = fetch("/call", account=account, label=label, id=self.request.id, i=i)
         if status != 200:
             if backoff:
-                raise Backoff(retry_after=wait)
+                raise Backoff(retry_after=headers.get("Retry-After"))
             raise self.retry(countdown=wait or 1.0)
     return task
 
@@ -273,6 +274,11 @@ _task("share_fair", _slot(), concurrency=SHARE_K, scope=SHARE_SCOPE, key="{tenan
       share=celery_throttle.Share(weight=lambda tenant, seconds: SHARE_WEIGHTS.get(tenant, 1)))
 _task("share_per_key", _slot(), concurrency=PER_KEY, scope="share-per-key", key="{tenant}")
 _task("share_plain", _slot())
+#: Many small tenants beside a flood (bench/tenants.py, issue 46's shape): 6 slots over the scope,
+#: shared; beside it, 2 per key and no share.
+TENANTS_K, TENANTS_PER_KEY = 6, 2
+_task("tenants_fair", _slot(), concurrency=TENANTS_K, scope="tenants-api", key="{tenant}", share=True)
+_task("tenants_per_key", _slot(), concurrency=TENANTS_PER_KEY, scope="tenants-per-key", key="{tenant}")
 
 
 # -- the LLM API (15b): requests and tokens ------------------------------------------------

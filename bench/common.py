@@ -214,15 +214,15 @@ class Arrival:
     answered: float = 0.0
 
 
-#: ``decide(path, query)`` -> (status, tokens, Retry-After s, seconds before a 200 is sent[, the
-#: reply's own headers]).
+#: ``decide(path, query)`` -> (status, tokens, Retry-After s (None: no header), seconds before a 200
+#: is sent[, the reply's own headers]).
 Decide = Callable[[str, dict[str, str]], tuple[Any, ...]]
 
 
 class Api:
     """A fake API: a stdlib HTTP server on a loopback port, in a thread of the bench's process
     (its limits exact and global, its counts read without a store). Requests are tallied by
-    their ``label``; a 429 carries ``Retry-After`` (whole seconds)."""
+    their ``label``; a refusal carries ``Retry-After`` (whole seconds) unless ``decide`` gives None."""
 
     def __init__(self, decide: Decide) -> None:
         self.lock = threading.Lock()
@@ -242,7 +242,8 @@ class Api:
                 body = json.dumps({"tokens": tokens}).encode()
                 self.send_response(status)
                 for name, value in (("Content-Type", "application/json"), ("Content-Length", str(len(body))),
-                                    *([("Retry-After", str(max(0, math.ceil(retry))))] if status == 429 else []),
+                                    *([("Retry-After", str(max(0, math.ceil(retry))))] if status != 200 and retry is not None
+                                      else []),
                                     *(said[0].items() if said else ())):
                     self.send_header(name, value)
                 self.end_headers()

@@ -84,10 +84,11 @@ def sends_of(task: str, *sends: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run(task: str, sends: Sequence[dict[str, Any]], late: Sequence[dict[str, Any]] = (),
-        env: dict[str, str] | None = None) -> Run:
-    """``sends`` published before the workers start; ``late`` once 2K bodies began. Waits for every body.
-    The workers run at Celery's defaults (prefetch 4, acks on receipt) unless ``env`` says otherwise."""
-    with (served("share", apart=True, start=False, concurrency=PROCESSES // 2,
+        env: dict[str, str] | None = None, processes: int = PROCESSES // 2, k: int = K) -> Run:
+    """``sends`` published before the workers start; ``late`` once 2k bodies began. Waits for every body.
+    The workers (2 x ``processes``) run at Celery's defaults (prefetch 4, acks on receipt) unless ``env``
+    says otherwise."""
+    with (served("share", apart=True, start=False, concurrency=processes,
                  env={"BENCH_SHARER_PASSES": "1", **(env or {})}) as (store_server, group),
           redis.Redis(port=store_server.port) as store):
         before, calls = counts(store), commandstats(store)
@@ -96,7 +97,7 @@ def run(task: str, sends: Sequence[dict[str, Any]], late: Sequence[dict[str, Any
         group.start()
         got: list[dict[str, Any]] = []
         if late:
-            group.await_noted("began", 2 * K, 120, 0.02)
+            group.await_noted("began", 2 * k, 120, 0.02)
             got = produce(group, *sends_of(task, *late))
         total = sum(s["count"] for s in (*sends, *late))
         group.await_noted("spans", total, total * BODY_S / PER_KEY + 120, 0.2)
@@ -120,10 +121,10 @@ def shares(spans: Sequence[Span]) -> tuple[dict[str, float], int, float]:
             last - first - SETTLE_S)
 
 
-def use(spans: Sequence[Span], since: float | None = None) -> float:
-    """Body time / (K x first start (or ``since``) to last end), bodies clipped to it."""
+def use(spans: Sequence[Span], since: float | None = None, k: int = K) -> float:
+    """Body time / (k x first start (or ``since``) to last end), bodies clipped to it."""
     start, end = since if since is not None else min(s.t0 for s in spans), max(s.t1 for s in spans)
-    return sum(max(0.0, s.t1 - max(s.t0, start)) for s in spans) / (K * (end - start))
+    return sum(max(0.0, s.t1 - max(s.t0, start)) for s in spans) / (k * (end - start))
 
 
 def weights_rows(res: Results, name: str, got: Run) -> None:

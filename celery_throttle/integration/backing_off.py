@@ -29,9 +29,13 @@ __all__ = ["back_off", "catching_backoff", "pause_for"]
 logger = logging.getLogger("celery_throttle")
 
 #: A refusal without a Retry-After repeats the one before (for the same scope and key, in
-#: this process) when it comes after that one's pause ended and within this many seconds
-#: of its end: the API still refuses once the pause is over, so the next pause is twice as
-#: long. (Refusals during a pause, of calls that started before it, are the same refusal.)
+#: this process) when it comes after that one's pause ended, within this many seconds of its
+#: end, and no call of the key returned in this process since: the API still refuses
+#: everything once the pause is over (down, or an outage), so the next pause is twice as
+#: long. A call that returned between them makes it a limit's refusal, not an outage: the
+#: next pause is short again (doubling then, a throttle declared above the API's limit
+#: refused after each pause, grew its pauses to DEFAULT_BACKOFF and ran one second in 30).
+#: (Refusals during a pause, of calls that started before it, are the same refusal.)
 REPEAT_WITHIN = 10.0
 #: The most scopes and keys a process remembers the refusals of (the oldest forgotten first).
 STREAKS_KEPT = 10_000
@@ -46,8 +50,8 @@ def pause_for(exc: Backoff, *, adaptive: bool, window_us: float, ident: tuple[st
     The API's Retry-After when it gave one; under ``adaptive``, only if it is longer than a
     window of the rate (``window_us``): the lowered limit is the answer to a refusal that
     asks for a moment, or for nothing. Without a Retry-After and without ``adaptive``:
-    FIRST_UNASKED_BACKOFF, doubling while refusals repeat (REPEAT_WITHIN), at most
-    DEFAULT_BACKOFF."""
+    FIRST_UNASKED_BACKOFF, doubling while refusals repeat with no call of the key returning
+    in between (REPEAT_WITHIN, :func:`returned`), at most DEFAULT_BACKOFF."""
     if exc.asked is not None:
         return 0.0 if adaptive and exc.asked * 1_000_000 <= window_us else exc.asked
     if adaptive:
@@ -65,6 +69,18 @@ def pause_for(exc: Backoff, *, adaptive: bool, window_us: float, ident: tuple[st
         while len(_streaks) > STREAKS_KEPT:
             _streaks.popitem(last=False)
     return seconds
+
+
+def returned(task_id: str | None) -> None:
+    """A throttled body returned: its key's refusals in this process no longer repeat (the
+    API took a call since the last)."""
+    if not _streaks or task_id is None:
+        return
+    call = settle.call_of(task_id)
+    if call is not None:
+        with _streaks_lock:
+            _streaks.pop((call.scope, call.key), None)
+            _streaks.pop((call.scope, None), None)
 
 
 def catching_backoff(run: Any, task: Any) -> Any:
@@ -94,6 +110,7 @@ def catching_backoff(run: Any, task: Any) -> Any:
 
 def _settled(task: Any, result: Any) -> Any:
     """``result`` of a body, its ``cost_after(result)`` charged first (see :mod:`.settle`)."""
+    returned(task.request.id)
     cost_after = getattr(type(task)._throttle_spec, "cost_after", None)
     if cost_after is not None and not (task.request.is_eager or task.request.called_directly):
         settle.charge_after(cost_after, result, task)

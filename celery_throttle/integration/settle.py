@@ -48,10 +48,13 @@ class _Running:
 
 
 class _Bodies(threading.local):
+    #: Bodies whose call was counted (a rate's units: what charge() settles).
     running: dict[str, _Running]
+    #: Every admitted body's call (a throttle of slots alone counts nothing).
+    calls: dict[str, BoundCall]
 
     def __init__(self) -> None:
-        self.running = {}
+        self.running, self.calls = {}, {}
 
 
 _bodies = _Bodies()
@@ -59,12 +62,19 @@ _bodies = _Bodies()
 
 def started(task_id: str, call: BoundCall, counted: Counted | None) -> None:
     """The hook admitted ``task_id`` (in this thread), counted as ``counted``."""
+    _bodies.calls[task_id] = call
     if counted is not None:
         _bodies.running[task_id] = _Running(task_id, call, counted, counted.units)
 
 
+def call_of(task_id: str) -> BoundCall | None:
+    """The call of ``task_id``'s body running in this thread, as the hook admitted it."""
+    return _bodies.calls.get(task_id)
+
+
 def ended(task_id: str) -> None:
     _bodies.running.pop(task_id, None)
+    _bodies.calls.pop(task_id, None)
 
 
 def charge(units: int | None = None, **by_unit: int) -> None:

@@ -76,3 +76,35 @@ def test_a_refusal_without_retry_after_pauses_briefly_and_longer_only_while_refu
     # and after a quiet spell (no refusal within REPEAT_WITHIN of the pause's end), a second again
     clock[0] += DEFAULT_BACKOFF + backing_off.REPEAT_WITHIN + 1
     assert pause() == 1.0
+
+
+def test_a_refusal_after_a_call_of_its_key_returned_is_a_limits_refusal_and_pauses_briefly_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # (A throttle declared above the API's limit is refused after every pause, with calls
+    # taken in between: doubling there ran one second in 30.)
+    from celery_throttle.core.backoff import Backoff
+    from celery_throttle.core.spec import BoundCall
+    from celery_throttle.integration import backing_off, settle
+
+    clock = [1000.0]
+    monkeypatch.setattr(backing_off.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(backing_off, "_streaks", backing_off.OrderedDict())
+
+    def pause(key: str = "acme") -> float:
+        return backing_off.pause_for(Backoff(None), adaptive=False, window_us=1_000_000, ident=("api", key))
+
+    def returned(task_id: str, key: str) -> None:
+        settle.started(task_id, BoundCall("api", key, (), 1, "sliding", f"state:{key}"), None)
+        backing_off.returned(task_id)
+        settle.ended(task_id)
+
+    # Given refusals that repeat after each pause, nothing taken in between: they grow
+    assert [pause(), (clock.__setitem__(0, clock[0] + 1.1), pause())[1]] == [1.0, 2.0]
+    # When a call of another key returns, the key's streak stands; of the key, it ends
+    returned("t-other", "other")
+    clock[0] += 2.1
+    assert pause() == 4.0
+    returned("t-1", "acme")
+    clock[0] += 4.1
+    # Then the next refusal is a limit's: a short pause again
+    assert pause() == 1.0
