@@ -23,6 +23,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import redis
@@ -299,18 +301,21 @@ def _llm(settle: bool = False, by_hand: bool = False, observe: bool = False) -> 
     def task(self: Any, label: str, account: str, i: int) -> None:
         if by_hand and (wait := _by_hand(account, sweep_estimate(label, account, i))):
             raise self.retry(countdown=wait)
+        sent = time.monotonic()
         status, body, wait, headers = fetch("/v1/complete", account=account, label=label, i=i, id=self.request.id)
+        # (what requests' response.elapsed says: from the send to the reply's headers)
+        reply = SimpleNamespace(headers=headers, elapsed=timedelta(seconds=time.monotonic() - sent))
         if status == 429:
             if settle:
                 celery_throttle.charge(tokens=0)
                 if observe:
-                    celery_throttle.observe(headers)
+                    celery_throttle.observe(reply)
                 raise Backoff(retry_after=wait)
             raise self.retry(countdown=wait)
         if settle:
             celery_throttle.charge(tokens=int(body["tokens"]))
             if observe:
-                celery_throttle.observe(headers)
+                celery_throttle.observe(reply)
     return task
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from datetime import timedelta
+from types import SimpleNamespace
 
 import redis
 from celery import Celery, shared_task
@@ -584,9 +586,11 @@ def refused_once(label, tenant, used, refund):
 
 @app.task
 @throttle("10/m", "1000 tokens/m", key="{tenant}", cost={"tokens": 100})
-def observing(label, tenant, headers):
-    """A call whose reply carries the API's own count (``headers``): its key is brought to it."""
-    added = celery_throttle.observe(headers)
+def observing(label, tenant, headers, elapsed=None):
+    """A call whose reply carries the API's own count (``headers``): its key is brought to it.
+    ``elapsed``: seconds the reply took, as ``requests`` says it (``response.elapsed``)."""
+    reply = headers if elapsed is None else SimpleNamespace(headers=headers, elapsed=timedelta(seconds=elapsed))
+    added = celery_throttle.observe(reply)
     record(label, tenant=tenant, added=added)
 
 

@@ -45,11 +45,14 @@ logger = logging.getLogger("celery_throttle")
 #: with work takes the slots of a key that has none left (a pass is four round trips to
 #: the store, the keys of the scope read and written in pipelines).
 SHARE_EVERY = 0.1
-#: The most of its time the sharer spends in passes: after a pass of T seconds it waits
-#: T x (1/PASS_DUTY - 1) before the next, woken or not. A pass reads three fields of each
-#: key in the share (some 25 µs a key in redis-py, 0.5 µs of the store's CPU): 1 ms for 30
-#: keys, a third of a second for 10 000, which would otherwise take a core of the worker
-#: that leads (its consumer's) and share the slots more often than they can change.
+#: The most of a core the sharer spends in passes: after a pass that took T seconds of its
+#: thread's CPU it waits T x (1/PASS_DUTY - 1) before the next, woken or not. A pass reads
+#: three fields of each key in the share (some 25 µs a key in redis-py, 0.5 µs of the
+#: store's CPU): 1 ms for 30 keys, a third of a second for 10 000, which would otherwise
+#: take a core of the worker that leads (its consumer's) and share the slots more often
+#: than they can change. CPU, not the pass's wall time: its round trips to the store cost
+#: the worker nothing, and counted (a far store, a busy one) they kept the sharer deaf to
+#: a freed slot's wake-up for 9 times as long after each pass.
 PASS_DUTY = 0.1
 #: The lock of a scope's sharer (seconds): a worker that stops sharing leaves its scopes
 #: to another after this (their caps stay as they were meanwhile: never beyond K).
@@ -93,12 +96,12 @@ class Sharer(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.is_set():
             try:
-                began = time.monotonic()
+                began = time.thread_time()
                 for scope, total in self.scopes().items():
                     if self._lead(scope):
                         self.share(scope, total)
                 self._outage.ok()
-                self._stop_event.wait((time.monotonic() - began) * (1 / PASS_DUTY - 1))
+                self._stop_event.wait((time.thread_time() - began) * (1 / PASS_DUTY - 1))
                 if self._locks:
                     # (woken at once by a slot given back beyond a cap, or a key that joins)
                     self.ctl.store.share_wait(list(self._locks), SHARE_EVERY)

@@ -140,16 +140,23 @@ def test_a_registry_evicted_is_written_back(two: tuple[Sharer, Sharer], keep: st
 
 
 def test_a_slow_pass_spaces_the_next(two: tuple[Sharer, Sharer], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pass of 60 ms (a share of thousands of keys) is followed by 540 ms without one
-    (PASS_DUTY), woken or not: some 2 passes a second, where a pass every SHARE_EVERY after
-    each would make 6."""
-    a, _ = two
+    """A pass of 60 ms of the sharer's CPU (a share of thousands of keys) is followed by 540 ms
+    without one (PASS_DUTY), woken or not: some 2 passes a second, where a pass every
+    SHARE_EVERY after each would make 6. A pass that waits on the store as long costs the
+    worker nothing, and is not spaced so."""
+    a, b = two
     passes: list[float] = []
+    busy = [True]
 
     def slow(scope: str, total: int) -> tuple[dict[str, int], list[str]]:
         passes.append(time.monotonic())
-        a.ctl.store.share_poke(SCOPE)  # (a wake-up waits for every pass)
-        time.sleep(0.06)
+        a.ctl.store.share_poke(scope)  # (a wake-up waits for every pass)
+        if busy[0]:
+            spent = time.thread_time()
+            while time.thread_time() - spent < 0.06:
+                pass
+        else:
+            time.sleep(0.06)
         return {}, []
 
     monkeypatch.setattr(a, "share", slow)
@@ -163,3 +170,16 @@ def test_a_slow_pass_spaces_the_next(two: tuple[Sharer, Sharer], monkeypatch: py
     gaps = [later - sooner for sooner, later in pairwise(passes)]
     assert sharer_module.PASS_DUTY == 0.1
     assert gaps and min(gaps) >= 0.55, gaps
+    # And a pass that only waits on the store (a slow link) is followed by the next when woken
+    # (another scope: a's lock of SCOPE runs out by itself, stopped from another thread)
+    busy[0], passes[:] = False, []
+    monkeypatch.setattr(b, "share", slow)
+    monkeypatch.setattr(b, "scopes", lambda: {f"{SCOPE}-slow-link": K})
+    b.start()
+    try:
+        time.sleep(1.0)
+    finally:
+        b.stop()
+        b.join(5)
+    gaps = [later - sooner for sooner, later in pairwise(passes)]
+    assert len(gaps) >= 8 and sorted(gaps)[len(gaps) // 2] < 0.2, gaps

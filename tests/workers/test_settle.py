@@ -140,6 +140,15 @@ def test_a_body_brings_its_key_to_the_apis_own_count(workers: WorkerGroup) -> No
         second = workers.wait_starts(label, 2, timeout=30, settle=0.2)
         assert [s["added"] for s in second if s["id"] != first[0]["id"]] == [{}]
         assert [r.remaining for r in ctl.status("tests.taskapp.observing", tenant).rates] == [2, 150]
+        # And a reply that took longer than a tenth of the minute (the API's count is of its
+        # arrival, the window has moved on since) is not read; one of a second is
+        late = f"api-{uuid.uuid4().hex[:8]}"
+        workers.send("observing", label, late, {"x-ratelimit-remaining-requests": "0"}, 7.0)
+        workers.wait_starts(label, 3, timeout=30, settle=0.2)
+        workers.send("observing", label, late, {"x-ratelimit-remaining-tokens": "400"}, 1.0)
+        third = [s for s in workers.wait_starts(label, 4, timeout=30, settle=0.2) if s.get("tenant") == late]
+        assert [s["added"] for s in third] == [{}, {"tokens": 400}], third
+        assert [r.remaining for r in ctl.status("tests.taskapp.observing", late).rates] == [8, 400]
     finally:
         ctl.close()
 
