@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -146,6 +147,16 @@ def observe(response: Any) -> dict[str, int]:
     at once each add the difference: the key is held back more than the API asks, never
     less.)
 
+    Where the headers also say when the API's window resets (``x-ratelimit-reset-*``,
+    ``anthropic-ratelimit-*-reset``, ``x-ratelimit-reset``, the IETF fields' reset:
+    :func:`celery_throttle.core.api_limits.resets`) and that is sooner than the rate's
+    window, the difference is counted a window before that reset, so that it leaves the
+    throttle's window when the API's resets (counted now, it would hold the key back up to
+    a whole window past it: GitHub's hour ends at a fixed time); and a unit with nothing
+    left pauses the key until the reset, on every worker (a unit the throttle has no rate
+    of included). The difference is not the call's own cost: a ``charge()`` after it
+    settles the call's estimate alone.
+
     A reply that says how long it took (``elapsed``, as ``requests`` and ``httpx`` give it)
     and took longer than OBSERVE_FRESH of the call's shortest window is not read: the API's
     count is of when the call arrived, the throttle's window has moved on since. (A 429
@@ -162,13 +173,17 @@ def observe(response: Any) -> dict[str, int]:
         return {}
     ctl = controller(current_task.app)
     call, n = running.call, len(running.call.rates)
+    resets = api_limits.resets(headers)
+    _pause_until_reset(ctl, call, {unit: at for unit, (left, at) in resets.items() if not left}, task_id)
     try:
         status = ctl.status(call.scope, call.key)
     except StoreError as exc:
         logger.warning("could not read the windows of %s[%s] to bring them to the API's count: %s",
                        current_task.name, task_id, exc)
         return {}
-    delta = [0] * n
+    delta, now = [0] * n, time.time()
+    #: where each rate's difference is counted (µs; 0: the call's own span)
+    spans = [0] * n
     for i, rate in enumerate(call.rates):
         theirs = said.get(rate.unit)
         # (the status's rate of this unit and window: the call's window has the margin added)
@@ -178,22 +193,43 @@ def observe(response: Any) -> dict[str, int]:
         ours = min(same, key=lambda r: abs(r.rate.period - rate.period)).remaining
         if ours > theirs:
             delta[i] = ours - theirs
+        if rate.unit in resets and resets[rate.unit][1] < rate.period:
+            # (The API's window resets sooner than a count now would leave this one's: counted
+            # a window before the API's reset, the difference leaves this window with it.)
+            spans[i] = int((now + resets[rate.unit][1] - rate.period) * 1_000_000)
     if not any(delta):
         return {}
+    counted = running.counted
     try:
-        reply = ctl.checker.settle(call, running.counted, one_cost(delta))
-        ctl.lines.handle(call, reply)
+        for span in sorted({spans[i] for i in range(n) if delta[i]}):
+            at = counted if not span else Counted(span, span, counted.units, counted.epoch)
+            reply = ctl.checker.settle(call, at, one_cost([d if s == span else 0 for d, s in zip(delta, spans)]))
+            ctl.lines.handle(call, reply)
     except StoreError as exc:
         ctl.metrics.store_error("settle")
         logger.warning("could not bring the windows of %s[%s] to the API's count: %s", current_task.name, task_id,
                        exc)
         return {}
-    running.units = one_cost([c + d for c, d in zip(per_rate(running.units, n), delta)])
+    # (Not this call's own cost: a charge() after it settles the call's estimate alone.)
     added: dict[str, int] = {}
     for rate, d in zip(call.rates, delta):
         if d:
             added[rate.unit] = max(added.get(rate.unit, 0), d)
     return added
+
+
+def _pause_until_reset(ctl: Any, call: BoundCall, waits: dict[str, float], task_id: str | None) -> None:
+    """The API has nothing left until its window resets (``waits``, by unit): the key
+    starts nothing until then, on every worker (its window may have room sooner: the API's
+    resets at its own time, a fixed hour's end for GitHub)."""
+    seconds = max(waits.values(), default=0.0)
+    if seconds <= 0:
+        return
+    try:
+        ctl.pause(call.scope, call.key, seconds)
+    except StoreError as exc:
+        logger.warning("could not pause %s[%s] until the API's window resets (%.1fs): %s", current_task.name,
+                       task_id, seconds, exc)
 
 
 def _elapsed(response: Any) -> float | None:

@@ -153,6 +153,31 @@ def test_a_body_brings_its_key_to_the_apis_own_count(workers: WorkerGroup) -> No
         ctl.close()
 
 
+def test_a_reply_that_says_the_api_has_nothing_left_pauses_its_key_until_the_apis_window_resets(
+        workers: WorkerGroup) -> None:
+    # Given a key far under its own limit (10 calls a minute, one spent), and a reply that
+    # says the API has no request left, its window resetting in 3 s (another client spent it)
+    label, tenant = new_label(), f"api-{uuid.uuid4().hex[:8]}"
+    workers.send("observing", label, tenant, {"x-ratelimit-remaining-requests": "0",
+                                              "x-ratelimit-reset-requests": "3s"})
+    first = workers.wait_starts(label, 1, timeout=30)[0]
+    ctl = celery_throttle.Throttle(tasks_app, {"redis_url": STORE_URL, "key_prefix": workers.prefix})
+    try:
+        # Then the key is paused until then, for every worker
+        until = ctl.paused_until("tests.taskapp.observing", tenant)
+        assert until is not None and first["t"] + 2.0 <= until <= first["t"] + 4.0, (until, first["t"])
+        # And its next call waits for it, though its own window has room (less the 0.5 s a
+        # worker may take to see a pause)
+        workers.send("observing", label, tenant, {})
+        second = next(s for s in workers.wait_starts(label, 2, timeout=30) if s["id"] != first["id"])
+        assert second["t"] >= until - 0.5, (second["t"], until)
+        # And what the API counted that the throttle did not (9 calls) left the key's window
+        # with the API's reset, not a minute after: 8 of its 10 calls are free
+        assert [r.remaining for r in ctl.status("tests.taskapp.observing", tenant).rates] == [8, 800]
+    finally:
+        ctl.close()
+
+
 @pytest.mark.pure
 def test_charge_outside_a_throttled_body_and_bad_units_fail_clearly() -> None:
     with pytest.raises(ThrottleError, match="in the body of a task with a @throttle"):
