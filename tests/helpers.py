@@ -126,7 +126,23 @@ def delete_queues(broker_url: str, queues: Sequence[str]) -> None:
         # the slot its body gave back, would otherwise stay behind.)
         client.delete(*queues, *(f"{queue}{Channel.sep}{step}" for queue in queues for step in Channel.priority_steps))
         drop_bindings(client, queues)
+        drop_unacked(client, queues)
         client.close()
+
+
+def drop_unacked(client: redis.Redis, queues: Sequence[str]) -> None:
+    """Forget the messages kombu set aside as unacked for ``queues``: a worker SIGKILLed (or
+    stopped past its grace on a busy machine) with a message it had popped and not acked
+    leaves it in the ``unacked`` hash until the visibility timeout, an hour by default."""
+    names = {q.encode() for q in queues}
+    for tag, raw in client.hgetall("unacked").items():
+        try:
+            routing_key = json.loads(raw)[2]
+        except (ValueError, IndexError, TypeError):
+            continue
+        if isinstance(routing_key, str) and routing_key.encode() in names:
+            client.hdel("unacked", tag)
+            client.zrem("unacked_index", tag)
 
 
 def new_label() -> str:
