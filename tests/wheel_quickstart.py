@@ -126,7 +126,8 @@ def main(argv: list[str]) -> int:
                 store.delete(key)
             broker = redis.Redis.from_url(env["QS_BROKER"])
             broker.delete(env["QS_QUEUE"], f"_kombu.binding.{env['QS_QUEUE']}",
-                          f"_kombu.binding_permanent.{env['QS_QUEUE']}")  # (kombu 5.5 keeps both)
+                          f"_kombu.binding_permanent.{env['QS_QUEUE']}",  # (kombu 5.5 keeps both)
+                          f"celery_throttle.journal.{env['QS_PREFIX']}")  # (the journal: copies of waiting tasks)
             drop_bindings(broker, lambda queue: f"qs-{tag}@" in queue)  # (its pidbox's)
             broker.close()
         else:
