@@ -12,6 +12,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from bench.common import Api, Results, md, yes
@@ -88,8 +89,13 @@ def fastest(calls: int, phase: float) -> float:
     raise AssertionError("the last phase lasts")
 
 
-def oracle(firsts: dict[str, float], phase: float) -> Any:
-    """``drive``'s ``on_start``: the oracle's limit set to the API's as it changes."""
+#: How often the oracle reads the API's limit (it sets it on the store when it changed).
+ORACLE_TICK = 0.1
+
+
+def oracle(limit: Callable[[float], float], firsts: dict[str, float]) -> Any:
+    """``drive``'s ``on_start``: the oracle's limit set to the API's, ``limit(t)`` at t s from the
+    account's first call, as it changes (read every ORACLE_TICK)."""
     def on_start(runs: list[dict[str, Any]]) -> Any:
         from bench.app import app as bench_app
         from celery_throttle import Throttle
@@ -97,13 +103,15 @@ def oracle(firsts: dict[str, float], phase: float) -> Any:
         stop, threads, ctls = threading.Event(), [], []
 
         def follow(run: dict[str, Any], ctl: Any, scope: str) -> None:
-            while not stop.is_set() and run["label"] not in firsts:
-                time.sleep(0.002)
-            for k, limit in list(enumerate(ADAPT_LIMITS))[1:]:
-                if stop.wait(max(0.0, firsts.get(run["label"], 0.0) + k * phase - time.time())):
-                    return
-                ctl.set_limit(scope, [f"{limit}/s"])
-                run["set_at"].append((round(time.time() - firsts[run["label"]], 3), limit))
+            told = math.floor(limit(0.0))
+            ctl.set_limit(scope, [f"{told}/s"])
+            while not stop.wait(ORACLE_TICK):
+                first = firsts.get(run["label"])
+                now = math.floor(limit(0.0 if first is None else time.time() - first))
+                if now != told:
+                    ctl.set_limit(scope, [f"{now}/s"])
+                    told = now
+                    run["set_at"].append((round(time.time() - (first or time.time()), 2), now))
 
         for run in runs:
             run["set_at"] = []
@@ -124,6 +132,11 @@ def oracle(firsts: dict[str, float], phase: float) -> Any:
     return on_start
 
 
+def stepped(phase: float) -> Callable[[float], float]:
+    """Section 16's limit at t s from the first call: ADAPT_LIMITS, a phase each (the last lasts)."""
+    return lambda t: ADAPT_LIMITS[min(max(int(t // phase), 0), len(ADAPT_LIMITS) - 1)]
+
+
 def run_adapt(res: Results, scale: Any) -> None:
     calls, phase, started = scale.adapt_calls, scale.adapt_phase, time.time()
     best, runs, firsts = fastest(calls, phase), [], {}
@@ -132,7 +145,7 @@ def run_adapt(res: Results, scale: Any) -> None:
     for task, name in ADAPT_CLIENTS.items():  # (one at a time: side by side, 2 cores were the limit)
         api, first = moving_api(phase)
         runs += drive([Variant(name, task, concurrency=4)], calls, None, 2 * best + 60, api=api,
-                      on_start=oracle(first, phase), say="adapt")
+                      on_start=oracle(stepped(phase), first), say="adapt")
         firsts.update(first)
     report_adapt(res, runs, firsts, calls, phase, best, time.time() - started)
 

@@ -9,7 +9,7 @@ producer that only imports the tasks module:
 
 - ``adapt=True``, the body raising ``Backoff(retry_after=reply.headers.get("Retry-After"))``;
 - ``Backoff`` alone at ``100/s`` (the same body);
-- the oracle: ``@throttle("50/s")`` told each limit as it changes (``set_limit``, read every 0.1 s);
+- the oracle: ``@throttle("50/s")`` told each limit as it changes (bench/api429.py's ``oracle``);
 - Celery's ``rate_limit="50/s"`` per worker retrying after Retry-After (1 s when none), on the
   first shape only (it is far behind on every shape: section adapt).
 
@@ -28,15 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.api429 import ADAPT_CLIENTS
+from bench.api429 import ADAPT_CLIENTS, oracle
 from bench.common import Api, Results, md, yes
 from bench.llm import Variant, drive
 
 SEC, MOST_REFUSED, MOST_SPAN = "46b adaptive shapes", 2.0, 1.10
 #: Seconds a 200 takes (the issue's calls of ~0.1 s).
 LATENCY = 0.1
-#: How often the oracle reads the API's limit (it sets it on the store when it changed).
-ORACLE_TICK = 0.1
 
 
 def steps(t: float) -> float:
@@ -110,44 +108,6 @@ def fastest(limit: Callable[[float], float], calls: int, step: float = 0.01) -> 
     return t
 
 
-def oracle(shape: Shape, firsts: dict[str, float]) -> Any:
-    """``drive``'s ``on_start``: the oracle's limit set to the API's as it changes."""
-    def on_start(runs: list[dict[str, Any]]) -> Any:
-        from bench.app import app as bench_app
-        from celery_throttle import Throttle
-
-        stop, threads, ctls = threading.Event(), [], []
-
-        def follow(run: dict[str, Any], ctl: Any, scope: str) -> None:
-            told = math.floor(shape.limit(0.0))
-            ctl.set_limit(scope, [f"{told}/s"])
-            while not stop.wait(ORACLE_TICK):
-                first = firsts.get(run["label"])
-                now = math.floor(shape.limit(0.0 if first is None else time.time() - first))
-                if now != told:
-                    ctl.set_limit(scope, [f"{now}/s"])
-                    told = now
-                    run["set_at"].append((round(time.time() - (first or time.time()), 2), now))
-
-        for run in runs:
-            run["set_at"] = []
-            if run["variant"].task == "adapt_oracle":
-                ctls.append(ctl := Throttle(bench_app, {"redis_url": run["server"].url,
-                                                        "key_prefix": run["group"].prefix}))
-                threads.append(threading.Thread(target=follow, args=(run, ctl, "bench.app.adapt_oracle"), daemon=True))
-        for thread in threads:
-            thread.start()
-
-        def stopped() -> None:
-            stop.set()
-            for thread in threads:
-                thread.join(5)
-            for ctl in ctls:
-                ctl.close()
-        return stopped
-    return on_start
-
-
 def clients(shape: Shape) -> list[str]:
     return ["adapt_learning", "adapt_backoff", "adapt_oracle"] + (["adapt_builtin"] if shape.builtin else [])
 
@@ -169,7 +129,7 @@ def run_shapes(res: Results, scale: Any) -> None:
         for task in clients(shape):  # (one at a time: 2 cores)
             api, firsts = shape_api(shape)
             runs += drive([Variant(ADAPT_CLIENTS[task], task, concurrency=4)], calls, None, 2 * best + 60, api=api,
-                          on_start=oracle(shape, firsts), say="shapes")
+                          on_start=oracle(shape.limit, firsts), say="shapes")
         lines += report(res, shape, runs, calls, best)
     res.table("shapes", (
         f"APIs whose limit per account moves in shapes the law was not tuned on, unknown to the client (declared "
