@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["task_throttled", "task_wait_exceeded"]
+__all__ = ["task_shadow_throttled", "task_throttled", "task_wait_exceeded"]
 
 #: Sent in the worker each time a throttled task is denied and deferred.
 #: ``sender`` is the task; keyword arguments: ``request`` (the task's request),
@@ -24,4 +24,14 @@ task_throttled = Signal(
 task_wait_exceeded = Signal(
     name="task_wait_exceeded",
     providing_args={"request", "wait", "max_wait", "scope", "key"},
+)
+
+#: Sent in the worker when a throttle in shadow mode would have held a task back; the task
+#: runs now all the same. ``sender`` is the task; keyword arguments: ``request``, ``delay``
+#: (seconds it would have waited: 0 for a slot, whose wait is not known), ``scope``,
+#: ``key``, ``reason`` (``"rate"``, ``"concurrency"``: K bodies of its key ran already,
+#: ``"pause"``, or ``"max_wait"``: it would have failed with WaitTooLong).
+task_shadow_throttled = Signal(
+    name="task_shadow_throttled",
+    providing_args={"request", "delay", "scope", "key", "reason"},
 )

@@ -143,6 +143,10 @@ class KeyModel:
         self.slot_cap = 0
         #: KEYS[2] was evicted since the last call, the entries staying (see lose_counts).
         self.counts_lost = False
+        #: On a key's shadow keys (line.lua's shadow): the last start given ('l'), and the
+        #: counts 'n' (checked), 'h' (held back), 'w' (µs waited in all), 'm' (the longest).
+        self.shadow_last = 0
+        self.shadow_counts = {"n": 0, "h": 0, "w": 0, "m": 0}
 
     def lose_counts(self) -> None:
         """The line's counts (KEYS[2]) are evicted, its entries stay: the next call counts
@@ -190,7 +194,7 @@ class KeyModel:
                 self.counts_lost = lost  # (refused before it reads anything: nothing written)
                 return _Reply(Code.TOO_COSTLY, now=now, lead=-1, slot_cap=self.slot_cap)
         handler = {"acquire": lambda *a: self._acquire(True, *a), "screen": lambda *a: self._acquire(False, *a),
-                   "admit": self._admit, "front": self._front, "peek": self._peek}[op]
+                   "admit": self._admit, "front": self._front, "peek": self._peek, "shadow": self._shadow}[op]
         return handler(*args)
 
     def _begin(self, now: int, call: Call) -> None:
@@ -818,3 +822,34 @@ class KeyModel:
             wait = max(wait, self._wait_of(list(self.call.costs)))
         code = Code.RUN if x == self.now and self.waiting == 0 else Code.DENIED
         return self._finish(code, wait, None, False, True)
+
+    def _shadow(self, holder: str, max_wait: int) -> _Reply:
+        start = max(self.now, self.not_before, self.shadow_last)
+        x = self._earliest(start, self.call.costs, None)
+        if x is None:
+            x = start + self.shortest
+        running = held = 0
+        if self.call.concurrency > 0:
+            self._reclaim()
+            running = self._slots_held()
+            if holder:
+                self.slots[holder] = self.now + self.call.slot_lease
+                held = 1
+        wait, code = x - self.now, Code.RUN
+        if max_wait > 0 and wait > max_wait:
+            code = Code.TOO_FAR
+        else:
+            if x > self.now or (self.call.concurrency > 0 and running >= self.call.concurrency):
+                code = Code.DENIED
+            if self.rates:
+                self._record(x, x + self.call.slack, self.call.costs)
+                self.shadow_last = x
+        counts = self.shadow_counts
+        counts["n"] += 1
+        if code != Code.RUN:
+            counts["h"] += 1
+            counts["w"] += wait
+            counts["m"] = max(counts["m"], wait)
+        reply = self._finish(code, wait, {"start": x, "latest": x + self.call.slack, "held": held})
+        reply.running = running
+        return reply

@@ -126,6 +126,11 @@ def _note_denial(sender, request, delay, scope, key, parked, reason=None, **_):
     _note("throttled", sender, request, delay=delay, scope=scope, key=key, parked=parked, reason=reason)
 
 
+@celery_throttle.signals.task_shadow_throttled.connect
+def _note_shadowed(sender, request, delay, scope, key, reason, **_):
+    _note("shadowed", sender, request, delay=delay, scope=scope, key=key, reason=reason, t=time.time())
+
+
 @worker_process_init.connect
 def _connect_early(**_):
     # Connected before the first task: the notes below run between a task's admission and
@@ -339,6 +344,20 @@ def collect(results, label):
 @throttle("2/m", key="{tenant}", max_wait=5)
 def capped(label, tenant):
     record(label, tenant=tenant)
+
+
+# -- shadow mode: counted and reported, never held ---------------------------------------
+@app.task
+@throttle("2/s", scope="shadow-api", key="{tenant}", mode="shadow")
+def shadowed(label, tenant):
+    record(label, tenant=tenant)
+
+
+@app.task
+@throttle(concurrency=1, scope="shadow-slots", mode="shadow")
+def shadowed_slot(label, seconds):
+    record(label)
+    time.sleep(seconds)
 
 
 # -- operating: pauses and back-off ------------------------------------------------------

@@ -112,7 +112,10 @@ class Binder:
         settings = self.settings
         declared = spec.bind(name, signature, args or (), kwargs or {}, settings.default_algorithm,
                              settings.key_prefix)
-        return self.finish_bind(declared, spec.margin, quick=quick, adapt=spec.adapt)
+        call = self.finish_bind(declared, spec.margin, quick=quick, adapt=spec.adapt)
+        store = self.quick_store if quick else self.store
+        mode = self.controls.mode_for(store, call.scope, call.key) or spec.mode or settings.mode
+        return replace(call, shadow=True) if mode == "shadow" else call
 
     def finish_bind(self, declared: BoundCall, margin: float | None, *, quick: bool = False,
                     adapt: Adapt | None = None) -> BoundCall:

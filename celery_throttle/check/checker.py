@@ -12,9 +12,11 @@ store connections it works with.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core import timing
+from ..core.keys import shadow_key
 from ..core.protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowReply
 from ..core.rates import Rate
 from ..core.spec import BoundCall
@@ -176,6 +178,15 @@ class Checker(Binder):
     def peek(self, call: BoundCall) -> WindowReply:
         key, request = self._window_call(call, self.store)
         return self.store.peek(key, request)
+
+    def shadow(self, call: BoundCall, holder: str, max_wait_us: int) -> tuple[BoundCall, WindowReply]:
+        """A call of a throttle in shadow mode: where enforcing would have started it, on
+        the key's shadow state (:func:`.keys.shadow_key`), which it returns as a call (its
+        slot, ``held``, is renewed and ended there). Against the rates and K in force, a
+        shared K counted per key; never an adaptive level."""
+        shadowed = replace(call, state_key=shadow_key(call.state_key), adapt=None, share=None)
+        key, request = self._window_call(shadowed, self.store)
+        return shadowed, self.store.shadow(key, request, holder, max_wait_us)
 
     def _window_call(self, call: BoundCall, store: RedisStore) -> tuple[str, WindowCall]:
         """The state key of ``call`` and what the script is told about it."""

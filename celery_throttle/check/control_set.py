@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
+from ..core.config import check_mode
 from ..core.errors import ConfigurationError
 from ..core.keys import decode, encode
 from ..core.rates import Rate, parse_rates
 
-__all__ = ["REPLACE_ALL", "ControlSet", "control_target", "limit_field", "merged_rates", "parse_controls",
-           "pause_field", "replace_field", "slots_field"]
+__all__ = ["APP_MODE", "REPLACE_ALL", "ControlSet", "control_target", "limit_field", "merged_rates", "mode_field",
+           "parse_controls", "pause_field", "replace_field", "slots_field"]
 
 logger = logging.getLogger("celery_throttle")
 
 #: The value of a ``replace:`` field (not all digits: pause.lua prunes those as pauses over).
 REPLACE_ALL = "all"
+#: The field of the whole app's live mode (an encoded scope is never ``*``).
+APP_MODE = "mode:*"
 
 
 def _field(kind: str, scope: str, key: str | None) -> str:
@@ -27,7 +31,7 @@ def _field(kind: str, scope: str, key: str | None) -> str:
 def control_target(field: str) -> tuple[str, str | None] | None:
     """(scope, key) a control field names, or None for a field we do not write."""
     kind, _, rest = field.partition(":")
-    if kind not in ("pause", "limit", "slots") or not rest:
+    if kind not in ("pause", "limit", "slots", "mode") or not rest or field == APP_MODE:
         return None
     scope, sep, key = rest.partition(":")
     return decode(scope), (decode(key) if sep else None)
@@ -43,6 +47,11 @@ def limit_field(scope: str, key: str | None) -> str:
 
 def slots_field(scope: str, key: str | None) -> str:
     return _field("slots", scope, key)
+
+
+def mode_field(scope: str | None, key: str | None) -> str:
+    """The field of the live mode of ``scope``/``key`` (scope None: the whole app's)."""
+    return APP_MODE if scope is None else _field("mode", scope, key)
 
 
 def replace_field(scope: str, key: str | None) -> str:
@@ -70,9 +79,20 @@ class ControlSet(NamedTuple):
     limits: dict[str, tuple[Rate, ...]]
     slots: dict[str, int]
     replacing: frozenset[str] = frozenset()
+    #: Live modes: field (:func:`mode_field`) to "enforce" or "shadow".
+    modes: Mapping[str, str] = MappingProxyType({})
 
     def fields(self) -> list[str]:
-        return [*self.pauses, *self.limits, *self.slots]
+        return [*self.pauses, *self.limits, *self.slots, *self.modes]
+
+    def mode_of(self, scope: str, key: str | None) -> str | None:
+        """The live mode of ``scope``/``key``: the key's own, else its scope's, else the
+        app's; None if none is set."""
+        modes = self.modes
+        if not modes:
+            return None
+        return ((key is not None and modes.get(mode_field(scope, key))) or modes.get(mode_field(scope, None))
+                or modes.get(APP_MODE))
 
     def paused_until(self, scope: str, key: str | None) -> int:
         """The end of the pause (µs, Redis clock) covering ``scope``/``key``, or 0."""
@@ -120,6 +140,7 @@ def parse_controls(raw: Mapping[str, str]) -> ControlSet:
     too, through redis-cli."""
     controls = ControlSet({}, {}, {})
     replacing: set[str] = set()
+    modes: dict[str, str] = {}
     for field, value in raw.items():
         try:
             if field.startswith("pause:"):
@@ -131,13 +152,18 @@ def parse_controls(raw: Mapping[str, str]) -> ControlSet:
                 if concurrency < 1:
                     raise ValueError(f"a concurrency limit is at least 1, got {concurrency}")
                 controls.slots[field] = concurrency
+            elif field.startswith("mode:"):
+                check_mode(value, "a mode")
+                modes[field] = value
             elif field.startswith("replace:"):
                 replacing.add("limit:" + field.removeprefix("replace:"))
         except (ValueError, ConfigurationError) as exc:
             if (field, value) not in _warned:
                 _warned.add((field, value))
                 logger.warning("celery_throttle: ignoring control %s=%r: %s", field, value, exc)
-    return controls._replace(replacing=frozenset(replacing)) if replacing else controls
+    if replacing:
+        controls = controls._replace(replacing=frozenset(replacing))
+    return controls._replace(modes=modes) if modes else controls
 
 
 _warned: set[tuple[str, str]] = set()  # (each bad control is logged once per process)

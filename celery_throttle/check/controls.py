@@ -40,6 +40,7 @@ from .control_set import (
     REPLACE_ALL,
     ControlSet,
     limit_field,
+    mode_field,
     parse_controls,
     replace_field,
     slots_field,
@@ -92,6 +93,11 @@ class Controls:
         """The rates in force for a call that declares ``declared`` (see :meth:`ControlSet.rates_of`)."""
         self._maybe_refresh(store)
         return self._set.rates_of(scope, key, declared)
+
+    def mode_for(self, store: Any, scope: str, key: str | None) -> str | None:
+        """The live mode of ``scope``/``key`` (see :meth:`ControlSet.mode_of`), or None."""
+        self._maybe_refresh(store)
+        return self._set.mode_of(scope, key)
 
     def concurrency_for(self, store: Any, scope: str, key: str | None) -> int | None:
         """The live concurrency limit of ``scope``/``key`` (the key's own first), or None."""
@@ -193,6 +199,17 @@ class Controls:
             found = store.clear_control(field) or found
         return found
 
+    def write_mode(self, store: Any, scope: str | None, key: str | None, mode: str | None) -> bool:
+        """Set the live mode of ``scope``/``key`` (scope None: the app's), or clear it
+        (None). True if one was set before."""
+        field = mode_field(scope, key)
+        if mode is None:
+            found = store.clear_control(field)
+        else:
+            found = bool(store.set_controls({field: mode})[0] == 0)
+        self.note(field, mode)
+        return found
+
     def note(self, field: str, value: str | None) -> None:
         """A control (or, with None, its removal) this process just wrote: obeyed at once."""
         with self._lock:
@@ -200,7 +217,8 @@ class Controls:
             raw = {**{k: str(v) for k, v in current.pauses.items()},
                    **{k: ",".join(map(str, v)) for k, v in current.limits.items()},
                    **{k: str(v) for k, v in current.slots.items()},
-                   **{"replace:" + f.removeprefix("limit:"): REPLACE_ALL for f in current.replacing}}
+                   **{"replace:" + f.removeprefix("limit:"): REPLACE_ALL for f in current.replacing},
+                   **current.modes}
             if value is None:
                 raw.pop(field, None)
             else:

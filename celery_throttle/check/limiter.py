@@ -8,6 +8,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..core.config import check_mode
 from ..core.cost import check_positive
 from ..core.errors import ConfigurationError
 from ..core.keys import state_key
@@ -17,6 +18,7 @@ from ..core.state import FOREVER_US
 from .control_set import (
     ControlSet,
     limit_field,
+    mode_field,
     parse_controls,
     pause_field,
 )
@@ -88,7 +90,8 @@ class Throttle(Parts):
         return known_specs(self.app, self.checker.rule_for)
 
     def _status(self, scope: str, key: str | None, controls: ControlSet, specs: list[tuple[str, ThrottleSpec]]) -> Status:
-        return read_status(self.store, self.settings.key_prefix, self.settings.margin, specs, controls, scope, key)
+        return read_status(self.store, self.settings.key_prefix, self.settings.margin, specs, controls, scope, key,
+                           self.settings.mode)
 
     def pause(self, scope: str, key: str | None = None, seconds: float | None = None) -> float:
         """Start nothing of ``scope`` (or of its ``key``) for ``seconds`` (None: until
@@ -162,6 +165,40 @@ class Throttle(Parts):
         self.lines.wake(scope, key)  # (the code's limits may be higher: tasks waiting go now)
         return found
 
+    def set_mode(self, mode: str, scope: str | None = None, key: str | None = None) -> None:
+        """Put the throttles of ``scope`` (or its ``key``; no scope: every throttle of the
+        app) in ``mode`` on every worker within CONTROL_REFRESH, in place of the code's
+        ``mode=`` and ``throttle_mode``, until :meth:`clear_mode`: ``"shadow"`` counts and
+        reports what they would hold back and holds nothing (the tasks waiting in their
+        lines go at once); ``"enforce"`` holds again. A key's mode goes before its scope's,
+        a scope's before the app's."""
+        check_mode(mode, "mode")
+        self._mode_target(scope, key)
+        self.checker.controls.write_mode(self.store, scope, key, mode)
+        logger.warning("%s now in %s mode", _target(scope, key), mode)
+        if mode == "shadow":
+            self.lines.wake(scope, key)
+
+    def clear_mode(self, scope: str | None = None, key: str | None = None) -> bool:
+        """Back to the mode the code and ``throttle_mode`` say for ``scope``/``key`` (no
+        scope: the app's live mode). True if a live mode was set."""
+        self._mode_target(scope, key)
+        found = self.checker.controls.write_mode(self.store, scope, key, None)
+        self.lines.wake(scope, key)  # (back to shadow mode, perhaps: whatever waits goes)
+        return found
+
+    def live_mode(self, scope: str | None = None, key: str | None = None) -> str | None:
+        """The live mode set for exactly ``scope``/``key`` (no scope: the app's; read
+        now), or None."""
+        return parse_controls(self.store.controls()).modes.get(mode_field(scope, key))
+
+    def _mode_target(self, scope: str | None, key: str | None) -> None:
+        if scope is None:
+            if key is not None:
+                raise ConfigurationError("a key's mode needs its scope")
+        else:
+            self._direct_call(scope, key, "1/s", 1, None)  # (validates scope and key)
+
     def declared_rates(self, scope: str) -> tuple[tuple[Rate, ...], bool]:
         """The rates this app's tasks of ``scope`` declare (by decorator or rule), and
         whether one of them declares its rates by a callable (known only per call)."""
@@ -210,3 +247,9 @@ class Throttle(Parts):
                      algorithm: str | None) -> BoundCall:
         s = self.settings
         return direct_call(s.key_prefix, s.default_algorithm, scope, key, rates, cost, algorithm)
+
+
+def _target(scope: str | None, key: str | None) -> str:
+    if scope is None:
+        return "every throttle of the app"
+    return f"scope {scope!r}" + ("" if key is None else f" key {key!r}")

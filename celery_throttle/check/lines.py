@@ -207,12 +207,15 @@ class Lines(OnCall):
         """Wake one releaser now (it looks at every key due)."""
         self.ctl.parking.wake_releasers()
 
-    def wake(self, scope: str, key: str | None = None) -> int:
-        """Something gave ``scope`` (or its ``key``) room (a raised or cleared limit, a
-        reset, a resume): every line of it gets a look now. Returns how many."""
+    def wake(self, scope: str | None, key: str | None = None) -> int:
+        """Something gave ``scope`` (or its ``key``; None: every scope) room (a raised or
+        cleared limit, a reset, a resume, shadow mode): every line of it gets a look now.
+        Returns how many."""
         store = self.ctl.store
         prefix = self.ctl.settings.key_prefix
-        if key is not None:
+        if scope is None:
+            patterns = ["*"]
+        elif key is not None:
             patterns = [glob_escape(state_key(prefix, scope, key))]
         else:
             head = glob_escape(f"{prefix}:{{{encode(scope)}")
@@ -282,6 +285,7 @@ class Lines(OnCall):
             if target is None:
                 return 0, now_us
             call = BoundCall(target[0], target[1], (), 1, "sliding", key)
+        drain = drain or call.shadow  # (switched to shadow mode: whatever waits goes)
         reply = self.ctl.checker.release(call, RELEASER_BATCH, drain=drain)
         # (A slot a release fills is held until its task starts: where a process is idle.)
         self.handle(call, reply, here=call.concurrency > 0 and not drain and self.hand.idle())

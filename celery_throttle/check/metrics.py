@@ -8,7 +8,7 @@ serves them. Labelled by scope; by key too only with ``throttle_metrics_keys = T
 counted and nothing is imported.
 
 Each process also logs, at INFO, a summary of its denials per scope and key once a
-``SUMMARY_INTERVAL`` (when there were any; a thread of its own writes it, started at the
+``SUMMARY_INTERVAL`` (and of what throttles in shadow mode would have held back) (when there were any; a thread of its own writes it, started at the
 process's first denial), and a DEBUG line per denial.
 """
 
@@ -93,7 +93,16 @@ class Metrics:
             self._adaptive_floor = _instrument("Gauge", "celery_throttle_adaptive_floor",
                                                "The lowest share of its declared rates an adaptive throttle goes to",
                                                labels, multiprocess_mode="min")
+            self._shadow_checked = _instrument("Counter", "celery_throttle_shadow_checked",
+                                               "Task starts checked by a throttle in shadow mode", labels)
+            self._shadow_held = _instrument("Counter", "celery_throttle_shadow_held",
+                                            "Task starts a throttle in shadow mode would have held back", labels)
+            self._shadow_seconds = _instrument("Counter", "celery_throttle_shadow_held_seconds",
+                                               "Seconds the starts a throttle in shadow mode would have held back "
+                                               "would have waited", labels)
         self._lock = ForkSafeLock()
+        #: (scope, key) -> [checked, held back, seconds they would have waited, the longest]
+        self._shadowed: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
         self._denials: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0, 0.0, 0])
         self._summary_at = time.monotonic()
         self._summarizer_pid: int | None = None
@@ -117,6 +126,26 @@ class Metrics:
             entry[0] += 1
             entry[1] += max(delay, 0.0)
             entry[2] += 1 if parked else 0
+        if self._summarizer_pid != os.getpid():
+            self._start_summarizer()
+        self.summarize()
+
+    def shadowed(self, scope: str, key: str | None, wait: float | None) -> None:
+        """A throttle in shadow mode checked a start: it would have waited ``wait``
+        seconds (None: it would have run now)."""
+        if self.enabled and self._shadow_checked is not None:
+            labels = self._labels(scope, key)
+            self._shadow_checked.labels(*labels).inc()
+            if wait is not None:
+                self._shadow_held.labels(*labels).inc()
+                self._shadow_seconds.labels(*labels).inc(wait)
+        with self._lock:
+            entry = self._shadowed[(scope, key)]
+            entry[0] += 1
+            if wait is not None:
+                entry[1] += 1
+                entry[2] += wait
+                entry[3] = max(entry[3], wait)
         if self._summarizer_pid != os.getpid():
             self._start_summarizer()
         self.summarize()
@@ -176,7 +205,12 @@ class Metrics:
             return
         with self._lock:
             denials, self._denials = self._denials, defaultdict(lambda: [0, 0.0, 0])
+            shadowed, self._shadowed = self._shadowed, defaultdict(lambda: [0, 0, 0.0, 0.0])
             span, self._summary_at = now - self._summary_at, now
+        for (scope, key), (checked, held, waited, longest) in sorted(shadowed.items(), key=lambda i: -i[1][1]):
+            logger.info("shadow mode in the last %.0fs: scope=%s key=%s: %d of %d task(s) would have been held "
+                        "back%s", span, _shown(scope), _shown(key), held, checked,
+                        f", {waited / held:.1f}s on average, {longest:.1f}s at most" if held else "")
         for (scope, key), (count, seconds, parked) in sorted(denials.items(), key=lambda i: -i[1][0]):
             # (Each waits in its key's line; one that could not is sent back a moment.)
             # (scope and key quoted: user data, whose newlines would forge log lines)

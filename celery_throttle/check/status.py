@@ -14,7 +14,7 @@ from typing import Any
 from ..core import timing
 from ..core.adapt import scaled_limit
 from ..core.cost import too_costly
-from ..core.keys import scan_pattern, state_key, target_matches, target_of
+from ..core.keys import scan_pattern, shadow_key, state_key, target_matches, target_of
 from ..core.protocol import Verdict, WindowCall, WindowReply
 from ..core.rates import Rate
 from ..core.spec import BoundCall, ThrottleSpec, declared_spec
@@ -26,6 +26,7 @@ from .control_set import ControlSet, control_target
 __all__ = [
     "Decision",
     "RateStatus",
+    "Shadowed",
     "Status",
     "decision",
     "declared_rates",
@@ -63,6 +64,25 @@ class RateStatus:
 
 
 @dataclass(frozen=True)
+class Shadowed:
+    """What a throttle in shadow mode would have held back of a scope and key, while its
+    shadow state lasts (it goes a window after the last check): the starts checked, those
+    it would have held back, and the seconds they would have waited in all and at most."""
+
+    checked: int
+    held: int
+    waited: float
+    longest: float
+
+    @classmethod
+    def read(cls, state: dict[str, bytes]) -> Shadowed | None:
+        if "n" not in state:
+            return None
+        number = {name: int(state.get(name) or 0) for name in ("n", "h", "w", "m")}
+        return cls(number["n"], number["h"], number["w"] / 1e6, number["m"] / 1e6)
+
+
+@dataclass(frozen=True)
 class Status:
     """Current usage of one scope and key, per rate, without consuming anything."""
 
@@ -90,6 +110,13 @@ class Status:
     adaptive: Level | None = None
     #: The key's cap in its scope's share of :attr:`concurrency` slots (``share=``), or None.
     share_cap: int | None = None
+    #: "enforce" or "shadow": the mode in force for this app's throttles of the scope
+    #: (the live one, else the code's, else ``throttle_mode``); None: no live mode, and no
+    #: task of this app uses the scope.
+    mode: str | None = None
+    #: What the key's throttle in shadow mode would have held back, while its shadow state
+    #: lasts, or None.
+    shadow: Shadowed | None = None
 
     @property
     def remaining(self) -> int | None:
@@ -171,7 +198,7 @@ def declared_windows(margin: float | None, specs: Specs, scope: str, live_rates:
 
 
 def read_status(store: RedisStore, prefix: str, margin: float | None, specs: Specs, controls: ControlSet,
-                scope: str, key: str | None) -> Status:
+                scope: str, key: str | None, app_mode: str = "enforce") -> Status:
     """The status of ``scope``/``key``: each rate its state hash holds (shown as declared,
     under the live limit), the line, the slots and the pause."""
     hash_key = state_key(prefix, scope, key)
@@ -212,9 +239,13 @@ def read_status(store: RedisStore, prefix: str, margin: float | None, specs: Spe
     shared = key is not None and any(known == scope and spec.share is not None for known, spec in specs)
     live_slots = controls.concurrency_of(scope, None if shared else key)
     share_cap = store.share_read([hash_key])[0][0] if shared else None
+    own = [spec for known, spec in specs if known == scope]
+    mode = controls.mode_of(scope, key) or next((spec.mode for spec in own if spec.mode), None) or (
+        app_mode if own else None)
     return Status(scope, key, tuple(out), paused_until(store, controls, scope, key), live_rates or None,
                   line.out, line.running, line.waiting, live_slots or max(slot_limits, default=None), live_slots,
-                  live_rates is not None and controls.replaces_all(scope, key), adaptive, share_cap)
+                  live_rates is not None and controls.replaces_all(scope, key), adaptive, share_cap, mode,
+                  Shadowed.read(store.read(shadow_key(hash_key))))
 
 
 def paused_until(store: RedisStore, controls: ControlSet, scope: str, key: str | None) -> float | None:

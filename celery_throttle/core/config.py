@@ -19,6 +19,9 @@ __all__ = ["ALGORITHMS", "STORE_ERROR_POLICIES", "Settings", "check_margin", "ch
 
 ALGORITHMS = ("sliding", "fixed")
 STORE_ERROR_POLICIES = ("defer", "allow", "fail")
+#: What a throttle does: hold back what does not fit, or (``"shadow"``) count and report
+#: what it would have held back, and hold nothing.
+MODES = ("enforce", "shadow")
 PARK_IN = ("auto", "broker", "store")
 _DEFAULT_REDIS = "redis://localhost:6379/0"
 
@@ -59,6 +62,9 @@ class Settings:
     #: False turns every throttle off (tests, an emergency): tasks run unchecked, and the
     #: worker says so when it starts.
     enabled: bool = True
+    #: "enforce", or "shadow": every throttle of the app counts and reports what it would
+    #: hold back, and holds nothing (per throttle: mode=; live: Throttle.set_mode).
+    mode: str = "enforce"
     #: Whether the producer checks a throttled task when it sends it, and defers one
     #: that does not fit (so floods of one key never queue in front of other keys).
     check_at_publish: bool = True
@@ -130,6 +136,7 @@ class Settings:
             raise ConfigurationError(
                 f"throttle_default_algorithm {self.default_algorithm!r}: use one of {ALGORITHMS}"
             )
+        check_mode(self.mode, "throttle_mode")
         if self.on_store_error not in STORE_ERROR_POLICIES:
             raise ConfigurationError(
                 f"throttle_on_store_error {self.on_store_error!r}: use one of {STORE_ERROR_POLICIES}"
@@ -238,6 +245,11 @@ def _spellings(conf: Any, name: str) -> list[str]:
 
 #: Settings an earlier version used that the line made pointless: read and warned about.
 _NO_EFFECT = ("park_after", "start_grace")
+
+
+def check_mode(value: Any, what: str) -> None:
+    if value not in MODES:
+        raise ConfigurationError(f"{what} {value!r}: use one of {MODES}")
 
 
 def check_max_wait(value: Any, what: str) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "parked_patterns",
     "parking_keys",
     "scan_pattern",
+    "shadow_key",
     "share_key",
     "share_lock_key",
     "share_registry_key",
@@ -145,8 +146,8 @@ def scan_pattern(prefix: str) -> str:
 
 
 #: The names of a state hash's companion keys that mean a scope and key exist: its slots'
-#: holders and its line's counts (:func:`window_keys`).
-_SLOT_SUFFIXES = (":slots", ":lm")
+#: holders, its line's counts (:func:`window_keys`) and its shadow state (:func:`shadow_key`).
+_SLOT_SUFFIXES = (":slots", ":lm", ":shadow")
 
 
 def target_of(prefix: str, redis_key: str) -> tuple[str, str | None] | None:
@@ -182,6 +183,13 @@ def window_keys(state_key: str) -> tuple[str, str, str, str, str, str, str]:
     started lately."""
     return (state_key, f"{state_key}:lm", f"{state_key}:line", f"{state_key}:msgs", f"{state_key}:out",
             f"{state_key}:slots", f"{state_key}:used")
+
+
+def shadow_key(state_key: str) -> str:
+    """The state of a scope and key in shadow mode: where enforcing would have started its
+    calls (window.lua's keys of their own, :func:`window_keys` of this one, in the same
+    hash tag; never a state hash to :func:`state_of`)."""
+    return f"{state_key}:shadow"
 
 
 def share_key(state_key: str) -> str:

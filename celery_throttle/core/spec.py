@@ -13,7 +13,7 @@ from functools import lru_cache
 from typing import Any
 
 from .adapt import Adapt, adapt_of
-from .config import ALGORITHMS, check_margin, check_max_wait
+from .config import ALGORITHMS, check_margin, check_max_wait, check_mode
 from .cost import CostArg, check_positive, declared_cost, direct_cost, never_fits, rate_costs
 from .errors import ConfigurationError, KeyBuildError
 from .keys import format_key, state_key, template_fields
@@ -25,7 +25,7 @@ __all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec", "declared_spec", "direct
 
 RateArg = str | Rate | Sequence[str | Rate] | Callable[..., Any]
 RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin", "concurrency", "cost_after", "adapt",
-                "share")
+                "share", "mode")
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class BoundCall:
     #: The key's part in its scope's share of :attr:`concurrency` slots (:mod:`.share`):
     #: (weight, most; 0: none), or None (the key's own K).
     share: tuple[float, int] | None = None
+    #: In shadow mode: checked and reported, never held (the live mode, else the
+    #: throttle's, else ``throttle_mode``: :meth:`.binding.Binder.bind_spec`).
+    shadow: bool = False
 
     @property
     def wait_reason(self) -> str:
@@ -91,6 +94,8 @@ class ThrottleSpec:
     adapt: Adapt | None = None
     #: ``concurrency`` is the scope's, shared between its keys by weight (:mod:`.share`).
     share: Share | None = None
+    #: "enforce" or "shadow" (None: ``throttle_mode``'s).
+    mode: str | None = None
 
     @classmethod
     def declare(
@@ -106,8 +111,11 @@ class ThrottleSpec:
         cost_after: Callable[[Any], Any] | None = None,
         adapt: Any = None,
         share: Any = None,
+        mode: str | None = None,
     ) -> ThrottleSpec:
         adapted, shared = adapt_of(adapt), share_of(share)
+        if mode is not None:
+            check_mode(mode, "mode")
         if shared is not None and (concurrency is None or key is None):
             raise ConfigurationError("share splits a scope's concurrency slots between its keys: give the throttle "
                                      "a concurrency and a key, e.g. throttle(concurrency=8, key='{tenant}', share=True)")
@@ -152,7 +160,7 @@ class ThrottleSpec:
         check_max_wait(max_wait, "max_wait")
         check_margin(margin, "margin")
         return cls(parsed, key, scope, declared, algorithm, max_wait, margin, concurrency, cost_after, adapted,
-                   shared)
+                   shared, mode)
 
     @classmethod
     def from_rule(cls, pattern: str, options: Mapping[str, Any]) -> ThrottleSpec:
@@ -182,6 +190,7 @@ class ThrottleSpec:
                 cost_after=options.get("cost_after"),
                 adapt=options.get("adapt"),
                 share=options.get("share"),
+                mode=options.get("mode"),
             )
         except ConfigurationError as exc:
             raise ConfigurationError(f"throttle_rules[{pattern!r}]: {exc}") from None

@@ -31,6 +31,7 @@ def throttle(
     cost_after: Callable[[Any], Any] | None = None,
     adapt: bool | Adapt | dict[str, float] | None = None,
     share: bool | Share | dict[str, Any] | None = None,
+    mode: str | None = None,
 ) -> Callable[[Any], Any]:
     """Limit a task globally, across every worker, before its body runs.
 
@@ -62,11 +63,14 @@ def throttle(
     every worker (``True``, or :class:`~celery_throttle.Adapt` for its floor and pace).
     ``share``: ``concurrency`` is the scope's, handed to its keys that have work by weight,
     and wholly to a key alone (``True``: weight 1 each, or :class:`~celery_throttle.Share`
-    for a weight per key and a cap per key). Mistakes raise :class:`~celery_throttle.core.errors.ConfigurationError` here.
+    for a weight per key and a cap per key). ``mode``: ``"shadow"`` counts and reports
+    what the throttle would hold back (signal ``task_shadow_throttled``, metrics, the
+    summary, ``throttle status``) and holds nothing; ``"enforce"`` holds (default:
+    ``throttle_mode``; live, for every worker within a second: ``Throttle.set_mode``). Mistakes raise :class:`~celery_throttle.core.errors.ConfigurationError` here.
     """
     spec = ThrottleSpec.declare(rates, key=key, scope=scope, cost=cost, algorithm=algorithm,
                                 max_wait=max_wait, margin=margin, concurrency=concurrency, cost_after=cost_after,
-                                adapt=adapt, share=share)
+                                adapt=adapt, share=share, mode=mode)
 
     def decorate(obj: Any) -> Any:
         if isinstance(obj, PromiseProxy):

@@ -16,7 +16,7 @@ from ..check.slots import holder_id
 from ..core.cost import too_costly
 from ..core.errors import StoreError, ThrottleError, WaitTooLong
 from ..core.header import HEADER, Header
-from ..core.protocol import Code, Verdict, WindowReply
+from ..core.protocol import Code, Counted, Verdict, WindowReply
 from ..core.spec import BoundCall, ThrottleSpec
 from ..waits.deferral import TurnedAway, new_entry_id, own_header
 from . import settle
@@ -52,6 +52,8 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     spec: ThrottleSpec = type(task)._throttle_spec
     call = ctl.checker.bind(task, args, kwargs)
     header = header_of(request)
+    if call.shadow:
+        return _shadow(ctl, task, request, call, header)
     # (A copy sent again after a lost reply makes its calls in a holder of the nonce it
     # names: the store may have started it in that name, and its copy is told apart.)
     holder = holder_id(request.id, header.lost or None)
@@ -119,6 +121,48 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     logger.warning("throttled %s[%s] could not join its line; sent back for a second", task.name, request.id)
     turned.send_back(1.0)
     return False
+
+
+def _shadow(ctl: Parts, task: Any, request: Any, call: BoundCall, header: Header) -> bool:
+    """Shadow mode: where enforcing would have started the call is counted and reported
+    (:meth:`.Checker.shadow`), and its body runs now, whatever the answer (a store error
+    too: shadow mode holds nothing)."""
+    holder = holder_id(request.id, None)
+    spec: ThrottleSpec = type(task)._throttle_spec
+    try:
+        released = bool(header.ticket) and header.key == call.state_key
+        if released:
+            # Released from its line before its throttle went to shadow mode: the room it
+            # was released into goes back (and, handed to this worker, its journal copy).
+            ctl.checker.give_back(call, header.ticket)
+        shadowed, reply = ctl.checker.shadow(call, holder if call.concurrency else "", ctl.checker.max_wait_us(spec))
+        if released and ctl.lines.hand.delivered(request):
+            ctl.lines.journal.gone(call.state_key, [header.ticket], reply.now_us)
+    except StoreError as exc:
+        ctl.metrics.store_error("shadow")
+        logger.warning("throttle store unreachable for %s[%s] in shadow mode, run unchecked: %s", task.name,
+                       request.id, exc)
+        return True
+    _forget_header(request)
+    held = reply.code != Code.RUN
+    wait = max(reply.wait_us, 0) / 1e6
+    ctl.metrics.shadowed(call.scope, call.key, wait if held else None)
+    if held:
+        if reply.code == Code.TOO_FAR:
+            reason = "max_wait"
+        elif reply.wait_us > 0:
+            reason = "pause" if ctl.checker.pause_end_of(call.scope, call.key) >= reply.start_us else "rate"
+        else:
+            reason = "concurrency"
+        signals.task_shadow_throttled.send(sender=task, request=request, delay=wait, scope=call.scope, key=call.key,
+                                           reason=reason)
+    counted = Counted(reply.start_us, reply.latest_us, call.cost, reply.epoch) if call.rates and reply.start_us \
+        else None
+    settle.started(request.id, shadowed, counted)
+    if reply.held:
+        holders.running[request.id] = holder
+        ctl.slots.took(holder, shadowed)
+    return True
 
 
 def _redelivered(request: Any) -> bool:

@@ -99,7 +99,7 @@ def throttle_of(ctl: Parts, name: str, task: Any) -> Known | None:
 def _bound(ctl: Parts, name: str, args: Any, kwargs: Any,
            options: Mapping[str, Any]) -> tuple[Known, BoundCall] | None:
     """The throttle of one send of task ``name``, bound to its arguments; None: send it as
-    it is (no throttle; not checked at publish; an ETA, a countdown or our header of its
+    it is (no throttle; not checked at publish; in shadow mode; an ETA, a countdown or our header of its
     own; checks paused after a store error; or arguments that do not bind: the worker's
     check reports them, visibly)."""
     headers = options.get("headers") or {}
@@ -113,7 +113,8 @@ def _bound(ctl: Parts, name: str, args: Any, kwargs: Any,
         known = throttle_of(ctl, name, options.get("task_type"))
         if known is None:
             return None
-        return known, ctl.checker.bind_spec(name, known.spec, known.signature, args, kwargs, quick=True)
+        call = ctl.checker.bind_spec(name, known.spec, known.signature, args, kwargs, quick=True)
+        return None if call.shadow else (known, call)  # (shadow mode holds nothing: the worker reports it)
     except ThrottleError:
         return None
 

@@ -153,6 +153,29 @@ def unset_limit(ctx: click.Context, scope: str, key: str | None) -> None:
 
 
 @throttle.command()
+@click.argument("mode", type=click.Choice(["shadow", "enforce", "clear"]))
+@click.argument("scope", required=False)
+@click.option("--key", default=None, help="Only this key of the scope.")
+@click.pass_context
+def mode(ctx: click.Context, mode: str, scope: str | None, key: str | None) -> None:
+    """Put SCOPE (or its KEY; no SCOPE: every throttle of the app) in shadow mode, back in
+    enforce mode, or clear the mode set here (back to the code's and throttle_mode).
+
+    In shadow mode a throttle counts and reports what it would hold back (throttle status,
+    the metrics, the workers' summary) and holds nothing: the tasks waiting in its lines go
+    at once. Every worker obeys within a second.
+    """
+    ctl = _controller(ctx)
+    target = "every throttle of the app" if scope is None else show.scope_and_key(scope, key)
+    if mode == "clear":
+        found = ctl.clear_mode(scope, key=key)
+        click.echo(f"{target}: " + ("back to the mode in the code" if found else "no mode set here"))
+        return
+    ctl.set_mode(mode, scope, key=key)
+    click.echo(f"{target}: {mode} mode")
+
+
+@throttle.command()
 @click.argument("scope")
 @click.option("--key", default=None, help="Pause only this key (e.g. a tenant id) of the scope.")
 @click.option("--for", "duration", default=None, metavar="DURATION",

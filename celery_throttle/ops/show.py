@@ -31,7 +31,7 @@ def nothing_matched(match: str, key_match: str | None) -> str:
 def empty(status: Any) -> bool:
     """Nothing counted, paused, limited, running or waiting."""
     return not (status.rates or status.paused_until is not None or status.live_limit or status.live_concurrency
-                or status.running or status.waiting)
+                or status.running or status.waiting or status.shadow)
 
 
 def scope_and_key(scope: str, key: str | None) -> str:
@@ -67,6 +67,10 @@ def as_dict(status: Any) -> dict[str, Any]:
         "live_replaces_all": status.live_replaces_all,
         "live_concurrency": status.live_concurrency, "share_cap": status.share_cap,
         "adaptive": adaptive_dict(status.adaptive),
+        "mode": status.mode,
+        "shadow": None if status.shadow is None else {
+            "checked": status.shadow.checked, "held": status.shadow.held,
+            "waited_seconds": round(status.shadow.waited, 3), "longest_seconds": round(status.shadow.longest, 3)},
         "rates": [{"rate": str(r.rate), "algorithm": r.algorithm, "used": r.used, "remaining": r.remaining,
                    "reset_at": iso(r.reset_at)} for r in status.rates],
     }
@@ -120,6 +124,9 @@ def status_table(found: list[Any], more: bool, parked: tuple[int, int, int], lis
         click.echo("slots: concurrency slots held (bodies running) of the limit"
                    + ("; 'of K': of the key's cap in its scope's share of K" if any(
                        s.share_cap is not None for s in found) else ""))
+    for s in found:
+        if s.mode == "shadow" or s.shadow is not None:
+            click.echo(shadow_line(s))
     if listing and any(parked):
         click.echo(f"parked by an earlier version: {parked[0]} waiting, {parked[1]} being released, "
                    f"{parked[2]} dead")
@@ -191,6 +198,19 @@ def whereabouts_lines(found: Any) -> list[str]:
     if found.adaptive is not None:
         lines.append(adaptive_line(found.adaptive))
     return lines
+
+
+def shadow_line(status: Any) -> str:
+    """What a throttle in shadow mode would have held back of a scope and key."""
+    head = scope_and_key(status.scope, status.key) + (
+        f" is in {status.mode} mode" if status.mode else " (its mode: no task of this app uses the scope)")
+    seen = status.shadow
+    if seen is None:
+        return head + ": nothing checked in shadow mode lately"
+    held = f"{seen.held} of the {seen.checked} starts checked in shadow mode would have been held back"
+    if seen.held:
+        held += f", {seen.waited / seen.held:.1f}s on average, {seen.longest:.1f}s at most"
+    return f"{head}: {held}"
 
 
 def adaptive_mark(level: Any) -> str:

@@ -135,6 +135,12 @@ class WindowOps(ScriptClient):
         """Usage and the line, recording nothing."""
         return self.window(key, "peek", call)
 
+    def shadow(self, key: str, call: WindowCall, holder: str, max_wait_us: int) -> WindowReply:
+        """A call in shadow mode, on shadow state key ``key``: where enforcing would have
+        started it (``start``; DENIED with its ``wait`` if later than now), recorded there;
+        ``holder`` joins the shadow slots with a concurrency limit (``held``)."""
+        return self.window(key, "shadow", call, holder, max_wait_us)
+
     def sample(self, key: str) -> bytes | None:
         """A message of ``key``'s line: its head's, else one released and not started."""
         _, _, line, msgs, out, _, _ = window_keys(key)

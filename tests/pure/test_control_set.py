@@ -44,3 +44,18 @@ def test_the_replace_field_goes_with_the_limit_it_sits_beside() -> None:
     assert controls.rates_of("api", "acme", declared) == _rates("1/s", "5000/h")
     # and a scope without a live limit, as declared
     assert controls.rates_of("other", None, declared) == declared
+
+
+def test_a_live_mode_is_the_keys_own_else_its_scopes_else_the_apps() -> None:
+    # Given the whole app in shadow mode, one scope enforcing, and one key of it in shadow
+    controls = parse_controls({"mode:*": "shadow", "mode:api": "enforce", "mode:api:acme": "shadow",
+                               "mode:other": "loud"})
+    # Then each call is under the nearest mode set
+    assert controls.mode_of("api", "acme") == "shadow"
+    assert controls.mode_of("api", "globex") == "enforce"
+    assert controls.mode_of("api", None) == "enforce"
+    assert controls.mode_of("billing", "acme") == "shadow"
+    # and a mode written by hand that does not read is skipped (the app's holds), never fatal
+    assert controls.mode_of("other", None) == "shadow"
+    # and without any, none is set (the code's and throttle_mode then say)
+    assert parse_controls({}).mode_of("api", "acme") is None

@@ -53,6 +53,14 @@ def test_bad_settings_fail_at_install() -> None:
         celery_throttle.install(app, default_algorithm="leaky")
     with pytest.raises(ConfigurationError, match="unknown throttle setting"):
         celery_throttle.install(app, rate_limit="10/s")
+    with pytest.raises(ConfigurationError, match=r"throttle_mode 'dry': use one of \('enforce', 'shadow'\)"):
+        celery_throttle.install(Celery("bad-mode", broker="memory://", set_as_current=False), mode="dry")
+    with pytest.raises(ConfigurationError, match=r"mode 'off': use one of"):
+        celery_throttle.throttle("1/s", mode="off")
+    ruled = Celery("bad-rule-mode", broker="memory://", set_as_current=False)
+    ruled.conf.throttle_rules = {"x.*": {"rate": "1/s", "mode": "quiet"}}
+    with pytest.raises(ConfigurationError, match=r"throttle_rules\['x\.\*'\]: mode 'quiet'"):
+        celery_throttle.install(ruled).checker.rule_for("x.y")
 
 
 def test_bad_rules_stop_the_worker_at_start() -> None:

@@ -71,6 +71,9 @@
 --            by an operator). [P] batch
 --   drop     an operator deletes tasks waiting in the line (they never run). [P..] entries
 --   peek     usage and the line, nothing written
+--   shadow   a call of a throttle in shadow mode, on its key's shadow keys: where enforcing
+--            would have started it, recorded there, nothing held (see shadow()). [P]
+--            holder ('' none), [P+1] max wait (µs, 0 none)
 -- The entry's arguments: [E] entry id, [E+1] message ('' none), [E+2] task id, [E+3]
 -- expires (µs, 0 none), [E+4] max wait (µs, 0 none), [E+5] batch, [E+6] the nonce of the
 -- holder of this task's own call whose reply was lost ('' none; see KEYS[7]).
@@ -933,6 +936,58 @@ local function peek()
   return finish((x == now and waiting == 0) and RUN or DENIED, wait, nil, false, true)
 end
 
+-- A call of a throttle in shadow mode, run on its key's shadow keys (the caller names
+-- them: never the key's own state, line or slots). The start enforcing would have given
+-- it: first come first served after the last call shadowed (field 'l'), not before a
+-- pause's end, at the earliest every rate admits it; recorded there at that start. With a
+-- concurrency limit, its holder joins the shadow slots whatever their number (its body
+-- runs: `running` says how many shadowed bodies ran beside it, and `held` that it holds
+-- one, for its process to renew and end). DENIED with the wait where it would have
+-- waited; TOO_FAR past its max wait (not recorded: enforcing would have refused it);
+-- else RUN. Its counts ('n' checks, 'h' held back, 'w' µs they would have waited in all,
+-- 'm' the longest) are what `throttle status` shows. [P] holder ('' none), [P+1] max wait
+-- (µs, 0 none)
+local function shadow()
+  local holder, max_wait = ARGV[P], tonumber(ARGV[P + 1])
+  local from = math.max(now, not_before, tonumber(redis.call('HGET', key, 'l') or '0') or 0)
+  -- (Rates that never settle on a start: a window past where it would have waited.)
+  local x = earliest(from, call_units) or from + shortest
+  local running, held = 0, 0
+  if concurrency > 0 then
+    reclaim()
+    running = slots_held()
+    if holder ~= '' then
+      redis.call('ZADD', slots_key, now + slot_lease, holder)
+      held = 1
+    end
+  end
+  local wait, code = x - now, RUN
+  if max_wait > 0 and wait > max_wait then
+    code = TOO_FAR
+  else
+    if x > now or running >= concurrency and concurrency > 0 then code = DENIED end
+    if #rates > 0 then
+      record(x, x + slack, call_units)
+      redis.call('HSET', key, 'l', string.format('%.0f', x))
+    end
+  end
+  redis.call('HINCRBY', key, 'n', 1)
+  if code ~= RUN then
+    redis.call('HINCRBY', key, 'h', 1)
+    redis.call('HINCRBY', key, 'w', math.floor(wait))
+    if wait > (tonumber(redis.call('HGET', key, 'm') or '0') or 0) then
+      redis.call('HSET', key, 'm', string.format('%.0f', wait))
+    end
+  end
+  local reply = finish(code, wait, {start = x, latest = x + slack, held = held})
+  -- (The counts last while anything of the key's shadow does, and a slot's lease at least:
+  -- a throttle of slots alone writes no window that would keep them.)
+  local ttl = math.ceil(math.max(shortest, slot_lease) / 1000) + STATE_TTL_PAD_MS
+  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+  reply[14] = running
+  return reply
+end
+
 -- The cost is checked here, once, for every operation that takes one (a settle's is
 -- what it reports).
 if op == 'settle' then return settle()
@@ -953,5 +1008,6 @@ elseif op == 'screen' then return acquire(false)
 elseif op == 'admit' then return admit()
 elseif op == 'front' then return front()
 elseif op == 'peek' then return peek()
+elseif op == 'shadow' then return shadow()
 end
 return redis.error_reply('window.lua: unknown op ' .. tostring(op))
