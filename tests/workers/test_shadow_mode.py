@@ -7,6 +7,7 @@ tasks module, as users send them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -17,7 +18,15 @@ from celery import Celery
 
 import celery_throttle
 from celery_throttle.check.controls import CONTROL_REFRESH
-from tests.helpers import STORE_URL, WorkerGroup, assert_each_ran_once, max_in_window, new_label, run_cli, wait_for
+from tests.helpers import (
+    STORE_URL,
+    WorkerGroup,
+    assert_each_ran_once,
+    max_in_window,
+    new_label,
+    run_cli,
+    wait_for,
+)
 
 #: As test_operate's: the switch's refresh, then a broker round trip and a pool dispatch
 #: on a loaded 2-core machine.
@@ -86,7 +95,7 @@ def test_a_shadow_concurrency_limit_runs_every_body_and_reports_those_it_would_h
     starts = sorted(e["t"] for e in workers.wait_starts(label, 3, timeout=30))
     # Then at least two ran at once (enforcing would have run one at a time), and each body
     # that started beside a running one was reported for its slot
-    assert min(b - a for a, b in zip(starts, starts[1:])) < 3.0
+    assert min(b - a for a, b in itertools.pairwise(starts)) < 3.0
     wait_for(lambda: shadow_notes(workers, ids), 5, what="a shadow report")
     notes = shadow_notes(workers, ids)
     assert notes and {n["reason"] for n in notes} == {"concurrency"}, notes
