@@ -156,9 +156,9 @@ class KeyModel:
     def _count_again(self) -> None:
         self.counts_lost = False
         self.waiting, self.out_count = len(self.line), len(self.out)
-        self.first_place = min(0, min(self.line.values(), default=0))
-        self.last_place = max(0, max(self.line.values(), default=0),
-                              *(self.meta[i].place for i in self.out if i in self.meta))
+        self.first_place = min(0, math.floor(min(self.line.values(), default=0)))
+        self.last_place = max(0, self._last_given(max(self.line.values(), default=0)),
+                              *(self._last_given(self.meta[i].place) for i in self.out if i in self.meta))
         self.line_units, self.out_units = {}, {}
         for eid in self.line:
             m = self.meta.get(eid)
@@ -178,6 +178,13 @@ class KeyModel:
     def run(self, now: int, op: str, call: Call, *args: Any, delta: tuple[int, ...] | None = None) -> _Reply:
         """One run of the script: ``op`` with its own ``args`` (as line.lua lists them)."""
         lost = self.counts_lost
+        # (The entry's urgency, [E+7]: taken out of the args here, read by _enqueue.)
+        at = {"acquire": 10, "screen": 10, "admit": 7, "front": 7, "claim": 11}.get(op)
+        self.urgency = 0
+        if at is not None and len(args) > at:
+            most = self.policy.most_urgency
+            self.urgency = max(-most, min(most, math.floor(int(args[at]))))
+            args = args[:at] + args[at + 1:]
         self._begin(now, call)
         if op == "peek":
             self.counts_lost = lost  # (it writes nothing: the counts stay lost, counted again each call)
@@ -344,13 +351,26 @@ class KeyModel:
     def _new_meta(self, task: str, expires: int, max_wait: int) -> Meta:
         return Meta(task, dict(self.call_by_unit), self.now, expires, max_wait)
 
+    def _place_of(self, given: int, urgency: int) -> float:
+        if urgency == 0:
+            return given
+        return given - urgency * self.policy.priority_step - (0.5 if urgency > 0 else -0.5)
+
+    def _last_given(self, place: float) -> float:
+        return place if place == math.floor(place) else math.floor(place) + self.policy.most_urgency * \
+            self.policy.priority_step + 1
+
+    def _front_place(self) -> int:
+        head = min(self.line.values(), default=None)
+        self.first_place = min(self.first_place, math.floor(head if head is not None else 0)) - 1
+        return self.first_place
+
     def _enqueue(self, eid: str, message: bytes, m: Meta, front: bool) -> None:
         if front:
-            self.first_place -= 1
-            place = self.first_place
+            place: float = self._front_place()
         else:
             self.last_place += 1
-            place = self.last_place
+            place = self._place_of(self.last_place, self.urgency)
         self.messages[eid] = message
         self._join(eid, m, place)
 
@@ -738,8 +758,7 @@ class KeyModel:
             self.messages[ticket] = message
         place = m.place
         if place == 0:
-            self.first_place -= 1
-            place = self.first_place
+            place = self._front_place()
         self._join(ticket, m, place)
         self._release_heads(batch)
         return self._finish(Code.QUEUED, self._wait_of(units), {"waited": waited})

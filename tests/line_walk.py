@@ -206,7 +206,8 @@ class Walk:
         # its places afresh)
         if op in ("acquire", "screen", "admit", "front"):
             joined = args[3] if op in ("acquire", "screen") else args[0]
-            places.setdefault(joined, ends[0] - 1 if op == "front" else ends[1] + 1)
+            urgency = args[10] if op in ("acquire", "screen") else args[7]
+            places.setdefault(joined, ends[0] - 1 if op == "front" else self.model._place_of(ends[1] + 1, urgency))
         places.update(self.model.line)
         for r in got.reported:
             meta = self.model.meta.get(r.id)
@@ -235,7 +236,7 @@ class Walk:
         fit = m._earliest(self.clock.now, m._units_of(meta), m._out_per_rate())
         if fit is None:
             return
-        batch = args[{"release": 0, "drain": 0, "give_back": 1, "ended": 1, "settle": 3, "claim": 9}.get(op, -2)]  # (-2: an entry's batch, before its lost holder)
+        batch = args[{"release": 0, "drain": 0, "give_back": 1, "ended": 1, "settle": 3, "claim": 9}.get(op, -3)]  # (-3: an entry's batch, before its lost holder and urgency)
         looked = sum(1 for r in got.reported if r.kind in ("r", "x", "c", "l"))
         if fit <= self.clock.now + m.lead():
             assert looked >= batch, self.explain(f"head {head} fits at {fit} (lead {m.lead()}), not released")
@@ -328,6 +329,10 @@ class Walk:
                 self.end(r.id, f"reported {r.kind}")
                 self.seen[f"reported {r.kind}"] += 1
 
+    def urgency(self) -> int:
+        """A task's priority: mostly its broker's default, else a few levels ahead or behind."""
+        return self.rng.choice([0, 0, 0, 0, 0, 0, 1, 2, -1, 3])
+
     def fresh(self, runs: bool = True, message: bool = True, op: str = "acquire", **entry: Any) -> WindowReply:
         plain = self.rng.choice([1, 1, 1, 2, 3])
         costs = self.costs(plain, self.rng.choice([5, 10, 25]))
@@ -335,7 +340,7 @@ class Walk:
         expires = self.clock.now + self.rng.choice([0, 0, 0, 200_000, 2_000_000]) if entry.get("expiring") else 0
         max_wait = self.rng.choice([0, 0, 500_000, 3_000_000])
         args: tuple[Any, ...] = (eid, b"m-" + eid.encode() if message else b"", "task-" + eid, expires, max_wait,
-                                 self.rng.choice([1, 2, 8]), "")
+                                 self.rng.choice([1, 2, 8]), "", self.urgency())
         if op in ("acquire", "screen"):
             # (a lease of the call's own cost is none; a long span crosses fixed windows)
             args = (self.rng.choice([0, 0, 1, 2, 4, 16]), self.rng.choice([0, 50_000, 400_000]), holder, *args)
@@ -379,10 +384,11 @@ class Walk:
         message = b"m-" + ticket.encode() if message_now else self.rng.choice([b"", b"m-" + ticket.encode()])
         if pending:
             args: tuple[Any, ...] = (0, 0, holder, ticket, message, "task", 0, self.rng.choice([0, 0, 2_000_000]),
-                                     self.rng.choice([1, 4]), lost_by)
+                                     self.rng.choice([1, 4]), lost_by, self.urgency())
         else:
             args = (ticket, self.rng.choice([1_000_000, 20_000]), holder, sent_granted, eid, message, "task", 0,
-                    self.rng.choice([0, 0, 2_000_000]), self.rng.choice([1, 4]), lost_by, self.rng.choice(["0", "1"]))
+                    self.rng.choice([0, 0, 2_000_000]), self.rng.choice([1, 4]), lost_by, self.urgency(),
+                    self.rng.choice(["0", "1"]))
         # (a copy after a lost reply: the task itself, which ran nothing)
         known = (ticket in self.tickets or bool(lost_by)) and not copied
         # (its process woke past the grant's keep: the store forgot the grant; it started
@@ -690,8 +696,8 @@ def _map(raw: bytes) -> dict[str, int]:
     return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)} if isinstance(flat, list) else {}
 
 
-def _zset(client: redis.Redis, name: str) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in client.zrange(name, 0, -1, withscores=True)}
+def _zset(client: redis.Redis, name: str) -> dict[str, float]:
+    return {k.decode(): int(v) if v == int(v) else v for k, v in client.zrange(name, 0, -1, withscores=True)}
 
 
 def _as_tuple(reply: WindowReply) -> tuple[Any, ...]:

@@ -5,7 +5,7 @@ and never warms anything up.
     python -m tests.producer '{"sends": [{"how": "delay", "task": "pub_below",
                                           "args": ["label", "acme"], "count": 12}]}'
 
-``how``: ``delay`` (``task.delay(*args)``), ``send_task`` (``app.send_task(name,
+``how``: ``delay`` (``task.delay(*args)``), ``apply_async`` (with ``options``), ``send_task`` (``app.send_task(name,
 args)``), ``group`` (one group of ``count`` signatures) or ``chord`` (a chord of them,
 with ``collect`` as its callback); ``after``: seconds to wait before the send. Prints one JSON line: the ids sent (per send, in
 order), each denial made at publish (task id, key, whether parked) and whether the app
@@ -45,6 +45,9 @@ def main(plan: dict[str, Any]) -> dict[str, Any]:
         if how == "delay":
             task = getattr(tasks, name)
             sent.append([task.delay(*args).id for _ in range(count)])
+        elif how == "apply_async":  # (with "options", e.g. a priority)
+            task = getattr(tasks, name)
+            sent.append([task.apply_async(args, **send.get("options", {})).id for _ in range(count)])
         elif how == "send_task":
             sent.append([tasks.app.send_task(f"tests.taskapp.{name}", args).id for _ in range(count)])
         elif how == "group":

@@ -360,6 +360,19 @@ def shadowed_slot(label, seconds):
     time.sleep(seconds)
 
 
+# -- priority within a line --------------------------------------------------------------
+@app.task
+@throttle("2/s", scope="priority-api", key="{tenant}")
+def prioritized(label, tenant):
+    record(label, tenant=tenant)
+
+
+@app.task
+@throttle("2/s", scope="priority-own", key="{tenant}", priority=lambda kind, **_: 5 if kind == "reset" else 0)
+def by_kind(label, tenant, kind):
+    record(label, tenant=tenant, kind=kind)
+
+
 # -- operating: pauses and back-off ------------------------------------------------------
 @app.task
 @throttle("20/s", scope="pausable-api", key="{tenant}")

@@ -8,8 +8,9 @@ from typing import Any
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from ..core.header import HEADER, Header
+from ..core.priority import urgency
 
-__all__ = ["KEPT_FIELDS", "decode_message", "encode_message", "resend", "task_of"]
+__all__ = ["KEPT_FIELDS", "decode_message", "encode_message", "message_urgency", "resend", "task_of"]
 
 #: What a kept message holds: encode_message writes these, and decode_message reads no other.
 KEPT_FIELDS = ("task", "args", "kwargs", "options")
@@ -66,3 +67,16 @@ def resend(app: Any, message: bytes, countdown: float = 0.0, *, key: str | None 
         app.signature(body).apply_async(countdown=countdown or None, queue=queue)
     else:
         app.signature(body).apply_async(countdown=countdown or None)
+
+
+def message_urgency(app: Any, priority: Any) -> int:
+    """The urgency (:mod:`.priority`) of a message of ``app``'s broker sent with
+    ``priority`` (None: none), as that broker orders its queue: Redis runs 0 first."""
+    lowest_first = app.__dict__.get("_throttle_lowest_first")
+    if lowest_first is None:
+        try:
+            lowest_first = app.connection_for_write().transport.driver_type == "redis"
+        except Exception:  # noqa: BLE001 - a transport that cannot even be named: AMQP's order
+            lowest_first = False
+        app.__dict__["_throttle_lowest_first"] = lowest_first
+    return urgency(priority, lowest_first)

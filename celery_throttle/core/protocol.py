@@ -194,7 +194,7 @@ class Entry:
     ``max_wait`` (µs; 0: none), how many heads the call may release on its way, and
     ``lost``: the holder (a delivery) of this task's own call whose reply was lost, should
     the store have started the entry in its name (it ran nothing: checked again, not
-    dropped as a copy of a task that ran)."""
+    dropped as a copy of a task that ran); ``urgency``: its priority."""
 
     id: str
     message: bytes = b""
@@ -203,9 +203,13 @@ class Entry:
     max_wait_us: int = 0
     batch: int = 0
     lost: str = ""
+    #: Levels of priority ahead of its broker's default (negative: behind), as
+    #: :func:`.priority.urgency` reads them: where it joins its line (line.lua's place_of).
+    urgency: int = 0
 
     def args(self) -> list[int | str | bytes]:
-        return [self.id, self.message, self.task_id, self.expires_us, self.max_wait_us, self.batch, self.lost]
+        return [self.id, self.message, self.task_id, self.expires_us, self.max_wait_us, self.batch, self.lost,
+                self.urgency]
 
 
 #: An entry for an operation that keeps none (a direct acquire: it does not wait).

@@ -17,6 +17,7 @@ from .config import ALGORITHMS, check_margin, check_max_wait, check_mode
 from .cost import CostArg, check_positive, declared_cost, direct_cost, never_fits, rate_costs
 from .errors import ConfigurationError, KeyBuildError
 from .keys import format_key, state_key, template_fields
+from .priority import check_urgency
 from .protocol import Cost
 from .rates import Rate, parse_rates
 from .share import Share, check_weight, share_of
@@ -25,7 +26,7 @@ __all__ = ["RULE_OPTIONS", "BoundCall", "ThrottleSpec", "declared_spec", "direct
 
 RateArg = str | Rate | Sequence[str | Rate] | Callable[..., Any]
 RULE_OPTIONS = ("rate", "key", "scope", "cost", "algorithm", "max_wait", "margin", "concurrency", "cost_after", "adapt",
-                "share", "mode")
+                "share", "mode", "priority")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class BoundCall:
     #: In shadow mode: checked and reported, never held (the live mode, else the
     #: throttle's, else ``throttle_mode``: :meth:`.binding.Binder.bind_spec`).
     shadow: bool = False
+    #: Its place in its key's line by the throttle's own ``priority=`` (higher first:
+    #: :mod:`.priority`), or None (the message's priority says).
+    priority: int | None = None
 
     @property
     def wait_reason(self) -> str:
@@ -96,6 +100,9 @@ class ThrottleSpec:
     share: Share | None = None
     #: "enforce" or "shadow" (None: ``throttle_mode``'s).
     mode: str | None = None
+    #: Where a call joins its key's line, higher first (an int, or a callable over the
+    #: task's arguments): in place of the message's priority; None: the message's.
+    priority: int | Callable[..., Any] | None = None
 
     @classmethod
     def declare(
@@ -112,10 +119,13 @@ class ThrottleSpec:
         adapt: Any = None,
         share: Any = None,
         mode: str | None = None,
+        priority: int | Callable[..., Any] | None = None,
     ) -> ThrottleSpec:
         adapted, shared = adapt_of(adapt), share_of(share)
         if mode is not None:
             check_mode(mode, "mode")
+        if priority is not None and not callable(priority):
+            check_urgency(priority, "priority")
         if shared is not None and (concurrency is None or key is None):
             raise ConfigurationError("share splits a scope's concurrency slots between its keys: give the throttle "
                                      "a concurrency and a key, e.g. throttle(concurrency=8, key='{tenant}', share=True)")
@@ -160,7 +170,7 @@ class ThrottleSpec:
         check_max_wait(max_wait, "max_wait")
         check_margin(margin, "margin")
         return cls(parsed, key, scope, declared, algorithm, max_wait, margin, concurrency, cost_after, adapted,
-                   shared, mode)
+                   shared, mode, priority)
 
     @classmethod
     def from_rule(cls, pattern: str, options: Mapping[str, Any]) -> ThrottleSpec:
@@ -191,6 +201,7 @@ class ThrottleSpec:
                 adapt=options.get("adapt"),
                 share=options.get("share"),
                 mode=options.get("mode"),
+                priority=options.get("priority"),
             )
         except ConfigurationError as exc:
             raise ConfigurationError(f"throttle_rules[{pattern!r}]: {exc}") from None
@@ -200,7 +211,7 @@ class ThrottleSpec:
         """Whether anything of a call is a callable over its arguments."""
         costs = self.cost if isinstance(self.cost, tuple) else ((None, self.cost),)
         return (callable(self.rates) or callable(self.key) or any(callable(c) for _, c in costs)
-                or (self.share is not None and callable(self.share.weight)))
+                or (self.share is not None and callable(self.share.weight)) or callable(self.priority))
 
     def check_signature(self, fn: Callable[..., Any], where: str) -> None:
         """Fail now if the key template names an argument ``fn`` does not take, or a share's
@@ -212,6 +223,8 @@ class ThrottleSpec:
             return
         if self.share is not None and callable(self.share.weight):
             _check_takes(self.share.weight, params, where)
+        if callable(self.priority):
+            _check_takes(self.priority, params, where, "the priority callable", "priority")
         if not isinstance(self.key, str):
             return
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
@@ -256,9 +269,16 @@ class ThrottleSpec:
         share = None
         if self.share is not None:
             share = (self._weight(task_name, self.share.weight, args, kwargs, named), self.share.most or 0)
+        priority = self.priority
+        if callable(priority):
+            value = _call(priority, task_name, "priority", args, kwargs, named)
+            try:
+                priority = check_urgency(value, "the priority callable's answer")
+            except ConfigurationError as exc:
+                raise KeyBuildError(f"task {task_name}: {exc}") from None
         return BoundCall(scope, key, rates, cost, algorithm, state_key(prefix, scope, key),
                          concurrency=self.concurrency or 0, unit_costs=unit_costs,
-                         declared_concurrency=self.concurrency or 0, share=share)
+                         declared_concurrency=self.concurrency or 0, share=share, priority=priority)
 
     @staticmethod
     def _weight(task_name: str, weight: float | Callable[..., Any], args: Sequence[Any],
@@ -318,9 +338,10 @@ def _call(fn: Callable[..., Any], task_name: str, what: str, args: Sequence[Any]
         raise KeyBuildError(f"task {task_name}: the {what} callable raised {exc!r}") from exc
 
 
-def _check_takes(weight: Callable[..., Any], params: Mapping[str, inspect.Parameter], where: str) -> None:
-    """ConfigurationError unless ``weight`` takes a task's arguments (``params``; a bound
-    task's ``self`` aside) by name or as passed."""
+def _check_takes(weight: Callable[..., Any], params: Mapping[str, inspect.Parameter], where: str,
+                 what: str = "the share's weight callable", spelt: str = "weight") -> None:
+    """ConfigurationError unless ``weight`` (``what``: the share's weight, a priority)
+    takes a task's arguments (``params``; a bound task's ``self`` aside) by name or as passed."""
     signature = _signature_of(weight)
     if signature is None or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()):
         return
@@ -333,8 +354,8 @@ def _check_takes(weight: Callable[..., Any], params: Mapping[str, inspect.Parame
             return
         except TypeError:
             continue
-    raise ConfigurationError(f"{where}: the share's weight callable takes {signature}, but the task takes "
-                             f"({', '.join(names)}): take them by name, e.g. weight=lambda {names[0] if names else 'x'}, "
+    raise ConfigurationError(f"{where}: {what} takes {signature}, but the task takes "
+                             f"({', '.join(names)}): take them by name, e.g. {spelt}=lambda {names[0] if names else 'x'}, "
                              f"**_: ...")
 
 

@@ -32,6 +32,7 @@ def throttle(
     adapt: bool | Adapt | dict[str, float] | None = None,
     share: bool | Share | dict[str, Any] | None = None,
     mode: str | None = None,
+    priority: int | Callable[..., Any] | None = None,
 ) -> Callable[[Any], Any]:
     """Limit a task globally, across every worker, before its body runs.
 
@@ -66,11 +67,15 @@ def throttle(
     for a weight per key and a cap per key). ``mode``: ``"shadow"`` counts and reports
     what the throttle would hold back (signal ``task_shadow_throttled``, metrics, the
     summary, ``throttle status``) and holds nothing; ``"enforce"`` holds (default:
-    ``throttle_mode``; live, for every worker within a second: ``Throttle.set_mode``). Mistakes raise :class:`~celery_throttle.core.errors.ConfigurationError` here.
+    ``throttle_mode``; live, for every worker within a second: ``Throttle.set_mode``).
+    ``priority``: where a call joins its key's line, higher first (an int from -255 to 255,
+    or a callable over the task's arguments), in place of the message's own priority (which
+    orders the line by default, as its broker orders its queue). Mistakes raise :class:`~celery_throttle.core.errors.ConfigurationError` here.
     """
     spec = ThrottleSpec.declare(rates, key=key, scope=scope, cost=cost, algorithm=algorithm,
                                 max_wait=max_wait, margin=margin, concurrency=concurrency, cost_after=cost_after,
-                                adapt=adapt, share=share, mode=mode)
+                                adapt=adapt, share=share, mode=mode,
+                                priority=priority)
 
     def decorate(obj: Any) -> Any:
         if isinstance(obj, PromiseProxy):

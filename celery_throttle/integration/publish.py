@@ -38,7 +38,7 @@ from celery.utils import uuid
 from kombu.exceptions import EncodeError
 
 from .. import signals
-from ..celery_parts.messages import encode_message
+from ..celery_parts.messages import encode_message, message_urgency
 from ..check.binding import Known
 from ..check.breaker import Breaker
 from ..check.hints import Hints
@@ -119,6 +119,19 @@ def _bound(ctl: Parts, name: str, args: Any, kwargs: Any,
         return None
 
 
+def _urgency(app: Any, call: BoundCall, options: Mapping[str, Any]) -> int:
+    """Where a send joins its line: by its throttle's ``priority=``, else by the priority
+    it is sent with (its own, else its task's, else ``task_default_priority``)."""
+    if call.priority is not None:
+        return call.priority
+    priority = options.get("priority")
+    if priority is None:
+        priority = getattr(options.get("task_type"), "priority", None)
+    if priority is None:
+        priority = app.conf.task_default_priority
+    return message_urgency(app, priority)
+
+
 def _unreachable(ctl: Parts, exc: StoreError) -> None:
     """The store failed a check at publish: tasks go unchecked for a while."""
     ctl.metrics.store_error("producer")
@@ -153,7 +166,7 @@ def admit(ctl: Parts, send: Any, name: str, args: Any, kwargs: Any, options: dic
         for with_message in ctl.lines.tries(call, message_first=hint == Hints.RESERVE):
             kept = message() if with_message else b""
             reply = ctl.checker.admit(call, Entry(entry_id, kept, task_id, expires_us(expires), max_wait_us,
-                                                  WORKER_BATCH))
+                                                  WORKER_BATCH, urgency=_urgency(app, call, options)))
             if ctl.lines.checked(call, reply):
                 break
     except StoreError as exc:

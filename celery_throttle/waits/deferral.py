@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Reject
 
 from .. import signals
-from ..celery_parts.messages import encode_message
+from ..celery_parts.messages import encode_message, message_urgency
 from ..check.slots import is_nonce, nonce_of
 from ..core.errors import ResendRefused
 from ..core.header import HEADER, Header, without_dead_letter_headers
@@ -165,7 +165,15 @@ class TurnedAway:
             self.kept_message = self.message()
         lost = self.header.lost if self.header.key == self.call.state_key else ""
         return Entry(self.entry_id, self.kept_message if with_message else b"", self.request.id,
-                     expires_us(getattr(self.request, "expires", None)), self.max_wait_us, WORKER_BATCH, lost)
+                     expires_us(getattr(self.request, "expires", None)), self.max_wait_us, WORKER_BATCH, lost,
+                     self.urgency())
+
+    def urgency(self) -> int:
+        """Where it joins its line: by its throttle's ``priority=``, else by its message's."""
+        if self.call.priority is not None:
+            return self.call.priority
+        delivery = getattr(self.request, "delivery_info", None) or {}
+        return message_urgency(self.ctl.app, delivery.get("priority") if isinstance(delivery, dict) else None)
 
     def message(self) -> bytes:
         """Its message as the line keeps it: same id, arguments, routing, retry count and

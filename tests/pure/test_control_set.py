@@ -59,3 +59,4 @@ def test_a_live_mode_is_the_keys_own_else_its_scopes_else_the_apps() -> None:
     assert controls.mode_of("other", None) == "shadow"
     # and without any, none is set (the code's and throttle_mode then say)
     assert parse_controls({}).mode_of("api", "acme") is None
+

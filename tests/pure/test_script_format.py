@@ -38,13 +38,13 @@ def test_every_argument_sits_where_window_lua_documents_it() -> None:
     rates = (Rate(10, 1.0), Rate(500, 3600.0))
     call = WindowCall("sliding", rates, 104, slack_us=105, not_before_us=106, concurrency=107, slot_lease_us=108,
                       lead_us=109)
-    entry = Entry("e", b"m", "t", 4, 5, 6, "n")
+    entry = Entry("e", b"m", "t", 4, 5, 6, "n", -3)
     argv = window_argv("101", "acquire", call, 11, 12, "h", *entry.args())
     assert argv[:9] == ["101", "acquire", 104, 105, 106, 107, 108, 109, 2]
     assert argv[9:15] == [10, 1_000_000, rate_field("sliding", rates[0]), 500, 3_600_000_000,
                           rate_field("sliding", rates[1])]
     # the operation's own, from P = 10 + 3 * rates: acquire's lease, span, holder, then the entry's
-    assert argv[15:] == [11, 12, "h", "e", b"m", "t", 4, 5, 6, "n"]
+    assert argv[15:] == [11, 12, "h", "e", b"m", "t", 4, 5, 6, "n", -3]
     assert "then ARGV[10..]: limit, period (µs) and field name per rate" in header[9]
 
 
@@ -59,7 +59,7 @@ def test_each_operations_arguments_are_where_line_lua_documents_them() -> None:
                   "settle a call that started reports its real cost", "[P] at, [P+1] latest, [P+2] epoch",
                   "The entry's arguments: [E] entry id, [E+1] message ('' none), [E+2] task id, [E+3] expires",
                   "[E+5] batch, [E+6] the nonce of the holder of this task's own call whose reply was lost",
-                  "[P+11] '1' if it may be told STALE"):
+                  "[E+7] its urgency", "[P+12] '1' if it may be told STALE"):
         assert " ".join(words.split()) in documented, f"line.lua does not document {words!r}"
 
 

@@ -61,7 +61,7 @@ WALKS = 3 if QUICK else 8
 #: Another policy: small batches and short leases, so that their edges are walked too.
 ODD_POLICY = ScriptPolicy(line_batch=2, send_lease_ms=300, out_lease_ms=900, grant_keep_ms=50, index_stale_ms=200,
                           grant_slacks=3, lead_jitters=1, settle_rounds=2, learnt_cap_parts=4, delay_gain_parts=2,
-                          jitter_gain_parts=3)
+                          jitter_gain_parts=3, priority_step=3)
 #: A state layout unlike the default in every field: few buckets per window and few kept,
 #: so that a sliding state folds, and a fixed one keeps few windows ahead.
 ODD_LAYOUT = StateLayout(buckets=7, max_buckets=10, max_ahead=3, keep_ahead=1)

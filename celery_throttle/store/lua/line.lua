@@ -1,5 +1,5 @@
 -- The line of one (scope, key), after window.lua: tasks that could not start wait here,
--- first come first served, off the broker and out of every worker's memory, and the head
+-- first come first served within a priority (place_of), off the broker and out of every worker's memory, and the head
 -- is released when the key has room as it is at that moment (the windows, the live limit
 -- the caller says, what was reported, a pause, the concurrency slots).
 --
@@ -55,7 +55,7 @@
 --            may come at most (µs), [P+2] holder (its delivery: the slot handed to the
 --            ticket becomes the holder's), [P+3] the start granted to this process earlier,
 --            which it woke too late for (0: none), then its entry as a fresh call's, then
---            [P+11] '1' if it may be told STALE (released under other controls than the
+--            [P+12] '1' if it may be told STALE (released under other controls than the
 --            caller's, it would go back: the caller reads them and claims again with '0')
 --   release  release the heads that fit. [P] batch
 --   ack      the tasks released were sent: their messages go. [P..] tickets
@@ -76,7 +76,8 @@
 --            holder ('' none), [P+1] max wait (µs, 0 none)
 -- The entry's arguments: [E] entry id, [E+1] message ('' none), [E+2] task id, [E+3]
 -- expires (µs, 0 none), [E+4] max wait (µs, 0 none), [E+5] batch, [E+6] the nonce of the
--- holder of this task's own call whose reply was lost ('' none; see KEYS[7]).
+-- holder of this task's own call whose reply was lost ('' none; see KEYS[7]), [E+7] its
+-- urgency: levels of priority ahead of its broker's default (negative: behind; see place_of).
 --
 -- Codes (protocol.Code): RUN, RUN_AT, DENIED, QUEUED, RELEASED, TOO_FAR, TOO_COSTLY,
 -- WAITED, LOST (ended, renew: a slot's lease had run out), DUPLICATE (a copy of a task that
@@ -180,6 +181,25 @@ local function out_per_rate(own)
   return t
 end
 
+-- The places of the line: a counter ('s', the last given), less `urgency` times
+-- PRIORITY_STEP for a task of another priority than its broker's default, and half a place
+-- more toward the front (behind: toward the back), so that such a place is never 0 nor a
+-- counter's. A task of urgency u goes before the u * PRIORITY_STEP tasks that came last
+-- before it, first come first served within a level; one of urgency -u goes after the
+-- u * PRIORITY_STEP that come next after it. So nothing waits behind more than
+-- MOST_URGENCY * PRIORITY_STEP tasks that came after it (the aging rule: core/priority.py).
+local function place_of(given, urgency)
+  if urgency == 0 then return given end
+  return given - urgency * PRIORITY_STEP - (urgency > 0 and 0.5 or -0.5)
+end
+
+-- The counter a place was given at, at most (counted again from the places: a place of
+-- another priority tells its counter only within MOST_URGENCY levels).
+local function last_given(place)
+  if place == math.floor(place) then return place end
+  return math.floor(place) + MOST_URGENCY * PRIORITY_STEP + 1
+end
+
 local function meta_of(id)
   local raw = redis.call('HGET', msgs_key, id .. '#')
   if not raw then return nil end
@@ -206,8 +226,8 @@ if not lm[1] and not lm[6] then
   local outs = redis.call('ZRANGE', out_key, 0, -1)
   if #places > 0 or #outs > 0 then
     waiting, out_count = #places / 2, #outs
-    first_place = math.min(0, tonumber(places[2]) or 0)
-    last_place = math.max(0, tonumber(places[#places]) or 0)
+    first_place = math.min(0, math.floor(tonumber(places[2]) or 0))
+    last_place = math.max(0, last_given(tonumber(places[#places]) or 0))
     for i = 1, #places, 2 do
       local m = meta_of(places[i])
       add_units(line_units, m and map_of(m[M.UNITS]) or call_by_unit, 1)
@@ -216,7 +236,7 @@ if not lm[1] and not lm[6] then
       local m = meta_of(id)
       if m then
         if m[M.PHASE] ~= 'g' then add_units(out_units, map_of(m[M.UNITS]), 1) end
-        last_place = math.max(last_place, tonumber(m[M.PLACE]) or 0)
+        last_place = math.max(last_place, last_given(tonumber(m[M.PLACE]) or 0))
       end
     end
   end
@@ -271,15 +291,24 @@ local function new_meta(task_id, expires, max_wait)
   return {task_id, flat_of(call_by_unit), now, expires, max_wait, 0, 'w', 0, 0, 0, 0}
 end
 
--- A new entry at the back (or, `front`, before everyone) of the line, with its message.
-local function enqueue(id, message, m, front)
+-- A place before everyone in the line (a task sent back by Backoff, one released at
+-- publish that finds no room): before the first place given at the front, and before the
+-- line's head, whatever its priority.
+local function front_place()
+  local head = redis.call('ZRANGE', line_key, 0, 0, 'WITHSCORES')[2]
+  first_place = math.min(first_place, math.floor(tonumber(head) or 0)) - 1
+  return first_place
+end
+
+-- A new entry at the back, by its `urgency` (see place_of), or (`front`) before everyone
+-- of the line, with its message.
+local function enqueue(id, message, m, front, urgency)
   local place
   if front then
-    first_place = first_place - 1
-    place = first_place
+    place = front_place()
   else
     last_place = last_place + 1
-    place = last_place
+    place = place_of(last_place, urgency or 0)
   end
   redis.call('HSET', msgs_key, id, message)
   join(id, m, place)
@@ -489,10 +518,12 @@ end
 
 -- -- the operations -----------------------------------------------------------------------
 
--- A call's entry, from ARGV[e..e+5]: id, message, task id, expires, max wait, batch.
+-- A call's entry, from ARGV[e..e+7]: id, message, task id, expires, max wait, batch, the
+-- nonce of a lost holder, urgency.
 local function entry_at(e)
   return {id = ARGV[e], message = ARGV[e + 1], task = ARGV[e + 2], expires = tonumber(ARGV[e + 3]),
-          max_wait = tonumber(ARGV[e + 4]), batch = tonumber(ARGV[e + 5]), lost = ARGV[e + 6]}
+          max_wait = tonumber(ARGV[e + 4]), batch = tonumber(ARGV[e + 5]), lost = ARGV[e + 6],
+          urgency = math.max(-MOST_URGENCY, math.min(MOST_URGENCY, math.floor(tonumber(ARGV[e + 7]) or 0)))}
 end
 
 -- A call that cannot start now: it waits in the line if its message came, else the
@@ -501,7 +532,7 @@ local function wait_in_line(a, front)
   local wait = wait_of(call_units)
   if a.max_wait > 0 and concurrency == 0 and wait > a.max_wait then return TOO_FAR, wait end
   if a.message == '' then return DENIED, wait end
-  enqueue(a.id, a.message, new_meta(a.task, a.expires, a.max_wait), front)
+  enqueue(a.id, a.message, new_meta(a.task, a.expires, a.max_wait), front, a.urgency)
   return QUEUED, wait
 end
 
@@ -789,8 +820,7 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
   if not kept then redis.call('HSET', msgs_key, ticket, a.message) end
   local place = m[M.PLACE]
   if place == 0 then  -- (released at publish, never in line: before everyone)
-    first_place = first_place - 1
-    place = first_place
+    place = front_place()
   end
   join(ticket, m, place)
   release_heads(a.batch)
@@ -802,7 +832,7 @@ local function claim()
   reclaim()
   write_back()  -- (what expire_out gave back stays given back, whatever this claim does)
   return arrive(ARGV[P], tonumber(ARGV[P + 1]), ARGV[P + 2], tonumber(ARGV[P + 3]), entry_at(P + 4),
-                ARGV[P + 11] == '1')
+                ARGV[P + 12] == '1')
 end
 
 local function release()
