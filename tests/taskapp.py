@@ -52,6 +52,7 @@ app.conf.update(
     throttle_store_retry_delay=0.5,
     throttle_store_retry_max_delay=2.0,
     throttle_release_interval=0.5,
+    throttle_record=int(os.environ.get("CT_RECORD", "0")),
     throttle_concurrency_lease=float(os.environ.get("CT_SLOT_LEASE", "30")),
     throttle_enabled=os.environ.get("CT_ENABLED", "1") == "1",
     throttle_check_at_publish=os.environ.get("CT_CHECK_AT_PUBLISH", "1") == "1",

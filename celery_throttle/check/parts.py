@@ -20,6 +20,7 @@ from .checker import Checker
 from .hints import Hints
 from .lines import Lines
 from .metrics import Metrics
+from .recorder import Recorder
 from .slots import Slots
 
 __all__ = ["Parts"]
@@ -47,6 +48,8 @@ class Parts:
         self._metrics: Metrics | None = None
         #: What this process may send unchecked at publish (see :mod:`.publish`).
         self.hints = Hints()
+        #: What this process saw, for ``throttle simulate`` (``throttle_record``).
+        self.recorder = Recorder(self)
 
     def configure(self, overrides: Mapping[str, Any]) -> None:
         """Apply more overrides (``install`` called again with settings)."""

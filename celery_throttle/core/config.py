@@ -92,6 +92,9 @@ class Settings:
     #: at once, whatever the prefetch (celery_parts/hand.py). On a Redis broker only:
     #: RabbitMQ gives a released task to a worker with room by itself.
     hand_off: bool = True
+    #: Keep a record of about this many events (each task's arrival, start and end) in the
+    #: store, for ``throttle simulate`` to replay against proposed limits; 0: none.
+    record: int = 0
     #: Backoff (seconds) for tasks deferred because Redis could not be reached.
     store_retry_delay: float = 1.0
     store_retry_max_delay: float = 30.0
@@ -137,6 +140,8 @@ class Settings:
                 f"throttle_default_algorithm {self.default_algorithm!r}: use one of {ALGORITHMS}"
             )
         check_mode(self.mode, "throttle_mode")
+        if isinstance(self.record, bool) or not isinstance(self.record, int) or self.record < 0:
+            raise ConfigurationError(f"throttle_record is a number of events to keep (0: none), got {self.record!r}")
         if self.on_store_error not in STORE_ERROR_POLICIES:
             raise ConfigurationError(
                 f"throttle_on_store_error {self.on_store_error!r}: use one of {STORE_ERROR_POLICIES}"

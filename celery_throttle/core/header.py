@@ -48,6 +48,12 @@ class Header:
     pending: str = ""
     lost: str = ""
 
+    @property
+    def arrives(self) -> bool:
+        """Whether a task with this header comes to its throttle for the first time (never
+        deferred, released, nor sent again after a store error): its arrival, for the record."""
+        return not (self.ticket or self.pending or self.deferrals or self.errors)
+
     @classmethod
     def read(cls, value: Any) -> Header:
         if not isinstance(value, dict):

@@ -37,6 +37,7 @@ __all__ = [
     "line_index_keys",
     "parked_patterns",
     "parking_keys",
+    "record_key",
     "scan_pattern",
     "shadow_key",
     "share_key",
@@ -240,6 +241,11 @@ def legacy_slot_keys(state_key: str) -> tuple[str, str]:
 def legacy_slot_index_key(prefix: str) -> str:
     """The hash of state keys that had tasks waiting for a slot, in version 0.x."""
     return f"{prefix}:slot-waiting"
+
+
+def record_key(prefix: str) -> str:
+    """The record of what the throttle saw (a stream; ``throttle_record``)."""
+    return f"{prefix}:{{record}}:events"  # (not a state hash's name: it ends past its tag)
 
 
 def control_key(prefix: str) -> str:

@@ -18,7 +18,7 @@ from ..core.errors import StoreError, ThrottleError, WaitTooLong
 from ..core.header import HEADER, Header
 from ..core.protocol import Code, Counted, Verdict, WindowReply
 from ..core.spec import BoundCall, ThrottleSpec
-from ..waits.deferral import TurnedAway, new_entry_id, own_header
+from ..waits.deferral import TurnedAway, new_entry_id, own_header, urgency_of
 from . import settle
 
 if TYPE_CHECKING:
@@ -93,6 +93,9 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     except StoreError as exc:
         return turned.on_store_error(exc)
     verdict = reply.verdict
+    recorder = ctl.recorder
+    if recorder.enabled and header.arrives:
+        recorder.arrived(call, request.id, reply.now_us, turned.urgency())
     if ticket and verdict is not Verdict.WAITS and ctl.lines.hand.delivered(request):
         # (Handed to this worker, its journal copy was kept until it came: it has left
         # its line now. One that waits again is back in its place, and keeps it.)
@@ -100,6 +103,8 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     if verdict is Verdict.START or verdict is Verdict.START_AT:
         _forget_header(request)
         ctl.metrics.admitted(call.scope, call.key)
+        if recorder.enabled:
+            recorder.started(request.id, reply.start_us or reply.now_us)
         settle.started(request.id, call, ctl.checker.counted(call, reply))
         if reply.held:
             holders.running[request.id] = holder
@@ -144,6 +149,10 @@ def _shadow(ctl: Parts, task: Any, request: Any, call: BoundCall, header: Header
                        request.id, exc)
         return True
     _forget_header(request)
+    if ctl.recorder.enabled:
+        if header.arrives:
+            ctl.recorder.arrived(call, request.id, reply.now_us, urgency_of(ctl.app, call, request))
+        ctl.recorder.started(request.id, reply.now_us)
     held = reply.code != Code.RUN
     wait = max(reply.wait_us, 0) / 1e6
     ctl.metrics.shadowed(call.scope, call.key, wait if held else None)

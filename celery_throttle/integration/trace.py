@@ -130,6 +130,9 @@ def body_ended(task: Any, task_id: str) -> None:
     """The body of ``task_id`` ended (however it ended): give its concurrency slot back, if
     this process holds one for it. Never raises: the task's outcome stands."""
     settle.ended(task_id)
+    recorder = controller(task.app).recorder
+    if recorder.enabled:
+        recorder.ended(task_id)
     holder = holders.running.pop(task_id, None)
     if holder is None:
         return

@@ -16,6 +16,7 @@ from ..core.errors import ThrottleError
 from ..core.urls import safe_url
 from ..waits.why import REPLY_TIMEOUT, explain
 from . import show
+from . import simulate as simulation
 from .parked import parked
 
 __all__ = ["throttle"]
@@ -199,6 +200,63 @@ def resume(ctx: click.Context, scope: str, key: str | None) -> None:
     """End a pause of SCOPE (or of its KEY) now: the tasks it held go as their keys have room."""
     found = _controller(ctx).resume(scope, key=key)
     click.echo(f"resumed {show.scope_and_key(scope, key)}" if found else f"{show.scope_and_key(scope, key)} was not paused")
+
+
+@throttle.command()
+@click.option("--since", default="10m", show_default=True, metavar="DURATION",
+              help="Replay the record of this last span: 90s, 10m, 2h, 1d.")
+@click.option("--rate", "rates", multiple=True, metavar="SCOPE[:KEY]=RATES",
+              help="Proposed rates of a scope (or one key), e.g. github-api=5/s or api:acme=2/s,100/m. Repeatable.")
+@click.option("--concurrency", "slots", multiple=True, metavar="SCOPE[:KEY]=K",
+              help="Proposed concurrency limit of a scope (or one key). Repeatable.")
+@click.option("--fifo", is_flag=True, help="Ignore the tasks' priorities: first come first served.")
+@click.option("--file", "path", type=click.Path(dir_okay=False), default=None,
+              help="Replay a record exported with --export instead of the store's.")
+@click.option("--export", "export", type=click.Path(dir_okay=False), default=None,
+              help="Write the span's record to this file (JSON lines) and replay nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
+@click.pass_context
+def simulate(ctx: click.Context, since: str, rates: tuple[str, ...], slots: tuple[str, ...], fifo: bool,
+             path: str | None, export: str | None, as_json: bool) -> None:
+    """Replay what the throttle saw lately (the record: throttle_record) against proposed
+    limits, and print what each key would have waited beside what it did wait.
+
+    Nothing is set: try --rate and --concurrency, then set what you chose with
+    throttle set. With nothing proposed, the replay says how close its model is to what
+    happened (a model: no slack, no leases, costs as estimated at the check).
+    """
+    ctl = _controller(ctx)
+    try:
+        proposal = simulation.Proposal.parse(rates, slots, fifo)
+    except (ValueError, ThrottleError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--rate/--concurrency") from None
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            events = [line for line in f if line.strip()]
+    else:
+        if not ctl.settings.record:
+            raise click.ClickException("nothing is recorded: set throttle_record (e.g. 100000 events) on the workers "
+                                       "and producers, let traffic come, then simulate")
+        until_ms = ctl.store.now_us() // 1000
+        seconds = show.duration(since) or 600.0
+        events = ctl.store.recorded(until_ms - int(seconds * 1000), until_ms)
+    if export is not None:
+        with open(export, "w", encoding="utf-8") as f:
+            f.writelines(e.rstrip("\n") + "\n" for e in events)
+        click.echo(f"{len(events)} event(s) written to {export}")
+        return
+    tasks, orphans = simulation.tasks_of(events)
+    outcomes = simulation.replay(tasks, proposal)
+    if as_json:
+        click.echo(json.dumps({"keys": [show.simulated_dict(o) for o in outcomes], "tasks": len(tasks),
+                               "events_before_the_span": orphans}, indent=2))
+        return
+    if not outcomes:
+        click.echo("no task in the record of that span")
+        return
+    show.simulated_table(outcomes)
+    if orphans:
+        click.echo(f"{orphans} event(s) of tasks that arrived before the span were left out")
 
 
 @throttle.command()

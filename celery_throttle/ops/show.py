@@ -324,3 +324,38 @@ def duration(text: str | None) -> float | None:
     if not seconds > 0:
         raise click.BadParameter(f"{text!r}: must be more than 0", param_hint="--for")
     return seconds
+
+
+def simulated_dict(outcome: Any) -> dict[str, Any]:
+    from .simulate import waits
+
+    return {"scope": outcome.scope, "key": outcome.key, "tasks": len(outcome.did),
+            "rates": [str(r) for r in outcome.rates], "concurrency": outcome.concurrency or None,
+            "waited": waits(outcome.did), "would_wait": waits(outcome.would)}
+
+
+def simulated_table(outcomes: list[Any]) -> None:
+    """Each key's waits, as they were and as they would have been (p50 / p95 / most)."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for name, justify in (("scope", "left"), ("key", "left"), ("tasks", "right"), ("under", "left"),
+                          ("waited p50/p95/max", "right"), ("would wait", "right")):
+        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for o in outcomes:
+        d = simulated_dict(o)
+        under = ", ".join(d["rates"]) + (f", K={o.concurrency}" if o.concurrency else "")
+        table.add_row(Text(escaped(o.scope)), Text("-" if o.key is None else escaped(o.key)), str(d["tasks"]),
+                      under or "-", _waits_cell(d["waited"]), _waits_cell(d["would_wait"]))
+    Console(width=None if Console().is_terminal else 100, soft_wrap=False).print(table)
+    click.echo("waits in seconds; 'under': the limits replayed (proposed, else as recorded); "
+               "?: not started in the span (waited), or its cost never fits (would wait)")
+
+
+def _waits_cell(w: dict[str, Any]) -> str:
+    if w["p50"] is None:
+        return "?" * max(w["unknown"], 1)
+    cell = f"{w['p50']:.2f} / {w['p95']:.2f} / {w['max']:.2f}"
+    return cell + (f" (+{w['unknown']} ?)" if w["unknown"] else "")

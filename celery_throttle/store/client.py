@@ -1,5 +1,5 @@
 """The Redis store: every family of operations (:mod:`.window`, :mod:`.controls`,
-:mod:`.sharing`) over one client (:mod:`.scripts`). Parked messages of earlier versions are
+:mod:`.sharing`, :mod:`.recording`) over one client (:mod:`.scripts`). Parked messages of earlier versions are
 kept by :class:`.parking.ParkingStore`, over the same client."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from typing import Any
 from ..core.state import STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 from .controls import ControlOps
+from .recording import RecordOps
 from .sharing import ShareOps
 from .window import WindowOps
 
 __all__ = ["RedisStore"]
 
 
-class RedisStore(WindowOps, ControlOps, ShareOps):
+class RedisStore(WindowOps, ControlOps, ShareOps, RecordOps):
     """Window state and controls in one Redis (or Redis Cluster), and the client that
     :class:`.parking.ParkingStore` shares."""
 

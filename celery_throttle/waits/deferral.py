@@ -169,11 +169,7 @@ class TurnedAway:
                      self.urgency())
 
     def urgency(self) -> int:
-        """Where it joins its line: by its throttle's ``priority=``, else by its message's."""
-        if self.call.priority is not None:
-            return self.call.priority
-        delivery = getattr(self.request, "delivery_info", None) or {}
-        return message_urgency(self.ctl.app, delivery.get("priority") if isinstance(delivery, dict) else None)
+        return urgency_of(self.ctl.app, self.call, self.request)
 
     def message(self) -> bytes:
         """Its message as the line keeps it: same id, arguments, routing, retry count and
@@ -275,3 +271,11 @@ class TurnedAway:
                 continue
             _refusals.accepted()
             return
+
+
+def urgency_of(app: Any, call: BoundCall, request: Any) -> int:
+    """Where a task joins its line: by its throttle's ``priority=``, else by its message's."""
+    if call.priority is not None:
+        return call.priority
+    delivery = getattr(request, "delivery_info", None) or {}
+    return message_urgency(app, delivery.get("priority") if isinstance(delivery, dict) else None)

@@ -1,0 +1,95 @@
+"""``throttle simulate``'s replay (celery_throttle/ops/simulate.py): a record's tasks, key by
+key, through a model of their line under the recorded or proposed limits. Pure: events in,
+waits out (the record on real workers: tests/workers/test_cli.py)."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from celery_throttle.core.rates import parse_rate
+from celery_throttle.ops.simulate import Proposal, replay, tasks_of, waits
+from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
+
+S = 1_000_000
+
+
+def arrival(i: int, t: float, rate: str = "2/s", key: str | None = "acme", urgency: int = 0, cost: int = 1,
+            concurrency: int = 0, algorithm: str = "sliding", scope: str = "api") -> str:
+    return json.dumps({"k": "a", "id": f"t{i}", "t": int(t * S), "s": scope, "key": key, "c": cost, "u": urgency,
+                       "r": rate, "a": algorithm, "n": concurrency})
+
+
+def start(i: int, t: float) -> str:
+    return json.dumps({"k": "s", "id": f"t{i}", "t": int(t * S)})
+
+
+def end(i: int, t: float) -> str:
+    return json.dumps({"k": "e", "id": f"t{i}", "t": int(t * S)})
+
+
+def would(events: list[str], proposal: Proposal | None = None) -> list[float | None]:
+    tasks, _ = tasks_of(events)
+    (outcome,) = replay(tasks, proposal or Proposal())
+    return [None if w is None else round(w / S, 3) for w in outcome.would]
+
+
+def test_a_burst_waits_a_window_per_limit_and_a_raised_limit_shortens_it() -> None:
+    # Given 10 tasks that came at once to a key of 2/s (and started a window per 2 apart)
+    events = [arrival(i, 100.0) for i in range(10)] + [start(i, 100.0 + i // 2) for i in range(10)]
+    # Then replayed as recorded they would have waited as they did
+    assert would(events) == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0]
+    tasks, _ = tasks_of(events)
+    assert [w / S for w in replay(tasks, Proposal())[0].did] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0]
+    # and under 5/s, for the scope or its key, a window at most
+    assert would(events, Proposal.parse(["api=5/s"])) == [0.0] * 5 + [1.0] * 5
+    assert would(events, Proposal.parse(["api:acme=10/s"])) == [0.0] * 10
+    # and another key's proposal changes nothing here
+    assert would(events, Proposal.parse(["api:globex=10/s"])) == would(events)
+
+
+def test_an_urgent_task_goes_ahead_unless_replayed_first_come_first_served() -> None:
+    events = [arrival(i, 0.0) for i in range(6)] + [arrival(6, 0.5, urgency=5)]
+    assert would(events)[6] == 0.5  # (it came at 0.5 and went at 1.0, before the 4 waiting)
+    assert would(events, Proposal(fifo=True))[6] == 2.5
+
+
+def test_a_concurrency_limit_replays_each_body_as_long_as_it_ran() -> None:
+    events = [arrival(i, 0.0, rate="", concurrency=1) for i in range(3)]
+    events += [start(0, 0.0), end(0, 1.5), start(1, 1.5), end(1, 2.0), start(2, 2.0), end(2, 4.0)]
+    assert would(events) == [0.0, 1.5, 2.0]
+    assert would(events, Proposal.parse(concurrency=["api=2"])) == [0.0, 0.0, 0.5]  # (t1 ran 0.5 s)
+
+
+def test_a_fixed_window_replays_aligned_and_a_cost_that_never_fits_is_said() -> None:
+    events = [arrival(i, 0.9, rate="2/s", algorithm="fixed") for i in range(4)]
+    assert would(events) == [0.0, 0.0, 0.1, 0.1]
+    big = [arrival(0, 0.0, cost=3)]
+    assert would(big) == [None]
+    assert waits([None, 2 * S, S]) == {"p50": 2.0, "p95": 2.0, "max": 2.0, "unknown": 1}
+
+
+def test_events_of_tasks_that_arrived_before_the_span_are_counted_apart() -> None:
+    tasks, orphans = tasks_of([start(7, 1.0), end(7, 2.0), arrival(1, 1.0), start(1, 1.0)])
+    assert [t.id for t in tasks] == ["t1"] and orphans == 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 20), st.integers(-2, 2), st.integers(1, 3)), min_size=1, max_size=60),
+       st.sampled_from(["3/s", "5/2s", "4/s"]), st.sampled_from(["sliding", "fixed"]), st.booleans())
+def test_a_replay_never_fills_a_window_past_its_limit_and_starts_nothing_before_it_came(
+        arrivals: list[tuple[float, int, int]], rate: str, algorithm: str, fifo: bool) -> None:
+    events = [arrival(i, t, rate=rate, urgency=u, cost=c, algorithm=algorithm) for i, (t, u, c) in enumerate(arrivals)]
+    tasks, _ = tasks_of(events)
+    (outcome,) = replay(tasks, Proposal(fifo=fifo))
+    starts = [(t.arrive + w, t.units(outcome.rates)[0]) for t, w in zip(tasks, outcome.would) if w is not None]
+    assert all(w is None or w >= 0 for w in outcome.would)
+    r = parse_rate(rate)
+    most = (max_units_in_any_interval(starts, r.period_us) if algorithm == "sliding"
+            else max_units_per_aligned_window(starts, r.period_us))
+    assert most <= r.limit
+    if fifo:  # (first come first served: starts in the order they came)
+        ordered = [t.arrive + w for t, w in zip(tasks, outcome.would) if w is not None]
+        assert ordered == sorted(ordered)
