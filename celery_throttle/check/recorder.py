@@ -51,13 +51,15 @@ class Recorder:
     def enabled(self) -> bool:
         return bool(self._owner.settings.record)
 
-    def arrived(self, call: BoundCall, task_id: str, now_us: int, urgency: int) -> None:
-        """Task ``task_id`` of ``call`` came to its throttle's first check at ``now_us``."""
+    def arrived(self, name: str, call: BoundCall, task_id: str, now_us: int, urgency: int) -> None:
+        """Task ``task_id`` (of task ``name``) of ``call`` came to its throttle's first check at ``now_us``."""
         cost: Any = list(call.cost) if isinstance(call.cost, tuple) else call.cost
         now_us = now_us or self._now_us()  # (0: admitted from a lease, no round trip)
-        self._note(now_us, {"k": "a", "id": task_id, "t": now_us, "s": call.scope, "key": call.key, "c": cost,
-                            "u": urgency, "r": ",".join(map(str, call.rates)), "a": call.algorithm,
-                            "n": call.concurrency})
+        event = {"k": "a", "id": task_id, "task": name, "t": now_us, "s": call.scope, "key": call.key, "c": cost,
+                 "u": urgency, "r": ",".join(map(str, call.rates)), "a": call.algorithm, "n": call.concurrency}
+        if call.share is not None:
+            event["w"], event["m"] = call.share
+        self._note(now_us, event)
 
     def started(self, task_id: str, at_us: int) -> None:
         self._note(at_us, {"k": "s", "id": task_id, "t": at_us or self._now_us()})

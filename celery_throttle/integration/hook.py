@@ -95,7 +95,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     verdict = reply.verdict
     recorder = ctl.recorder
     if recorder.enabled and header.arrives:
-        recorder.arrived(call, request.id, reply.now_us, turned.urgency())
+        recorder.arrived(task.name, call, request.id, reply.now_us, turned.urgency())
     if ticket and verdict is not Verdict.WAITS and ctl.lines.hand.delivered(request):
         # (Handed to this worker, its journal copy was kept until it came: it has left
         # its line now. One that waits again is back in its place, and keeps it.)
@@ -151,7 +151,7 @@ def _shadow(ctl: Parts, task: Any, request: Any, call: BoundCall, header: Header
     _forget_header(request)
     if ctl.recorder.enabled:
         if header.arrives:
-            ctl.recorder.arrived(call, request.id, reply.now_us, urgency_of(ctl.app, call, request))
+            ctl.recorder.arrived(task.name, call, request.id, reply.now_us, urgency_of(ctl.app, call, request))
         ctl.recorder.started(request.id, reply.now_us)
     held = reply.code != Code.RUN
     wait = max(reply.wait_us, 0) / 1e6

@@ -179,7 +179,7 @@ def admit(ctl: Parts, send: Any, name: str, args: Any, kwargs: Any, options: dic
         return None  # an unserializable argument: the worker's check reports it
     verdict = reply.verdict
     if ctl.recorder.enabled and verdict in (Verdict.RELEASED, Verdict.WAITS):  # (else its worker records it)
-        ctl.recorder.arrived(call, task_id, reply.now_us, _urgency(app, call, options))
+        ctl.recorder.arrived(name, call, task_id, reply.now_us, _urgency(app, call, options))
     if verdict is Verdict.START:  # room: this one and `leased - cost` more go unchecked
         room: Cost = reply.leased - call.cost if isinstance(call.cost, int) else tuple(
             left - units for left, units in zip(reply.rooms, call.cost))

@@ -143,7 +143,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             return handler(message, body, ack, reject, callbacks, **kw)
         fits_in_a_row = 0
         if ctl.recorder.enabled and turned.header.arrives:  # (it comes to the pool with a ticket: not again)
-            ctl.recorder.arrived(turned.call, turned.request.id, reply.now_us, turned.urgency())
+            ctl.recorder.arrived(task.name, turned.call, turned.request.id, reply.now_us, turned.urgency())
         turned.waits(reply)
         ack(logger, errors)
         return None

@@ -209,6 +209,10 @@ def resume(ctx: click.Context, scope: str, key: str | None) -> None:
               help="Proposed rates of a scope (or one key), e.g. github-api=5/s or api:acme=2/s,100/m. Repeatable.")
 @click.option("--concurrency", "slots", multiple=True, metavar="SCOPE[:KEY]=K",
               help="Proposed concurrency limit of a scope (or one key). Repeatable.")
+@click.option("--weight", "weights", multiple=True, metavar="SCOPE:KEY=WEIGHT",
+              help="Proposed weight of a key in its scope's share of K (share=). Repeatable.")
+@click.option("--priority", "priorities", multiple=True, metavar="TASK_NAME=PRIORITY",
+              help="Proposed priority (higher first, -255 to 255) of every task of that name. Repeatable.")
 @click.option("--fifo", is_flag=True, help="Ignore the tasks' priorities: first come first served.")
 @click.option("--file", "path", type=click.Path(dir_okay=False), default=None,
               help="Replay a record exported with --export instead of the store's.")
@@ -216,20 +220,20 @@ def resume(ctx: click.Context, scope: str, key: str | None) -> None:
               help="Write the span's record to this file (JSON lines) and replay nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
 @click.pass_context
-def simulate(ctx: click.Context, since: str, rates: tuple[str, ...], slots: tuple[str, ...], fifo: bool,
-             path: str | None, export: str | None, as_json: bool) -> None:
+def simulate(ctx: click.Context, since: str, rates: tuple[str, ...], slots: tuple[str, ...], weights: tuple[str, ...],
+             priorities: tuple[str, ...], fifo: bool, path: str | None, export: str | None, as_json: bool) -> None:
     """Replay what the throttle saw lately (the record: throttle_record) against proposed
     limits, and print what each key would have waited beside what it did wait.
 
-    Nothing is set: try --rate and --concurrency, then set what you chose with
-    throttle set. With nothing proposed, the replay says how close its model is to what
+    Nothing is set: try --rate, --concurrency, --weight and --priority, then set what you
+    chose (throttle set; a weight or a priority in the code). With nothing proposed, the replay says how close its model is to what
     happened (a model: no slack, no leases, costs as estimated at the check).
     """
     ctl = _controller(ctx)
     try:
-        proposal = simulation.Proposal.parse(rates, slots, fifo)
+        proposal = simulation.Proposal.parse(rates, slots, fifo, weights, priorities)
     except (ValueError, ThrottleError) as exc:
-        raise click.BadParameter(str(exc), param_hint="--rate/--concurrency") from None
+        raise click.BadParameter(str(exc), param_hint="--rate/--concurrency/--weight/--priority") from None
     if path is not None:
         with open(path, encoding="utf-8") as f:
             events = [line for line in f if line.strip()]

@@ -8,9 +8,13 @@ start, sliding or fixed) and its K (each body running as long as it ran) admit i
 rates and K are the ones recorded, or those proposed for its scope or key; the start each
 task would have had is set beside the one it had.
 
+A scope whose K its keys share (``share=``) is replayed whole: each slot, as it frees, to
+the key with work whose bodies, with it, are fewest for its weight. Proposals: rates, K,
+a key's weight, a priority per task name, or none at all (first come first served).
+
 A model, not the store's script: no slack, no lead, no leases, no margins; a body's cost as
-estimated at its check (a ``charge()`` after it is not in the record); a shared K is counted
-per key. Run with nothing proposed, it says how far the model is from what happened.
+estimated at its check (a ``charge()`` after it is not in the record). Run with nothing
+proposed, it says how far the model is from what happened.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.priority import check_urgency
 from ..core.rates import Rate, parse_rates
 from ..core.timing import SCRIPT_POLICY
 
@@ -48,6 +53,12 @@ class Task:
     concurrency: int
     start: int | None = None
     end: int | None = None
+    #: The task's name (a proposed priority names it).
+    name: str = ""
+    #: Its key's weight in its scope's share of K, and the most slots the key may hold (0:
+    #: no cap); None: no share.
+    weight: float | None = None
+    most: int = 0
 
     @property
     def duration(self) -> int:
@@ -69,6 +80,18 @@ class Proposal:
     rates: dict[tuple[str, str | None], tuple[Rate, ...]] = field(default_factory=dict)
     concurrency: dict[tuple[str, str | None], int] = field(default_factory=dict)
     fifo: bool = False
+    #: A key's weight in its scope's share, by scope and key.
+    weights: dict[tuple[str, str | None], float] = field(default_factory=dict)
+    #: A priority (urgency: higher first) for the tasks of a name, in place of theirs.
+    priorities: dict[str, int] = field(default_factory=dict)
+
+    def urgency_of(self, task: Task) -> int:
+        if self.fifo:
+            return 0
+        return self.priorities.get(task.name, task.urgency)
+
+    def weight_of(self, task: Task) -> float:
+        return self.weights.get((task.scope, task.key)) or task.weight or 1.0
 
     def rates_of(self, task: Task) -> tuple[Rate, ...]:
         return self.rates.get((task.scope, task.key)) or self.rates.get((task.scope, None)) or task.rates
@@ -84,9 +107,20 @@ class Proposal:
         return scope, (key if sep else None)
 
     @classmethod
-    def parse(cls, rates: Iterable[str] = (), concurrency: Iterable[str] = (), fifo: bool = False) -> Proposal:
-        """From ``SCOPE[:KEY]=RATE[,RATE...]`` and ``SCOPE[:KEY]=K`` texts."""
+    def parse(cls, rates: Iterable[str] = (), concurrency: Iterable[str] = (), fifo: bool = False,
+              weights: Iterable[str] = (), priorities: Iterable[str] = ()) -> Proposal:
+        """From ``SCOPE[:KEY]=RATE[,RATE...]``, ``SCOPE[:KEY]=K``, ``SCOPE:KEY=WEIGHT`` and
+        ``TASK_NAME=PRIORITY`` texts."""
         proposal = cls(fifo=fifo)
+        for text in weights:
+            target, _, value = text.rpartition("=")
+            weight = float(value)
+            if not weight > 0:
+                raise ValueError(f"a weight is more than 0, got {value!r}")
+            proposal.weights[cls.target(target)] = weight
+        for text in priorities:
+            name, _, value = text.rpartition("=")
+            proposal.priorities[name] = check_urgency(int(value), f"the priority of {name}")
         for text in rates:
             target, _, value = text.rpartition("=")
             proposal.rates[cls.target(target)] = parse_rates(value.split(","))
@@ -122,7 +156,8 @@ def tasks_of(events: Iterable[str | Mapping[str, Any]]) -> tuple[list[Task], int
                 str(event["id"]), str(event["s"]), event.get("key"), int(event["t"]),
                 tuple(cost) if isinstance(cost, list) else int(cost), int(event.get("u") or 0),
                 parse_rates(event["r"].split(",")) if event.get("r") else (), str(event.get("a") or "sliding"),
-                int(event.get("n") or 0))
+                int(event.get("n") or 0), name=str(event.get("task") or ""),
+                weight=None if event.get("w") is None else float(event["w"]), most=int(event.get("m") or 0))
         else:
             later.append(event)
     orphans = 0
@@ -199,6 +234,10 @@ def _place(given: int, urgency: int) -> float:
     return given - urgency * SCRIPT_POLICY.priority_step - (0.5 if urgency > 0 else -0.5)
 
 
+def _joins(line: list[tuple[float, int, Task]], given: int, task: Task, proposal: Proposal) -> None:
+    heapq.heappush(line, (_place(given, proposal.urgency_of(task)), given, task))
+
+
 def replay_key(tasks: Sequence[Task], proposal: Proposal) -> dict[str, int | None]:
     """The start each task of one key (by arrival) would have had under ``proposal``."""
     first = tasks[0]
@@ -210,7 +249,7 @@ def replay_key(tasks: Sequence[Task], proposal: Proposal) -> dict[str, int | Non
         if not line:
             given += 1
             task = tasks[i]
-            heapq.heappush(line, (_place(given, 0 if proposal.fifo else task.urgency), given, task))
+            _joins(line, given, task, proposal)
             now, i = max(now, task.arrive), i + 1
             continue
         head = line[0][2]
@@ -220,7 +259,7 @@ def replay_key(tasks: Sequence[Task], proposal: Proposal) -> dict[str, int | Non
             # (one that came before the head could start: it may go before it)
             given += 1
             task = tasks[i]
-            heapq.heappush(line, (_place(given, 0 if proposal.fifo else task.urgency), given, task))
+            _joins(line, given, task, proposal)
             now, i = max(now, task.arrive), i + 1
             continue
         heapq.heappop(line)
@@ -231,14 +270,82 @@ def replay_key(tasks: Sequence[Task], proposal: Proposal) -> dict[str, int | Non
     return starts
 
 
+class _Key:
+    """One key of a scope whose K its keys share: its line, its windows, its bodies' ends."""
+
+    def __init__(self, first: Task, proposal: Proposal) -> None:
+        self.windows = _Windows(proposal.rates_of(first), first.algorithm, 0)
+        self.line: list[tuple[float, int, Task]] = []
+        self.ends: list[int] = []
+        self.weight, self.most = proposal.weight_of(first), first.most
+
+    def running(self, now: int) -> int:
+        self.ends = [t for t in self.ends if t > now]
+        return len(self.ends)
+
+    def head_at(self, now: int) -> int | None:
+        head = self.line[0][2]
+        return self.windows.earliest(now, head.units(self.windows.rates))
+
+
+def replay_shared(tasks: Sequence[Task], proposal: Proposal) -> dict[str, int | None]:
+    """The start each task of a scope whose K its keys share (by arrival) would have had:
+    each slot, as it frees, to the key with work whose bodies, with it, are fewest for its
+    weight (slots in proportion to the weights of the keys with work, as the sharer's
+    weighted max-min hands them, at once rather than a few times a second; a tie to the
+    key whose head came first), within the key's most and its own rates."""
+    first = tasks[0]
+    slots = proposal.concurrency.get((first.scope, None)) or first.concurrency or 1
+    keys: dict[str | None, _Key] = {}
+    starts: dict[str, int | None] = {}
+    i, given, now = 0, 0, tasks[0].arrive
+    while True:
+        while i < len(tasks) and tasks[i].arrive <= now:
+            task = tasks[i]
+            key = keys.setdefault(task.key, _Key(task, proposal))
+            given += 1
+            _joins(key.line, given, task, proposal)
+            i += 1
+        while True:  # (every slot free now to the key owed most that may start now)
+            if sum(k.running(now) for k in keys.values()) >= slots:
+                break
+            ready = []
+            for name, k in keys.items():
+                while k.line and k.head_at(now) is None:  # (a cost that never fits its rates)
+                    starts[heapq.heappop(k.line)[2].id] = None
+                if k.line and (not k.most or k.running(now) < k.most) and k.head_at(now) == now:
+                    ready.append(((k.running(now) + 1) / k.weight, k.line[0][2].arrive, name or "", name))
+            if not ready:
+                break
+            k = keys[min(ready)[3]]
+            head = heapq.heappop(k.line)[2]
+            units = head.units(k.windows.rates)
+            k.windows.start(now, units, 0)
+            k.ends.append(now + head.duration)
+            starts[head.id] = now
+        nexts = [tasks[i].arrive] if i < len(tasks) else []
+        nexts += [t for k in keys.values() for t in k.ends if t > now]
+        nexts += [at for k in keys.values() if k.line and (at := k.head_at(now)) is not None and at > now]
+        if not nexts:
+            for k in keys.values():  # (nothing left to happen: what waits never starts)
+                starts.update((entry[2].id, None) for entry in k.line)
+            return starts
+        now = min(nexts)
+
+
 def replay(tasks: Sequence[Task], proposal: Proposal) -> list[Outcome]:
-    """Every key's tasks replayed under ``proposal``, keys by scope and key."""
+    """Every key's tasks replayed under ``proposal``, keys by scope and key (the keys of a
+    scope whose K they share, together)."""
     by_key: dict[tuple[str, str | None], list[Task]] = defaultdict(list)
+    shared: dict[str, list[Task]] = defaultdict(list)
     for task in tasks:
         by_key[(task.scope, task.key)].append(task)
+        if task.weight is not None:
+            shared[task.scope].append(task)
+    starts_of_scope = {scope: replay_shared(own, proposal) for scope, own in shared.items()}
     out = []
     for (scope, key), own in sorted(by_key.items(), key=lambda item: (item[0][0], item[0][1] or "")):
-        starts = replay_key(own, proposal)
+        starts = starts_of_scope[scope] if scope in starts_of_scope else replay_key(own, proposal)
         would = [None if starts[t.id] is None else starts[t.id] - t.arrive for t in own]  # type: ignore[operator]
         did = [None if t.start is None else max(t.start - t.arrive, 0) for t in own]
         out.append(Outcome(scope, key, did, would, proposal.rates_of(own[0]), proposal.concurrency_of(own[0])))

@@ -164,19 +164,21 @@ def test_a_real_prometheus_scraping_a_real_worker_answers_the_dashboard_and_rais
     # are what Prometheus scrapes) that sends well over the limits: 30 calls of a 5/s task,
     # 6 of a task of 2 slots, 6 of a 2/m task that waits 5 s at most (4 fail with
     # WaitTooLong), 9 of a 3/4s task (a line that waits for seconds), 12 of an adaptive task
-    # whose downstream takes 3 a second (its level falls below its declared 20/s)
+    # whose downstream takes 3 a second (its level falls below its declared 20/s), 6 of a
+    # 2/s task in shadow mode (all run; 4 would have been held)
     live.records.set(f"{live.prefix}:downstream-limit", 3)
     live.produce({"how": "delay", "task": "below", "args": [label], "count": 30},
                  {"how": "delay", "task": "adaptive_call", "args": [label, 0], "count": 12},
                  {"how": "delay", "task": "exporting", "args": [label, "acme", 0.5], "count": 6},
                  {"how": "delay", "task": "capped", "args": [label, "t1"], "count": 6},
                  {"how": "delay", "task": "slow_quota", "args": [label, "t2"], "count": 9},
+                 {"how": "delay", "task": "shadowed", "args": [label, "t3"], "count": 6},
                  CT_CHECK_AT_PUBLISH="0", CT_METRICS_PORT="", PROMETHEUS_MULTIPROC_DIR="")
     # and a worker whose store does not answer, sent 3 calls (from a client without the plugin)
     for _ in range(3):
         dead.send("below", label)
     # When they have run (the 3/4s line takes 8 s or more)
-    live.wait_starts(label, 30 + 2 + 9 + 12, timeout=180, settle=0)
+    live.wait_starts(label, 30 + 2 + 9 + 12 + 6, timeout=180, settle=0)
     wait_for(lambda: len(live.notes("spans")) == 6, 60, 0.2, "the 6 bodies of 2 slots")
     wait_for(lambda: len(live.notes("gave-up")) >= 4, 60, 0.2, "the 4 tasks that waited past their max_wait")
     assert len(live.notes("gave-up")) == 4, live.notes("gave-up")

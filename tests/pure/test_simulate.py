@@ -93,3 +93,61 @@ def test_a_replay_never_fills_a_window_past_its_limit_and_starts_nothing_before_
     if fifo:  # (first come first served: starts in the order they came)
         ordered = [t.arrive + w for t, w in zip(tasks, outcome.would) if w is not None]
         assert ordered == sorted(ordered)
+
+
+def shared(i: int, t: float, key: str, weight: float, seconds: float, most: int = 0) -> list[str]:
+    """A task of a scope of K=2 its keys share, that ran ``seconds``."""
+    event = json.loads(arrival(i, t, rate="", key=key, concurrency=2, scope="shared"))
+    event.update(w=weight, m=most, task="tasks.export")
+    return [json.dumps(event), start(i, t), end(i, t + seconds)]
+
+
+def test_a_shared_k_goes_to_the_key_owed_most_and_a_proposed_weight_moves_it() -> None:
+    # Given a flood of one key (8 bodies of 1 s) and, a little after, 2 tasks of another,
+    # in a scope of K=2 its keys share by weight
+    events = [e for i in range(8) for e in shared(i, 0.0, "big", 1.0, 1.0)]
+    events += [e for i in (8, 9) for e in shared(i, 0.1, "small", 1.0, 1.0)]
+    tasks, _ = tasks_of(events)
+
+    def small_waits(proposal: Proposal) -> list[float]:
+        outcome = next(o for o in replay(tasks, proposal) if o.key == "small")
+        return [round(w / S, 3) for w in outcome.would if w is not None]
+
+    # Then the small key gets one of the two slots that free first, and one more a body
+    # later (one each: equal weights)
+    assert small_waits(Proposal()) == [0.9, 1.9]
+    # and with 3 times the flood's weight, both of the first slots that free
+    assert small_waits(Proposal.parse(weights=["shared:small=3"])) == [0.9, 0.9]
+    # and with K=4, it starts when the first bodies end all the same (4 of the flood ran)
+    assert small_waits(Proposal.parse(concurrency=["shared=4"])) == [0.9, 0.9]
+
+
+def test_a_proposed_priority_names_the_tasks_it_moves() -> None:
+    events = [arrival(i, 0.0) for i in range(6)]
+    reset = json.loads(arrival(6, 0.5))
+    reset["task"] = "tasks.reset"
+    events.append(json.dumps(reset))
+    assert would(events)[6] == 2.5
+    assert would(events, Proposal.parse(priorities=["tasks.reset=3"]))[6] == 0.5
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 10), st.sampled_from(["a", "b", "c"]), st.floats(0, 3)), min_size=1,
+                max_size=40), st.integers(1, 4), st.integers(0, 2))
+def test_a_shared_replay_never_runs_more_than_k_nor_a_key_past_its_most(
+        arrivals: list[tuple[float, str, float]], slots: int, most: int) -> None:
+    events = [e for i, (t, key, seconds) in enumerate(arrivals)
+              for e in shared(i, t, key, {"a": 1.0, "b": 2.0, "c": 0.5}[key], seconds, most)]
+    tasks, _ = tasks_of(events)
+    outcomes = replay(tasks, Proposal.parse(concurrency=[f"shared={slots}"]))
+    bodies = []  # (start, end, key)
+    for outcome in outcomes:
+        own = [t for t in tasks if t.key == outcome.key]
+        for task, wait in zip(own, outcome.would):
+            assert wait is not None and wait >= 0
+            bodies.append((task.arrive + wait, task.arrive + wait + task.duration, task.key))
+    for at, _, _ in bodies:
+        running = [b for b in bodies if b[0] <= at < b[1]]
+        assert len(running) <= slots
+        if most:
+            assert all(sum(1 for b in running if b[2] == key) <= most for key in "abc")
