@@ -17,11 +17,14 @@ from celery_throttle.core.keys import line_index_key, window_keys
 
 SEC, TENANTS, CALLS_TARGET, CPU_TARGET = "12 Redis per task", [f"t{i}" for i in range(10)], 0.5, 1.3
 ON, OFF, PEER = "ours, check at publish on", "ours, check at publish off", "limits MovingWindow by hand"
-#: (name, task, CT_CHECK_AT_PUBLISH, flood, run at the largest of several sizes too)
-VARIANTS = (("plain Celery", "rpt_plain", "1", False, True), (ON, "rpt_under", "1", False, True),
-            (OFF, "rpt_under", "0", False, True), (PEER, "rpt_peer_under", "1", False, False),
-            (ON, "rpt_flood", "1", True, True), (OFF, "rpt_flood", "0", True, False),
-            (PEER, "rpt_peer_flood", "1", True, False))
+RECORDED = "ours, check at publish on, throttle_record on"
+#: (name, task, CT_CHECK_AT_PUBLISH, flood, run at the largest of several sizes too, more env)
+VARIANTS: tuple[tuple[str, str, str, bool, bool, dict[str, str]], ...] = (
+    ("plain Celery", "rpt_plain", "1", False, True, {}), (ON, "rpt_under", "1", False, True, {}),
+    (RECORDED, "rpt_under", "1", False, True, {"CT_RECORD": "100000"}),
+    (OFF, "rpt_under", "0", False, True, {}), (PEER, "rpt_peer_under", "1", False, False, {}),
+    (ON, "rpt_flood", "1", True, True, {}), (OFF, "rpt_flood", "0", True, False, {}),
+    (PEER, "rpt_peer_flood", "1", True, False, {}))
 
 
 def finished(client: Any, group: Any, task: str, flood: bool, n: int) -> bool:
@@ -36,9 +39,9 @@ def finished(client: Any, group: Any, task: str, flood: bool, n: int) -> bool:
     return not unacked and sum(client.zcard(window_keys(k.decode())[2]) for k in keys) >= n
 
 
-def per_task(task: str, check: str, flood: bool, n: int) -> tuple[Counts, bool, float]:
+def per_task(task: str, check: str, flood: bool, n: int, env: dict[str, str] | None = None) -> tuple[Counts, bool, float]:
     """(the server's counts, whether all ended, seconds) of one run."""
-    with served("rpt", one_db=True, count=1, env={"CT_CHECK_AT_PUBLISH": check}) as (server, group):
+    with served("rpt", one_db=True, count=1, env={"CT_CHECK_AT_PUBLISH": check, **(env or {})}) as (server, group):
         store = server.url
         if flood and task == "rpt_peer_flood":
             from limits import parse, storage, strategies
@@ -65,19 +68,19 @@ def run_rpt(res: Results, scale: Any, sizes: tuple[int, ...] = ()) -> None:
     cells: dict[int, str] = {}
     lines = []
     for n in sizes:
-        for name, task, check, flood, big in VARIANTS:
+        for name, task, check, flood, big, env in VARIANTS:
             if n == max(sizes) and len(sizes) > 1 and not big:
                 continue
             which = "flood (100/h spent)" if flood else "under (1000000/s)"
             print(f"  Redis per task: {which}, {name}, {n:,} tasks ...", flush=True)
-            got, done, took = per_task(task, check, flood, n)
+            got, done, took = per_task(task, check, flood, n, env)
             cpu = got.cpu_s / n * 1e6
             if task == "rpt_plain":
                 plain[n] = cpu
             calls, ratio = got.script_calls / n, cpu / plain[n] if n in plain else math.nan
             lines.append(f"| {which} | {name} | {n:,} | {calls:.2f} | {got.script_us / n:.1f} | {cpu:.1f} | "
                          f"{ratio:.2f}x | {took:.1f}{'' if done else ' (NOT finished)'} |")
-            on = check == "1" and task == "rpt_under"
+            on = name == ON and task == "rpt_under"
             res.add(SEC, f"{which}, {n:,} tasks: script calls/task; Redis CPU/task vs plain", name,
                     f"{calls:.2f}; {cpu:.1f} µs ({ratio:.2f}x)", f"<= {CALLS_TARGET}; <= {CPU_TARGET}x" if on else "",
                     calls <= CALLS_TARGET and ratio <= CPU_TARGET and done if on else None,

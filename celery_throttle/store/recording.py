@@ -8,7 +8,11 @@ from collections.abc import Sequence
 from ..core.keys import record_key
 from .scripts import ScriptClient
 
-__all__ = ["RecordOps"]
+__all__ = ["RECORD_KEPT_MS", "RecordOps"]
+
+#: A record nothing was added to for this long (ms: a week) goes: recording switched off
+#: leaves nothing behind for good.
+RECORD_KEPT_MS = 7 * 24 * 3600 * 1000
 
 
 class RecordOps(ScriptClient):
@@ -16,13 +20,15 @@ class RecordOps(ScriptClient):
 
     def record(self, events: Sequence[str], keep: int) -> None:
         """Add ``events`` (one JSON text each) to the record, which keeps about the last
-        ``keep`` (Redis trims it by whole nodes: ``MAXLEN ~``). One round trip."""
+        ``keep`` (Redis trims it by whole nodes: ``MAXLEN ~``), for RECORD_KEPT_MS after the
+        last. One round trip."""
         if not events:
             return
         with self.errors():
             pipe = self.client.pipeline(transaction=False)
             for event in events:
                 pipe.xadd(record_key(self.prefix), {"e": event}, maxlen=keep, approximate=True)
+            pipe.pexpire(record_key(self.prefix), RECORD_KEPT_MS)
             pipe.execute()
 
     def recorded(self, since_ms: int, until_ms: int, batch: int = 10_000) -> list[str]:
