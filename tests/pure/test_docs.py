@@ -134,3 +134,25 @@ def test_every_module_has_a_test_home() -> None:
         if name not in rows.get(folder, set()):
             missing.append(str(path.relative_to(ROOT)))
     assert not missing, f"docs/tests.md gives no test home to: {missing}"
+
+
+def test_contributings_layout_names_every_module_of_the_package_under_its_folder_and_no_other() -> None:
+    # Each folder's table in CONTRIBUTING's Layout ("**`ops/`** ..." then "| `cli.py` | ..."
+    # rows; lua/ as one row of store's) against the package's files
+    text = _text(ROOT / "CONTRIBUTING.md")
+    layout = text[text.index("## Layout"):text.index("### Reading order")]
+    named: dict[str, set[str]] = {}
+    folder = None
+    for line in layout.splitlines():
+        if m := re.match(r"^\*\*`(\w+)/`\*\*", line):
+            folder = m.group(1)
+            named[folder] = set()
+        elif folder and (m := re.match(r"^\| `([\w.]+)`", line)):
+            named[folder].add(m.group(1))
+    package = ROOT / "celery_throttle"
+    folders = {p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert set(named) == folders, f"Layout's folders {sorted(named)}, the package's {sorted(folders)}"
+    for name, listed in named.items():
+        modules = {p.name for p in (package / name).glob("*.py") if p.name != "__init__.py"}
+        assert modules <= listed, f"{name}/: Layout misses {sorted(modules - listed)}"
+        assert listed - {"lua/"} <= modules | {"lua"}, f"{name}/: Layout names what is not there: {sorted(listed - modules)}"

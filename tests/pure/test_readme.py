@@ -28,3 +28,13 @@ def test_every_word_of_the_project_the_readme_uses_is_defined_in_the_glossary_it
     for word in WORDS:
         assert re.search(rf"(?<![a-z]){word}", README), f"{word!r} is no longer used: drop it from WORDS"
         assert f"**{word}**" in GLOSSARY, f"docs/glossary.md does not define {word!r}"
+
+
+def test_the_readme_stays_short_and_its_benchmark_is_a_table_of_commands() -> None:
+    # A newcomer's page: at most 180 lines; the figures, at most 8 rows, each with the
+    # command that measures it (the details: docs/benchmarks.md and bench/results.md)
+    assert len(README.splitlines()) <= 180, len(README.splitlines())
+    bench = README[README.index("## Benchmark"):]
+    rows = [line for line in bench.splitlines() if line.startswith("| ") and not line.startswith("| figure")]
+    assert 1 <= len(rows) <= 8, rows
+    assert all(re.search(r"`python -m bench[ .]", row) for row in rows), rows
