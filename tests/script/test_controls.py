@@ -83,3 +83,42 @@ def test_a_pause_leaves_live_limits_and_concurrency_limits_alone(ctl: celery_thr
     controls = ctl.store.controls()
     assert controls["slots:export-api"] == "4" and controls["replace:github-api"] == "all", controls
     ctl.resume("vendor")
+
+
+def test_a_mode_is_the_live_one_else_the_throttles_else_the_apps(prefix: str, store_client: redis.Redis) -> None:
+    # Given an app in shadow mode (throttle_mode), a task whose throttle enforces, a rule in
+    # shadow mode, and a task that says nothing
+    app = Celery("modes", broker="memory://", set_as_current=False)
+    app.conf.throttle_rules = {"vendor.*": {"rate": "5/s", "mode": "shadow"}}
+    ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix, mode="shadow")
+
+    @app.task(name="modes.strict")
+    @throttle("1/s", key="{tenant}", mode="enforce")
+    def strict(tenant: str) -> None: ...
+
+    @app.task(name="modes.plain")
+    @throttle("1/s", key="{tenant}")
+    def plain(tenant: str) -> None: ...
+
+    def shadow(task_name: str, tenant: str = "acme") -> bool:
+        known = ctl.checker.known(app, task_name, None)
+        assert known is not None
+        return ctl.checker.bind_spec(task_name, known.spec, known.signature, (tenant,), {}).shadow
+
+    # Then each is in its own mode, the app's where it says none
+    assert (shadow("modes.strict"), shadow("modes.plain"), shadow("vendor.sync")) == (False, True, True)
+    # And a live mode goes first: a key's before its scope's, a scope's before the app's
+    ctl.set_mode("shadow", "modes.strict", key="acme")
+    ctl.set_mode("enforce", "modes.plain")
+    assert (shadow("modes.strict"), shadow("modes.strict", "globex"), shadow("modes.plain")) == (True, False, False)
+    ctl.set_mode("enforce")  # (the whole app, live: below any scope's or key's live mode)
+    assert (shadow("vendor.sync"), shadow("modes.strict")) == (False, True)
+    assert ctl.live_mode() == "enforce" and ctl.live_mode("modes.plain") == "enforce"
+    # And cleared, the code's again
+    for scope, key in ((None, None), ("modes.plain", None), ("modes.strict", "acme")):
+        assert ctl.clear_mode(scope, key=key)
+    assert (shadow("modes.strict"), shadow("modes.plain"), shadow("vendor.sync")) == (False, True, True)
+    with pytest.raises(celery_throttle.ConfigurationError, match="a key's mode needs its scope"):
+        ctl.set_mode("shadow", key="acme")
+    with pytest.raises(celery_throttle.ConfigurationError, match="mode 'loud'"):
+        ctl.set_mode("loud", "modes.plain")
