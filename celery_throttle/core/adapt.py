@@ -44,7 +44,7 @@ class Adapt:
     tests/pure/test_adapt.py (a downstream whose limit moves, a tenth of a window of calls in
     flight when it refuses): 0.65 refusals per 100 calls and 95 % of what the downstream
     allows used over random moves (0.44 and 96 % with a growth of 0.001, 15 % off). Against
-    bench section 16's API at 8e0d28e (50/s, 20/s, then 80/s, on real workers) a growth of 0.001 took
+    bench section 16's API (50/s, 20/s, then 80/s, on real workers) a growth of 0.001 took
     14.6 s to climb back to 90 % of 80/s and 1.18 of the oracle's makespan (1.2 refusals per
     100); these defaults 6.6 s, 1.13 (1.4 per 100)."""
 

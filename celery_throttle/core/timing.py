@@ -78,7 +78,7 @@ PUBLISH_HINTS_KEPT = 10_000
 #: The default margin of a sliding window (``throttle_margin`` unset): 2% of its length,
 #: at most 20 ms (µs). Our starts are N to a window by the Redis clock; the requests they
 #: make reach an API some milliseconds later, not all equally late (p50 4 ms, max 14-29 ms
-#: in bench section 11 at 7daff28), and a moving-window API counts their arrivals. Without a margin a
+#: in bench section 11), and a moving-window API counts their arrivals. Without a margin a
 #: 10/s task drew 1.3-2 429s per 100 requests cold; with 20 ms, none. It costs a saturated
 #: 1 s window 2% of its pace, and an hourly quota nothing worth naming.
 MARGIN_SHARE, MARGIN_MAX_US = 0.02, 20_000
