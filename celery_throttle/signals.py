@@ -30,7 +30,8 @@ task_wait_exceeded = Signal(
 #: runs now all the same. ``sender`` is the task; keyword arguments: ``request``, ``delay``
 #: (seconds it would have waited: 0 for a slot, whose wait is not known), ``scope``,
 #: ``key``, ``reason`` (``"rate"``, ``"concurrency"``: K bodies of its key ran already,
-#: ``"pause"``, or ``"max_wait"``: it would have failed with WaitTooLong).
+#: ``"pause"``, ``"max_wait"``: it would have failed with WaitTooLong, or ``"cost"``: its
+#: cost never fits its rates, and it would have failed).
 task_shadow_throttled = Signal(
     name="task_shadow_throttled",
     providing_args={"request", "delay", "scope", "key", "reason"},

@@ -788,7 +788,16 @@ class KeyModel:
         self._expire_out(self.policy.line_batch)
         self._reclaim()
         m = self.meta.get(ticket) if ticket in self.out else None
-        if handed_back == "1":
+        if handed_back == "2":
+            if self._used(ticket):
+                return self._finish(Code.DUPLICATE, 0)
+            if m is not None:
+                self._come_in(ticket, m)
+                self._ungrant(m)
+                self.slots.pop(ticket, None)
+                self._forget(ticket)
+            self._use(ticket, "")
+        elif handed_back == "1":
             if m is not None and m.phase == "s" and ticket in self.messages:
                 self._come_in(ticket, m)
                 self.slots.pop(ticket, None)

@@ -156,11 +156,13 @@ class Checker(Binder):
         key, request = self._window_call(call, self.store)
         return self.store.ack(key, request, tickets)
 
-    def give_back(self, call: BoundCall, ticket: str, handed_back: bool = False) -> WindowReply:
+    def give_back(self, call: BoundCall, ticket: str, handed_back: bool = False,
+                  shadowed: bool = False) -> WindowReply:
         """The task released with ``ticket`` will not start (expired, revoked; or, handed
-        back, not here: it goes again from its place)."""
+        back, not here: it goes again from its place; or, shadowed, it starts outside the
+        rules: ``DUPLICATE`` if it already did)."""
         key, request = self._window_call(call, self.store)
-        return self.store.give_back(key, request, ticket, timing.WORKER_BATCH, handed_back)
+        return self.store.give_back(key, request, ticket, timing.WORKER_BATCH, handed_back, shadowed)
 
     def ended(self, call: BoundCall, holder: str) -> WindowReply:
         """``holder``'s body ended: its slot goes to the line's head."""

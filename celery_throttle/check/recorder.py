@@ -71,24 +71,32 @@ class Recorder:
         return int(time.time() * 1e6) + self._offset_us
 
     def _note(self, clock_us: int, event: dict[str, Any]) -> None:
-        if clock_us and event["t"] == clock_us:
-            self._offset_us = clock_us - int(time.time() * 1e6)
-        text = json.dumps(event, separators=(",", ":"))
-        with self._lock:
-            self._events.append(text)
-            if len(self._events) > MOST_BUFFERED:
-                del self._events[: len(self._events) - MOST_BUFFERED]
-                if not self._dropped:
-                    self._dropped = True
-                    logger.warning("celery_throttle: the record's events could not be written for a while: the "
-                                   "oldest are dropped (throttle simulate will not see them)")
-        if self._writer_pid != os.getpid():
-            self._start_writer()
+        """Buffer ``event``. Never raises: the record is a sample, and a task it fails to
+        note is counted and runs all the same (it is called between a start and its slot)."""
+        try:
+            if clock_us and event["t"] == clock_us:
+                self._offset_us = clock_us - int(time.time() * 1e6)
+            text = json.dumps(event, separators=(",", ":"), default=str)
+            start = False
+            with self._lock:
+                if self._writer_pid != os.getpid():
+                    # (A prefork child holds its parent's buffer, written by the parent.)
+                    self._events, self._writer_pid, start = [], os.getpid(), True
+                self._events.append(text)
+                if len(self._events) > MOST_BUFFERED:
+                    del self._events[: len(self._events) - MOST_BUFFERED]
+                    if not self._dropped:
+                        self._dropped = True
+                        logger.warning("celery_throttle: the record's events could not be written for a while: "
+                                       "the oldest are dropped (throttle simulate will not see them)")
+            if start:
+                self._start_writer()
+        except Exception:  # (see above)
+            logger.debug("could not note an event for the record", exc_info=True)
 
     def _start_writer(self) -> None:
         """A thread that writes the events on its interval (one per process: a prefork
         child does not inherit its parent's)."""
-        self._writer_pid = os.getpid()
 
         def loop() -> None:
             while True:

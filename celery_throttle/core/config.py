@@ -62,8 +62,9 @@ class Settings:
     #: False turns every throttle off (tests, an emergency): tasks run unchecked, and the
     #: worker says so when it starts.
     enabled: bool = True
-    #: "enforce", or "shadow": every throttle of the app counts and reports what it would
-    #: hold back, and holds nothing (per throttle: mode=; live: Throttle.set_mode).
+    #: "enforce", or "shadow": every task's throttle of the app counts and reports what it
+    #: would hold back, and holds nothing (per throttle: mode=; live: Throttle.set_mode); a
+    #: direct ``Throttle.acquire`` is always enforced.
     mode: str = "enforce"
     #: Whether the producer checks a throttled task when it sends it, and defers one
     #: that does not fit (so floods of one key never queue in front of other keys).

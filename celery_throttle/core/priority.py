@@ -10,7 +10,8 @@ task's arguments, higher first) takes the place of the message's.
 The line keeps it by place (line.lua's ``place_of``): a task of urgency u joins before the
 ``u * PRIORITY_STEP`` tasks that came last before it (``ScriptPolicy``), one of urgency -u
 after the ``u * PRIORITY_STEP`` that come next, first come first served within a level. That is the aging rule: priority is bounded overtaking,
-so a task waits behind at most ``MOST_URGENCY * PRIORITY_STEP`` tasks that came after it,
+so a task of urgency u waits behind fewer than ``(v - u) * PRIORITY_STEP`` of the tasks
+that came after it, v the highest urgency among them (at most ``2 * MOST_URGENCY`` levels),
 however many urgent ones keep coming.
 """
 

@@ -187,8 +187,9 @@ class ScriptPolicy:
     index_stale_ms: int = 5_000
     #: Places in a key's line a level of priority goes ahead of: a task of urgency u
     #: (core/priority.py) joins before the u times this many tasks that came last before it. Large enough that an urgent task passes a tenant's nightly
-    #: batch (9 levels on a Redis broker: 90 000 tasks); finite, so that no task waits behind
-    #: more than MOST_URGENCY times this many tasks that came after it (the aging rule).
+    #: batch (9 levels on a Redis broker: 90 000 tasks); finite, so that no task of urgency u
+    #: waits behind more than (v - u) times this many tasks that came after it, v the highest
+    #: urgency among them (the aging rule).
     priority_step: int = 10_000
     #: Levels of priority ahead of (or behind) a broker's default, at most: AMQP's 255.
     most_urgency: int = 255

@@ -134,15 +134,28 @@ def _shadow(ctl: Parts, task: Any, request: Any, call: BoundCall, header: Header
     too: shadow mode holds nothing)."""
     holder = holder_id(request.id, None)
     spec: ThrottleSpec = type(task)._throttle_spec
+    mine = header.key == call.state_key
     try:
-        released = bool(header.ticket) and header.key == call.state_key
-        if released:
+        if mine and header.ticket:
             # Released from its line before its throttle went to shadow mode: the room it
-            # was released into goes back (and, handed to this worker, its journal copy).
-            ctl.checker.give_back(call, header.ticket)
+            # was released into goes back, and it counts as started (a copy of its message,
+            # sent twice, is dropped as after any start).
+            given = ctl.checker.give_back(call, header.ticket, shadowed=True)
+            ctl.lines.handle(call, given)
+            if given.code == Code.DUPLICATE:
+                logger.warning("%s[%s] is a copy of a task that started lately in scope %r: dropped, not run twice",
+                               task.name, request.id, call.scope)
+                ctl.metrics.store_error("duplicate")
+                return False
+            if ctl.lines.hand.delivered(request):
+                ctl.lines.journal.gone(call.state_key, [header.ticket], given.now_us)
+        elif mine and header.pending:
+            # A call whose reply was lost may have put it in its line: it runs now, so that
+            # entry goes (it would run again when the line lets it go).
+            dropped = ctl.checker.drop(call, [header.pending])
+            ctl.lines.handle(call, dropped)
+            ctl.lines.journal.gone(call.state_key, [header.pending], dropped.now_us)
         shadowed, reply = ctl.checker.shadow(call, holder if call.concurrency else "", ctl.checker.max_wait_us(spec))
-        if released and ctl.lines.hand.delivered(request):
-            ctl.lines.journal.gone(call.state_key, [header.ticket], reply.now_us)
     except StoreError as exc:
         ctl.metrics.store_error("shadow")
         logger.warning("throttle store unreachable for %s[%s] in shadow mode, run unchecked: %s", task.name,
@@ -157,7 +170,9 @@ def _shadow(ctl: Parts, task: Any, request: Any, call: BoundCall, header: Header
     wait = max(reply.wait_us, 0) / 1e6
     ctl.metrics.shadowed(call.scope, call.key, wait if held else None)
     if held:
-        if reply.code == Code.TOO_FAR:
+        if reply.code == Code.TOO_COSTLY:
+            reason = "cost"
+        elif reply.code == Code.TOO_FAR:
             reason = "max_wait"
         elif reply.wait_us > 0:
             reason = "pause" if ctl.checker.pause_end_of(call.scope, call.key) >= reply.start_us else "rate"
@@ -165,8 +180,8 @@ def _shadow(ctl: Parts, task: Any, request: Any, call: BoundCall, header: Header
             reason = "concurrency"
         signals.task_shadow_throttled.send(sender=task, request=request, delay=wait, scope=call.scope, key=call.key,
                                            reason=reason)
-    counted = Counted(reply.start_us, reply.latest_us, call.cost, reply.epoch) if call.rates and reply.start_us \
-        else None
+    recorded = call.rates and reply.start_us and reply.code in (Code.RUN, Code.DENIED)  # (else nothing recorded)
+    counted = Counted(reply.start_us, reply.latest_us, call.cost, reply.epoch) if recorded else None
     settle.started(request.id, shadowed, counted)
     if reply.held:
         holders.running[request.id] = holder

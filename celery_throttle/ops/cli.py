@@ -238,12 +238,12 @@ def simulate(ctx: click.Context, since: str, rates: tuple[str, ...], slots: tupl
         with open(path, encoding="utf-8") as f:
             events = [line for line in f if line.strip()]
     else:
-        if not ctl.settings.record:
-            raise click.ClickException("nothing is recorded: set throttle_record (e.g. 100000 events) on the workers "
-                                       "and producers, let traffic come, then simulate")
         until_ms = ctl.store.now_us() // 1000
         seconds = show.duration(since) or 600.0
         events = ctl.store.recorded(until_ms - int(seconds * 1000), until_ms)
+        if not events and not ctl.settings.record:
+            raise click.ClickException("nothing is recorded: set throttle_record (e.g. 100000 events) on the workers "
+                                       "and producers, let traffic come, then simulate")
     if export is not None:
         with open(export, "w", encoding="utf-8") as f:
             f.writelines(e.rstrip("\n") + "\n" for e in events)

@@ -126,7 +126,10 @@ class Proposal:
             proposal.rates[cls.target(target)] = parse_rates(value.split(","))
         for text in concurrency:
             target, _, value = text.rpartition("=")
-            proposal.concurrency[cls.target(target)] = int(value)
+            slots = int(value)
+            if slots < 1:
+                raise ValueError(f"a concurrency limit is at least 1, got {value!r}")
+            proposal.concurrency[cls.target(target)] = slots
         return proposal
 
 
@@ -337,12 +340,14 @@ def replay(tasks: Sequence[Task], proposal: Proposal) -> list[Outcome]:
     """Every key's tasks replayed under ``proposal``, keys by scope and key (the keys of a
     scope whose K they share, together)."""
     by_key: dict[tuple[str, str | None], list[Task]] = defaultdict(list)
-    shared: dict[str, list[Task]] = defaultdict(list)
+    by_scope: dict[str, list[Task]] = defaultdict(list)
     for task in tasks:
         by_key[(task.scope, task.key)].append(task)
-        if task.weight is not None:
-            shared[task.scope].append(task)
-    starts_of_scope = {scope: replay_shared(own, proposal) for scope, own in shared.items()}
+        by_scope[task.scope].append(task)
+    # (A scope any of whose tasks shared its K, all of them: a record across a deploy of
+    # share= holds both.)
+    starts_of_scope = {scope: replay_shared(own, proposal) for scope, own in by_scope.items()
+                       if any(t.weight is not None for t in own)}
     out = []
     for (scope, key), own in sorted(by_key.items(), key=lambda item: (item[0][0], item[0][1] or "")):
         starts = starts_of_scope[scope] if scope in starts_of_scope else replay_key(own, proposal)

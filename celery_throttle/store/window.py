@@ -107,11 +107,14 @@ class WindowOps(ScriptClient):
         """The tasks released with ``tickets`` were sent to the broker."""
         return self.window(key, "ack", call, *tickets)
 
-    def give_back(self, key: str, call: WindowCall, ticket: str, batch: int, handed_back: bool = False) -> WindowReply:
+    def give_back(self, key: str, call: WindowCall, ticket: str, batch: int, handed_back: bool = False,
+                  shadowed: bool = False) -> WindowReply:
         """The task released with ``ticket`` will not start: its room comes back.
         ``handed_back``: one never acked goes back in its place (its worker had no process
-        for it), to be released again at once."""
-        return self.window(key, "give_back", call, ticket, batch, "1" if handed_back else "0")
+        for it), to be released again at once. ``shadowed``: it starts in shadow mode,
+        outside the rules: its room comes back and it is used (DUPLICATE: it already was)."""
+        how = "2" if shadowed else "1" if handed_back else "0"
+        return self.window(key, "give_back", call, ticket, batch, how)
 
     def settle(self, key: str, call: WindowCall, counted: Counted, delta: Cost, batch: int) -> WindowReply:
         """A call that started, counted as ``counted``, reports its real cost: ``delta``

@@ -151,3 +151,16 @@ def test_a_shared_replay_never_runs_more_than_k_nor_a_key_past_its_most(
         assert len(running) <= slots
         if most:
             assert all(sum(1 for b in running if b[2] == key) <= most for key in "abc")
+
+
+def test_a_record_across_a_deploy_of_share_replays_its_scope_whole_and_bad_proposals_are_refused() -> None:
+    import pytest
+
+    events = shared(0, 0.0, "a", 1.0, 1.0) + [arrival(1, 0.0, rate="", key="b", concurrency=2, scope="shared")]
+    tasks, _ = tasks_of(events)
+    assert [o.key for o in replay(tasks, Proposal())] == ["a", "b"]
+    for bad in (["shared=0"], ["shared=-1"]):
+        with pytest.raises(ValueError, match="at least 1"):
+            Proposal.parse(concurrency=bad)
+    with pytest.raises(ValueError, match="more than 0"):
+        Proposal.parse(weights=["shared:a=0"])

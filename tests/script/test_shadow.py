@@ -133,3 +133,30 @@ def test_a_burst_in_shadow_mode_is_told_the_waits_a_line_would_have_had(
         assert store.shadow(key, call, "", 0).wait_us == replies[-1].wait_us
     finally:
         store.close()
+
+
+def test_a_task_released_before_its_throttle_went_to_shadow_mode_gives_its_room_back_once(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    from celery_throttle.core.protocol import Entry
+
+    # Given a key of 1/s with a task that ran and one waiting in its line, released
+    clock = FakeClock(BASE_US)
+    store = RedisStore(STORE_URL, key_prefix, clock=clock)
+    try:
+        key = state_key(key_prefix, "api", "acme")
+        call = WindowCall("sliding", (parse_rate("1/s"),), 1, slack_us=10_000)
+        assert store.acquire(key, call, entry=Entry("first", b"m", "first")).code == Code.RUN
+        assert store.acquire(key, call, entry=Entry("second", b"m2", "second")).code == Code.QUEUED
+        clock.now += 1_100_000
+        released = store.release(key, call, 8)
+        assert [r.id for r in released.reported] == ["second"] and released.out == 1
+        # When it arrives in shadow mode: it starts outside the rules
+        given = store.give_back(key, call, "second", 8, shadowed=True)
+        # Then its room comes back (nothing out, nothing waits), and a copy of its message,
+        # delivered twice, is a DUPLICATE there and in a claim, as after any start
+        assert given.code == Code.RUN and (given.out, given.waiting) == (0, 0)
+        assert store.give_back(key, call, "second", 8, shadowed=True).code == Code.DUPLICATE
+        assert store.claim(key, call, "second", early_us=0, holder="h").code == Code.DUPLICATE
+    finally:
+        store.close()

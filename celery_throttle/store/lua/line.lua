@@ -61,7 +61,9 @@
 --   ack      the tasks released were sent: their messages go. [P..] tickets
 --   give_back  a released task will not start (discarded as expired or revoked): its
 --            room comes back (not a start granted ahead whose time has come: its
---            process took it). [P] ticket, [P+1] batch
+--            process took it). [P] ticket, [P+1] batch, [P+2] '1': handed back (never
+--            acked: back in its place), '2': it started in shadow mode (its room comes
+--            back, and it is used: DUPLICATE for a copy)
 --   settle   a call that started reports its real cost (ARGV[3], the difference, by
 --            rate) for the span it was counted in. [P] at, [P+1] latest, [P+2] epoch
 --            (at 0: admitted from a lease, latest its slack), [P+3] batch
@@ -187,7 +189,8 @@ end
 -- counter's. A task of urgency u goes before the u * PRIORITY_STEP tasks that came last
 -- before it, first come first served within a level; one of urgency -u goes after the
 -- u * PRIORITY_STEP that come next after it. So nothing waits behind more than
--- MOST_URGENCY * PRIORITY_STEP tasks that came after it (the aging rule: core/priority.py).
+-- (v - u) * PRIORITY_STEP tasks that came after it, v the highest urgency among them (the
+-- aging rule: core/priority.py).
 local function place_of(given, urgency)
   if urgency == 0 then return given end
   return given - urgency * PRIORITY_STEP - (urgency > 0 and 0.5 or -0.5)
@@ -890,7 +893,18 @@ local function give_back()
   reclaim()
   local ticket, batch = ARGV[P], tonumber(ARGV[P + 1])
   local m = redis.call('ZSCORE', out_key, ticket) and meta_of(ticket)
-  if ARGV[P + 2] == '1' then
+  if ARGV[P + 2] == '2' then
+    -- Started outside the rules (its throttle went to shadow mode): its room comes back,
+    -- and it counts as used, so that a copy of its message is a DUPLICATE, as after a start.
+    if used(ticket) then return finish(DUPLICATE, 0) end
+    if m then
+      come_in(ticket, m)
+      ungrant(m)
+      redis.call('ZREM', slots_key, ticket)
+      forget(ticket)
+    end
+    use(ticket, '')
+  elseif ARGV[P + 2] == '1' then
     if m and m[M.PHASE] == 's' and redis.call('HEXISTS', msgs_key, ticket) == 1 then
       come_in(ticket, m)
       redis.call('ZREM', slots_key, ticket)
