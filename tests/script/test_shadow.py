@@ -160,3 +160,35 @@ def test_a_task_released_before_its_throttle_went_to_shadow_mode_gives_its_room_
         assert store.claim(key, call, "second", early_us=0, holder="h").code == Code.DUPLICATE
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("algorithm", ["sliding", "fixed"])
+def test_giving_back_a_released_task_in_shadow_mode_matches_the_twin(
+    redis_client: redis.Redis, key_prefix: str, algorithm: str
+) -> None:
+    # Given a key of 2/s whose line is released (one task out, one granted its start ahead),
+    # run on the script and its twin at once (Walk compares each reply and all it stores)
+    clock = FakeClock(BASE_US)
+    store = RedisStore(STORE_URL, key_prefix, clock=clock)
+    try:
+        walk = Walk(store, clock, algorithm, ("2/s",), random.Random(7))
+        costs = walk.costs(1)
+        for n in range(5):
+            walk.run("acquire", costs, 0, 0, f"h{n}", f"e{n}", b"m", f"t{n}", 0, 0, 8, "", 0)
+        walk.advance(1_050_000)
+        out = [r.id for r in walk.run("release", costs, 8).reported]
+        assert len(out) >= 2, out
+        early = walk.run("claim", costs, out[1], 1_000_000, "hx", 0, "x", b"", "t", 0, 0, 8, "", 0, "0")
+        # When each arrives in shadow mode (the one claimed early too: a copy of a task that
+        # started, or one granted its start), then a copy of each, then a claim of a copy
+        for ticket in (out[0], out[1], "never-released"):
+            first = walk.run("give_back", costs, ticket, 8, "2")
+            again = walk.run("give_back", costs, ticket, 8, "2")
+            copy = walk.run("claim", costs, ticket, 1_000_000, "hy", 0, "y", b"", "t", 0, 0, 8, "", 0, "0")
+            # Then (the twin agreeing at every step) the first gives its room back, unless it
+            # had started (a copy: DUPLICATE), and every copy after it is a DUPLICATE
+            started = ticket == out[1] and early.code == Code.RUN
+            assert first.code == (Code.DUPLICATE if started else Code.RUN), (ticket, early)
+            assert again.code == Code.DUPLICATE and copy.code == Code.DUPLICATE
+    finally:
+        store.close()
