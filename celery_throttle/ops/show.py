@@ -13,6 +13,7 @@ import click
 from kombu.exceptions import ContentDisallowed, DecodeError
 
 from ..celery_parts.messages import decode_message
+from .simulate import waits
 
 __all__ = ["UNITS", "WHERE", "as_dict", "by_window", "clock", "duration", "empty", "escaped", "from_now", "in_force",
            "iso", "mark", "nothing_matched", "pause_end", "pause_fields", "scope_and_key", "slots_cell",
@@ -327,8 +328,6 @@ def duration(text: str | None) -> float | None:
 
 
 def simulated_dict(outcome: Any) -> dict[str, Any]:
-    from .simulate import waits
-
     return {"scope": outcome.scope, "key": outcome.key, "tasks": len(outcome.did),
             "rates": [str(r) for r in outcome.rates], "concurrency": outcome.concurrency or None,
             "waited": waits(outcome.did), "would_wait": waits(outcome.would)}
