@@ -77,7 +77,8 @@ app.conf.update(task_default_queue=os.environ.get("CT_QUEUE", f"{PREFIX}-q"), br
                 worker_hijack_root_logger=False, task_ignore_result=True,
                 worker_prefetch_multiplier=int(os.environ.get("CT_PREFETCH", "4")), throttle_redis_url=STORE,
                 throttle_key_prefix=PREFIX, throttle_concurrency_lease=float(os.environ.get("CT_SLOT_LEASE", "30")),
-                throttle_record=int(os.environ.get("CT_RECORD", "0")))
+                throttle_record=int(os.environ.get("CT_RECORD", "0")),
+                throttle_mode=os.environ.get("CT_MODE", "enforce"))
 if "CT_CHECK_AT_PUBLISH" in os.environ:
     app.conf.throttle_check_at_publish = os.environ["CT_CHECK_AT_PUBLISH"] == "1"
 if "CT_ACKS_LATE" in os.environ:

@@ -18,10 +18,12 @@ from celery_throttle.core.keys import line_index_key, window_keys
 SEC, TENANTS, CALLS_TARGET, CPU_TARGET = "12 Redis per task", [f"t{i}" for i in range(10)], 0.5, 1.3
 ON, OFF, PEER = "ours, check at publish on", "ours, check at publish off", "limits MovingWindow by hand"
 RECORDED = "ours, check at publish on, throttle_record on"
+SHADOW = "ours, throttle_mode = \"shadow\""
 #: (name, task, CT_CHECK_AT_PUBLISH, flood, run at the largest of several sizes too, more env)
 VARIANTS: tuple[tuple[str, str, str, bool, bool, dict[str, str]], ...] = (
     ("plain Celery", "rpt_plain", "1", False, True, {}), (ON, "rpt_under", "1", False, True, {}),
     (RECORDED, "rpt_under", "1", False, True, {"CT_RECORD": "100000"}),
+    (SHADOW, "rpt_under", "1", False, True, {"CT_MODE": "shadow"}),
     (OFF, "rpt_under", "0", False, True, {}), (PEER, "rpt_peer_under", "1", False, False, {}),
     (ON, "rpt_flood", "1", True, True, {}), (OFF, "rpt_flood", "0", True, False, {}),
     (PEER, "rpt_peer_flood", "1", True, False, {}))

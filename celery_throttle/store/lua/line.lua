@@ -993,7 +993,10 @@ end
 -- (µs, 0 none)
 local function shadow()
   local holder, max_wait = ARGV[P], tonumber(ARGV[P + 1])
-  local from = math.max(now, not_before, tonumber(redis.call('HGET', key, 'l') or '0') or 0)
+  -- (Its last start and its counts, read and written at once.)
+  local seen = redis.call('HMGET', key, 'l', 'n', 'h', 'w', 'm')
+  for i = 1, 5 do seen[i] = tonumber(seen[i] or '0') or 0 end
+  local from = math.max(now, not_before, seen[1])
   -- (Rates that never settle on a start: a window past where it would have waited.)
   local x = earliest(from, call_units) or from + shortest
   local running, held = 0, 0
@@ -1012,17 +1015,16 @@ local function shadow()
     if x > now or running >= concurrency and concurrency > 0 then code = DENIED end
     if #rates > 0 then
       record(x, x + slack, call_units)
-      redis.call('HSET', key, 'l', string.format('%.0f', x))
+      seen[1] = x
     end
   end
-  redis.call('HINCRBY', key, 'n', 1)
+  seen[2] = seen[2] + 1
   if code ~= RUN then
-    redis.call('HINCRBY', key, 'h', 1)
-    redis.call('HINCRBY', key, 'w', math.floor(wait))
-    if wait > (tonumber(redis.call('HGET', key, 'm') or '0') or 0) then
-      redis.call('HSET', key, 'm', string.format('%.0f', wait))
-    end
+    seen[3], seen[4], seen[5] = seen[3] + 1, seen[4] + math.floor(wait), math.max(seen[5], wait)
   end
+  redis.call('HSET', key, 'l', string.format('%.0f', seen[1]), 'n', string.format('%.0f', seen[2]),
+             'h', string.format('%.0f', seen[3]), 'w', string.format('%.0f', seen[4]),
+             'm', string.format('%.0f', seen[5]))
   local reply = finish(code, wait, {start = x, latest = x + slack, held = held})
   -- (The counts last while anything of the key's shadow does, and a slot's lease at least:
   -- a throttle of slots alone writes no window that would keep them.)
