@@ -206,7 +206,8 @@ class Controls:
         if mode is None:
             found = store.clear_control(field)
         else:
-            found = bool(store.set_controls({field: mode})[0] == 0)
+            added = store.set_controls({field: mode})[0]  # (HSET's reply: the fields it added)
+            found = added == 0
         self.note(field, mode)
         return found
 

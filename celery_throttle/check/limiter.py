@@ -146,7 +146,7 @@ class Throttle(Parts):
         if concurrency is not None:
             check_positive(concurrency, "concurrency")
         parsed = self._direct_call(scope, key, "1/s" if rates is None else rates, 1, None).rates
-        target = f"scope {scope!r}" + ("" if key is None else f" key {key!r}")
+        target = _target(scope, key)
         if rates is not None:
             value = self.checker.controls.write_limit(self.store, scope, key, parsed, replace)
             logger.warning("live limit of %s set to %s%s", target, value,

@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import ConfigurationError
 
-__all__ = ["MOST_URGENCY", "REDIS_LEVELS", "check_urgency", "urgency"]
+__all__ = ["MOST_URGENCY", "REDIS_LEVELS", "check_urgency", "place_of", "urgency"]
 
 #: Levels ahead of (or behind) a broker's default, at most: AMQP's 255 (window.lua's
 #: MOST_URGENCY is the same, from timing.ScriptPolicy).
@@ -50,3 +50,11 @@ def check_urgency(value: Any, what: str) -> int:
         raise ConfigurationError(f"{what} must be an int from {-MOST_URGENCY} to {MOST_URGENCY} (higher first), "
                                  f"got {value!r}")
     return value
+
+
+def place_of(given: int, urgency: int, step: int) -> float:
+    """A task's place in its line, given counter ``given``: line.lua's ``place_of`` (the
+    script is the one that places; ``throttle simulate`` replays it)."""
+    if urgency == 0:
+        return given
+    return given - urgency * step - (0.5 if urgency > 0 else -0.5)

@@ -116,10 +116,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     if verdict is Verdict.COPY:
         # A copy of a task that started lately (sent again after a store error whose reply
         # was lost, or delivered twice): it does not run twice.
-        logger.warning("%s[%s] is a copy of a task that started lately in scope %r%s: dropped, not run twice",
-                       task.name, request.id, call.scope, "" if call.key is None else f" key {call.key!r}")
-        ctl.metrics.store_error("duplicate")
-        return False
+        return _dropped_copy(ctl, task, request, call)
     if verdict is Verdict.REFUSED:
         raise _refused(task, request, call, reply, turned.max_wait_us / 1e6)
     # (NOT_KEPT with its message given: nothing could keep it. Sent back for a moment.)
@@ -143,10 +140,7 @@ def _shadow(ctl: Parts, task: Any, request: Any, call: BoundCall, header: Header
             given = ctl.checker.give_back(call, header.ticket, shadowed=True)
             ctl.lines.handle(call, given)
             if given.code == Code.DUPLICATE:
-                logger.warning("%s[%s] is a copy of a task that started lately in scope %r: dropped, not run twice",
-                               task.name, request.id, call.scope)
-                ctl.metrics.store_error("duplicate")
-                return False
+                return _dropped_copy(ctl, task, request, call)
             if ctl.lines.hand.delivered(request):
                 ctl.lines.journal.gone(call.state_key, [header.ticket], given.now_us)
         elif mine and header.pending:
@@ -187,6 +181,14 @@ def _shadow(ctl: Parts, task: Any, request: Any, call: BoundCall, header: Header
         holders.running[request.id] = holder
         ctl.slots.took(holder, shadowed)
     return True
+
+
+def _dropped_copy(ctl: Parts, task: Any, request: Any, call: BoundCall) -> bool:
+    """A copy of a task that started lately is dropped, said and counted: False (no body)."""
+    logger.warning("%s[%s] is a copy of a task that started lately in scope %r%s: dropped, not run twice",
+                   task.name, request.id, call.scope, "" if call.key is None else f" key {call.key!r}")
+    ctl.metrics.store_error("duplicate")
+    return False
 
 
 def _redelivered(request: Any) -> bool:

@@ -154,6 +154,7 @@ def admit(ctl: Parts, send: Any, name: str, args: Any, kwargs: Any, options: dic
     expires = _absolute(options.get("expires"))
     entry_id = new_entry_id(task_id)
     ctl.lines.journal.prime()  # (the store's epoch, read before this process's first call)
+    urgency = _urgency(app, call, options)
 
     def message() -> bytes:
         kept = _kept_options(app, options)
@@ -166,7 +167,7 @@ def admit(ctl: Parts, send: Any, name: str, args: Any, kwargs: Any, options: dic
         for with_message in ctl.lines.tries(call, message_first=hint == Hints.RESERVE):
             kept = message() if with_message else b""
             reply = ctl.checker.admit(call, Entry(entry_id, kept, task_id, expires_us(expires), max_wait_us,
-                                                  WORKER_BATCH, urgency=_urgency(app, call, options)))
+                                                  WORKER_BATCH, urgency=urgency))
             if ctl.lines.checked(call, reply):
                 break
     except StoreError as exc:
@@ -179,7 +180,7 @@ def admit(ctl: Parts, send: Any, name: str, args: Any, kwargs: Any, options: dic
         return None  # an unserializable argument: the worker's check reports it
     verdict = reply.verdict
     if ctl.recorder.enabled and verdict in (Verdict.RELEASED, Verdict.WAITS):  # (else its worker records it)
-        ctl.recorder.arrived(name, call, task_id, reply.now_us, _urgency(app, call, options))
+        ctl.recorder.arrived(name, call, task_id, reply.now_us, urgency)
     if verdict is Verdict.START:  # room: this one and `leased - cost` more go unchecked
         room: Cost = reply.leased - call.cost if isinstance(call.cost, int) else tuple(
             left - units for left, units in zip(reply.rooms, call.cost))

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.priority import check_urgency
+from ..core.priority import check_urgency, place_of
 from ..core.rates import Rate, parse_rates
 from ..core.timing import SCRIPT_POLICY
 
@@ -230,15 +230,8 @@ class _Windows:
             self.ends.append(at + duration)
 
 
-def _place(given: int, urgency: int) -> float:
-    """line.lua's place_of."""
-    if urgency == 0:
-        return given
-    return given - urgency * SCRIPT_POLICY.priority_step - (0.5 if urgency > 0 else -0.5)
-
-
 def _joins(line: list[tuple[float, int, Task]], given: int, task: Task, proposal: Proposal) -> None:
-    heapq.heappush(line, (_place(given, proposal.urgency_of(task)), given, task))
+    heapq.heappush(line, (place_of(given, proposal.urgency_of(task), SCRIPT_POLICY.priority_step), given, task))
 
 
 def replay_key(tasks: Sequence[Task], proposal: Proposal) -> dict[str, int | None]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import msgpack
 import pytest
@@ -28,35 +28,11 @@ from celery_throttle.core.state import STATE_FORMAT, rate_field
 from celery_throttle.core.timing import SCRIPT_POLICY, ScriptPolicy
 from celery_throttle.store.client import RedisStore
 from tests.helpers import STORE_URL
+from tests.line_walk import FakeClock
 from tests.reference import BUCKETS, FixedRate, SlidingRate, max_units_per_aligned_window
+from tests.script.conftest import BASE_US
 
 ALGORITHMS = ("sliding", "fixed")
-#: A plausible "now": late 2023 in µs, well below 2**53.
-BASE_US = 1_700_000_000_000_000
-
-
-class FakeClock:
-    """Now, in µs, as the tests say; passed to the scripts as ARGV[1]."""
-
-    def __init__(self, now: int) -> None:
-        self.now = now
-
-    def __call__(self) -> int:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(BASE_US)
-
-
-@pytest.fixture
-def store(redis_client: redis.Redis, key_prefix: str, clock: FakeClock) -> Iterator[RedisStore]:
-    s = RedisStore(STORE_URL, key_prefix, clock=clock)
-    yield s
-    s.close()
-
-
 def rates_of(names: Sequence[str]) -> tuple[Rate, ...]:
     return tuple(parse_rate(n) for n in names)
 

@@ -19,13 +19,6 @@ from celery_throttle.store.client import RedisStore
 from tests.helpers import STORE_URL
 from tests.line_walk import FakeClock
 
-BASE_US = 1_700_000_000_000_000
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(BASE_US)
-
 
 def released_order(store: RedisStore, clock: FakeClock, key: str, call: WindowCall) -> list[str]:
     """Every task of the line, in the order the releases take them (each arriving at once)."""

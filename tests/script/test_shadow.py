@@ -19,14 +19,14 @@ import pytest
 import redis
 
 from celery_throttle.core.keys import shadow_key, state_key, window_keys
-from celery_throttle.core.protocol import Code, Counted, WindowCall
+from celery_throttle.core.protocol import Code, Counted, Entry, WindowCall
 from celery_throttle.core.rates import parse_rate
 from celery_throttle.store.client import RedisStore
 from tests.helpers import QUICK, STORE_URL
 from tests.line_walk import FakeClock, Walk
 from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
+from tests.script.conftest import BASE_US
 
-BASE_US = 1_700_000_000_000_000
 RATE_SETS = {"one": ("5/s",), "two": ("3/s", "10/5s"), "tokens": ("5/s", "40 tokens/s"), "none": ()}
 STEPS = 150 if QUICK else 400
 
@@ -110,85 +110,66 @@ def test_shadow_mode_gives_each_call_the_start_enforcing_would_and_holds_nothing
         store.close()
 
 
-def test_a_burst_in_shadow_mode_is_told_the_waits_a_line_would_have_had(
-    redis_client: redis.Redis, key_prefix: str
-) -> None:
+def test_a_burst_in_shadow_mode_is_told_the_waits_a_line_would_have_had(store: RedisStore, key_prefix: str) -> None:
     # Given 12 calls at once of a key of 5/s in shadow mode
-    clock = FakeClock(BASE_US)
-    store = RedisStore(STORE_URL, key_prefix, clock=clock)
-    try:
-        key = shadow_key(state_key(key_prefix, "api", "acme"))
-        call = WindowCall("sliding", (parse_rate("5/s"),), 1, slack_us=10_000)
-        replies = [store.shadow(key, call, "", 0) for _ in range(12)]
-        # Then 5 would have run now, 5 a window later and 2 two windows later; all run now
-        waits = [round(r.wait_us / 1e6, 2) for r in replies]
-        assert waits == [0.0] * 5 + [1.01] * 5 + [2.02] * 2, waits
-        assert [r.code for r in replies] == [Code.RUN] * 5 + [Code.DENIED] * 7
-        # and the key's own state holds nothing
-        assert not store.client.exists(*window_keys(state_key(key_prefix, "api", "acme")))
-        # and a refund of the first call's unit makes room now, but a call after them goes
-        # after them, as in a line (first come, first served)
-        first = replies[0]
-        store.settle(key, call, Counted(first.start_us, first.latest_us, 1, first.epoch), -1, 8)
-        assert store.shadow(key, call, "", 0).wait_us == replies[-1].wait_us
-    finally:
-        store.close()
+    key = shadow_key(state_key(key_prefix, "api", "acme"))
+    call = WindowCall("sliding", (parse_rate("5/s"),), 1, slack_us=10_000)
+    replies = [store.shadow(key, call, "", 0) for _ in range(12)]
+    # Then 5 would have run now, 5 a window later and 2 two windows later; all run now
+    waits = [round(r.wait_us / 1e6, 2) for r in replies]
+    assert waits == [0.0] * 5 + [1.01] * 5 + [2.02] * 2, waits
+    assert [r.code for r in replies] == [Code.RUN] * 5 + [Code.DENIED] * 7
+    # and the key's own state holds nothing
+    assert not store.client.exists(*window_keys(state_key(key_prefix, "api", "acme")))
+    # and a refund of the first call's unit makes room now, but a call after them goes
+    # after them, as in a line (first come, first served)
+    first = replies[0]
+    store.settle(key, call, Counted(first.start_us, first.latest_us, 1, first.epoch), -1, 8)
+    assert store.shadow(key, call, "", 0).wait_us == replies[-1].wait_us
 
 
 def test_a_task_released_before_its_throttle_went_to_shadow_mode_gives_its_room_back_once(
-    redis_client: redis.Redis, key_prefix: str
+    store: RedisStore, clock: FakeClock, key_prefix: str
 ) -> None:
-    from celery_throttle.core.protocol import Entry
-
     # Given a key of 1/s with a task that ran and one waiting in its line, released
-    clock = FakeClock(BASE_US)
-    store = RedisStore(STORE_URL, key_prefix, clock=clock)
-    try:
-        key = state_key(key_prefix, "api", "acme")
-        call = WindowCall("sliding", (parse_rate("1/s"),), 1, slack_us=10_000)
-        assert store.acquire(key, call, entry=Entry("first", b"m", "first")).code == Code.RUN
-        assert store.acquire(key, call, entry=Entry("second", b"m2", "second")).code == Code.QUEUED
-        clock.now += 1_100_000
-        released = store.release(key, call, 8)
-        assert [r.id for r in released.reported] == ["second"] and released.out == 1
-        # When it arrives in shadow mode: it starts outside the rules
-        given = store.give_back(key, call, "second", 8, shadowed=True)
-        # Then its room comes back (nothing out, nothing waits), and a copy of its message,
-        # delivered twice, is a DUPLICATE there and in a claim, as after any start
-        assert given.code == Code.RUN and (given.out, given.waiting) == (0, 0)
-        assert store.give_back(key, call, "second", 8, shadowed=True).code == Code.DUPLICATE
-        assert store.claim(key, call, "second", early_us=0, holder="h").code == Code.DUPLICATE
-    finally:
-        store.close()
+    key = state_key(key_prefix, "api", "acme")
+    call = WindowCall("sliding", (parse_rate("1/s"),), 1, slack_us=10_000)
+    assert store.acquire(key, call, entry=Entry("first", b"m", "first")).code == Code.RUN
+    assert store.acquire(key, call, entry=Entry("second", b"m2", "second")).code == Code.QUEUED
+    clock.now += 1_100_000
+    released = store.release(key, call, 8)
+    assert [r.id for r in released.reported] == ["second"] and released.out == 1
+    # When it arrives in shadow mode: it starts outside the rules
+    given = store.give_back(key, call, "second", 8, shadowed=True)
+    # Then its room comes back (nothing out, nothing waits), and a copy of its message,
+    # delivered twice, is a DUPLICATE there and in a claim, as after any start
+    assert given.code == Code.RUN and (given.out, given.waiting) == (0, 0)
+    assert store.give_back(key, call, "second", 8, shadowed=True).code == Code.DUPLICATE
+    assert store.claim(key, call, "second", early_us=0, holder="h").code == Code.DUPLICATE
 
 
 @pytest.mark.parametrize("algorithm", ["sliding", "fixed"])
 def test_giving_back_a_released_task_in_shadow_mode_matches_the_twin(
-    redis_client: redis.Redis, key_prefix: str, algorithm: str
+    store: RedisStore, clock: FakeClock, algorithm: str
 ) -> None:
     # Given a key of 2/s whose line is released (one task out, one granted its start ahead),
     # run on the script and its twin at once (Walk compares each reply and all it stores)
-    clock = FakeClock(BASE_US)
-    store = RedisStore(STORE_URL, key_prefix, clock=clock)
-    try:
-        walk = Walk(store, clock, algorithm, ("2/s",), random.Random(7))
-        costs = walk.costs(1)
-        for n in range(5):
-            walk.run("acquire", costs, 0, 0, f"h{n}", f"e{n}", b"m", f"t{n}", 0, 0, 8, "", 0)
-        walk.advance(1_050_000)
-        out = [r.id for r in walk.run("release", costs, 8).reported]
-        assert len(out) >= 2, out
-        early = walk.run("claim", costs, out[1], 1_000_000, "hx", 0, "x", b"", "t", 0, 0, 8, "", 0, "0")
-        # When each arrives in shadow mode (the one claimed early too: a copy of a task that
-        # started, or one granted its start), then a copy of each, then a claim of a copy
-        for ticket in (out[0], out[1], "never-released"):
-            first = walk.run("give_back", costs, ticket, 8, "2")
-            again = walk.run("give_back", costs, ticket, 8, "2")
-            copy = walk.run("claim", costs, ticket, 1_000_000, "hy", 0, "y", b"", "t", 0, 0, 8, "", 0, "0")
-            # Then (the twin agreeing at every step) the first gives its room back, unless it
-            # had started (a copy: DUPLICATE), and every copy after it is a DUPLICATE
-            started = ticket == out[1] and early.code == Code.RUN
-            assert first.code == (Code.DUPLICATE if started else Code.RUN), (ticket, early)
-            assert again.code == Code.DUPLICATE and copy.code == Code.DUPLICATE
-    finally:
-        store.close()
+    walk = Walk(store, clock, algorithm, ("2/s",), random.Random(7))
+    costs = walk.costs(1)
+    for n in range(5):
+        walk.run("acquire", costs, 0, 0, f"h{n}", f"e{n}", b"m", f"t{n}", 0, 0, 8, "", 0)
+    walk.advance(1_050_000)
+    out = [r.id for r in walk.run("release", costs, 8).reported]
+    assert len(out) >= 2, out
+    early = walk.run("claim", costs, out[1], 1_000_000, "hx", 0, "x", b"", "t", 0, 0, 8, "", 0, "0")
+    # When each arrives in shadow mode (the one claimed early too: a copy of a task that
+    # started, or one granted its start), then a copy of each, then a claim of a copy
+    for ticket in (out[0], out[1], "never-released"):
+        first = walk.run("give_back", costs, ticket, 8, "2")
+        again = walk.run("give_back", costs, ticket, 8, "2")
+        copy = walk.run("claim", costs, ticket, 1_000_000, "hy", 0, "y", b"", "t", 0, 0, 8, "", 0, "0")
+        # Then (the twin agreeing at every step) the first gives its room back, unless it
+        # had started (a copy: DUPLICATE), and every copy after it is a DUPLICATE
+        started = ticket == out[1] and early.code == Code.RUN
+        assert first.code == (Code.DUPLICATE if started else Code.RUN), (ticket, early)
+        assert again.code == Code.DUPLICATE and copy.code == Code.DUPLICATE
