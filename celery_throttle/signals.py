@@ -9,12 +9,11 @@ __all__ = ["task_shadow_throttled", "task_throttled", "task_wait_exceeded"]
 #: Sent in the worker each time a throttled task is denied and deferred.
 #: ``sender`` is the task; keyword arguments: ``request`` (the task's request),
 #: ``delay`` (seconds until it comes back), ``scope``, ``key`` (None without a key),
-#: ``parked`` (True when the wait was long enough to park the message), ``reason``
-#: (``"rate"``: a rate denied it; ``"concurrency"``: every slot was taken, and it waits
+#: ``reason`` (``"rate"``: a rate denied it; ``"concurrency"``: every slot was taken, and it waits
 #: for one off the queue, ``delay`` None: it comes back when a slot is handed to it).
 task_throttled = Signal(
     name="task_throttled",
-    providing_args={"request", "delay", "scope", "key", "parked", "reason"},
+    providing_args={"request", "delay", "scope", "key", "reason"},
 )
 
 #: Sent in the worker when a denied task would wait longer than its ``max_wait``: it

@@ -84,7 +84,7 @@ def workers(store_client: redis.Redis, broker_url: str) -> Iterator[WorkerGroup]
     """
     prefix = f"ct-test-{uuid.uuid4().hex[:10]}"
     group = WorkerGroup(prefix=prefix, broker=broker_url, store=STORE_URL, count=2,
-                        concurrency=2, env={"CT_PARK_AFTER": "3", "CT_RECORD": "100000"})
+                        concurrency=2, env={"CT_RECORD": "100000"})
     group.start()
     yield group
     group.stop()  # (its queues and their bindings with it)

@@ -279,9 +279,9 @@ class WorkerGroup:
 
     @property
     def queues(self) -> list[str]:
-        """The broker queues this group's tasks use: its own, the second one, the queue
-        where tasks a pause holds wait when parking is in the broker, and the journal."""
-        return [self.queue, f"{self.queue}-alt", f"{self.prefix}.held", journal_queue_name(self.prefix),
+        """The broker queues this group's tasks use: its own, the second one, the journal
+        and each worker's own queue."""
+        return [self.queue, f"{self.queue}-alt", journal_queue_name(self.prefix),
                 *(hand_queue(self.hostname(i)).name for i in range(self.count))]
 
     def hostname(self, i: int) -> str:

@@ -33,8 +33,8 @@ denials: list[dict[str, Any]] = []
 
 
 @task_throttled.connect(weak=False)
-def _denied(sender: Any, request: Any, delay: float, key: str, parked: bool, **_: Any) -> None:
-    denials.append({"id": request.id, "key": key, "delay": delay, "parked": parked})
+def _denied(sender: Any, request: Any, delay: float, key: str, **_: Any) -> None:
+    denials.append({"id": request.id, "key": key, "delay": delay})
 
 
 def main(plan: dict[str, Any]) -> dict[str, Any]:

@@ -139,8 +139,6 @@ class SlidingRate:
         """The stored list, from the field's MessagePack stream: the cold buckets' total
         units, the hot (last) bucket's latest and units, then the cold buckets' pairs."""
         values = list(msgpack.Unpacker(BytesIO(value)))
-        if isinstance(values[0], list):  # a flat list, as earlier versions wrote it
-            return values[0]
         cold_units, hot_latest, hot_units, *cold = values
         assert cold_units == sum(cold[1::2]), f"cold total {cold_units} is not the sum of {cold}"
         return [*cold, hot_latest, hot_units]

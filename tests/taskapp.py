@@ -123,8 +123,8 @@ def _note(what: str, sender, request, **fields) -> None:
 
 
 @celery_throttle.signals.task_throttled.connect
-def _note_denial(sender, request, delay, scope, key, parked, reason=None, **_):
-    _note("throttled", sender, request, delay=delay, scope=scope, key=key, parked=parked, reason=reason)
+def _note_denial(sender, request, delay, scope, key, reason=None, **_):
+    _note("throttled", sender, request, delay=delay, scope=scope, key=key, reason=reason)
 
 
 @celery_throttle.signals.task_shadow_throttled.connect

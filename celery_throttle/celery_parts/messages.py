@@ -1,5 +1,5 @@
-"""Kept messages: a task's message as the store keeps it (waiting in a line, or parked by
-an earlier version), and how it is sent to the broker again."""
+"""Kept messages: a task's message as the store keeps it (waiting in a line, a dead
+letter), and how it is sent to the broker again."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ in µs of the Redis clock (``FOREVER_US``: until resumed); a field per live limi
 one per live concurrency limit (``slots:<scope>`` or ``slots:<scope>:<key>``) its K. A
 live limit takes the place of the declared rates of its windows only (a live ``2/s`` on
 ``10/s, 5000/h``: ``2/s, 5000/h``, :func:`merged_rates`), unless a field
-``replace:<scope>[:<key>]`` beside it says it replaces them all (a separate field: an
-earlier version reads the limit alone, and replaces them all, as it always did). Each
+``replace:<scope>[:<key>]`` beside it says it replaces them all. Each
 process reads the whole hash at most every ``CONTROL_REFRESH`` seconds: a control set
 anywhere holds on every worker within that time, and the process that sets it obeys it
 at once.
@@ -19,7 +18,7 @@ are about 5 MB), so it is not read whole every time. Every write adds one to its
 ``~stamp`` in the same transaction, and a process first reads the stamp alone: the hash
 only when the stamp moved, or when ``FULL_READ_EVERY`` has passed (a field written by
 hand, without the stamp, is obeyed within that time; a hash no write ever stamped, none
-at all or one an earlier version alone wrote, comes whole with the stamp's read). The process that
+at all or one whose stamp was evicted, comes whole with the stamp's read). The process that
 reads pauses that are over deletes them (at most ``PRUNE_BATCH`` a read, each only if
 still over), so the hash holds the pauses in force and not every one ever set.
 """

@@ -190,7 +190,7 @@ class Lines(OnCall):
                      "" if call.key is None else f" key {call.key!r}")
         self.ctl.metrics.lost()
         try:
-            self.ctl.parking.bury(entry, message)
+            self.ctl.store.bury(entry, message)
             if released:
                 self.handle(call, self.ctl.checker.give_back(call, entry))
         except (StoreError, ThrottleError) as exc:
@@ -205,7 +205,7 @@ class Lines(OnCall):
 
     def wake_releasers(self) -> None:
         """Wake one releaser now (it looks at every key due)."""
-        self.ctl.parking.wake_releasers()
+        self.ctl.store.wake_releasers()
 
     def wake(self, scope: str | None, key: str | None = None) -> int:
         """Something gave ``scope`` (or its ``key``; None: every scope) room (a raised or

@@ -20,8 +20,6 @@ from .journaling import Journaling
 if TYPE_CHECKING:
     from celery import Celery
 
-    from ..store.parking import ParkingStore
-
 __all__ = ["OnCall", "Owner", "Waiting", "text"]
 
 
@@ -45,14 +43,11 @@ def text(name: bytes | str) -> str:
 
 
 class Owner(checker.Owner, Protocol):
-    """What the lines work with: the app's checks, store and metrics, its app (to send a
-    released task) and its parking store (dead letters, the releasers' wake-up list)."""
+    """What the lines work with: the app's checks, store and metrics, and its app (to send
+    a released task)."""
 
     @property
     def app(self) -> Celery: ...
-
-    @property
-    def parking(self) -> ParkingStore: ...
 
 
 class OnCall:

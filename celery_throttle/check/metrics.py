@@ -68,18 +68,18 @@ class Metrics:
             self._deferred = _instrument("Counter", "celery_throttle_deferred_seconds",
                                          "Seconds denied tasks were deferred for", labels)
             self._parked = _instrument("Counter", "celery_throttle_parked",
-                                       "Denied tasks parked in Redis for a long wait", labels)
+                                       "Denied tasks that joined their key's line", labels)
             self._wait_exceeded = _instrument("Counter", "celery_throttle_wait_exceeded",
                                               "Tasks failed with WaitTooLong: their wait was past their max_wait",
                                               labels)
             self._released = _instrument("Counter", "celery_throttle_released",
-                                         "Parked tasks sent back to the broker", ())
+                                         "Tasks released from a line, sent to the broker", ())
             self._store_errors = _instrument("Counter", "celery_throttle_store_errors",
                                              "Checks that could not reach Redis", ("where",))
             self._lost = _instrument("Counter", "celery_throttle_parked_lost",
-                                     "Parked tasks found due with their message gone from the store", ())
+                                     "Tasks due in a line whose message is gone from the store", ())
             self._waiting = _instrument("Gauge", "celery_throttle_parked_waiting",
-                                        "Tasks parked in Redis, waiting for their start", ())
+                                        "Tasks waiting in every line", ())
             # (Each process counts the slots it holds; with prefork's multiprocess mode the
             # live processes' values are summed: the slots held on this host.)
             self._running = _instrument("Gauge", "celery_throttle_slots_running",
@@ -103,7 +103,7 @@ class Metrics:
         self._lock = ForkSafeLock()
         #: (scope, key) -> [checked, held back, seconds they would have waited, the longest]
         self._shadowed: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
-        self._denials: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0, 0.0, 0])
+        self._denials: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0, 0.0])
         self._summary_at = time.monotonic()
         self._summarizer_pid: int | None = None
 
@@ -114,18 +114,17 @@ class Metrics:
         if self.enabled and self._admitted is not None:
             self._admitted.labels(*self._labels(scope, key)).inc()
 
-    def denied(self, scope: str, key: str | None, delay: float, parked: bool) -> None:
+    def denied(self, scope: str, key: str | None, delay: float) -> None:
+        """A task was denied and waits in its key's line (about ``delay`` seconds)."""
         if self.enabled and self._denied is not None:
             labels = self._labels(scope, key)
             self._denied.labels(*labels).inc()
             self._deferred.labels(*labels).inc(max(delay, 0.0))
-            if parked:
-                self._parked.labels(*labels).inc()
+            self._parked.labels(*labels).inc()
         with self._lock:
             entry = self._denials[(scope, key)]
             entry[0] += 1
             entry[1] += max(delay, 0.0)
-            entry[2] += 1 if parked else 0
         if self._summarizer_pid != os.getpid():
             self._start_summarizer()
         self.summarize()
@@ -204,19 +203,17 @@ class Metrics:
         if not force and now - self._summary_at < SUMMARY_INTERVAL:
             return
         with self._lock:
-            denials, self._denials = self._denials, defaultdict(lambda: [0, 0.0, 0])
+            denials, self._denials = self._denials, defaultdict(lambda: [0, 0.0])
             shadowed, self._shadowed = self._shadowed, defaultdict(lambda: [0, 0, 0.0, 0.0])
             span, self._summary_at = now - self._summary_at, now
         for (scope, key), (checked, held, waited, longest) in sorted(shadowed.items(), key=lambda i: -i[1][1]):
             logger.info("shadow mode in the last %.0fs: scope=%s key=%s: %d of %d task(s) would have been held "
                         "back%s", span, _shown(scope), _shown(key), held, checked,
                         f", {waited / held:.1f}s on average, {longest:.1f}s at most" if held else "")
-        for (scope, key), (count, seconds, parked) in sorted(denials.items(), key=lambda i: -i[1][0]):
-            # (Each waits in its key's line; one that could not is sent back a moment.)
+        for (scope, key), (count, seconds) in sorted(denials.items(), key=lambda i: -i[1][0]):
             # (scope and key quoted: user data, whose newlines would forge log lines)
-            logger.info("throttled in the last %.0fs: scope=%s key=%s: %d task(s) deferred, %.1fs on "
-                        "average%s", span, _shown(scope), _shown(key), count, seconds / count,
-                        f", {count - parked} sent back a moment" if count - parked else "")
+            logger.info("throttled in the last %.0fs: scope=%s key=%s: %d task(s) deferred, %.1fs on average",
+                        span, _shown(scope), _shown(key), count, seconds / count)
 
 
 def _shown(text: str | None) -> str:

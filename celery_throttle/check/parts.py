@@ -15,7 +15,6 @@ from ..core import timing
 from ..core.config import Settings, require_redis_url
 from ..core.locks import ForkSafeLock
 from ..store.client import RedisStore
-from ..store.parking import ParkingStore
 from .checker import Checker
 from .hints import Hints
 from .lines import Lines
@@ -37,7 +36,6 @@ class Parts:
         self._settings: Settings | None = None
         self._store: RedisStore | None = None
         self._quick_store: RedisStore | None = None
-        self._parking: ParkingStore | None = None
         self._slots: Slots | None = None
         self._lines: Lines | None = None
         self._lock = ForkSafeLock()
@@ -79,14 +77,6 @@ class Parts:
     def store(self) -> RedisStore:
         """The Redis store, connected on first use (in the process that uses it)."""
         return self._store or self._open("_store")
-
-    @property
-    def parking(self) -> ParkingStore:
-        """The parked messages of :attr:`store`."""
-        parking = self._parking
-        if parking is None or parking.store is not self.store:
-            parking = self._parking = ParkingStore(self.store)
-        return parking
 
     @property
     def slots(self) -> Slots:

@@ -22,7 +22,6 @@ STORE_ERROR_POLICIES = ("defer", "allow", "fail")
 #: What a throttle does: hold back what does not fit, or (``"shadow"``) count and report
 #: what it would have held back, and hold nothing.
 MODES = ("enforce", "shadow")
-PARK_IN = ("auto", "broker", "store")
 _DEFAULT_REDIS = "redis://localhost:6379/0"
 
 
@@ -46,18 +45,8 @@ class Settings:
     default_algorithm: str = "sliding"
     #: What a task does when Redis cannot be reached: "defer", "allow" or "fail".
     on_store_error: str = "defer"
-    #: No effect since the line (a task that must wait waits in its key's line, however
-    #: long): accepted, with a warning, so that a deploy that still sets it starts.
-    park_after: float = 60.0
-    #: Where an earlier version parked tasks: "broker" (RabbitMQ's delay queues, and a
-    #: held queue), "store", or "auto" (the broker when it is an AMQP one). Read only to
-    #: send on what such a version left there.
-    park_in: str = "auto"
-    #: No effect since the line (a start is granted when there is room): accepted, with a
-    #: warning.
-    start_grace: float | None = None
-    #: How often (seconds) each worker does its chores: what earlier versions left, lost
-    #: index entries, the store's watch (the lines themselves are released when due).
+    #: How often (seconds) each worker does its chores: lost index entries, the store's
+    #: watch (the lines themselves are released when due).
     release_interval: float = 1.0
     #: False turns every throttle off (tests, an emergency): tasks run unchecked, and the
     #: worker says so when it starts.
@@ -121,17 +110,10 @@ class Settings:
         if secret and values.get("redis_url") == safe_url(secret):
             values["redis_url"] = secret  # (the URL as given: see hide_secrets)
         values.update(overrides)
-        ignored = sorted(f"throttle_{name}" for name in _NO_EFFECT if values.get(name) is not None)
-        if ignored:
-            logger.warning("celery_throttle: %s no longer ha%s an effect (a task that must wait waits in its key's "
-                           "line and starts when the key has room): remove %s", " and ".join(ignored),
-                           "ve" if len(ignored) > 1 else "s", "them" if len(ignored) > 1 else "it")
         if "redis_url" not in values:
             values["redis_url"] = _default_redis_url(app)
             if "redis_options" not in values and str(values["redis_url"]).startswith(SENTINEL_SCHEMES):
                 values["redis_options"] = _broker_sentinel_options(app)
-        if "park_after" not in values:
-            values["park_after"] = _default_park_after(app)
         return cls(**values).validated()
 
     def validated(self) -> Settings:
@@ -156,8 +138,6 @@ class Settings:
             check_store_url(self.redis_url)
         if not isinstance(self.rules, Mapping):
             raise ConfigurationError("throttle_rules must be a dict of task-name glob -> options")
-        if self.park_in not in PARK_IN:
-            raise ConfigurationError(f"throttle_park_in {self.park_in!r}: use one of {PARK_IN}")
         check_max_wait(self.max_wait, "throttle_max_wait")
         check_margin(self.margin, "throttle_margin")
         if not isinstance(self.metrics_keys, bool):
@@ -170,7 +150,7 @@ class Settings:
             raise ConfigurationError("throttle_hand_off must be True or False")
         if not isinstance(self.check_at_publish, bool):
             raise ConfigurationError("throttle_check_at_publish must be True or False")
-        for name in ("park_after", "release_interval", "store_retry_delay", "store_retry_max_delay",
+        for name in ("release_interval", "store_retry_delay", "store_retry_max_delay",
                      "concurrency_lease"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ConfigurationError(f"throttle_{name} must be a positive number of seconds")
@@ -249,10 +229,6 @@ def _spellings(conf: Any, name: str) -> list[str]:
     return [spelt.upper() if namespace.isupper() else spelt.lower(), name]
 
 
-#: Settings an earlier version used that the line made pointless: read and warned about.
-_NO_EFFECT = ("park_after", "start_grace")
-
-
 def check_mode(value: Any, what: str) -> None:
     if value not in MODES:
         raise ConfigurationError(f"{what} {value!r}: use one of {MODES}")
@@ -304,16 +280,6 @@ def require_redis_url(app: Any, settings: Settings) -> str:
         f"the broker is {scheme}://, not a Redis: set throttle_redis_url to the Redis that "
         "holds the throttle's windows (e.g. app.conf.throttle_redis_url = 'redis://host:6379/0')"
     )
-
-
-def _default_park_after(app: Any) -> float:
-    # With a Redis broker, an ETA message unacked for longer than visibility_timeout is
-    # delivered again: park well before that.
-    broker = app.conf.broker_url or ""
-    if isinstance(broker, str) and broker.startswith(("redis", "sentinel")):
-        timeout = (app.conf.broker_transport_options or {}).get("visibility_timeout", 3600)
-        return float(min(60.0, timeout / 2))
-    return 60.0
 
 
 def _warn_unknown(app: Any, names: set[str]) -> None:

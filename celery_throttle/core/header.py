@@ -13,13 +13,11 @@ __all__ = ["DEAD_LETTER_HEADERS", "HEADER", "HEADER_VERSION", "Header", "without
 
 #: Message header of a task the throttle let go after it waited: its ticket, and counters.
 HEADER = "celery_throttle"
-#: The header's format as this version writes it. Format 3 carries a ticket (``t``): the
-#: entry id of the line it was released from, which grants it nothing by itself (the
-#: store must hold it out, unused). Formats 1 and 2 carried a start reserved for it
-#: (``r``), which is not honoured any more: such a task is checked as a fresh one (it runs
-#: once; the start it held stays counted until it leaves its window). A header of a later
-#: format (a deploy rolled back while such messages wait) is read as absent: a fresh call.
-#: CHANGELOG.md records each format.
+#: The header's format as this version writes it, and the only one it reads: the first
+#: release's, where the next release's upgrade path starts (formats 1 and 2 were
+#: development versions, never released). A header of another format (a deploy rolled
+#: back while a later version's messages wait) is read as absent: a fresh call, behind its
+#: key's line. CHANGELOG.md records each format.
 HEADER_VERSION = 3
 #: The most deferrals and store errors in a row a header counts (a counter that reads
 #: more, written by hand, counts this many).
@@ -58,13 +56,11 @@ class Header:
     def read(cls, value: Any) -> Header:
         if not isinstance(value, dict):
             return _EMPTY
-        version = value.get("v", 1)
-        if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= HEADER_VERSION:
+        version = value.get("v")
+        if not isinstance(version, int) or isinstance(version, bool) or version != HEADER_VERSION:
             return _EMPTY
-        key = value.get("k")
-        ticket, pending, lost = (value.get("t"), value.get("i"), value.get("l")) if version >= 3 else (None,) * 3
-        return cls(_text(key), _text(ticket), _counter(value.get("n")), _counter(value.get("e")), _text(pending),
-                   _text(lost))
+        return cls(_text(value.get("k")), _text(value.get("t")), _counter(value.get("n")), _counter(value.get("e")),
+                   _text(value.get("i")), _text(value.get("l")))
 
     def value(self) -> dict[str, Any]:
         """The header to send."""
@@ -97,10 +93,11 @@ def _counter(value: Any) -> int:
     return 0
 
 
-#: Headers RabbitMQ adds to a message it dead-letters, as the delay topology of broker
-#: parking does at each hop (the names Celery's own retry() drops, X_DEATH_HEADERS). A
-#: re-send that kept them would pass the same delay queue a second time with them, which
-#: RabbitMQ takes for a dead-letter cycle and drops the message, without a word.
+#: Headers RabbitMQ adds to a message it dead-letters, as the delay topology of Celery's
+#: native delayed delivery (a countdown on quorum queues) does at each hop (the names
+#: Celery's own retry() drops, X_DEATH_HEADERS). A re-send that kept them would pass the
+#: same delay queue a second time with them, which RabbitMQ takes for a dead-letter cycle
+#: and drops the message, without a word.
 DEAD_LETTER_HEADERS = frozenset({"x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
                                  "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason"})
 

@@ -22,8 +22,6 @@ from .errors import ConfigurationError, KeyBuildError
 
 __all__ = [
     "MAX_TOKEN",
-    "PARKED_TAG_END",
-    "broker_index_keys",
     "control_key",
     "dead_letter_keys",
     "decode",
@@ -31,12 +29,8 @@ __all__ = [
     "format_key",
     "glob_escape",
     "journal_keys",
-    "legacy_slot_index_key",
-    "legacy_slot_keys",
     "line_index_key",
     "line_index_keys",
-    "parked_patterns",
-    "parking_keys",
     "record_key",
     "scan_pattern",
     "shadow_key",
@@ -108,36 +102,16 @@ def state_tag(scope: str, key: str | None) -> str:
     return encode(scope) if key is None else f"{encode(scope)}:{encode(key)}"
 
 
-#: Between a parked message's state tag and the rest of its id (never in a tag).
-PARKED_TAG_END = "|"
-
-
-def parked_patterns(scope: str, key: str | None) -> tuple[str, ...]:
-    """ZSCAN MATCH patterns for the ids of tasks parked under ``scope`` and ``key`` (with
-    no key: under the scope and every key of it). Encoded tokens hold no glob character."""
-    if key is not None:
-        return (f"{state_tag(scope, key)}{PARKED_TAG_END}*",)
-    return (f"{encode(scope)}{PARKED_TAG_END}*", f"{encode(scope)}:*{PARKED_TAG_END}*")
-
-
-def parking_keys(prefix: str) -> tuple[str, str, str]:
-    """Parked ids by due time, parked messages, in-flight ids by lease expiry."""
-    return (f"{prefix}:{{parked}}:due", f"{prefix}:{{parked}}:messages", f"{prefix}:{{parked}}:inflight")
-
-
-def broker_index_keys(prefix: str) -> tuple[str, str]:
-    """Tasks parked in the broker, by due time, and what each is (for ``throttle why``)."""
-    return f"{prefix}:{{parked}}:broker", f"{prefix}:{{parked}}:broker:info"
-
-
 def wake_key(prefix: str) -> str:
-    """A list the releasers wait on (BLPOP) between rounds: a push wakes one at once."""
-    return f"{prefix}:{{parked}}:wake"
+    """A list the releasers wait on (BLPOP) between rounds: a push wakes one at once (in
+    the index's hash tag)."""
+    return f"{prefix}:{{lines}}:wake"
 
 
 def dead_letter_keys(prefix: str) -> tuple[str, str]:
-    """Release attempts per parked id, and the ids given up on (by when), same hash tag."""
-    return f"{prefix}:{{parked}}:attempts", f"{prefix}:{{parked}}:dead"
+    """The dead letters (tasks released from a line, or sent on by the journal, whose
+    message could not be sent): their messages by id, and their ids by when, one hash tag."""
+    return f"{prefix}:{{dead}}:messages", f"{prefix}:{{dead}}:at"
 
 
 def scan_pattern(prefix: str) -> str:
@@ -230,17 +204,6 @@ def journal_keys(prefix: str) -> tuple[str, str, str]:
 def line_index_keys(prefix: str) -> tuple[str, str]:
     """index.lua's keys: the index, and when each due time in it was computed."""
     return line_index_key(prefix), f"{prefix}:{{lines}}:at"
-
-
-def legacy_slot_keys(state_key: str) -> tuple[str, str]:
-    """Where version 0.x (header formats 1 and 2) kept the tasks waiting for a concurrency
-    slot (by when they first waited) and their messages: sent on after an upgrade."""
-    return f"{state_key}:queue", f"{state_key}:waiting"
-
-
-def legacy_slot_index_key(prefix: str) -> str:
-    """The hash of state keys that had tasks waiting for a slot, in version 0.x."""
-    return f"{prefix}:slot-waiting"
 
 
 def record_key(prefix: str) -> str:

@@ -1,7 +1,7 @@
 """Locks that a forked child gets free.
 
 A prefork pool forks its processes from the worker's main process, where threads of ours
-run (the releaser, slot renewals, control reads, broker parking). A fork copies a lock as
+run (the releaser, slot renewals, control reads). A fork copies a lock as
 it is: one that another thread held at that instant stays held in the child for ever,
 and the child's first check, metric or give-back that takes it waits for ever. Every lock
 of the package is a :class:`ForkSafeLock`: each is replaced by a fresh one in the child,

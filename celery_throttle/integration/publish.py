@@ -204,10 +204,10 @@ def admit(ctl: Parts, send: Any, name: str, args: Any, kwargs: Any, options: dic
     # (Kept in its line instead of the broker's queue: the journal, when on, holds its copy
     # in the broker all the same.)
     ctl.lines.journal.kept(ident, entry_id, reply.now_us, kept or message())
-    ctl.metrics.denied(call.scope, call.key, reply.wait_us / 1e6, True)
+    ctl.metrics.denied(call.scope, call.key, reply.wait_us / 1e6)
     request = Context(id=task_id, task=name, args=args, kwargs=kwargs, headers={HEADER: Header(deferrals=1).value()})
     signals.task_throttled.send(sender=known.task if known.task is not None else name, request=request,
-                                delay=reply.wait_us / 1e6, scope=call.scope, key=call.key, parked=True,
+                                delay=reply.wait_us / 1e6, scope=call.scope, key=call.key,
                                 reason=call.wait_reason)
     return _result(app, task_id, options)
 

@@ -1,5 +1,5 @@
 """The Celery wiring: :func:`install`, the worker step that hooks throttled tasks and
-runs the parked-task releaser, and the hooking of tasks itself.
+runs the releaser of the lines, and the hooking of tasks itself.
 
 Usually :func:`install` adds :class:`ThrottleStep` to the worker before it is built. Two other orders are covered too, so that a throttled task never runs
 unthrottled without a word:
@@ -288,7 +288,7 @@ def install(app: Any, **overrides: Any) -> Throttle:
     Idempotent and safe at import time of the app module: settings (``throttle_*`` in
     ``app.conf``, ``overrides`` without the prefix win) are read on first use. Adds a
     worker bootstep that hooks every throttled task (``@throttle`` or
-    ``throttle_rules``) before the pool starts, and releases parked long waits.
+    ``throttle_rules``) before the pool starts, and releases the lines.
     """
     ctl = controller(app)
     if overrides:

@@ -76,10 +76,10 @@ def status(ctx: click.Context, scope: str | None, key: str | None, match: str, k
                 listed = ", ".join(known[:20]) + (", ..." if len(known) > 20 else "") or "none"
                 raise click.ClickException(f"no such scope {scope!r}: nothing counted, paused or limited "
                                            f"for it, and no task of this app uses it; known scopes: {listed}")
-    parked = ctl.parking.parked_count()
+    dead = ctl.store.dead_count()
     if as_json:
-        click.echo(json.dumps({"keys": [show.as_dict(s) for s in found], "more": more,
-                               "parked": dict(zip(("waiting", "in_flight", "dead"), parked))}, indent=2))
+        click.echo(json.dumps({"keys": [show.as_dict(s) for s in found], "more": more, "dead_letters": dead},
+                              indent=2))
         return
     if scope is not None and show.empty(found[0]):
         click.echo(f"{show.scope_and_key(scope, key)}: nothing counted")
@@ -87,14 +87,14 @@ def status(ctx: click.Context, scope: str | None, key: str | None, match: str, k
     for scope_glob, key_glob in spelt:
         click.echo(f"no scope matches {match!r}; shown: the keys it names, as --match {scope_glob!r} "
                    f"--key-match {key_glob!r}")
-    show.status_table(found, more, parked, scope is None)
+    show.status_table(found, more, dead, scope is None)
     if not found and scope is None:
         click.echo(show.nothing_matched(match, key_match) if match != "*" or key_match is not None
                    else "no throttled scope has anything counted, waiting, paused or limited")
 
 
 def _as_scope_and_key(ctl: Any, match: str, limit: int) -> tuple[list[Any], bool, list[tuple[str, str]]]:
-    """What ``--match 'scope:key'`` names, the shape every key is shown in (and the
+    """What ``--match 'scope:key'`` names, the shape every key is shown in:
     spelling of an earlier version): each split at a ``:`` tried as a scope glob and a key
     glob. Returns the statuses, whether more were left, and the splits that matched."""
     found: dict[tuple[str, str | None], Any] = {}

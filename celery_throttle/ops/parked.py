@@ -7,9 +7,9 @@ from typing import Any
 
 import click
 
+from ..celery_parts.messages import resend
 from ..check.controller import controller
 from ..core.keys import target_matches
-from ..waits.broker_parking import broker_parking
 from . import show
 
 __all__ = ["parked"]
@@ -24,7 +24,7 @@ __all__ = ["parked"]
               help="Send the waiting tasks (every task of each key --match selects) to their queues now, whatever "
                    "their keys' room: before rolling back to a version without lines. Asks first.")
 @click.option("--dead", is_flag=True, help="List the dead letters: tasks whose message could not be sent.")
-@click.option("--requeue", is_flag=True, help="Hand every dead letter out again, now (asks first).")
+@click.option("--requeue", is_flag=True, help="Send every dead letter to its queue again, now, as a new task (asks first).")
 @click.option("--drop", is_flag=True, help="Delete every dead letter (asks first).")
 @click.option("--yes", is_flag=True, help="Do not ask before --purge, --send-now, --requeue or --drop.")
 @click.pass_context
@@ -38,7 +38,6 @@ def parked(ctx: click.Context, tasks: bool, match: str, key_match: str | None, p
     the worker that takes it), for a rollback to a version that does not read them.
     """
     ctl = controller(ctx.obj.app)
-    store = ctl.parking
     if dead or requeue or drop:
         _dead_letters(ctl, requeue, drop, yes)
         return
@@ -74,27 +73,29 @@ def parked(ctx: click.Context, tasks: bool, match: str, key_match: str | None, p
                        f"the oldest since {show.when(oldest)}")
     if not found:
         click.echo("no task waits in a line")
-    count, in_flight, dead_count = store.parked_count()
-    if count or in_flight or dead_count:
-        click.echo(f"parked by an earlier version: {count} waiting, {in_flight} being released, {dead_count} dead")
-    broker = broker_parking(ctl)
-    if broker is not None:
-        delayed, held = broker.counts()
-        if delayed or held:
-            click.echo(f"in the broker: {delayed} in its delay queues (of every app on it), {held} held by a pause "
-                       "of an earlier version")
+    dead_count = ctl.store.dead_count()
+    if dead_count:
+        click.echo(f"dead letters: {dead_count} (throttle parked --dead)")
 
 
 def _dead_letters(ctl: Any, requeue: bool, drop: bool, yes: bool) -> None:
-    store = ctl.parking
-    letters = store.dead_letters()
-    for parked_id, when_us, attempts, message in letters:
-        click.echo(f"{parked_id}  {show.task_name(ctl.app, message)}  dead since "
-                   f"{show.when(when_us / 1e6)} after {attempts} attempts")
-    ids = [parked_id for parked_id, _, _, _ in letters]
+    letters = ctl.store.dead_letters()
+    for letter_id, since_us, message in letters:
+        click.echo(f"{show.escaped(letter_id)}  {show.task_name(ctl.app, message)}  dead since {show.when(since_us / 1e6)}")
+    ids = [letter_id for letter_id, _, _ in letters]
     if requeue and ids and (yes or click.confirm(f"send {len(ids)} dead letter(s) to run again?")):
-        click.echo(f"requeued {store.requeue_dead(ids)} dead letter(s)")
+        sent = []
+        for letter_id, _, message in letters:
+            try:
+                # (As a new task: the worker that gets it checks it, behind its key's line.)
+                resend(ctl.app, message or b"")
+            except Exception as exc:  # noqa: BLE001 - one that still cannot be sent stays, the others go
+                click.echo(f"{show.escaped(letter_id)}: still cannot be sent ({exc}); kept")
+                continue
+            sent.append(letter_id)
+        ctl.store.drop_dead(sent)
+        click.echo(f"requeued {len(sent)} dead letter(s)")
     elif drop and ids and (yes or click.confirm(f"delete {len(ids)} dead letter(s) for good?")):
-        click.echo(f"dropped {store.drop_dead(ids)} dead letter(s)")
+        click.echo(f"dropped {ctl.store.drop_dead(ids)} dead letter(s)")
     if not letters:
         click.echo("no dead letters")

@@ -77,7 +77,7 @@ def as_dict(status: Any) -> dict[str, Any]:
     }
 
 
-def status_table(found: list[Any], more: bool, parked: tuple[int, int, int], listing: bool) -> None:
+def status_table(found: list[Any], more: bool, dead: int, listing: bool) -> None:
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -128,9 +128,8 @@ def status_table(found: list[Any], more: bool, parked: tuple[int, int, int], lis
     for s in found:
         if s.mode == "shadow" or s.shadow is not None:
             click.echo(shadow_line(s))
-    if listing and any(parked):
-        click.echo(f"parked by an earlier version: {parked[0]} waiting, {parked[1]} being released, "
-                   f"{parked[2]} dead")
+    if listing and dead:
+        click.echo(f"dead letters: {dead} (tasks whose message could not be sent: throttle parked --dead)")
 
 
 def in_force(ctl: Any, scope: str, key: str | None, live: set[Any]) -> str:
@@ -158,11 +157,7 @@ def by_window(rate: Any) -> tuple[int, str, int]:
 WHERE = {
     "line": "waiting in the line of {target}",
     "released": "released from the line of {target}, on its way to a worker",
-    "parked": "parked in the store by an earlier version, due {until}",
-    "releasing": "being sent back from the store (taken at {until})",
-    "dead": "a dead letter since {until}: it could not be sent back (throttle parked --dead)",
-    "delayed": "parked in the broker's delay queues, due in its queue at {until}",
-    "held": "held in the broker until the pause holding it is over",
+    "dead": "a dead letter since {until}: its message could not be sent (throttle parked --dead)",
     "countdown": "held by worker {worker} as a countdown until {until}",
     "received": "received by worker {worker}, waiting for a pool process",
     "running": "running on worker {worker}",
@@ -184,7 +179,7 @@ def whereabouts_lines(found: Any) -> list[str]:
         lines.append(f"{target}: place {found.place} of {found.waiting} waiting{estimate}")
     elif found.scope is not None and found.where != "released":
         lines.append(target)
-    if found.held_by_pause or found.paused_until is not None:
+    if found.paused_until is not None:
         lines.append("held by: a pause " + ("that has ended" if found.paused_until is None else pause_end(found.paused_until)))
     elif found.share_cap is not None and found.running is not None and found.running >= found.share_cap:
         lines.append(f"held by: its share of the scope's {found.concurrency} slots ({found.running} held of its cap "
@@ -192,7 +187,7 @@ def whereabouts_lines(found: Any) -> list[str]:
     elif found.concurrency and found.running is not None and found.running >= found.concurrency:
         lines.append(f"held by: its concurrency limit ({found.running} of {found.concurrency} slots held); the next "
                      "slot to free goes to the head of the line")
-    elif found.fullest is not None and found.where in ("line", "countdown", "received", "parked"):
+    elif found.fullest is not None and found.where in ("line", "countdown", "received"):
         r = found.fullest
         lines.append(f"held by: the rate {r.rate} ({r.used} used, {r.remaining} left now, resets "
                      f"{when(r.reset_at)})")

@@ -1,2 +1,2 @@
 """The store: the Redis client and its scripts (``lua/``, beside the modules that call them),
-parked messages, and what the store risks (``doctor``). Nothing here knows Celery."""
+the dead letters, and what the store risks (``doctor``). Nothing here knows Celery."""

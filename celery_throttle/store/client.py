@@ -1,6 +1,5 @@
 """The Redis store: every family of operations (:mod:`.window`, :mod:`.controls`,
-:mod:`.sharing`, :mod:`.recording`) over one client (:mod:`.scripts`). Parked messages of earlier versions are
-kept by :class:`.parking.ParkingStore`, over the same client."""
+:mod:`.sharing`, :mod:`.recording`, :mod:`.dead_letters`) over one client (:mod:`.scripts`)."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from typing import Any
 from ..core.state import STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 from .controls import ControlOps
+from .dead_letters import DeadLetterOps
 from .recording import RecordOps
 from .sharing import ShareOps
 from .window import WindowOps
@@ -17,9 +17,9 @@ from .window import WindowOps
 __all__ = ["RedisStore"]
 
 
-class RedisStore(WindowOps, ControlOps, ShareOps, RecordOps):
-    """Window state and controls in one Redis (or Redis Cluster), and the client that
-    :class:`.parking.ParkingStore` shares."""
+class RedisStore(WindowOps, ControlOps, ShareOps, RecordOps, DeadLetterOps):
+    """Window state, lines, controls, shares, the record and the dead letters in one Redis
+    (or Redis Cluster)."""
 
     def __init__(self, url: str, prefix: str, clock: Callable[[], int] | None = None,
                  timeout: float = STORE_TIMEOUT, connect_timeout: float = STORE_CONNECT_TIMEOUT,

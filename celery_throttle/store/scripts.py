@@ -6,8 +6,8 @@ registered once by name; a restarted or flushed Redis answers NOSCRIPT and the s
 loaded again, so it loses nothing but one round trip, and a script's error names the file
 and its own line. The operations on it are by family: :mod:`.window` (a key's windows,
 line and slots, and the index of keys with a line), :mod:`.controls` (pauses and live
-limits), :mod:`.parking` (what earlier versions parked); :class:`.client.RedisStore` is
-them all over one client.
+limits), :mod:`.sharing`, :mod:`.recording`, :mod:`.dead_letters`; :class:`.client.RedisStore`
+is them all over one client.
 """
 
 from __future__ import annotations

@@ -10,16 +10,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..core.keys import line_index_keys, share_key, window_keys
+from ..core.keys import line_index_keys, share_key, wake_key, window_keys
 from ..core.protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowReply, window_argv
 from ..core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, ScriptPolicy
 from .scripts import ScriptClient, lua
 
-__all__ = ["ALGORITHMS", "WindowOps", "window_preamble", "window_script"]
+__all__ = ["ALGORITHMS", "WAKE_TTL_MS", "WindowOps", "window_preamble", "window_script"]
 
 #: The window scripts, one per algorithm, each with window.lua and line.lua after it.
 ALGORITHMS = ("sliding", "fixed")
+#: A wake-up no releaser took (none runs) is forgotten after this (ms).
+WAKE_TTL_MS = 10_000
 #: A message of a line (KEYS: its line, released entries, messages): its head's, else one of
 #: the first released entries'. One round trip, not three: a store far away pays each.
 _SAMPLE = """local ids = redis.call('ZRANGE', KEYS[1], 0, 0)
@@ -181,6 +183,20 @@ class WindowOps(ScriptClient):
         if not keys:
             return 0
         return int(self.run("index", list(line_index_keys(self.prefix)), [self.now_arg(), "wake", *keys]))
+
+
+    def wake_releasers(self) -> None:
+        """Wake one releaser waiting in :meth:`wait_for_wake` now (it looks at every line due)."""
+        with self.errors():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.lpush(wake_key(self.prefix), 1)
+            pipe.pexpire(wake_key(self.prefix), WAKE_TTL_MS)
+            pipe.execute()
+
+    def wait_for_wake(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for :meth:`wake_releasers`; True if woken."""
+        with self.errors():
+            return self.client.blpop([wake_key(self.prefix)], timeout=seconds) is not None
 
 
 def window_script(algorithm: str, policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> str:

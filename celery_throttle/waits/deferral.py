@@ -196,8 +196,8 @@ class TurnedAway:
                                     self.kept_message or self.message())
         delay = max(reply.wait_us, 0) / 1e6
         signals.task_throttled.send(sender=task, request=request, delay=delay, scope=call.scope, key=call.key,
-                                    parked=True, reason=reason)
-        self.ctl.metrics.denied(call.scope, call.key, delay, True)
+                                    reason=reason)
+        self.ctl.metrics.denied(call.scope, call.key, delay)
         logger.debug("throttled %s[%s] scope=%s key=%s: waits in its line (about %.3fs)", task.name, request.id,
                      call.scope, call.key, delay)
 

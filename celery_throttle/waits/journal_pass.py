@@ -232,7 +232,7 @@ class Pass:
             logger.error("celery_throttle: task %s waited in the line of %s and the store lost it; its copy in the "
                          "journal cannot be sent (%r): kept as a dead letter (throttle parked --dead)", event.entry,
                          target or event.key, exc)
-            self.ctl.parking.bury(event.entry, body)
+            self.ctl.store.bury(event.entry, body)
             return False
         logger.info("celery_throttle: task %s waited in the line of %s and the store lost it: sent on from the "
                     "journal, as a new task", event.entry, target or event.key)

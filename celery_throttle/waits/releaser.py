@@ -8,9 +8,7 @@ and sleeps until the earliest look in the index, or until woken (a refund, a rai
 limit, a resume, a line that begins: BLPOP on a wake list). So a key's head goes within
 milliseconds of its room, with no polling of keys that have none.
 
-Between rounds, once a ``throttle_release_interval``, it also sends on what earlier
-versions left (parked tasks, tasks a pause held in RabbitMQ, tasks waiting for a slot),
-gives the index back any line it lost (a line whose writer died between its script and
+Between rounds, once a ``throttle_release_interval``, it also gives the index back any line it lost (a line whose writer died between its script and
 the index), notes a store that restarted, and reads gauges. An outage of the store is
 logged once, summed up while it lasts, and its end logged.
 """
@@ -23,15 +21,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..celery_parts.messages import resend
 from ..check.adaptive import gauge_levels
 from ..check.status import known_specs
 from ..core.errors import StoreError
-from ..core.keys import glob_escape, legacy_slot_index_key, legacy_slot_keys, line_index_key
-from .broker_parking import broker_parking
+from ..core.keys import glob_escape, line_index_key
 from .keeper import Keeper
 from .outage import Outage
-from .parking import BATCH, release_parked
 from .sharer import Sharer
 
 if TYPE_CHECKING:
@@ -70,7 +65,7 @@ GAUGE_EVERY = 10.0
 
 
 class Releaser(threading.Thread):
-    """Releases the heads of lines as their keys get room; sends on what earlier versions left."""
+    """Releases the heads of lines as their keys get room."""
 
     def __init__(self, ctl: Parts) -> None:
         super().__init__(name="celery-throttle-releaser", daemon=True)
@@ -88,7 +83,7 @@ class Releaser(threading.Thread):
         self._lines_seen: tuple[int, float] | None = None
         #: Woken (BLPOP) since the last round, rather than timed out.
         self._woken = False
-        self._chores_outage = Outage("send on the tasks an earlier version left")
+        self._chores_outage = Outage("do the releaser's chores (lost index entries, gauges)")
         #: The journal's keeper (started with this thread when the journal is on), and
         #: the sharer of the scopes whose slots are shared.
         self.keeper: Any = None
@@ -146,7 +141,7 @@ class Releaser(threading.Thread):
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0.0005 and not self._stop_event.is_set():
             try:
-                if self.ctl.parking.wait_for_wake(min(left, WAKE_SLICE)):
+                if self.ctl.store.wait_for_wake(min(left, WAKE_SLICE)):
                     self._woken = True
                     break
             except StoreError:
@@ -188,10 +183,9 @@ class Releaser(threading.Thread):
     # -- between rounds -------------------------------------------------------------------
     def chores(self) -> None:
         """What is done once a release interval (put off while a look is due sooner than they
-        take, CHORES_PUT_OFF intervals at most): earlier versions' tasks, lost index
-        entries, a restarted store, gauges."""
+        take, CHORES_PUT_OFF intervals at most): lost index entries, a restarted store,
+        gauges."""
         try:
-            self._send_on_legacy()
             now = time.monotonic()
             if now - self._swept_at >= INDEX_SWEEP_EVERY:
                 self._swept_at = now
@@ -199,53 +193,15 @@ class Releaser(threading.Thread):
             if now - self._watched_at >= STORE_WATCH_EVERY:
                 self._watched_at = now
                 self._watch_store()
-                broker = broker_parking(self.ctl)
-                if broker is not None:
-                    broker.move_held()
             if self.ctl.metrics.enabled and now - self._gauged_at >= GAUGE_EVERY:
                 self._gauged_at = now
-                self.ctl.metrics.parked_waiting(self.ctl.lines.total_waiting() + self.ctl.parking.parked_count()[0])
+                self.ctl.metrics.parked_waiting(self.ctl.lines.total_waiting())
                 gauge_levels(self.ctl.store, known_specs(self.ctl.app, self.ctl.checker.rule_for), self.ctl.metrics)
             self._chores_outage.ok()
         except StoreError as exc:
             self._chores_outage.failed(exc)
         except Exception:
             logger.exception("celery_throttle: a releaser's chores failed")
-
-    def _send_on_legacy(self) -> None:
-        """Tasks an earlier version parked (in the store, or held by a pause in RabbitMQ)
-        or kept waiting for a slot: sent on now, each checked as a new task."""
-        parking = self.ctl.parking
-        if parking.parked_count()[0]:
-            parking.hasten(["*"], self.ctl.store.now_us())
-            while release_parked(self.ctl) >= BATCH and not self._stop_event.is_set():
-                pass
-        self._send_on_legacy_slots()
-
-    def _send_on_legacy_slots(self) -> None:
-        store = self.ctl.store
-        index = legacy_slot_index_key(store.prefix)
-        with store.errors():
-            keys = [k.decode(errors="surrogateescape") for k in store.client.hkeys(index)]
-        for key in keys:
-            queue, messages = legacy_slot_keys(key)
-            with store.errors():
-                ids = store.client.zrange(queue, 0, BATCH - 1)
-                bodies = store.client.hmget(messages, ids) if ids else []
-            for task_id, message in zip(ids, bodies):
-                if message is not None:
-                    try:
-                        resend(self.ctl.app, bytes(message))
-                    except Exception:
-                        logger.exception("could not send on task %r that waited for a slot before the upgrade",
-                                         task_id)
-                        continue
-                with store.errors():
-                    store.client.zrem(queue, task_id)
-                    store.client.hdel(messages, task_id)
-            with store.errors():
-                if not store.client.exists(queue):
-                    store.client.hdel(index, key)
 
     def index_lost_lines(self) -> int:
         """Give the index back every line it does not hold (its writer died between its

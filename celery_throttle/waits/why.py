@@ -1,9 +1,7 @@
 """``throttle why TASK_ID``: where one task waits, until when, and what holds it.
 
 The store answers for a task in a key's line (its place, and an estimate of its start),
-one released from it and on its way, and what an earlier version parked (waiting for its
-time, being released, or a dead letter; or, noted in its index, parked in the broker).
-The workers answer, through Celery's remote control (the ``throttle_why`` command
+one released from it and on its way, and a dead letter. The workers answer, through Celery's remote control (the ``throttle_why`` command
 registered here, in every process that imports the plugin), for a task they hold: as a
 countdown in the worker's timer, received and waiting for a pool process, or running. A
 task found in neither waits in a queue no worker has taken it from, or is done. No answer
@@ -13,7 +11,6 @@ carries a ticket (what would let a client forge a released task's header).
 from __future__ import annotations
 
 import datetime as dt
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +21,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from ..celery_parts.internals import held_requests
 from ..celery_parts.messages import decode_message
 from ..core.header import HEADER, Header
-from ..core.keys import PARKED_TAG_END, encode, glob_escape, line_index_key, state_of, window_keys
+from ..core.keys import encode, glob_escape, line_index_key, state_of, window_keys
 
 if TYPE_CHECKING:
     from ..check.limiter import Throttle
@@ -43,21 +40,18 @@ class Whereabouts:
 
     task_id: str
     #: ``line`` (waiting in its key's line), ``released`` (released from it, on its way to
-    #: a worker), ``parked`` | ``releasing`` | ``dead`` | ``delayed`` | ``held`` (left by an
-    #: earlier version, in the store or the broker), ``countdown`` | ``received`` |
-    #: ``running`` (a worker), or ``unknown``.
+    #: a worker), ``dead`` (a dead letter), ``countdown`` | ``received`` | ``running`` (a
+    #: worker), or ``unknown``.
     where: str
     name: str | None = None
     scope: str | None = None
     key: str | None = None
-    #: Unix time: due (parked), the countdown's end, or when it became a dead letter.
+    #: Unix time: the countdown's end, or when it became a dead letter.
     until: float | None = None
     #: An estimate of its start (Unix time), waiting in a line.
     start: float | None = None
     #: The worker that holds it.
     worker: str | None = None
-    #: Whether an earlier version's pause holds it.
-    held_by_pause: bool = False
     #: When a pause of its scope or key ends (``inf``: until resumed), if one is set.
     paused_until: float | None = None
     #: The fullest rate of its scope and key now.
@@ -103,6 +97,13 @@ def find_in_lines(ctl: Parts, task_id: str) -> tuple[str, str, int, bytes | None
     return None
 
 
+def find_dead_letter(ctl: Parts, task_id: str) -> tuple[int, bytes | None] | None:
+    """(since when in µs, its message) of task ``task_id`` kept as a dead letter (its id is
+    its line entry's: the encoded task id, then ``:``)."""
+    found = ctl.store.find_dead(glob_escape(encode(task_id)) + ":*")
+    return (found[0][1], found[0][2]) if found else None
+
+
 def explain(ctl: Throttle, task_id: str, timeout: float = REPLY_TIMEOUT) -> Whereabouts:
     """Where task ``task_id`` waits, asking the store, then the workers."""
     key: str | None = None
@@ -110,21 +111,11 @@ def explain(ctl: Throttle, task_id: str, timeout: float = REPLY_TIMEOUT) -> Wher
         where, key, place, message = lined
         name, _ = parked_call(ctl, message)
         out = Whereabouts(task_id, where, name, place=place or None)
-    elif found := ctl.parking.find_parked(task_id):
-        where, parked_id, when_us, message = min(found, key=lambda f: ("waiting", "releasing", "dead").index(f[0]))
+    elif (letter := find_dead_letter(ctl, task_id)) is not None:
+        since_us, message = letter
         name, header = parked_call(ctl, message)
         key = header.key or None
-        out = Whereabouts(task_id, "parked" if where == "waiting" else where, name, until=when_us / 1e6,
-                          held_by_pause=PARKED_TAG_END in parked_id)
-        if message is None:
-            out.name = "<message gone>"
-    elif (noted := ctl.parking.find_in_broker(task_id)) is not None:
-        due_us, info = noted
-        entry = json.loads(info)
-        in_held_queue = bool(entry.get("held"))
-        key = Header.read(entry.get("h")).key or None
-        out = Whereabouts(task_id, "held" if in_held_queue else "delayed", entry.get("t"),
-                          until=None if in_held_queue else due_us / 1e6, held_by_pause=in_held_queue)
+        out = Whereabouts(task_id, "dead", name, until=since_us / 1e6)
     else:
         replies = ctl.app.control.broadcast("throttle_why", arguments={"task_id": task_id}, reply=True,
                                             timeout=timeout)

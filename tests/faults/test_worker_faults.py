@@ -19,11 +19,10 @@ from celery import Celery
 import celery_throttle
 from celery_throttle.celery_parts.messages import encode_message
 from celery_throttle.core.header import HEADER, Header
-from celery_throttle.core.keys import line_index_key, parking_keys, state_key, window_keys
+from celery_throttle.core.keys import line_index_key, state_key, window_keys
 from celery_throttle.core.protocol import Code, Entry
 from celery_throttle.core.timing import RESEND_PATIENCE, SCRIPT_POLICY
 from celery_throttle.store.client import RedisStore
-from celery_throttle.waits.parking import release_parked
 from tests.conftest import RABBITMQ_URL, STORE_URL
 from tests.fault_support import SKEW_NOISE, new_prefix, ran_once
 from tests.helpers import (
@@ -40,7 +39,7 @@ def test_worker_killed_mid_burst_loses_no_task(group_factory) -> None:
     # Given acks_late workers on RabbitMQ (unacked messages come back when a worker dies)
     broker = rabbitmq_or_skip(RABBITMQ_URL)
     group = group_factory(broker=broker, env={"CT_ACKS_LATE": "1", "CT_TASK_SLEEP": "0.05",
-                                              "CT_PARK_AFTER": "30"}).start()
+                                              }).start()
     ids = [group.send("below", "kill") for _ in range(30)]
     wait_for(lambda: len(group.starts("kill")) >= 8, 20, what="the burst to be under way")
     # When one worker and its pool are SIGKILLed mid-burst
@@ -77,6 +76,11 @@ def test_tasks_waiting_in_a_line_survive_the_death_of_every_worker(group_factory
     group.wait_starts("survive", 6, timeout=30)
     ran_once(group, "survive", ids)
     assert group.records.zcard(line) == 0
+
+
+#: How long each racing releaser pauses between its claims (seconds): long enough that the
+#: race outlasts the time a loaded machine keeps a thread off its core.
+RELEASE_PAUSE_S = 0.005
 
 
 def test_two_releasers_claim_each_due_line_exactly_once(prefix: str) -> None:
@@ -128,67 +132,7 @@ def test_a_line_missing_from_the_index_is_indexed_again_by_its_next_call(group_f
     ran_once(group, "reindexed", ids)
 
 
-#: How long each racing releaser pauses between its batches (seconds): 43 batches each, so
-#: the race lasts about 0.2 s, longer than a loaded machine keeps a thread off its core.
-RELEASE_PAUSE_S = 0.005
-
-
-def test_two_releasers_take_each_parked_task_exactly_once(prefix: str) -> None:
-    # Given 300 messages an earlier version parked, all due
-    app = Celery("release", broker="memory://", set_as_current=False)
-    ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
-    now = ctl.parking.release(0, 1, 1, 5)[0]
-    for i in range(300):
-        ctl.parking.park(f"id-{i}", now - 1000, b"x")
-    taken: list[list[str]] = [[], []]
-    together = threading.Barrier(2)
-
-    def drain(slot: int) -> None:
-        from celery_throttle.store.client import RedisStore
-        from celery_throttle.store.parking import ParkingStore
-
-        store = ParkingStore(RedisStore(STORE_URL, prefix))  # each releaser has its own connection
-        store.store.client.ping()  # (connected before the race)
-        together.wait()
-        while True:
-            _, items = store.release(0, 7, 60_000_000, 5)
-            if not items:
-                return
-            taken[slot] += [i for i, _, _ in items]
-            store.ack([i for i, _, _ in items])
-            # (A batch takes a fraction of a millisecond: on a loaded machine one thread
-            # could drain all 300 before the other is scheduled, and race with nobody.)
-            time.sleep(RELEASE_PAUSE_S)
-
-    # When two releasers race for them
-    threads = [threading.Thread(target=drain, args=(n,)) for n in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    # Then each was taken exactly once, and both took some
-    assert not set(taken[0]) & set(taken[1])
-    assert sorted(taken[0] + taken[1]) == sorted(f"id-{i}" for i in range(300))
-    assert taken[0] and taken[1]
-    assert ctl.parking.parked_count() == (0, 0, 0)
-
-
-def test_a_releaser_that_dies_before_its_ack_loses_nothing(prefix: str) -> None:
-    app = Celery("lease", broker="memory://", set_as_current=False)
-    ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
-    now = ctl.parking.release(0, 1, 1, 5)[0]
-    ctl.parking.park("a", now, b"payload")
-    # Given a releaser that took the message under a 200 ms lease and died
-    _, items = ctl.parking.release(0, 10, 200_000, 5)
-    assert [i for i, _, _ in items] == ["a"]
-    assert ctl.parking.release(0, 10, 200_000, 5)[1] == []  # nobody else gets it meanwhile
-    # When the lease runs out, the message is handed out again
-    time.sleep(0.3)
-    _, again = ctl.parking.release(0, 10, 200_000, 5)
-    assert [(i, m) for i, _, m in again] == [("a", b"payload")]
-
-
-def test_a_task_parked_by_an_earlier_version_and_one_released_from_a_line_keep_their_options(prefix: str) -> None:
+def test_a_task_released_from_a_line_keeps_its_options(prefix: str) -> None:
     app = Celery("relapp", broker="memory://", set_as_current=False)
     ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
     sent = []
@@ -198,7 +142,6 @@ def test_a_task_parked_by_an_earlier_version_and_one_released_from_a_line_keep_t
 
     sig = job.signature((1,), {"y": "z"}, task_id="fixed-id", queue="special", priority=3,
                         headers={"h": 1})
-    ctl.parking.park("fixed-id:abc", ctl.store.now_us(), encode_message(app, sig))
     from celery.signals import before_task_publish
 
     def capture(sender, headers, routing_key, body, **kw):
@@ -208,74 +151,78 @@ def test_a_task_parked_by_an_earlier_version_and_one_released_from_a_line_keep_t
     call = ctl._direct_call("api", None, "1/m", 1, None)
     before_task_publish.connect(capture, weak=False)
     try:
-        assert release_parked(ctl) == 1
-        # and a task that waited in a line, released with its ticket
+        # Given a task that waited in a line, released with its ticket
         assert ctl.checker.acquire(call).allowed
         queued = ctl.checker.acquire(call, entry=Entry("fixed-id:line", encode_message(app, sig), "fixed-id", 0, 0, 1))
         assert queued.code == Code.QUEUED
         ctl.lines.handle(call, ctl.checker.release(call, 8, drain=True))
     finally:
         before_task_publish.disconnect(capture)
-    assert sent == [("relapp.job", "fixed-id", "special", [1], {"y": "z"}, 1, ""),
-                    ("relapp.job", "fixed-id", "special", [1], {"y": "z"}, 1, call.state_key)]
-    assert ctl.parking.parked_count() == (0, 0, 0)
-
-
-def test_a_parked_message_that_cannot_be_sent_back_becomes_a_dead_letter_and_the_rest_go(
-    group_factory,
-) -> None:
-    from tests.workers.test_cli import _run
-
-    # Given a worker, and two messages an earlier version parked, due now: one that no
-    # serializer can read, then a good task
-    group = group_factory(count=1).start()
-    ctl = celery_throttle.Throttle(group.client, {"redis_url": STORE_URL, "key_prefix": group.prefix})
-    now = ctl.parking.release(0, 1, 1, 5)[0]  # (Redis's clock; takes nothing)
-    ctl.parking.park("poison:1", now, b"application/json\nutf-8\n{not json")
-    good = group.client.signature("tests.taskapp.unthrottled", args=("after-poison",),
-                                  options={"queue": group.queue, "task_id": "good-1"})
-    ctl.parking.park("good-1:x", now, encode_message(group.client, good))
-    # When the worker's releaser has tried the poison as often as it may
-    wait_for(lambda: ctl.parking.parked_count()[2] == 1, 30, what="a dead letter")
-    # Then the good task ran, the poison is a dead letter tried 5 times, the worker is up
-    assert [e["id"] for e in group.wait_starts("after-poison", 1, timeout=10)] == ["good-1"]
-    assert [(i, n) for i, _, n, _ in ctl.parking.dead_letters()] == [("poison:1", 5)]
-    assert ctl.parking.parked_count() == (0, 0, 1)
-    assert all(p.poll() is None for p in group.procs)
-    # And the CLI lists it, asks before it requeues it, requeues it (it comes back as a
-    # dead letter), and drops it
-    env_prefix = group.prefix
-    listed = _run(env_prefix, "parked", "--dead")
-    assert "poison:1  <cannot be decoded>  dead since" in listed.stdout and "after 5 attempts" in listed.stdout
-    unasked = _run(env_prefix, "parked", "--requeue")  # (no answer: its stdin is empty)
-    assert "send 1 dead letter(s) to run again?" in unasked.stdout and "requeued" not in unasked.stdout
-    assert ctl.parking.parked_count() == (0, 0, 1)
-    assert "requeued 1 dead letter(s)" in _run(env_prefix, "parked", "--requeue", "--yes").stdout
-    wait_for(lambda: ctl.parking.parked_count()[2] == 1, 30, what="the dead letter back")
-    assert "dropped 1 dead letter(s)" in _run(env_prefix, "parked", "--drop", "--yes").stdout
-    assert ctl.parking.parked_count() == (0, 0, 0)
+    # Then it is sent with its queue, arguments and headers, and the key of its line
+    assert sent == [("relapp.job", "fixed-id", "special", [1], {"y": "z"}, 1, call.state_key)]
     ctl.close()
 
 
-def test_a_parked_task_whose_message_was_evicted_is_logged_and_kept_as_a_dead_letter(
+def test_a_message_in_a_line_that_cannot_be_sent_becomes_a_dead_letter_and_the_rest_go(group_factory) -> None:
+    from tests.workers.test_cli import _run
+
+    # Given a worker, and a line holding a message no serializer can read, then a good task
+    group = group_factory(count=1).start()
+    ctl = celery_throttle.Throttle(group.client, {"redis_url": STORE_URL, "key_prefix": group.prefix})
+    call = ctl._direct_call("poisoned", None, "1/m", 1, None)
+    assert ctl.checker.acquire(call).allowed
+    poison = b"application/json\nutf-8\n{not json"
+    good = group.client.signature("tests.taskapp.unthrottled", args=("after-poison",),
+                                  options={"queue": group.queue, "task_id": "good-1"})
+    assert ctl.checker.acquire(call, entry=Entry("poison:1", poison, "poison", 0, 0, 1)).code == Code.QUEUED
+    assert ctl.checker.acquire(call, entry=Entry("good-1:x", encode_message(group.client, good), "good-1", 0, 0,
+                                                 1)).code == Code.QUEUED
+    # When both are released
+    ctl.lines.handle(call, ctl.checker.release(call, 8, drain=True))
+    # Then the good task ran, the poison is a dead letter, the worker is up
+    assert [e["id"] for e in group.wait_starts("after-poison", 1, timeout=10)] == ["good-1"]
+    assert [(i, m) for i, _, m in ctl.store.dead_letters()] == [("poison:1", poison)]
+    assert all(p.poll() is None for p in group.procs)
+    # And the CLI lists it, asks before it requeues it, keeps it when it still cannot be
+    # sent, and drops it
+    listed = _run(group.prefix, "parked", "--dead")
+    assert "poison:1  <cannot be decoded>  dead since" in listed.stdout
+    unasked = _run(group.prefix, "parked", "--requeue")  # (no answer: its stdin is empty)
+    assert "send 1 dead letter(s) to run again?" in unasked.stdout and "requeued" not in unasked.stdout
+    requeued = _run(group.prefix, "parked", "--requeue", "--yes").stdout
+    assert "poison:1: still cannot be sent" in requeued and "requeued 0 dead letter(s)" in requeued
+    assert ctl.store.dead_count() == 1
+    assert "dropped 1 dead letter(s)" in _run(group.prefix, "parked", "--drop", "--yes").stdout
+    # And a dead letter that can be sent now (a serializer since installed) runs once requeued
+    again = group.client.signature("tests.taskapp.unthrottled", args=("requeued",),
+                                   options={"queue": group.queue, "task_id": "good-2"})
+    ctl.store.bury("good-2:x", encode_message(group.client, again))
+    assert "requeued 1 dead letter(s)" in _run(group.prefix, "parked", "--requeue", "--yes").stdout
+    assert [e["id"] for e in group.wait_starts("requeued", 1, timeout=10)] == ["good-2"]
+    assert ctl.store.dead_count() == 0
+    ctl.close()
+
+
+def test_a_task_in_a_line_whose_message_was_evicted_is_named_in_an_error_and_leaves_its_line(
     prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Given 3 parked tasks, all due, whose messages the store lost (an allkeys-* eviction
-    # takes the messages hash and leaves the index, or a hand deletes it)
+    # Given 3 tasks waiting in a line whose messages the store lost (an allkeys-* eviction
+    # takes the messages hash and leaves the line, or a hand deletes it)
     app = Celery("evicted", broker="memory://", set_as_current=False)
-    ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
-    now = ctl.parking.release(0, 1, 1, 5)[0]
+    ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix, journal=False)
+    call = ctl._direct_call("evicted", None, "1/h", 1, None)
+    assert ctl.checker.acquire(call).allowed
     for i in range(3):
-        ctl.parking.park(f"tag|task-{i}:abc", now - 1000, b"x")
-    ctl.store.client.delete(parking_keys(prefix)[1])
-    # When a releaser comes to them
+        assert ctl.checker.acquire(call, entry=Entry(f"task-{i}:x", b"m", f"task-{i}", 0, 0, 1)).code == Code.QUEUED
+    ctl.store.client.delete(window_keys(call.state_key)[3])
+    # When its line is released
     with caplog.at_level(logging.ERROR, logger="celery_throttle"):
-        assert release_parked(ctl) == 3
-    # Then each is named in an error, and kept as a dead letter with no message
+        ctl.lines.handle(call, ctl.checker.release(call, 8, drain=True))
+    # Then each is named in an error that says it cannot run, and its line is empty
     lost = [r.getMessage() for r in caplog.records if "message is gone" in r.getMessage()]
-    assert [m.split()[2] for m in lost] == ["task-0", "task-1", "task-2"]
-    assert [(i, body) for i, _, _, body in ctl.parking.dead_letters()] == [(f"tag|task-{i}:abc", None) for i in range(3)]
-    assert ctl.parking.parked_count() == (0, 0, 3)
+    assert sorted(m.split()[1] for m in lost) == ["task-0:x", "task-1:x", "task-2:x"], lost  # (its entry)
+    assert all("it cannot run" in m for m in lost)
+    assert not ctl.lines.waiting()
     ctl.close()
 
 

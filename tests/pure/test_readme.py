@@ -12,7 +12,7 @@ README = (ROOT / "README.md").read_text("utf-8")
 GLOSSARY = (ROOT / "docs" / "glossary.md").read_text("utf-8")
 #: The project's own words, as the README uses them.
 WORDS = ("scope", "key", "rate", "window", "margin", "cost", "slot", "lease", "line", "released", "held",
-         "pause", "parked", "grace", "deferred", "journal")
+         "pause", "parked", "deferred", "journal")
 
 
 def test_the_first_screen_is_install_then_quickstart_and_the_make_commands_come_after() -> None:

@@ -389,7 +389,7 @@ def test_a_process_reads_the_control_hash_whole_only_when_its_stamp_moved(
     store_client.hincrby(f"{prefix}:control", state.CONTROL_STAMP, 1)  # (another process's write)
     ctl.checker.refresh_controls()
     assert [str(r) for r in ctl.checker.controls.rates_for(ctl.store, "vendor", None, ())] == ["5/s"]
-    # And a hash no write ever stamped (an earlier version's) is read whole every time
+    # And a hash no write ever stamped (written by hand, or its stamp evicted) is read whole every time
     store_client.hdel(f"{prefix}:control", state.CONTROL_STAMP)
     store_client.hset(f"{prefix}:control", "limit:vendor", "7/s")
     ctl.checker.refresh_controls()

@@ -102,22 +102,20 @@ def test_a_window_state_that_does_not_decode_counts_for_nothing_and_is_replaced(
     assert store.peek(key, WindowCall(algorithm, rates, 1)).remaining == 2
 
 
-def test_a_sliding_state_written_as_one_flat_list_still_counts(
+def test_a_sliding_state_of_a_development_format_is_started_afresh(
     store: RedisStore, clock: FakeClock, redis_client: redis.Redis
 ) -> None:
-    # Given a sliding field as earlier versions wrote it: one list of latest, units
+    # Given a sliding field as development versions wrote it (never released): one flat
+    # list of latest, units
     rates = rates_of(["3/s"])
     key = state_key(store.prefix, "flat", "t")
     field = rate_field("sliding", rates[0])
     redis_client.hset(key, field, msgpack.packb([clock.now - 500_000, 1, clock.now - 1000, 1]))
-    # When a call comes, and again once the older bucket has left the window
+    # When a call comes
     first = store.acquire(key, WindowCall("sliding", rates, 1))
-    clock.now += 600_000
-    second = store.peek(key, WindowCall("sliding", rates, 1))
-    # Then both buckets counted, then only the newer one (and the one just admitted)
-    assert first.allowed and first.remaining == 0
-    assert second.remaining == 1
-    assert SlidingRate.decode(redis_client.hget(key, field))[1::2] == [1, 1, 1]
+    # Then it is not a window state: the field starts afresh, with that call alone
+    assert first.allowed and first.remaining == 2
+    assert SlidingRate.decode(redis_client.hget(key, field))[1::2] == [1]
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

@@ -1,9 +1,9 @@
-"""The upgrade corpus: what an earlier release left in the store and the broker, read by
-this one (tests/fixtures/format-*.json, written by tests/fixtures/make_corpus.py with
-that release's code).
+"""The upgrade corpus: what a release left in the store and the broker, read by this one
+(tests/fixtures/format-*.json, written by tests/fixtures/make_corpus.py with that
+release's code). Format 3 is the first release's: the upgrade path starts there.
 
-Reservations and parked tasks outlive a deploy by hours or days: a header, a state hash
-or a parked message this version cannot read would lose them, or run them unthrottled.
+Tasks waiting in lines and tickets outlive a deploy by hours or days: a header, a state
+hash or a line this version cannot read would lose them, or run them unthrottled.
 Each corpus is restored under a prefix of this test (its own prefix rewritten, as a
 deploy keeps one prefix), at the time it was written (a test clock), and replayed.
 """
@@ -23,11 +23,9 @@ import redis
 from celery_throttle.celery_parts.messages import decode_message
 from celery_throttle.check.limiter import Throttle
 from celery_throttle.core.header import HEADER, Header
-from celery_throttle.core.keys import state_key
 from celery_throttle.core.protocol import Code, Entry
 from celery_throttle.core.spec import declared_spec
-from celery_throttle.waits.parking import release_parked
-from tests.fixtures.make_corpus import STREAMS, build_app, drained
+from tests.fixtures.make_corpus import STREAMS, build_app
 from tests.helpers import STORE_URL
 
 CORPORA = sorted((Path(__file__).parent.parent / "fixtures").glob("format-*.json"))
@@ -89,13 +87,8 @@ def _format(corpus: dict[str, Any]) -> int:
     return int(corpus["header_version"])
 
 
-def _old(corpus: dict[str, Any]) -> None:
-    if _format(corpus) >= 3:
-        pytest.skip("format 3 on: no reservations, no parked tasks (lines and tickets)")
-
-
 def _lines(corpus: dict[str, Any]) -> dict[str, list[str]]:
-    """Format 3 on: the entry ids waiting in each stream's line, in order, by scope."""
+    """The entry ids waiting in each stream's line, in order, by scope."""
     out: dict[str, list[str]] = {}
     for scope, key in STREAMS:
         name = f"{{{scope}:{key}}}:line" if key else f"{{{scope}}}:line"
@@ -106,18 +99,15 @@ def _lines(corpus: dict[str, Any]) -> dict[str, list[str]]:
 
 @pytest.mark.pure
 def test_the_corpus_covers_what_it_must() -> None:
-    # (a corpus that lost its reservations, tickets, parked or waiting tasks would replay
-    # green, vacuously)
+    # (a corpus that lost its tickets or waiting tasks would replay green, vacuously)
     assert CORPORA, "no upgrade corpus in tests/fixtures"
     for path in CORPORA:
         data = json.loads(path.read_text())
         assert sum(HEADER in m["headers"] for m in data["messages"]) >= 4, path
         assert data["keys"]["control"]["value"], path
-        if _format(data) < 3:
-            assert len(data["keys"]["{parked}:due"]["value"]) >= 4, path
-        else:
-            assert sum(len(ids) for ids in _lines(data).values()) >= 4, path
-            assert all(ids for ids in _lines(data).values()), path
+        assert _format(data) >= 3, path  # (formats 1 and 2 were never released)
+        assert sum(len(ids) for ids in _lines(data).values()) >= 4, path
+        assert all(ids for ids in _lines(data).values()), path
 
 
 def test_status_reads_the_old_state_as_it_was_read(corpus: dict[str, Any], replay: Any) -> None:
@@ -130,66 +120,12 @@ def test_status_reads_the_old_state_as_it_was_read(corpus: dict[str, Any], repla
         want = corpus["status"][f"{scope}:{key}"]
         # Then every rate counts what it counted then
         assert [[str(r.rate), r.algorithm, r.used, r.remaining] for r in status.rates] == want["rates"]
-        if _format(corpus) >= 3:  # and its line: who waits, who was released, who runs
-            assert [status.waiting, status.released, status.running] == [want["waiting"], want["released"],
-                                                                          want["running"]]
+        # and its line: who waits, who was released, who runs
+        assert [status.waiting, status.released, status.running] == [want["waiting"], want["released"],
+                                                                      want["running"]]
     # and its pause and its live limit still hold
     assert ctl.paused_until("corpus-paused") is not None
     assert [str(r) for r in ctl.live_limit("corpus-limited") or ()] == ["5/h"]
-
-
-def test_a_task_sent_with_a_start_reserved_before_the_deploy_runs_once_after_it(corpus: dict[str, Any], replay: Any,
-                                                                                prefix: str) -> None:
-    _old(corpus)
-    app, ctl, clock = replay
-    reserved = [m for m in corpus["messages"] if HEADER in m["headers"]]
-    calls = {}
-    for message in reserved:
-        # Given a message sent with a start reserved by the earlier release (format 1 or
-        # 2): its key reads, its reservation is not honoured (it carries no ticket)
-        headers = message["headers"]
-        header = Header.read(_ours(corpus, prefix, headers[HEADER]))
-        assert header.key and not header.ticket, headers[HEADER]
-        task = app.tasks[headers["task"]]
-        args, kwargs, _ = message["body"]
-        spec = declared_spec(task)
-        assert spec is not None
-        call = ctl.checker.bind_spec(task.name, spec, inspect.signature(task.run), args, kwargs)
-        assert header.key == state_key(prefix, call.scope, call.key)
-        # When it arrives after the deploy, it is checked as a new task: it runs, or
-        # waits in its key's line (the starts reserved then still count, a window at most)
-        entry = Entry(f"{headers['id']}:x", b"m", headers["id"], 0, 0, 8)
-        reply = ctl.checker.acquire(call, entry=entry)
-        assert reply.code in (Code.RUN, Code.QUEUED), (headers["task"], tuple(reply))
-        calls[headers["id"]] = (call, reply.code)
-    # Then those that waited are released once their keys have room (when the starts
-    # reserved then have left their windows), and each runs once
-    for task_id, (call, code) in calls.items():
-        if code == Code.QUEUED:
-            for _ in range(10):
-                released = ctl.checker.release(call, 64)
-                if f"{task_id}:x" in {r.id for r in released.reported if r.kind == "r"}:
-                    break
-                clock.now = max(released.due_us, clock.now + 1)
-            else:
-                raise AssertionError(f"{task_id} was never released: {tuple(released)}")
-            assert ctl.checker.claim(call, f"{task_id}:x", holder="h").code in (Code.RUN, Code.RUN_AT)
-
-
-def test_tasks_parked_before_the_deploy_are_released_after_it(corpus: dict[str, Any], replay: Any) -> None:
-    _old(corpus)
-    app, ctl, clock = replay
-    parked = corpus["keys"]["{parked}:due"]["value"]
-    # Given the tasks an earlier release parked, when their time has come
-    clock.now = max(due for _, due in parked) + 1
-    released = release_parked(ctl)
-    # Then every one is taken and sent back to its queue, as the task it was
-    assert released == len(parked)
-    sent = [(headers["task"], headers["id"], body[0]) for headers, body in drained(app)]
-    messages = corpus["keys"]["{parked}:messages"]["value"]
-    bodies = [decode_message(app, _b(value)) for value in messages.values()]
-    assert sorted(sent) == sorted((b["task"], b["options"]["task_id"], b["args"]) for b in bodies)
-    assert ctl.parking.parked_count() == (0, 0, 0)
 
 
 def _stream_calls(app: Any, ctl: Throttle) -> dict[str, Any]:
@@ -207,8 +143,6 @@ def _stream_calls(app: Any, ctl: Throttle) -> dict[str, Any]:
 
 def test_a_task_released_before_the_deploy_starts_once_after_it(corpus: dict[str, Any], replay: Any,
                                                                 prefix: str) -> None:
-    if _format(corpus) < 3:
-        pytest.skip("tickets from format 3 on")
     app, ctl, _ = replay
     calls = {call.state_key: call for call in _stream_calls(app, ctl).values()}
     for message in [m for m in corpus["messages"] if HEADER in m["headers"]]:
@@ -227,8 +161,6 @@ def test_a_task_released_before_the_deploy_starts_once_after_it(corpus: dict[str
 
 def test_tasks_waiting_in_a_line_before_the_deploy_are_released_after_it(corpus: dict[str, Any], replay: Any,
                                                                         prefix: str) -> None:
-    if _format(corpus) < 3:
-        pytest.skip("lines from format 3 on")
     app, ctl, clock = replay
     calls = _stream_calls(app, ctl)
     names = {"corpus.sliding": "corpus.sliding", "corpus-api": "corpus.fixed", "corpus-slots": "corpus.slotted"}

@@ -78,7 +78,7 @@ def test_status_lists_every_scope_with_its_pauses_and_live_limits_and_as_json(pr
     assert "exports" not in only and "globex" in only
     data = json.loads(_celery(prefix, "status", "--json", "--match", "exports"))
     assert [(k["scope"], k["key"]) for k in data["keys"]] == [("exports", None)]
-    assert data["keys"][0]["rates"][0]["used"] == 2 and data["parked"]["dead"] == 0
+    assert data["keys"][0]["rates"][0]["used"] == 2 and data["dead_letters"] == 0
     assert data["keys"][0]["rates"][0]["reset_at"][-6] in "+-"  # a zone with every time
     # Every time field of --json is a time or null; an open-ended pause has a flag of its own
     vendor = json.loads(_celery(prefix, "status", "--json", "--match", "vendor"))["keys"][0]

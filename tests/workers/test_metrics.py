@@ -72,7 +72,7 @@ def test_the_summary_is_written_on_its_interval_without_a_later_denial(
     monkeypatch.setattr(metrics, "SUMMARY_INTERVAL", 0.3)
     counts = metrics.Metrics()
     caplog.set_level(logging.INFO, logger="celery_throttle")
-    counts.denied("summary-scope", "acme", 2.0, parked=False)  # the one denial: nothing follows it
+    counts.denied("summary-scope", "acme", 2.0)  # the one denial: nothing follows it
 
     def summary() -> list[str]:
         return [r.getMessage() for r in caplog.records if "throttled in the last" in r.getMessage()]
@@ -88,7 +88,7 @@ def test_the_summary_escapes_what_would_forge_a_log_line(caplog: pytest.LogCaptu
     # Given a denial of a key whose id holds a newline and an escape sequence
     counts = metrics.Metrics()
     caplog.set_level(logging.INFO, logger="celery_throttle")
-    counts.denied("api", "acme\n[2026-12-03 08:00:00,000: ERROR/MainProcess] forged\x1b[31m", 1.0, parked=True)
+    counts.denied("api", "acme\n[2026-12-03 08:00:00,000: ERROR/MainProcess] forged\x1b[31m", 1.0)
     # When the summary is written
     counts.summarize(force=True)
     # Then it is one line, the key shown by its repr

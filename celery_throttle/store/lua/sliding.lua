@@ -136,14 +136,10 @@ function ALGO.define()
     r.list, r.cold, r.cold_units, r.cold_first, r.hot_latest, r.hot_units = nil, '', 0, nil, nil, 0
   end
 
-  -- Reads the stream (or a flat list, as written before the hot bucket was split off).
+  -- Reads the stream (anything else is not a window state: read() fails, and the field
+  -- starts afresh).
   local function decode(r, raw)
     local at, first = unpack_one(raw, 0)
-    if type(first) == 'table' then
-      for i = 1, #first do number(first[i]) end
-      r.list = first
-      return
-    end
     r.cold_units = number(first)
     at, r.hot_latest = unpack_one(raw, at)
     at, r.hot_units = unpack_one(raw, at)
