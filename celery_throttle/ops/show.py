@@ -238,7 +238,6 @@ def whereabouts_dict(found: Any) -> dict[str, Any]:
         "task_id": found.task_id, "where": found.where, "name": found.name, "scope": found.scope, "key": found.key,
         "until": None if found.until is None else iso(found.until),
         "estimated_start": None if found.start is None else iso(found.start), "worker": found.worker,
-        "held_by_pause": found.held_by_pause,
         **pause_fields(found.paused_until),
         "adaptive": adaptive_dict(found.adaptive),
         "fullest_rate": None if r is None else {"rate": str(r.rate), "used": r.used, "remaining": r.remaining,
