@@ -246,7 +246,7 @@ def pass_cost(tenants: int, seconds: float) -> dict[str, Any]:
                 raise RuntimeError("the bench's sharer could not take the scope's lock")
             produce(group, {"task": "share_fair", "args": ["flood", BODY_S], "count": flood},
                     *({"task": "share_fair", "args": [f"t{i:03d}", BODY_S]} for i in range(tenants)))
-            members = int(ctl.store.client.hlen(share_registry_key(group.prefix, SHARE_SCOPE)))
+            members = int(ctl.store._redis.hlen(share_registry_key(group.prefix, SHARE_SCOPE)))
             group.start()
             group.await_noted("began", 1, 120, 0.02)
             first = float(group.noted("began")[0][0])

@@ -154,7 +154,7 @@ class Walk:
 
     # -- stored state -----------------------------------------------------------------------
     def check_stored(self) -> None:
-        client, m = self.store.client, self.model
+        client, m = self.store._redis, self.model
         state, lm, line, msgs, out, slots, used = window_keys(self.key)
         stored = {k.decode(): v for k, v in client.hgetall(state).items()}
         assert stored.get("e") == (str(m.epoch).encode() if m.epoch is not None else None), self.explain("epoch")
@@ -612,7 +612,7 @@ class Walk:
             # The line's counts evicted (allkeys-lru takes one key of a line), its entries
             # staying: the next call counts them again.
             lm = window_keys(self.key)[1]
-            if self.store.client.delete(lm):
+            if self.store._redis.delete(lm):
                 self.model.lose_counts()
                 self.seen["counts evicted"] += 1
         elif roll < 0.85:
@@ -628,9 +628,9 @@ class Walk:
     def share(self, cap: int | None) -> None:
         """The sharer writes the key's cap (None: the cap ran out, or the key left)."""
         if cap is None:
-            self.store.client.delete(share_key(self.key))
+            self.store._redis.delete(share_key(self.key))
         else:
-            self.store.client.set(share_key(self.key), cap)
+            self.store._redis.set(share_key(self.key), cap)
         self.model.share_cap = cap or 0
         self.history.append(f"share cap {cap}")
         self.seen["share cap moved"] += 1
@@ -640,7 +640,7 @@ class Walk:
         expiring the walk's keys between two of its calls on a slow machine: after every
         call, not every step (a step's loops make many calls)."""
         names = window_keys(self.key)
-        pipe = self.store.client.pipeline(transaction=False)
+        pipe = self.store._redis.pipeline(transaction=False)
         for name in names:
             pipe.pttl(name)
         ttls = pipe.execute()

@@ -21,16 +21,11 @@ from ..core.spec import BoundCall, ThrottleSpec
 from ..core.state import rate_field
 from ..core.timing import shortest_us
 
-__all__ = ["Level", "adaptive_index", "gauge_levels", "level_of", "levels", "lower"]
+__all__ = ["Level", "gauge_levels", "level_of", "levels", "lower"]
 
 #: Keys the gauges read the level of, at most (the most lately pushed back): a tenant per
 #: key must not make one read of them grow without bound.
 GAUGED_KEYS = 1000
-
-
-def adaptive_index(prefix: str) -> str:
-    """The keys of adaptive throttles pushed back lately, by when (the gauges read them)."""
-    return f"{prefix}:{{adaptive}}"
 
 logger = logging.getLogger("celery_throttle")
 
@@ -46,9 +41,6 @@ def lower(store: Any, call: BoundCall, adapt: Adapt, reason: str = "backoff") ->
     now. Returns whether this call lowered it (False: one within the window did)."""
     used, unit = used_share(store, call)
     before, after, lowered = store.lower(call.state_key, law(adapt), shortest_us(call.rates), reason, used, unit)
-    if lowered:
-        with store.errors():
-            store.client.zadd(adaptive_index(store.prefix), {call.state_key: store.now_us()})
     if lowered:
         logger.info("celery_throttle: scope %r%s pushed back (%s): its limits go from %.0f%% to %.0f%% of the "
                     "declared, rising again as nothing pushes back", call.scope,
@@ -98,15 +90,9 @@ def levels(store: Any, specs: Sequence[tuple[str, ThrottleSpec]]) -> dict[tuple[
                for scope, spec in specs if scope in adapts and isinstance(spec.rates, tuple) and spec.rates}
     if not adapts:
         return {}
-    index = adaptive_index(store.prefix)
-    with store.errors():
-        keys = [k.decode(errors="surrogateescape") for k in store.client.zrevrange(index, 0, GAUGED_KEYS - 1)]
-        pipe = store.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hget(key, "A")
-        raws = pipe.execute() if keys else []
+    pushed = store.pushed_back(GAUGED_KEYS)
     now_us, out, done = store.now_us(), {}, []
-    for key, raw in zip(keys, raws):
+    for key, raw in pushed:
         target = target_of(store.prefix, key)
         if target is None or target[0] not in adapts:
             continue
@@ -115,9 +101,7 @@ def levels(store: Any, specs: Sequence[tuple[str, ThrottleSpec]]) -> dict[tuple[
         out[target] = (at.share, adapt.floor)
         if at.pushback is None or at.share >= 1.0:
             done.append(key)
-    if done:
-        with store.errors():
-            store.client.zrem(index, *done)
+    store.forget_pushed_back(done)
     return out
 
 

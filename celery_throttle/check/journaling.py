@@ -21,7 +21,6 @@ that restarted empty).
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Sequence
 from contextlib import suppress
@@ -31,7 +30,6 @@ from urllib.parse import parse_qs, urlsplit
 from ..celery_parts.journal import BrokerJournal
 from ..core.errors import StoreError
 from ..core.journal import Kind
-from ..core.keys import journal_keys
 from ..core.locks import ForkSafeLock
 from .binding import Stores
 
@@ -40,7 +38,7 @@ if TYPE_CHECKING:
 
     from .metrics import Metrics
 
-__all__ = ["Journaling", "journal_on", "redis_database", "store_epoch", "store_is_broker_db"]
+__all__ = ["Journaling", "journal_on", "redis_database", "store_is_broker_db"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -55,49 +53,6 @@ REPORT_EVERY = 60.0
 #: store restarted empty may name the epoch before: harmless, as the keeper sends on only a
 #: task the store does not hold, and the new store holds it.
 EPOCH_REFRESH = 1.0
-
-
-#: Makes the store's epoch if it has none, noting when (the store's clock, µs), and the
-#: server's replication id then; makes a new one when the server's replication id is no
-#: longer the one noted: one call. A server has a new replication id when a replica was
-#: promoted in its place (a Sentinel failover), or it restarted: what it holds may then
-#: lack writes its predecessor acknowledged and never replicated (or never wrote to
-#: disk), so the tasks of the epoch before that the store does not know are sent on from
-#: the journal, as after a restart empty. (A restart that lost nothing costs a look: the
-#: store knows every task that waits.) So does a server that evicted keys since (its
-#: count of evicted keys grew): a line's entries may be gone with them, and only a new
-#: epoch lets the keeper tell such a task from one that left its line without a word
-#: (an eviction of someone else's keys in a shared server costs a look too). A server
-#: that refuses INFO to the store's user (an ACL without it) notes neither, and only a
-#: store emptied gets a new epoch.
-_EPOCH = """local function info(section, field)
-  local ok, text = pcall(redis.call, 'INFO', section)
-  return ok and type(text) == 'string' and string.match(text, field .. ':(%w+)') or ''
-end
-local replid, evicted = info('replication', 'master_replid'), tonumber(info('stats', 'evicted_keys'))
-local seen = redis.call('HMGET', KEYS[1], 'epoch', 'replid', 'evicted')
-local was = tonumber(seen[3])
-if not seen[1] or (seen[2] and replid ~= '' and seen[2] ~= replid) or (was and evicted and evicted > was) then
-  local t = redis.call('TIME')
-  redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'since', string.format('%d', t[1] * 1000000 + t[2]))
-end
-if replid ~= '' and seen[2] ~= replid then redis.call('HSET', KEYS[1], 'replid', replid) end
-if evicted and evicted ~= was then redis.call('HSET', KEYS[1], 'evicted', evicted) end
-return redis.call('HMGET', KEYS[1], 'epoch', 'since')"""
-
-
-def store_epoch(store: Any) -> str:
-    """The store's epoch, made now if it has none (raises StoreError)."""
-    return store_epoch_since(store)[0]
-
-
-def store_epoch_since(store: Any) -> tuple[str, int]:
-    """(the store's epoch, when it was made: the store's clock, µs; 0 unknown), made now if
-    it has none (raises StoreError)."""
-    with store.errors():
-        value, since = store.client.eval(_EPOCH, 1, journal_keys(store.prefix)[0], secrets.token_hex(12))
-    text = value.decode() if isinstance(value, bytes) else str(value)
-    return text, int(since or 0)
 
 
 def redis_database(url: Any) -> tuple[str, frozenset[str], int] | None:
@@ -194,7 +149,7 @@ class Journaling:
         may put a task in a line (see :meth:`epoch`; a fork inherits it). Never raises."""
         if self._epoch is None and self.enabled:
             with suppress(StoreError):
-                self._epoch = (*store_epoch_since(self.ctl.store), time.monotonic())
+                self._epoch = (*self.ctl.store.journal_epoch(), time.monotonic())
 
     def epoch(self, us: int) -> str:
         """The store's epoch for a task that joined its line at ``us`` (the store's clock),
@@ -209,7 +164,7 @@ class Journaling:
         cached = self._epoch
         if cached is None or time.monotonic() - cached[2] > EPOCH_REFRESH:
             try:
-                fresh = self._epoch = (*store_epoch_since(self.ctl.store), time.monotonic())
+                fresh = self._epoch = (*self.ctl.store.journal_epoch(), time.monotonic())
             except StoreError:
                 return cached[0] if cached is not None else ""
             if fresh[1] > us:

@@ -24,13 +24,13 @@ from ..celery_parts.hand import Hand
 from ..celery_parts.messages import decode_message, resend, task_of
 from ..core.errors import StoreError, ThrottleError
 from ..core.journal import Kind
-from ..core.keys import encode, glob_escape, line_index_key, state_key, target_of
+from ..core.keys import scope_state_patterns, target_of
 from ..core.locks import ForkSafeLock
 from ..core.protocol import Code, Verdict, WindowReply
 from ..core.spec import BoundCall
 from ..core.timing import RELEASER_BATCH
 from .journaling import Journaling
-from .lines_on_call import OnCall, Owner, text
+from .lines_on_call import OnCall, Owner
 
 __all__ = ["WAKE_AHEAD_US", "Lines"]
 
@@ -213,24 +213,16 @@ class Lines(OnCall):
         Returns how many."""
         store = self.ctl.store
         prefix = self.ctl.settings.key_prefix
-        if scope is None:
-            patterns = ["*"]
-        elif key is not None:
-            patterns = [glob_escape(state_key(prefix, scope, key))]
-        else:
-            head = glob_escape(f"{prefix}:{{{encode(scope)}")
-            patterns = [head + "}", head + ":*}"]
+        patterns = ["*"] if scope is None else scope_state_patterns(prefix, scope, key)
         woken = 0
-        with store.errors():
-            index = line_index_key(prefix)
-            for pattern in patterns:
-                batch: list[str] = []
-                for member, _ in store.client.zscan_iter(index, match=pattern, count=1000):
-                    batch.append(text(member))
-                    if len(batch) >= 500:
-                        woken += store.index_wake(batch)
-                        batch = []
-                woken += store.index_wake(batch)
+        for pattern in patterns:
+            batch: list[str] = []
+            for member in store.indexed(pattern):
+                batch.append(member)
+                if len(batch) >= 500:
+                    woken += store.index_wake(batch)
+                    batch = []
+            woken += store.index_wake(batch)
         if woken:
             self.wake_releasers()
         return woken
@@ -272,7 +264,7 @@ class Lines(OnCall):
         process read at :attr:`.controls.Controls.read_at_us`."""
         call = self.call_for(key)
         if call is None:
-            waiting, out = self._counts(key)
+            waiting, out = self.ctl.store.line_counts(key)
             now_us = self.ctl.store.now_us()
             if waiting:
                 logger.debug("no task of the line %s is known here: left to another worker", key)

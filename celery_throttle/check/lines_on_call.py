@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgpack
 
 from ..celery_parts.messages import decode_message
-from ..core.keys import glob_escape, line_index_key, state_key, target_of, window_keys
+from ..core.keys import state_key, target_of
 from ..core.protocol import WindowReply
 from ..core.spec import BoundCall
 from ..core.timing import RELEASER_BATCH
@@ -20,7 +20,7 @@ from .journaling import Journaling
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["OnCall", "Owner", "Waiting", "text"]
+__all__ = ["OnCall", "Owner", "Waiting"]
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,6 @@ class Waiting:
     place: int
     #: When it joined its line (Unix time).
     since: float
-
-
-def text(name: bytes | str) -> str:
-    return name.decode(errors="surrogateescape") if isinstance(name, bytes) else name
 
 
 class Owner(checker.Owner, Protocol):
@@ -66,34 +62,15 @@ class OnCall:
         """The state keys that have a line: the index's, and (by SCAN, for the operator's
         tools: one missing from the index is still shown) every one with line counts or
         entries (a store evicting may take either)."""
-        store = self.ctl.store
-        found: dict[str, None] = {}
-        with store.errors():
-            for member, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000):
-                found[text(member)] = None
-            for suffix in (":lm", ":line"):
-                for name in store.client.scan_iter(match=f"{glob_escape(store.prefix)}:{{*}}{suffix}", count=1000):
-                    found[text(name)[: -len(suffix)]] = None
-        return list(found)
+        return self.ctl.store.line_keys()
 
     def count(self) -> int:
         """How many keys have tasks waiting in their line, or released from it (the index)."""
-        store = self.ctl.store
-        with store.errors():
-            return int(store.client.zcard(line_index_key(store.prefix)))
+        return self.ctl.store.lines_indexed()
 
     def total_waiting(self) -> int:
-        """How many tasks wait in every line (the gauge): one ZCARD per key of the index,
-        pipelined a thousand at a time."""
-        store, total = self.ctl.store, 0
-        with store.errors():
-            keys = [text(m) for m, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000)]
-            for start in range(0, len(keys), 1000):
-                pipe = store.client.pipeline(transaction=False)
-                for key in keys[start:start + 1000]:
-                    pipe.zcard(window_keys(key)[2])
-                total += sum(int(n) for n in pipe.execute())
-        return total
+        """How many tasks wait in every line (the gauge)."""
+        return self.ctl.store.total_waiting()
 
     def waiting(self, limit: int = 10_000) -> list[Waiting]:
         """The tasks in every line (and those released from one, not started), at most
@@ -103,13 +80,7 @@ class OnCall:
             target = target_of(prefix, key)
             if target is None:
                 continue
-            _, _, line, msgs, released, _, _ = window_keys(key)
-            with store.errors():
-                entries = [(e, 0) for e in store.client.zrange(released, 0, limit - 1)]
-                entries += [(e, n) for n, e in enumerate(store.client.zrange(line, 0, limit - 1), 1)]
-                metas = store.client.hmget(msgs, [e + b"#" for e, _ in entries]) if entries else []
-                bodies = store.client.hmget(msgs, [e for e, _ in entries]) if entries else []
-            for (entry, place), meta, body in zip(entries, metas, bodies):
+            for entry, place, meta, body in store.line_entries(key, limit):
                 task_id, since = _meta(meta)
                 name = "<message gone>" if body is None else _name(self.ctl.app, body)
                 out.append(Waiting(target[0], target[1], entry.decode(errors="surrogateescape"), task_id, name, place,
@@ -155,18 +126,8 @@ class OnCall:
                 sent += self.handle(call, reply)
                 if not reply.waiting or not any(r.kind == "r" for r in reply.reported):
                     break
-        left = sum(self._counts(state_key(prefix, scope, key))[0] for scope, key in targets)
+        left = sum(self.ctl.store.line_counts(state_key(prefix, scope, key))[0] for scope, key in targets)
         return sent, left
-
-    def _counts(self, key: str) -> tuple[int, int]:
-        """(tasks in line, tasks released and not started) of ``key``."""
-        _, _, line, _, out, _, _ = window_keys(key)
-        with self.ctl.store.errors():
-            pipe = self.ctl.store.client.pipeline(transaction=False)
-            pipe.zcard(line)
-            pipe.zcard(out)
-            waiting, released = pipe.execute()
-        return int(waiting), int(released)
 
 
 def _meta(raw: bytes | None) -> tuple[str, float]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.errors import StoreError
-from ..core.keys import encode, glob_escape, window_keys
+from ..core.keys import encode, glob_escape
 from ..core.locks import ForkSafeLock
 from ..core.protocol import Code
 from ..core.spec import BoundCall
@@ -145,11 +145,7 @@ class Slots:
         was killed (a hard time limit, a revoke that terminated it, a lost process): the
         worker's main process finds them by their holder's name. Returns how many."""
         call = self.ctl.checker.bind(task, args or (), kwargs or {})
-        store = self.ctl.store
-        slots_key = window_keys(call.state_key)[5]
-        with store.errors():
-            holders = [h.decode(errors="surrogateescape") if isinstance(h, bytes) else h
-                       for h, _ in store.client.zscan_iter(slots_key, match=glob_escape(holder_prefix(task_id)) + "*")]
+        holders = self.ctl.store.slot_holders(call.state_key, glob_escape(holder_prefix(task_id)) + "*")
         for holder in holders:
             self.ctl.lines.handle(call, self.ctl.checker.ended(call, holder))
         return len(holders)

@@ -21,7 +21,9 @@ from urllib.parse import quote, unquote
 from .errors import ConfigurationError, KeyBuildError
 
 __all__ = [
+    "LINE_SUFFIXES",
     "MAX_TOKEN",
+    "adaptive_index_key",
     "control_key",
     "dead_letter_keys",
     "decode",
@@ -31,8 +33,10 @@ __all__ = [
     "journal_keys",
     "line_index_key",
     "line_index_keys",
+    "line_scan_patterns",
     "record_key",
     "scan_pattern",
+    "scope_state_patterns",
     "shadow_key",
     "share_key",
     "share_lock_key",
@@ -41,6 +45,7 @@ __all__ = [
     "state_key",
     "state_of",
     "state_tag",
+    "sweep_key",
     "target_matches",
     "target_of",
     "template_fields",
@@ -192,6 +197,35 @@ def share_wake_key(prefix: str, scope: str) -> str:
 def line_index_key(prefix: str) -> str:
     """The index of state keys with a line, by when each next needs a look (index.lua)."""
     return f"{prefix}:{{lines}}:due"
+
+
+#: The companion keys of a state hash that mean it has a line: its counts and its entries
+#: (a store evicting may take either).
+LINE_SUFFIXES = (":lm", ":line")
+
+
+def line_scan_patterns(prefix: str) -> tuple[tuple[str, str], ...]:
+    """(SCAN MATCH pattern, suffix) for every key of :data:`LINE_SUFFIXES` under ``prefix``:
+    a name that matches, less its suffix, is a state key with a line."""
+    return tuple((f"{glob_escape(prefix)}:{{*}}{suffix}", suffix) for suffix in LINE_SUFFIXES)
+
+
+def scope_state_patterns(prefix: str, scope: str, key: str | None = None) -> list[str]:
+    """MATCH patterns for the state keys of ``scope`` (and only its ``key``, if given)."""
+    if key is not None:
+        return [glob_escape(state_key(prefix, scope, key))]
+    head = glob_escape(f"{prefix}:{{{encode(scope)}")
+    return [head + "}", head + ":*}"]
+
+
+def sweep_key(prefix: str) -> str:
+    """The lock of the worker that looks for lines missing from the index (one a round)."""
+    return f"{prefix}:{{lines}}:sweep"
+
+
+def adaptive_index_key(prefix: str) -> str:
+    """The keys of adaptive throttles pushed back lately, by when (the gauges read them)."""
+    return f"{prefix}:{{adaptive}}"
 
 
 def journal_keys(prefix: str) -> tuple[str, str, str]:

@@ -80,7 +80,7 @@ class ThrottleStep(bootsteps.StartStopStep):
         elif hooked:
             # No Redis to use, or a Sentinel URL without its group: a clear error now (the
             # client connects lazily: a Redis that is down is not an error here).
-            _ = self.controller.store.client
+            self.controller.store.connect()
             # (Before the consumer starts, which consumes the queues chosen by then.)
             self.controller.lines.hand.open(worker.app, worker.hostname, self.controller.settings.hand_off)
             _say_what_is_throttled(self.controller)

@@ -1,5 +1,6 @@
-"""The Redis store: every family of operations (:mod:`.window`, :mod:`.controls`,
-:mod:`.sharing`, :mod:`.recording`, :mod:`.dead_letters`) over one client (:mod:`.scripts`)."""
+"""The Redis store: every family of operations (:mod:`.window`, :mod:`.lines`,
+:mod:`.controls`, :mod:`.sharing`, :mod:`.journal`, :mod:`.recording`, :mod:`.dead_letters`)
+over one client (:mod:`.scripts`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from ..core.state import STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 from .controls import ControlOps
 from .dead_letters import DeadLetterOps
+from .journal import JournalOps
+from .lines import LineOps
 from .recording import RecordOps
 from .sharing import ShareOps
 from .window import WindowOps
@@ -17,9 +20,9 @@ from .window import WindowOps
 __all__ = ["RedisStore"]
 
 
-class RedisStore(WindowOps, ControlOps, ShareOps, RecordOps, DeadLetterOps):
-    """Window state, lines, controls, shares, the record and the dead letters in one Redis
-    (or Redis Cluster)."""
+class RedisStore(WindowOps, LineOps, ControlOps, ShareOps, JournalOps, RecordOps, DeadLetterOps):
+    """Window state, lines, controls, shares, the journal's side, the record and the dead
+    letters in one Redis (or Redis Cluster): the only part of the plugin that speaks Redis."""
 
     def __init__(self, url: str, prefix: str, clock: Callable[[], int] | None = None,
                  timeout: float = STORE_TIMEOUT, connect_timeout: float = STORE_CONNECT_TIMEOUT,
@@ -30,6 +33,7 @@ class RedisStore(WindowOps, ControlOps, ShareOps, RecordOps, DeadLetterOps):
         self.layout = layout
         self.add_window_scripts(layout)
         self.add_control_scripts()
+        self.add_journal_scripts()
 
     @classmethod
     def opened(cls, url: str, prefix: str, options: Mapping[str, Any], quick_timeout: float | None = None,

@@ -52,7 +52,7 @@ class ControlOps(ScriptClient):
     def stamped_controls(self) -> tuple[str | None, dict[str, str]]:
         """The controls' stamp (see :meth:`control_stamp`) and every control set."""
         with self.errors():
-            raw = {_text(k): _text(v) for k, v in self.client.hgetall(control_key(self.prefix)).items()}
+            raw = {_shown(k): _shown(v) for k, v in self._redis.hgetall(control_key(self.prefix)).items()}
         return raw.pop(CONTROL_STAMP, None), raw
 
     def control_stamp(self) -> str | None:
@@ -65,12 +65,12 @@ class ControlOps(ScriptClient):
         them, every control set (one round trip: a script, as a Redis Cluster client
         pipelines no TIME; a store far away pays it on each refresh)."""
         with self.errors():
-            raw, (secs, micros), *whole = self.client.eval(_STAMP_AND_TIME, 1, control_key(self.prefix), CONTROL_STAMP)
+            raw, (secs, micros), *whole = self._redis.eval(_STAMP_AND_TIME, 1, control_key(self.prefix), CONTROL_STAMP)
         now_us = int(self._clock()) if self._clock is not None else int(secs) * 1_000_000 + int(micros)
         if raw:
-            return _text(raw), now_us, None
+            return _shown(raw), now_us, None
         pairs = whole[0] if whole else []
-        return None, now_us, {_text(k): _text(v) for k, v in zip(pairs[::2], pairs[1::2])}
+        return None, now_us, {_shown(k): _shown(v) for k, v in zip(pairs[::2], pairs[1::2])}
 
     def set_control(self, field: str, value: str) -> None:
         self.set_controls({field: value})
@@ -80,7 +80,7 @@ class ControlOps(ScriptClient):
         stamp, at once (MULTI, one round trip): a process that reads the same stamp after
         this has read what it wrote. Returns the replies (the stamp's last)."""
         with self.errors():
-            pipe = self.client.pipeline(transaction=True)
+            pipe = self._redis.pipeline(transaction=True)
             if values:
                 pipe.hset(control_key(self.prefix), mapping=dict(values))
             if clear:
@@ -89,5 +89,7 @@ class ControlOps(ScriptClient):
             return list(pipe.execute())
 
 
-def _text(value: bytes | str) -> str:
+def _shown(value: bytes | str) -> str:
+    """A control's name or value as text; bytes no codec reads replaced (a field written
+    by hand is parsed, and may be logged, never written back)."""
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

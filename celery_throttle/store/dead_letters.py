@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..core.keys import dead_letter_keys
-from .scripts import ScriptClient
+from .scripts import ScriptClient, text
 
 __all__ = ["DeadLetterOps"]
 
@@ -23,7 +23,7 @@ class DeadLetterOps(ScriptClient):
         """Keep ``message`` as a dead letter named ``letter_id`` (one round trip)."""
         messages, by_when = dead_letter_keys(self.prefix)
         with self.errors():
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=False)
             pipe.hset(messages, letter_id, message)
             pipe.zadd(by_when, {letter_id: self.now_us()})
             pipe.execute()
@@ -33,11 +33,11 @@ class DeadLetterOps(ScriptClient):
         messages, by_when = dead_letter_keys(self.prefix)
         out: list[tuple[str, int, bytes | None]] = []
         with self.errors():
-            ids = self.client.zrange(by_when, 0, limit - 1, withscores=True)
+            ids = self._redis.zrange(by_when, 0, limit - 1, withscores=True)
             for start in range(0, len(ids), _CHUNK):
                 chunk = ids[start:start + _CHUNK]
-                bodies = self.client.hmget(messages, [i for i, _ in chunk])
-                out += [(i.decode(errors="surrogateescape"), int(when), body) for (i, when), body in zip(chunk, bodies)]
+                bodies = self._redis.hmget(messages, [i for i, _ in chunk])
+                out += [(text(i), int(when), body) for (i, when), body in zip(chunk, bodies)]
         return out
 
     def drop_dead(self, letter_ids: Sequence[str]) -> int:
@@ -47,7 +47,7 @@ class DeadLetterOps(ScriptClient):
         with self.errors():
             for start in range(0, len(letter_ids), _CHUNK):
                 chunk = list(letter_ids[start:start + _CHUNK])
-                pipe = self.client.pipeline(transaction=False)
+                pipe = self._redis.pipeline(transaction=False)
                 pipe.zrem(by_when, *chunk)
                 pipe.hdel(messages, *chunk)
                 dropped += int(pipe.execute()[0])
@@ -58,10 +58,10 @@ class DeadLetterOps(ScriptClient):
         block Redis): (id, since when in µs, message)."""
         messages, by_when = dead_letter_keys(self.prefix)
         with self.errors():
-            found = list(self.client.zscan_iter(by_when, match=pattern, count=1000))
-            bodies = self.client.hmget(messages, [i for i, _ in found]) if found else []
-        return [(i.decode(errors="surrogateescape"), int(when), body) for (i, when), body in zip(found, bodies)]
+            found = list(self._redis.zscan_iter(by_when, match=pattern, count=1000))
+            bodies = self._redis.hmget(messages, [i for i, _ in found]) if found else []
+        return [(text(i), int(when), body) for (i, when), body in zip(found, bodies)]
 
     def dead_count(self) -> int:
         with self.errors():
-            return int(self.client.zcard(dead_letter_keys(self.prefix)[1]))
+            return int(self._redis.zcard(dead_letter_keys(self.prefix)[1]))

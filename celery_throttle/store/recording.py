@@ -25,7 +25,7 @@ class RecordOps(ScriptClient):
         if not events:
             return
         with self.errors():
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=False)
             for event in events:
                 pipe.xadd(record_key(self.prefix), {"e": event}, maxlen=keep, approximate=True)
             pipe.pexpire(record_key(self.prefix), RECORD_KEPT_MS)
@@ -37,7 +37,7 @@ class RecordOps(ScriptClient):
         start = str(since_ms)
         with self.errors():
             while True:
-                got = self.client.xrange(record_key(self.prefix), start, str(until_ms), count=batch)
+                got = self._redis.xrange(record_key(self.prefix), start, str(until_ms), count=batch)
                 for ident, fields in got:
                     value = fields.get(b"e", fields.get("e"))
                     if value is not None:

@@ -21,7 +21,7 @@ from dataclasses import replace
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import LockError, NoScriptError, RedisError
 
 from ..core.errors import StoreError
 from ..core.locks import ForkSafeLock
@@ -30,12 +30,17 @@ from ..core.urls import safe_url, scrub, secrets_of
 from .connection import connect
 from .doctor import StoreReport, examine
 
-__all__ = ["ScriptClient", "lua", "true_lines"]
+__all__ = ["ScriptClient", "StoreLock", "lua", "text", "true_lines"]
 
 
 def lua(name: str) -> str:
     """The source of one of the package's scripts (``celery_throttle/store/lua/``)."""
     return resources.files("celery_throttle.store").joinpath("lua", name).read_text("utf-8")
+
+
+def text(name: bytes | str) -> str:
+    """A name or value as Redis returned it, as text (bytes no codec reads kept)."""
+    return name.decode(errors="surrogateescape") if isinstance(name, bytes) else name
 
 
 #: The gain of the round-trip estimator, as 1/this (TCP's smoothed round trip, RFC 6298).
@@ -73,7 +78,9 @@ class ScriptClient:
 
     # -- connection -------------------------------------------------------------------
     @property
-    def client(self) -> Any:
+    def _redis(self) -> Any:
+        """The redis-py client, made on first use: private to the store (every operation
+        is a named method of it)."""
         if self._client is None:
             with self._lock:
                 if self._client is None:
@@ -115,7 +122,7 @@ class ScriptClient:
         return StoreError(f"Redis at {safe_url(self.url)} failed: {true_lines(text, lines) if lines else text}")
 
     def run(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        client = self.client
+        client = self._redis
         # EVALSHA straight from the client: redis-py's Script.__call__ costs a few µs
         # more per call. A restarted or flushed Redis answers NOSCRIPT: load, run again.
         registered = self._scripts[script]
@@ -137,11 +144,11 @@ class ScriptClient:
         connects); returns it (µs). At worker start, before the pool forks: every process
         starts with it, and the first claims of a store far away already allow for it."""
         with self.errors():
-            self.client.ping()
+            self._redis.ping()
             samples = []
             for _ in range(times):
                 sent = time.perf_counter()
-                self.client.ping()
+                self._redis.ping()
                 samples.append(int((time.perf_counter() - sent) * 1e6))
         self.rtt_us = min(samples)
         return self.rtt_us
@@ -150,7 +157,7 @@ class ScriptClient:
         """Open ``connections`` connections to the store side by side, kept in the pool for
         the calls to come (see timing.FAR_WARM_CONNECTIONS): each PING is sent by a thread
         of its own at once, so each needs a connection of its own."""
-        client = self.client
+        client = self._redis
         start = threading.Barrier(connections)
         failed: list[BaseException] = []
 
@@ -176,7 +183,7 @@ class ScriptClient:
     def read(self, key: str) -> dict[str, bytes]:
         """The raw state hash: field name to value (a rate's value is MessagePack)."""
         with self.errors():
-            raw = self.client.hgetall(key)
+            raw = self._redis.hgetall(key)
         return {k.decode(): v for k, v in raw.items()}
 
     def report(self, journaled: bool = False) -> StoreReport:
@@ -184,7 +191,7 @@ class ScriptClient:
         (``journaled``: the lines have a copy in the broker); whether it restarted since
         the last report (``restarted_from``)."""
         with self.errors():
-            report = examine(self.client, journaled)
+            report = examine(self._redis, journaled)
         seen, self.run_id = self.run_id, report.run_id or self.run_id
         if seen is not None and report.run_id is not None and report.run_id != seen:
             return replace(report, restarted_from=seen)
@@ -195,24 +202,69 @@ class ScriptClient:
         if self._clock is not None:
             return int(self._clock())
         with self.errors():
-            secs, micros = self.client.time()
+            secs, micros = self._redis.time()
         return int(secs) * 1_000_000 + int(micros)
 
     def scan(self, pattern: str) -> Iterator[str]:
         """Key names matching ``pattern``, by SCAN (never KEYS: a busy Redis is not blocked)."""
         with self.errors():
-            for name in self.client.scan_iter(match=pattern, count=500):
+            for name in self._redis.scan_iter(match=pattern, count=500):
                 yield name.decode(errors="surrogateescape") if isinstance(name, bytes) else name
 
     def delete(self, key: str) -> int:
         with self.errors():
-            return int(self.client.delete(key))
+            return int(self._redis.delete(key))
+
+    def connect(self) -> None:
+        """Make the client now (a URL that names no Redis, a Sentinel URL without its group:
+        a clear error here). It connects lazily: a Redis that is down is not an error."""
+        _ = self._redis
+
+    def lock(self, key: str, lease_s: float) -> StoreLock:
+        """A lease on ``key`` that one process holds at a time (not taken yet)."""
+        return StoreLock(self, key, lease_s)
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
 
+
+
+class StoreLock:
+    """A lease on a key that one process holds at a time, for ``lease_s`` seconds after it
+    was taken or last renewed (redis-py's lock, which writes a token of its own)."""
+
+    def __init__(self, store: ScriptClient, key: str, lease_s: float) -> None:
+        self._store, self._lease_s = store, lease_s
+        with store.errors():
+            self._lock = store._redis.lock(key, timeout=lease_s, blocking=False)
+
+    def acquire(self) -> bool:
+        """Take the lease if no one holds it; whether this process holds it now."""
+        with self._store.errors():
+            return bool(self._lock.acquire(blocking=False))
+
+    def renew(self) -> bool:
+        """The lease again from now; False if this process no longer holds it (it ran out
+        and another took it). Raises StoreError if the store cannot be reached."""
+        try:
+            with self._store.errors():
+                self._lock.extend(self._lease_s, replace_ttl=True)
+        except StoreError as exc:
+            if isinstance(exc.__cause__, LockError):
+                return False
+            raise
+        return True
+
+    def release(self) -> None:
+        """Give the lease up (one that ran out meanwhile is not this process's to give)."""
+        try:
+            with self._store.errors():
+                self._lock.release()
+        except StoreError as exc:
+            if not isinstance(exc.__cause__, LockError):
+                raise
 
 
 _SCRIPT_LINE = re.compile(r"user_script:(\d+)")

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ..core.keys import share_key, share_registry_key, share_wake_key, window_keys
-from .scripts import ScriptClient
+from ..core.keys import share_key, share_lock_key, share_registry_key, share_wake_key, window_keys
+from .scripts import ScriptClient, StoreLock
 
 __all__ = ["CAP_KEEP_MS", "Member", "ShareOps"]
 
@@ -54,11 +54,15 @@ def _number(raw: bytes | str | None) -> int:
 class ShareOps(ScriptClient):
     """The share operations of a store."""
 
+    def share_lock(self, scope: str, lease_s: float) -> StoreLock:
+        """The lock of the worker that moves ``scope``'s caps (one at a time)."""
+        return self.lock(share_lock_key(self.prefix, scope), lease_s)
+
     def share_join(self, scope: str, state_key: str, weight: float, most: int) -> None:
         """``state_key`` takes part in ``scope``'s share (again: its weight and most as now),
         and the sharer is woken."""
         with self.errors():
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=False)
             pipe.hset(share_registry_key(self.prefix, scope), state_key, f"{weight!r},{most}")
             self._poke(pipe, scope)
             pipe.execute()
@@ -66,7 +70,7 @@ class ShareOps(ScriptClient):
     def share_poke(self, scope: str) -> None:
         """Wake ``scope``'s sharer (a slot given back beyond its key's cap)."""
         with self.errors():
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=False)
             self._poke(pipe, scope)
             pipe.execute()
 
@@ -78,19 +82,19 @@ class ShareOps(ScriptClient):
     def share_wait(self, scopes: Sequence[str], timeout: float) -> bool:
         """Wait ``timeout`` seconds at most for a wake-up of one of ``scopes``' sharer."""
         with self.errors():
-            return self.client.blpop([share_wake_key(self.prefix, s) for s in scopes], timeout=timeout) is not None
+            return self._redis.blpop([share_wake_key(self.prefix, s) for s in scopes], timeout=timeout) is not None
 
     def share_members(self, scope: str) -> dict[str, Member]:
         """The keys that take part in ``scope``'s share."""
         with self.errors():
-            raw = self.client.hgetall(share_registry_key(self.prefix, scope))
+            raw = self._redis.hgetall(share_registry_key(self.prefix, scope))
         return {(k.decode(errors="surrogateescape") if isinstance(k, bytes) else k): _member(v) for k, v in raw.items()}
 
     def share_read(self, keys: Sequence[str]) -> list[tuple[int, int, int]]:
         """(cap, held, waiting) of each key: its cap, the slots held (bodies running and
         tasks released to start), the tasks in its line."""
         with self.errors():
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=False)
             for key in keys:
                 _, counts, _, _, _, slots, _ = window_keys(key)
                 pipe.get(share_key(key))
@@ -104,7 +108,7 @@ class ShareOps(ScriptClient):
         if not caps:
             return []
         with self.errors():
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=False)
             for key, cap in caps:
                 _, counts, _, _, _, slots, _ = window_keys(key)
                 pipe.set(share_key(key), cap, px=CAP_KEEP_MS)
@@ -122,11 +126,11 @@ class ShareOps(ScriptClient):
             return []
         keys = list(members)
         with self.errors():
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=False)
             for key in keys:  # (one by one: each cap is on its key's own slot)
                 pipe.delete(share_key(key))
             pipe.execute()
-            self.client.hdel(share_registry_key(self.prefix, scope), *keys)
+            self._redis.hdel(share_registry_key(self.prefix, scope), *keys)
         back = [k for k, (_, held, waiting) in zip(keys, self.share_read(keys)) if held or waiting]
         for key in back:
             self.share_join(scope, key, members[key].weight, members[key].most)

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..core.keys import line_index_keys, share_key, wake_key, window_keys
+from ..core.keys import adaptive_index_key, line_index_keys, share_key, wake_key, window_keys
 from ..core.protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowReply, window_argv
 from ..core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, ScriptPolicy
-from .scripts import ScriptClient, lua
+from .scripts import ScriptClient, lua, text
 
 __all__ = ["ALGORITHMS", "WAKE_TTL_MS", "WindowOps", "window_preamble", "window_script"]
 
@@ -50,10 +50,34 @@ class WindowOps(ScriptClient):
         ceiling) with ``used`` (a share of the ceiling) of the key's starts in its window:
         state key ``key``'s level goes down by ``law`` (floor, decrease, growth), once per
         ``window_us``, and further ones in that window refine it (adapt.lua). Returns the
-        level in force before, after, and whether this call lowered it."""
+        level in force before, after, and whether this call lowered it (then the key joins
+        the index of keys pushed back lately, which the gauges read)."""
         before, after, lowered = self.run("adapt", [key], [self.now_arg(), ",".join(map(repr, law)), window_us,
                                                            reason, repr(float(used)), repr(float(unit))])
+        if lowered:
+            # (Another hash tag than the key's: a call of its own, on a Cluster another node.)
+            with self.errors():
+                self._redis.zadd(adaptive_index_key(self.prefix), {key: self.now_us()})
         return float(before), float(after), bool(lowered)
+
+    def pushed_back(self, most: int) -> list[tuple[str, bytes | None]]:
+        """The state keys pushed back latest (``most`` at most), each with its last
+        pushback as its hash holds it (field 'A'; None: gone)."""
+        index = adaptive_index_key(self.prefix)
+        with self.errors():
+            keys = [text(k) for k in self._redis.zrevrange(index, 0, most - 1)]
+            if not keys:
+                return []
+            pipe = self._redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.hget(key, "A")
+            return list(zip(keys, pipe.execute()))
+
+    def forget_pushed_back(self, keys: Sequence[str]) -> None:
+        """These keys are back at their ceiling: out of the index of keys pushed back."""
+        if keys:
+            with self.errors():
+                self._redis.zrem(adaptive_index_key(self.prefix), *keys)
 
     # -- windows and lines -------------------------------------------------------------
     # One method per operation of window.lua (line.lua's header says what each does).
@@ -150,8 +174,13 @@ class WindowOps(ScriptClient):
         """A message of ``key``'s line: its head's, else one released and not started."""
         _, _, line, msgs, out, _, _ = window_keys(key)
         with self.errors():
-            message = self.client.eval(_SAMPLE, 3, line, out, msgs)
+            message = self._redis.eval(_SAMPLE, 3, line, out, msgs)
         return bytes(message) if message else None
+
+    def slot_holders(self, key: str, match: str) -> list[str]:
+        """The holders of ``key``'s concurrency slots whose names match ``match`` (ZSCAN)."""
+        with self.errors():
+            return [text(h) for h, _ in self._redis.zscan_iter(window_keys(key)[5], match=match)]
 
     # -- the index of keys with a line ---------------------------------------------------
     def index_claim(self, lookahead_us: int, most: int, lease_us: int) -> tuple[int, int, list[tuple[str, int]]]:
@@ -159,7 +188,7 @@ class WindowOps(ScriptClient):
         within ``lookahead_us``, each claimed for ``lease_us``."""
         reply = self.run("index", list(line_index_keys(self.prefix)), [self.now_arg(), "claim", lookahead_us, most,
                                                                        lease_us])
-        return int(reply[0]), int(reply[1]), [(_text(reply[i]), int(reply[i + 1])) for i in range(2, len(reply), 2)]
+        return int(reply[0]), int(reply[1]), [(text(reply[i]), int(reply[i + 1])) for i in range(2, len(reply), 2)]
 
     def index_settle(self, settled: Sequence[tuple[str, int, int, int, int]]) -> tuple[int, int]:
         """Each (state key, token, due, computed at, controls read at) claimed: its due time,
@@ -188,7 +217,7 @@ class WindowOps(ScriptClient):
     def wake_releasers(self) -> None:
         """Wake one releaser waiting in :meth:`wait_for_wake` now (it looks at every line due)."""
         with self.errors():
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=False)
             pipe.lpush(wake_key(self.prefix), 1)
             pipe.pexpire(wake_key(self.prefix), WAKE_TTL_MS)
             pipe.execute()
@@ -196,7 +225,7 @@ class WindowOps(ScriptClient):
     def wait_for_wake(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for :meth:`wake_releasers`; True if woken."""
         with self.errors():
-            return self.client.blpop([wake_key(self.prefix)], timeout=seconds) is not None
+            return self._redis.blpop([wake_key(self.prefix)], timeout=seconds) is not None
 
 
 def window_script(algorithm: str, policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> str:
@@ -222,11 +251,8 @@ def _window_parts(algorithm: str, policy: ScriptPolicy, layout: StateLayout) -> 
 def _line_map(parts: Sequence[tuple[str, str]]) -> list[tuple[int, str]]:
     """(first line in the script, file) of each part."""
     out, first = [], 1
-    for name, text in parts:
+    for name, source in parts:
         out.append((first, name))
-        first += text.count("\n")
+        first += source.count("\n")
     return out
 
-
-def _text(value: bytes | str) -> str:
-    return value.decode(errors="surrogateescape") if isinstance(value, bytes) else value

@@ -24,7 +24,6 @@ from kombu.exceptions import OperationalError
 from kombu.messaging import Producer
 
 from ..celery_parts.messages import resend
-from ..check.journaling import store_epoch
 from ..core import journal
 from ..core.errors import StoreError
 from ..core.journal import (
@@ -38,7 +37,7 @@ from ..core.journal import (
     kept_headers,
     sort_out,
 )
-from ..core.keys import journal_keys, line_index_key, target_of, window_keys
+from ..core.keys import target_of
 
 if TYPE_CHECKING:
     from ..check.parts import Parts
@@ -87,14 +86,12 @@ class Pass:
         """The pass; returns how many tasks it left waiting in the journal (None: another
         keeper holds the lock)."""
         store = self.store
-        state, lock_key, _ = journal_keys(store.prefix)
-        with store.errors():
-            self._lock = store.client.lock(lock_key, timeout=LOCK_S, blocking=False)
-            if not self._lock.acquire(blocking=False):
-                return None
+        self._lock = store.journal_lock(LOCK_S)
+        if not self._lock.acquire():
+            return None
         self._renewed = time.monotonic()
         try:
-            epoch = store_epoch(store)
+            epoch = store.journal_epoch()[0]
             channel = self.connection.default_channel
             producer = Producer(channel)
             strays = self.broker.restore_strays(self.connection)
@@ -117,22 +114,21 @@ class Pass:
                 self.acked += 1
                 self._renew()
             due = time.time() + journal.LOST_AFTER_US / 1e6 if suspects else 0
-            with store.errors():
-                store.client.hset(state, mapping={"left": left, "at": time.time(), "adopted": 1, "due": due})
+            store.save_journal_state({"left": left, "at": time.time(), "adopted": 1, "due": due})
             logger.debug("celery_throttle: the journal's pass read %d message(s) and left %d", len(tags), left)
             return left
         finally:
             try:
                 self._lock.release()
-            except Exception:  # noqa: BLE001 - its lease ran out: another keeper may hold it now
-                logger.debug("celery_throttle: the journal's lock was gone when its pass ended")
+            except StoreError:
+                logger.debug("celery_throttle: the journal's lock could not be given up (it runs out by itself)")
 
     def _renew(self) -> None:
         """Keep the lock while the pass goes on (a lock lost to another keeper ends it:
         what it read and did not ack goes back to the journal)."""
         if time.monotonic() - self._renewed > LOCK_S / 3:
-            with self.store.errors():
-                self._lock.extend(LOCK_S, replace_ttl=True)
+            if not self._lock.renew():
+                raise StoreError("the journal's lock ran out and another keeper holds it: this pass ends")
             self._renewed = time.monotonic()
 
     @staticmethod
@@ -201,16 +197,7 @@ class Pass:
         known: set[tuple[str, str]] = set()
         for start in range(0, len(idents), 1000):
             batch = idents[start:start + 1000]
-            with store.errors():
-                pipe = store.client.pipeline(transaction=False)
-                for key, entry in batch:
-                    _, _, line, _, out, _, used = window_keys(key)
-                    for holder in (line, out, used):
-                        pipe.zscore(holder, entry)
-                scores = pipe.execute()
-            for i, ident in enumerate(batch):
-                if any(score is not None for score in scores[3 * i:3 * i + 3]):
-                    known.add(ident)
+            known.update(ident for ident, held in zip(batch, store.known_entries(batch)) if held)
             self._renew()
         return known
 
@@ -237,8 +224,8 @@ class Pass:
         logger.info("celery_throttle: task %s waited in the line of %s and the store lost it: sent on from the "
                     "journal, as a new task", event.entry, target or event.key)
         # (Best effort: the gone event this pass publishes next says it too.)
-        with suppress(StoreError), self.store.errors():
-            self.store.client.hset(journal_keys(self.store.prefix)[2], note, f"{SENT}{int(time.time())}")
+        with suppress(StoreError):
+            self.store.note_sent_on(note, f"{SENT}{int(time.time())}", SENT_ON_KEEP)
         return True
 
     def _note(self, note: str) -> bool:
@@ -247,19 +234,11 @@ class Pass:
         that pass failed or died between its note and its send's end (passes run one at a
         time, under the lock), and whether its send went out is not known (its reply lost,
         its process killed): the task is sent again, to run twice rather than never."""
-        sent_on = journal_keys(self.store.prefix)[2]
-        with self.store.errors():
-            pipe = self.store.client.pipeline(transaction=False)
-            pipe.hsetnx(sent_on, note, self.pending)
-            pipe.expire(sent_on, SENT_ON_KEEP)
-            pipe.hget(sent_on, note)
-            first, _, held = pipe.execute()
-        held = held.decode(errors="replace") if isinstance(held, bytes) else str(held or "")
-        if first or held == self.pending:
+        held = self.store.note_sent_on(note, self.pending, SENT_ON_KEEP, only_if_new=True)
+        if held == self.pending:
             return True
         if held.startswith(PENDING):
-            with self.store.errors():
-                self.store.client.hset(sent_on, note, self.pending)
+            self.store.note_sent_on(note, self.pending, SENT_ON_KEEP)
             return True
         return False
 
@@ -267,21 +246,16 @@ class Pass:
         """Keep in the journal what waits in the store's lines now (joined before the
         journal was on, or through a process with it off). Returns how many."""
         store, adopted = self.store, 0
-        with store.errors():
-            keys = [k.decode(errors="surrogateescape") if isinstance(k, bytes) else k
-                    for k, _ in store.client.zscan_iter(line_index_key(store.prefix), count=1000)]
+        keys = list(store.indexed())
         for key in keys:
-            _, _, line, msgs, _, _, _ = window_keys(key)
             after: Any = "-inf"
             while not self.stopping.is_set():
                 # (The clock before the page: a task released after it is gone at a later
                 # time, whichever event the journal gets first; one released before it is
                 # not in the page. By place, not rank: the head may leave meanwhile.)
                 us = store.now_us()
-                with store.errors():
-                    page = store.client.zrangebyscore(line, after, "+inf", start=0, num=ADOPT_PAGE, withscores=True)
-                    bodies = store.client.hmget(msgs, [entry for entry, _ in page]) if page else []
-                for (entry, _), message in zip(page, bodies):
+                page = store.line_page(key, after, ADOPT_PAGE)
+                for entry, _, message in page:
                     if message:
                         adopted += 1
                         self.broker.publish(producer, kept_headers(key, entry.decode(errors="surrogateescape"), us,

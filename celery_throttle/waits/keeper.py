@@ -23,7 +23,6 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 from ..core import journal
-from ..core.keys import journal_keys
 from .journal_pass import Pass
 from .outage import Outage
 
@@ -148,7 +147,4 @@ class Keeper(threading.Thread):
 
     def _state(self) -> dict[str, str]:
         """The last pass's state (``left``, ``at``, ``due``, ``adopted``) as the store holds it."""
-        store = self.ctl.store
-        with store.errors():
-            raw = store.client.hgetall(journal_keys(store.prefix)[0])
-        return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+        return self.ctl.store.journal_state()

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 from ..check.adaptive import gauge_levels
 from ..check.status import known_specs
 from ..core.errors import StoreError
-from ..core.keys import glob_escape, line_index_key
 from .keeper import Keeper
 from .outage import Outage
 from .sharer import Sharer
@@ -209,22 +208,12 @@ class Releaser(threading.Thread):
         is found by its counts or by its entries (a store evicting may take either: the
         next call counts a line again from its entries, line.lua)."""
         store = self.ctl.store
-        prefix = store.prefix
-        with store.errors():
-            if not store.client.set(f"{line_index_key(prefix)}:sweep", "1", nx=True,
-                                    px=int(INDEX_SWEEP_EVERY * 1000 * 0.8)):
-                return 0
-            now_us = store.now_us()
-            found, seen = 0, set()
-            for suffix in (":lm", ":line"):
-                for name in store.client.scan_iter(match=f"{glob_escape(prefix)}:{{*}}{suffix}", count=1000):
-                    key = (name.decode(errors="surrogateescape") if isinstance(name, bytes) else name)[: -len(suffix)]
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    if store.client.zscore(line_index_key(prefix), key) is None:
-                        store.index_note(key, now_us, now_us)
-                        found += 1
+        missing = store.unindexed_lines(int(INDEX_SWEEP_EVERY * 1000 * 0.8))
+        if missing is None:
+            return 0  # (another worker swept lately)
+        now_us, found = store.now_us(), 0
+        for key in missing:
+            found += store.index_note(key, now_us, now_us)
         if found:
             logger.warning("celery_throttle: %d line(s) were missing from the index; they are looked at now", found)
             self.ctl.lines.wake_releasers()

@@ -26,10 +26,7 @@ import time
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import LockError
-
 from ..check.status import known_specs
-from ..core.keys import share_lock_key
 from ..core.share import Keeping, KeyUse, plan, raises
 from ..store.sharing import CAP_KEEP_MS
 from .outage import Outage
@@ -134,20 +131,16 @@ class Sharer(threading.Thread):
             lock, extended = held
             if now - extended < LOCK_S / 3:
                 return True
-            try:
-                lock.extend(LOCK_S, replace_ttl=True)
+            if lock.renew():
                 self._locks[scope] = (lock, now)
                 return True
-            except LockError:  # (lost: another worker shares it now)
-                self._lost(scope)
+            self._lost(scope)  # (another worker shares it now)
         if now - self._tried.get(scope, float("-inf")) < STANDBY_EVERY:
             return False
         self._tried[scope] = now
-        store = self.ctl.store
-        with store.errors():
-            lock = store.client.lock(share_lock_key(store.prefix, scope), timeout=LOCK_S, blocking=False)
-            if not lock.acquire(blocking=False):
-                return False
+        lock = self.ctl.store.share_lock(scope, LOCK_S)
+        if not lock.acquire():
+            return False
         self._locks[scope] = (lock, now)
         return True
 
@@ -160,9 +153,7 @@ class Sharer(threading.Thread):
         held = self._locks.get(scope)
         if held is None:
             return False
-        try:
-            held[0].reacquire()
-        except LockError:  # (not owned: another took it; a store away raises on, as any pass's fault)
+        if not held[0].renew():  # (another took it; a store away raises on, as any pass's fault)
             self._lost(scope)
             return False
         self._locks[scope] = (held[0], time.monotonic())

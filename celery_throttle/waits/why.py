@@ -21,7 +21,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from ..celery_parts.internals import held_requests
 from ..celery_parts.messages import decode_message
 from ..core.header import HEADER, Header
-from ..core.keys import encode, glob_escape, line_index_key, state_of, window_keys
+from ..core.keys import encode, glob_escape, state_of
 
 if TYPE_CHECKING:
     from ..check.limiter import Throttle
@@ -82,19 +82,7 @@ def parked_call(ctl: Parts, message: bytes | None) -> tuple[str, Header]:
 def find_in_lines(ctl: Parts, task_id: str) -> tuple[str, str, int, bytes | None] | None:
     """(``line`` | ``released``, state key, place in the line from 1 (0: released), its
     message) of task ``task_id``, among the keys with a line (the index)."""
-    store = ctl.store
-    pattern = glob_escape(encode(task_id)) + ":*"
-    with store.errors():
-        client = store.client
-        for member, _ in client.zscan_iter(line_index_key(store.prefix), count=1000):
-            key = member.decode(errors="surrogateescape") if isinstance(member, bytes) else member
-            _, _, line, msgs, out, _, _ = window_keys(key)
-            for entry, _ in client.zscan_iter(line, match=pattern, count=1000):
-                rank = client.zrank(line, entry)
-                return "line", key, int(rank or 0) + 1, client.hget(msgs, entry)
-            for entry, _ in client.zscan_iter(out, match=pattern, count=1000):
-                return "released", key, 0, client.hget(msgs, entry)
-    return None
+    return ctl.store.find_entry(glob_escape(encode(task_id)) + ":*")
 
 
 def find_dead_letter(ctl: Parts, task_id: str) -> tuple[int, bytes | None] | None:

@@ -214,7 +214,7 @@ def test_a_task_in_a_line_whose_message_was_evicted_is_named_in_an_error_and_lea
     assert ctl.checker.acquire(call).allowed
     for i in range(3):
         assert ctl.checker.acquire(call, entry=Entry(f"task-{i}:x", b"m", f"task-{i}", 0, 0, 1)).code == Code.QUEUED
-    ctl.store.client.delete(window_keys(call.state_key)[3])
+    ctl.store._redis.delete(window_keys(call.state_key)[3])
     # When its line is released
     with caplog.at_level(logging.ERROR, logger="celery_throttle"):
         ctl.lines.handle(call, ctl.checker.release(call, 8, drain=True))

@@ -53,21 +53,21 @@ def test_a_control_hash_no_write_stamped_comes_whole_with_its_stamps_read(
         return [str(r) for r in ctl.checker.controls.rates_for(ctl.store, "vendor", None, ())]
 
     # Given no control ever set (the usual case): a refresh is one round trip
-    with commands_sent(ctl.store.client) as sent:
+    with commands_sent(ctl.store._redis) as sent:
         ctl.checker.refresh_controls()
     assert sent == ["EVAL"] and in_force() == []
     # Given a live limit written by hand, no stamp: one round trip, and it is in force
     store_client.hset(f"{prefix}:control", "limit:vendor", "3/s")
-    with commands_sent(ctl.store.client) as sent:
+    with commands_sent(ctl.store._redis) as sent:
         ctl.checker.refresh_controls()
     assert sent == ["EVAL"] and in_force() == ["3/s"]
     # Given a stamped hash whose stamp moved (another process's write): the stamp, then the hash
     store_client.hset(f"{prefix}:control", mapping={"limit:vendor": "5/s", CONTROL_STAMP: "1"})
-    with commands_sent(ctl.store.client) as sent:
+    with commands_sent(ctl.store._redis) as sent:
         ctl.checker.refresh_controls()
     assert sent == ["EVAL", "HGETALL"] and in_force() == ["5/s"]
     # and whose stamp did not: the stamp alone
-    with commands_sent(ctl.store.client) as sent:
+    with commands_sent(ctl.store._redis) as sent:
         ctl.checker.refresh_controls()
     assert sent == ["EVAL"] and in_force() == ["5/s"]
 
@@ -83,7 +83,7 @@ def test_a_lines_message_is_sampled_in_one_round_trip_head_first(key_prefix: str
         codes = [store.acquire(key, call, entry=Entry(f"{n}:x", f"message {n}".encode(), n, 0, 0, 8)).code
                  for n in "ABC"]
         assert codes == [Code.RUN, Code.QUEUED, Code.QUEUED]
-        with commands_sent(store.client) as sent:
+        with commands_sent(store._redis) as sent:
             assert store.sample(key) == b"message B"
         assert sent == ["EVAL"]
         # When B is released (out, not started): the line's head comes first

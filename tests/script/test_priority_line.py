@@ -28,7 +28,7 @@ def released_order(store: RedisStore, clock: FakeClock, key: str, call: WindowCa
         for r in reply.reported:
             order.append(r.id)
             assert store.claim(key, call, r.id, early_us=1_000_000, holder=f"h-{r.id}").code in (Code.RUN, Code.RUN_AT)
-        if not store.client.exists(window_keys(key)[2]) and not reply.out:
+        if not store._redis.exists(window_keys(key)[2]) and not reply.out:
             return order
         clock.now += 1_000_000
     raise AssertionError(f"the line never emptied: {order}")

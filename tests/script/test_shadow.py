@@ -73,7 +73,7 @@ def shadow_walk(store: RedisStore, clock: FakeClock, algorithm: str, names: tupl
         else:
             walk.advance(rng.choice([1_000, 50_000, 200_000, 1_000_000]))
         m = walk.model
-        raw = {k.decode(): int(v) for k, v in store.client.hgetall(walk.key).items() if k.decode() in "lnhwm"}
+        raw = {k.decode(): int(v) for k, v in store._redis.hgetall(walk.key).items() if k.decode() in "lnhwm"}
         assert raw == {k: v for k, v in {"l": m.shadow_last, **m.shadow_counts}.items() if v or k in raw}, \
             walk.explain(f"shadow counts: stored {raw}, model {m.shadow_counts} last {m.shadow_last}")
     return walk, starts
@@ -105,7 +105,7 @@ def test_shadow_mode_gives_each_call_the_start_enforcing_would_and_holds_nothing
             assert held, "the walk never held anything back"
             # and nothing of the key's own: no line, no message, nothing out
             line, msgs, out = (window_keys(walk.key)[i] for i in (2, 3, 4))
-            assert not store.client.exists(line, msgs, out)
+            assert not store._redis.exists(line, msgs, out)
     finally:
         store.close()
 
@@ -120,7 +120,7 @@ def test_a_burst_in_shadow_mode_is_told_the_waits_a_line_would_have_had(store: R
     assert waits == [0.0] * 5 + [1.01] * 5 + [2.02] * 2, waits
     assert [r.code for r in replies] == [Code.RUN] * 5 + [Code.DENIED] * 7
     # and the key's own state holds nothing
-    assert not store.client.exists(*window_keys(state_key(key_prefix, "api", "acme")))
+    assert not store._redis.exists(*window_keys(state_key(key_prefix, "api", "acme")))
     # and a refund of the first call's unit makes room now, but a call after them goes
     # after them, as in a line (first come, first served)
     first = replies[0]

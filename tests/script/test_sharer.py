@@ -51,7 +51,7 @@ def tenant(sharer: Sharer, name: str, *, held: int = 0, waiting: int = 0) -> str
     store = sharer.ctl.store
     key = state_key(store.prefix, SCOPE, name)
     _, counts, _, _, _, slots, _ = window_keys(key)
-    with store.client.pipeline(transaction=False) as pipe:
+    with store._redis.pipeline(transaction=False) as pipe:
         pipe.delete(slots)
         if held:
             pipe.zadd(slots, {f"holder-{i}": 1e15 for i in range(held)})
@@ -71,12 +71,12 @@ def test_one_worker_leads_a_scope_and_another_takes_over_when_it_stops(two: tupl
     assert a._lead(SCOPE) and not b._lead(SCOPE)
     x = tenant(a, "x", waiting=10)
     a.share(SCOPE, K)
-    assert caps(a.ctl.store.client, x) == {x: K}  # (alone: every slot)
+    assert caps(a.ctl.store._redis, x) == {x: K}  # (alone: every slot)
     a.stop()  # (gives its lock back: the other need not wait for its lease)
     assert b._lead(SCOPE)
     y = tenant(b, "y", waiting=10)
     b.share(SCOPE, K)  # (x holds none yet: its cap lowered to its share, y raised within what is left)
-    assert caps(b.ctl.store.client, x, y) == {x: 2, y: 2}
+    assert caps(b.ctl.store._redis, x, y) == {x: 2, y: 2}
 
 
 @pytest.mark.parametrize("renew", ["as built", "mutation: trusts its lease"])
@@ -86,7 +86,7 @@ def test_a_pass_that_stalled_past_its_lease_writes_nothing(two: tuple[Sharer, Sh
     gets work, and b gives x and y 2 each. a, going on from its read, would give x all 4:
     6 slots of a scope of 4."""
     a, b = two
-    client = a.ctl.store.client
+    client = a.ctl.store._redis
     assert a._lead(SCOPE)
     x, y = tenant(a, "x", waiting=10), tenant(a, "y")
     read = a.ctl.store.share_read
@@ -116,7 +116,7 @@ def test_a_registry_evicted_is_written_back(two: tuple[Sharer, Sharer], keep: st
     """x holds all 4 slots; the scope's registry is evicted; y comes. A pass that did not
     count x would give y 4 more: 8 running of a scope of 4."""
     a, _ = two
-    client = a.ctl.store.client
+    client = a.ctl.store._redis
     assert a._lead(SCOPE)
     x = tenant(a, "x", waiting=10)
     a.share(SCOPE, K)

@@ -45,8 +45,8 @@ def operator(workers: WorkerGroup) -> Iterator[celery_throttle.Throttle]:
 def _where_the_line_stands(operator: celery_throttle.Throttle, scope: str, key: str) -> str:
     """The key's status and its place in the index of lines (when it is next looked at)."""
     state = state_key(operator.settings.key_prefix, scope, key)
-    due = operator.store.client.zscore(line_index_key(operator.settings.key_prefix), state)
-    now = operator.store.client.time()
+    due = operator.store._redis.zscore(line_index_key(operator.settings.key_prefix), state)
+    now = operator.store._redis.time()
     return (f"status: {operator.status(scope, key)!r}; index due: "
             f"{'none' if due is None else f'{(due - (now[0] * 1e6 + now[1])) / 1e6:+.1f}s'}")
 
