@@ -94,7 +94,8 @@ def test_two_releasers_claim_each_due_line_exactly_once(prefix: str) -> None:
 
     def claim(slot: int) -> None:
         mine = RedisStore(STORE_URL, prefix)  # each releaser has its own connection
-        mine.client.ping()
+        mine.connect()
+        mine.now_us()  # (connected before the race)
         together.wait()
         while True:
             _, _, keys = mine.index_claim(0, 7, 60_000_000)
