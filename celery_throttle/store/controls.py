@@ -8,7 +8,7 @@ from typing import Any
 
 from ..core.keys import control_key
 from ..core.state import CONTROL_STAMP, FOREVER_US
-from .scripts import ScriptClient, lua
+from .scripts import ScriptClient
 
 __all__ = ["ControlOps"]
 
@@ -24,7 +24,7 @@ class ControlOps(ScriptClient):
     """The control operations of a store."""
 
     def add_control_scripts(self) -> None:
-        self.add_scripts({"pause": lua("pause.lua")})
+        self.add_lua("pause")
 
     # -- controls -----------------------------------------------------------------------
     def pause(self, field: str, seconds: float | None) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core.keys import journal_keys
-from .scripts import ScriptClient, StoreLock, lua
+from .scripts import ScriptClient, StoreLock
 
 __all__ = ["JournalOps"]
 
@@ -18,7 +18,7 @@ class JournalOps(ScriptClient):
     """The journal's operations of a store."""
 
     def add_journal_scripts(self) -> None:
-        self.add_scripts({"epoch": lua("epoch.lua")})
+        self.add_lua("epoch")
 
     def journal_epoch(self) -> tuple[str, int]:
         """(the store's epoch, when it was made: the store's clock, µs; 0 unknown), made now

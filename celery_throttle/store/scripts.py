@@ -30,12 +30,40 @@ from ..core.urls import safe_url, scrub, secrets_of
 from .connection import connect
 from .doctor import StoreReport, examine
 
-__all__ = ["ScriptClient", "StoreLock", "lua", "text", "true_lines"]
+__all__ = ["ScriptClient", "StoreLock", "composed", "line_map", "lua", "script_parts", "text", "true_lines"]
 
 
 def lua(name: str) -> str:
     """The source of one of the package's scripts (``celery_throttle/store/lua/``)."""
-    return resources.files("celery_throttle.store").joinpath("lua", name).read_text("utf-8")
+    return resources.files("celery_throttle.store").joinpath("lua", *name.split("/")).read_text("utf-8")
+
+
+#: A script names the shared parts it uses on a line of its own: ``-- include: clock, cubic``
+#: (``lua/include/<name>.lua``, each a set of local functions).
+_INCLUDE = re.compile(r"^-- include: ([a-z_, ]+)$", re.MULTILINE)
+
+
+def script_parts(*names: str) -> list[tuple[str, str]]:
+    """(file, source) of the scripts ``names`` as the loader composes them into one: the
+    includes any of them names, each once, in the order first named, then each script."""
+    sources = [(name, lua(name)) for name in names]
+    included = dict.fromkeys(part.strip() for _, source in sources for found in _INCLUDE.findall(source)
+                             for part in found.split(",") if part.strip())
+    return [(f"include/{name}.lua", lua(f"include/{name}.lua")) for name in included] + sources
+
+
+def line_map(parts: Sequence[tuple[str, str]]) -> list[tuple[int, str]]:
+    """(first line in the composed script, file) of each part."""
+    out, first = [], 1
+    for name, source in parts:
+        out.append((first, name))
+        first += source.count("\n")
+    return out
+
+
+def composed(parts: Sequence[tuple[str, str]]) -> tuple[str, list[tuple[int, str]]]:
+    """The script made of ``parts`` (each ending with a newline), and its line map."""
+    return "".join(source for _, source in parts), line_map(parts)
 
 
 def text(name: bytes | str) -> str:
@@ -93,6 +121,13 @@ class ScriptClient:
         client = connect(self.url, self.options, **defaults)
         self._scripts = {name: client.register_script(source) for name, source in self._sources.items()}
         return client
+
+    def add_lua(self, *names: str) -> None:
+        """Register scripts of ``lua/`` by their names (``adapt`` for ``adapt.lua``), each
+        with the includes it names."""
+        scripts = {name: composed(script_parts(f"{name}.lua")) for name in names}
+        self.add_scripts({name: source for name, (source, _) in scripts.items()},
+                         {name: lines for name, (_, lines) in scripts.items()})
 
     def add_scripts(self, sources: Mapping[str, str], lines: Mapping[str, list[tuple[int, str]]] | None = None) -> None:
         """Register more scripts by name, for :meth:`run` (``lines``: where the lines of a

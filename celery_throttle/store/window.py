@@ -14,7 +14,7 @@ from ..core.keys import adaptive_index_key, line_index_keys, share_key, wake_key
 from ..core.protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowReply, window_argv
 from ..core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, ScriptPolicy
-from .scripts import ScriptClient, lua, text
+from .scripts import ScriptClient, line_map, script_parts, text
 
 __all__ = ["ALGORITHMS", "WAKE_TTL_MS", "WindowOps", "window_preamble", "window_script"]
 
@@ -41,8 +41,8 @@ class WindowOps(ScriptClient):
         and the index's."""
         parts = {algorithm: _window_parts(algorithm, self.policy, layout) for algorithm in ALGORITHMS}
         self.add_scripts({algorithm: "".join(text for _, text in p) for algorithm, p in parts.items()},
-                         {algorithm: _line_map(p) for algorithm, p in parts.items()})
-        self.add_scripts({"index": lua("index.lua"), "adapt": lua("adapt.lua")})
+                         {algorithm: line_map(p) for algorithm, p in parts.items()})
+        self.add_lua("index", "adapt")
 
     def lower(self, key: str, law: tuple[float, float, float], window_us: int, reason: str,
               used: float = 1.0, unit: float = 0.0) -> tuple[float, float, bool]:
@@ -243,16 +243,5 @@ def window_preamble(policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = 
 
 
 def _window_parts(algorithm: str, policy: ScriptPolicy, layout: StateLayout) -> list[tuple[str, str]]:
-    preamble = window_preamble(policy, layout)
-    return [("(constants)", preamble), (f"{algorithm}.lua", lua(f"{algorithm}.lua")), ("window.lua", lua("window.lua")),
-            ("line.lua", lua("line.lua"))]
-
-
-def _line_map(parts: Sequence[tuple[str, str]]) -> list[tuple[int, str]]:
-    """(first line in the script, file) of each part."""
-    out, first = [], 1
-    for name, source in parts:
-        out.append((first, name))
-        first += source.count("\n")
-    return out
+    return [("(constants)", window_preamble(policy, layout)), *script_parts(f"{algorithm}.lua", "window.lua", "line.lua")]
 

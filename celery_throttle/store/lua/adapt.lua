@@ -19,32 +19,17 @@
 -- of the window are counted ('Ar', a share of the ceiling), and w_max comes down to what
 -- the downstream took of the window (the starts less the refused), if that is lower.
 -- Returns {the level in force before, after (as '%.6f' text), 1 if this call lowered it}.
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local floor_, decrease, growth = string.match(ARGV[2], '^([^,]+),([^,]+),([^,]+)$')
-floor_, decrease, growth = tonumber(floor_), tonumber(decrease), tonumber(growth)
+-- include: clock, cubic
+local now = clock_now(ARGV[1])
+local floor_, decrease, growth = cubic_law(ARGV[2])
 local window = math.max(tonumber(ARGV[3]), 1)
-local k = ((1.0 - decrease) / growth) ^ (1.0 / 3.0)
 
 local function level_at(w_max, at, x)
   if w_max == nil then return 1.0 end
-  w_max = math.max(w_max, floor_)
-  local t = math.max(x - at, 0) / window
-  return math.min(1.0, math.max(floor_, w_max * (1.0 + growth * (t - k) ^ 3)))
+  return cubic_level(w_max, math.max(x - at, 0) / window, floor_, decrease, growth)
 end
 
-local kept = redis.call('HGET', KEYS[1], 'A')
-local w_max, at = nil, nil
-if kept then
-  w_max, at = string.match(kept, '^([^,]+),(%d+)')
-  w_max, at = tonumber(w_max), tonumber(at)
-  if w_max == nil or at == nil then w_max, at = nil, nil end
-end
+local w_max, at = cubic_pushback(redis.call('HGET', KEYS[1], 'A'))
 local before = level_at(w_max, at, now)
 local used, unit = tonumber(ARGV[5]), tonumber(ARGV[6])
 if at ~= nil and now - at < window then
@@ -68,7 +53,7 @@ local value = string.format('%.6f', pushed)
 redis.call('HSET', KEYS[1], 'A', value .. ',' .. string.format('%.0f', now) .. ',' .. ARGV[4],
            'Ar', string.format('%.6f', unit))
 -- (Kept until the level is back at the ceiling: a hash that outlives its counts keeps it.)
-local full = k + ((1.0 / tonumber(value) - 1.0) / growth) ^ (1.0 / 3.0)
+local full = cubic_full(tonumber(value), decrease, growth)
 local ttl = math.ceil(full * window / 1000) + 1000
 if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
 return {string.format('%.6f', before), string.format('%.6f', level_at(tonumber(value), now, now)), 1}

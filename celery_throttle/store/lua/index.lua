@@ -30,13 +30,8 @@
 --          unknown). Returns 1 if written.
 --   wake   ARGV[3..] keys: each one held is due now (never later than it was).
 --          Returns how many.
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+-- include: clock
+local now = clock_now(ARGV[1])
 local index, op = KEYS[1], ARGV[2]
 
 -- Whether a due time of key `name` computed under controls read at `read` (µs; 0: unknown)

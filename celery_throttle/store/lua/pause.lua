@@ -13,13 +13,8 @@
 -- pruning, how many fields it deleted.
 -- The work is bounded by what the call names, never by the size of the hash: 50 000
 -- per-key pauses (a Backoff per tenant) cost a pause what one costs.
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+-- include: clock
+local now = clock_now(ARGV[1])
 local STAMP = '~stamp'
 if ARGV[2] == '' then
   local over = {}

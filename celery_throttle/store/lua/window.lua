@@ -4,7 +4,8 @@
 --
 -- Put together at load time (store/window.py, window_script): a line of constants (the timing
 -- policy, ScriptPolicy in celery_throttle/timing.py, which says what each is and why; the
--- state layout, state.StateLayout; the reply codes; the state format), the algorithm
+-- state layout, state.StateLayout; the reply codes; the state format), the includes these
+-- files name (lua/include/: the clock, the adaptive law), the algorithm
 -- (sliding.lua or fixed.lua, which defines ALGO), this file (the windows: what every
 -- operation shares) and line.lua (the line, the operations and their dispatch). An
 -- error's line is told as its file's own (store/scripts.py, true_lines). tests/reference.py and
@@ -46,13 +47,8 @@
 --    waiting, out, running, due, index, waited, held, slot cap, then id, payload, kind per
 --    task released or reported}
 local key = KEYS[1]
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+-- include: clock, cubic
+local now = clock_now(ARGV[1])
 local op = ARGV[2]
 local slack, not_before = tonumber(ARGV[4]), tonumber(ARGV[5])
 local concurrency, slot_lease, lead_default = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -95,20 +91,15 @@ local epoch = stored[1] or nil
 local limits = {}
 for i = 1, n_rates do limits[i] = tonumber(ARGV[7 + 3 * i]) end
 if adapt_law ~= '' and stored[5 + n_rates] then
-  local floor_, decrease, growth = string.match(adapt_law, '^([^,]+),([^,]+),([^,]+)$')
-  local w_max, at = string.match(stored[5 + n_rates], '^([^,]+),(%d+)')
-  floor_, decrease, growth, w_max, at = tonumber(floor_), tonumber(decrease), tonumber(growth), tonumber(w_max),
-    tonumber(at)
-  if floor_ and decrease and growth and w_max and at then
+  local floor_, decrease, growth = cubic_law(adapt_law)
+  local w_max, at = cubic_pushback(stored[5 + n_rates])
+  if floor_ and w_max then
     local window = nil
     for i = 1, n_rates do
       local p = tonumber(ARGV[8 + 3 * i])
       if window == nil or p < window then window = p end
     end
-    w_max = math.max(w_max, floor_)
-    local t = math.max(now - at, 0) / math.max(window, 1)
-    local k = ((1.0 - decrease) / growth) ^ (1.0 / 3.0)
-    local level = math.min(1.0, math.max(floor_, w_max * (1.0 + growth * (t - k) ^ 3)))
+    local level = cubic_level(w_max, math.max(now - at, 0) / math.max(window, 1), floor_, decrease, growth)
     for i = 1, n_rates do
       local least = costs and costs[i] or cost
       limits[i] = math.min(limits[i], math.max(least, math.floor(limits[i] * level)))
