@@ -215,7 +215,7 @@ class TimedSharer(Sharer):
     """The workers' sharer, run in the bench's process for the shared scope: each pass timed."""
 
     def __init__(self, ctl: Throttle) -> None:
-        super().__init__(ctl)
+        super().__init__(ctl.setup, ctl.checker, ctl.lines)
         self.passes: list[tuple[float, float]] = []  # (when, seconds)
 
     def scopes(self) -> dict[str, int]:

@@ -97,11 +97,11 @@ def make_deploy(monkeypatch: pytest.MonkeyPatch, policy: ScriptPolicy | None = N
     app, work = make_app("journal", broker, queue)
     ctl = Throttle(app, {"redis_url": server.url, "key_prefix": prefix, "journal": on})
     if policy is not None:
-        ctl._store = RedisStore(server.url, prefix, policy=policy)
-        ctl._quick_store = RedisStore(server.url, prefix, policy=policy)
+        ctl.setup._store = RedisStore(server.url, prefix, policy=policy)
+        ctl.setup._quick_store = RedisStore(server.url, prefix, policy=policy)
     app._celery_throttle = ctl  # (what controller(app) answers: the hook's)
     wrap_send_task(ctl)
-    return Deploy(app, ctl, Keeper(ctl), server, queue, work, prefix)
+    return Deploy(app, ctl, Keeper(ctl.setup, ctl.lines), server, queue, work, prefix)
 
 
 @pytest.fixture

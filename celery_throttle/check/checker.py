@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from ..core import timing
 from ..core.keys import shadow_key
@@ -24,22 +24,7 @@ from ..store.client import RedisStore
 from .binding import Binder, Stores
 from .lease import Leases, sent_at
 
-if TYPE_CHECKING:
-    from .metrics import Metrics
-
-__all__ = ["Checker", "Owner"]
-
-
-class Owner(Stores, Protocol):
-    """What this process's side of the lines and slots works with: the app's ``Throttle``
-    (which owns them), seen as its checks, store and metrics. (A protocol, not the
-    controller's class, which imports them.)"""
-
-    @property
-    def checker(self) -> Checker: ...
-
-    @property
-    def metrics(self) -> Metrics: ...
+__all__ = ["Checker"]
 
 
 class Checker(Binder):

@@ -24,19 +24,17 @@ import logging
 import time
 from collections.abc import Sequence
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from ..celery_parts.journal import BrokerJournal
 from ..core.errors import StoreError
 from ..core.journal import Kind
 from ..core.locks import ForkSafeLock
-from .binding import Stores
 
 if TYPE_CHECKING:
-    from celery import Celery
 
-    from .metrics import Metrics
+    from .setup import Setup
 
 __all__ = ["Journaling", "journal_on", "redis_database", "store_is_broker_db"]
 
@@ -102,22 +100,11 @@ def journal_on(app: Any, setting: bool | None, store_url: str | None = None) -> 
     return not store_is_broker_db(app, store_url)
 
 
-class Owner(Stores, Protocol):
-    """What the journal works with: the settings, the store, the app (its broker) and the
-    metrics (its failures)."""
-
-    @property
-    def app(self) -> Celery: ...
-
-    @property
-    def metrics(self) -> Metrics: ...
-
-
 class Journaling:
     """The journal of one app, as this process writes it."""
 
-    def __init__(self, ctl: Owner) -> None:
-        self.ctl = ctl
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
         self._broker: BrokerJournal | None = None
         self._enabled = False
         #: The settings ``_enabled`` and ``_broker`` were made for (install() again with
@@ -130,10 +117,10 @@ class Journaling:
 
     @property
     def enabled(self) -> bool:
-        settings = self.ctl.settings
+        settings = self.setup.settings
         if self._for is not settings:
-            self._enabled = journal_on(self.ctl.app, settings.journal, settings.redis_url)
-            self._broker = BrokerJournal(self.ctl.app, settings.key_prefix)
+            self._enabled = journal_on(self.setup.app, settings.journal, settings.redis_url)
+            self._broker = BrokerJournal(self.setup.app, settings.key_prefix)
             self._for = settings
         return self._enabled
 
@@ -149,7 +136,7 @@ class Journaling:
         may put a task in a line (see :meth:`epoch`; a fork inherits it). Never raises."""
         if self._epoch is None and self.enabled:
             with suppress(StoreError):
-                self._epoch = (*self.ctl.store.journal_epoch(), time.monotonic())
+                self._epoch = (*self.setup.store.journal_epoch(), time.monotonic())
 
     def epoch(self, us: int) -> str:
         """The store's epoch for a task that joined its line at ``us`` (the store's clock),
@@ -164,7 +151,7 @@ class Journaling:
         cached = self._epoch
         if cached is None or time.monotonic() - cached[2] > EPOCH_REFRESH:
             try:
-                fresh = self._epoch = (*self.ctl.store.journal_epoch(), time.monotonic())
+                fresh = self._epoch = (*self.setup.store.journal_epoch(), time.monotonic())
             except StoreError:
                 return cached[0] if cached is not None else ""
             if fresh[1] > us:
@@ -189,7 +176,7 @@ class Journaling:
         try:
             write()
         except Exception as exc:  # noqa: BLE001 - the broker's any error: the line still holds the task
-            self.ctl.metrics.store_error("journal")
+            self.setup.metrics.store_error("journal")
             with self._lock:
                 self._failures += 1
                 now = time.monotonic()

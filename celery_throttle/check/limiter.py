@@ -1,20 +1,24 @@
 """The Throttle controller: the limiter as users and operators call it (``acquire``, ``status``
 (read in :mod:`.status`), ``pause``, ``set_limit``, ...), over the app's parts in this process
-(:class:`.parts.Parts`: the settings, the store connections and the checks)."""
+(:class:`.setup.Setup`: the settings, the store connections and the counters; and the parts
+it wires, each given the parts it works with: the checks, the lines, the slots, the hints
+at publish and the record)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..core.config import check_mode
+from ..core.config import Settings, check_mode
 from ..core.cost import check_positive
 from ..core.errors import ConfigurationError
 from ..core.keys import state_key
 from ..core.rates import Rate
 from ..core.spec import BoundCall, ThrottleSpec, direct_call
 from ..core.state import FOREVER_US
+from ..store.client import RedisStore
+from .checker import Checker
 from .control_set import (
     ControlSet,
     limit_field,
@@ -22,7 +26,12 @@ from .control_set import (
     parse_controls,
     pause_field,
 )
-from .parts import Parts
+from .hints import Hints
+from .lines import Lines
+from .metrics import Metrics
+from .recorder import Recorder
+from .setup import Setup
+from .slots import Slots
 from .status import (
     Decision,
     Status,
@@ -40,11 +49,57 @@ __all__ = ["Throttle"]
 logger = logging.getLogger("celery_throttle")
 
 
-class Throttle(Parts):
+class Throttle:
     """Global limits for one Celery app. Get it from :func:`celery_throttle.install`.
 
-    The API users and operators call, over the app's :class:`.parts.Parts` (its settings,
-    store connections and checks), which the hook, the screen, publish and the waits use."""
+    The API users and operators call. It holds the app's parts in this process, wired here
+    and only here, each given what it works with: the :class:`.setup.Setup` (settings,
+    store connections, counters) and the other parts it calls. The hook, the screen,
+    publish and the waits take the parts they need from it."""
+
+    def __init__(self, app: Any, overrides: Mapping[str, Any] | None = None,
+                 clock: Callable[[], int] | None = None) -> None:
+        self.setup = setup = Setup(app, overrides, clock)
+        #: The checks of this app's calls (the hook, the screen and publish use them).
+        self.checker = checker = Checker(setup)
+        #: This process's side of the lines, and of the concurrency slots.
+        self.lines = lines = Lines(setup, checker)
+        self.slots = Slots(setup, checker, lines)
+        #: What this process may send unchecked at publish (see :mod:`..integration.publish`).
+        self.hints = Hints()
+        #: What this process saw, for ``throttle simulate`` (``throttle_record``).
+        self.recorder = Recorder(setup)
+
+    @property
+    def app(self) -> Any:
+        return self.setup.app
+
+    @property
+    def settings(self) -> Settings:
+        """The settings, read from ``app.conf`` on first use."""
+        return self.setup.settings
+
+    @property
+    def store(self) -> RedisStore:
+        """The Redis store, connected on first use (in the process that uses it)."""
+        return self.setup.store
+
+    @property
+    def quick_store(self) -> RedisStore:
+        return self.setup.quick_store
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.setup.metrics
+
+    def configure(self, overrides: Mapping[str, Any]) -> None:
+        """Apply more overrides (``install`` called again with settings)."""
+        self.setup.configure(overrides)
+        self.checker.forget()  # (what was read under the settings before is read again)
+
+    def close(self) -> None:
+        """Close the connections to the store (a later call opens new ones)."""
+        self.setup.close()
 
     def acquire(
         self,

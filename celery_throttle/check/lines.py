@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..celery_parts.hand import Hand
 from ..celery_parts.messages import decode_message, resend, task_of
@@ -30,7 +30,11 @@ from ..core.protocol import Code, Verdict, WindowReply
 from ..core.spec import BoundCall
 from ..core.timing import RELEASER_BATCH
 from .journaling import Journaling
-from .lines_on_call import OnCall, Owner
+from .lines_on_call import OnCall
+
+if TYPE_CHECKING:
+    from .checker import Checker
+    from .setup import Setup
 
 __all__ = ["WAKE_AHEAD_US", "Lines"]
 
@@ -54,15 +58,15 @@ UNKNOWN_RETRY_US = 5_000_000
 class Lines(OnCall):
     """The lines of one app, as this process sees them."""
 
-    def __init__(self, ctl: Owner) -> None:
-        self.ctl = ctl
+    def __init__(self, setup: Setup, checker: Checker) -> None:
+        self.setup, self.checker = setup, checker
         self._lock = ForkSafeLock()
         #: state key -> (task name, args, kwargs) of a task of its line.
         self._calls: OrderedDict[str, tuple[str, Any, Any]] = OrderedDict()
         #: state key -> when a call of it last had to wait (monotonic seconds).
         self._full_at: dict[str, float] = {}
         #: The copy of every task waiting in a line in the broker (when on).
-        self.journal = Journaling(ctl)
+        self.journal = Journaling(setup)
         #: This worker's own queue, for the task a body's end releases (a worker's only).
         self.hand = Hand()
 
@@ -112,7 +116,7 @@ class Lines(OnCall):
         handed = 0
         gone: list[str] = []  # (sent to the broker, or buried: out of their lines for good)
         lost: list[str] = []  # (their messages gone from the store: the journal has a copy)
-        app, metrics = self.ctl.app, self.ctl.metrics
+        app, metrics = self.setup.app, self.setup.metrics
         for task in reply.reported:
             if task.kind in ("r", "x", "c") and isinstance(task.payload, bytes):
                 try:
@@ -153,20 +157,20 @@ class Lines(OnCall):
                 logger.warning("task %s was released from the line of scope %r%s and has not started within "
                                "%.0fs: its room is given back; if it still comes, it is checked as a new task",
                                task.payload, call.scope, "" if call.key is None else f" key {call.key!r}",
-                               self.ctl.store.policy.out_lease_ms / 1000)
+                               self.setup.store.policy.out_lease_ms / 1000)
         self.journal.gone(call.state_key, gone, reply.now_us)
         self.journal.gone(call.state_key, lost, reply.now_us, Kind.LOST)
         try:
             if call.share is not None and reply.waiting and not reply.slot_cap:
                 # (Its key has tasks waiting and no cap: it takes part in its scope's share
                 # from now on, and the sharer's next pass gives it one.)
-                self.ctl.store.share_join(call.scope, call.state_key, *call.share)
+                self.setup.store.share_join(call.scope, call.state_key, *call.share)
             if sent or handed:
                 metrics.released(len(sent) + handed)
             if sent:
                 # (Its own look may move the key's due time earlier: what it sent is now
                 # out for longer. Never dropped: the index would keep the later one.)
-                acked = self.ctl.checker.ack(call, sent)
+                acked = self.checker.ack(call, sent)
                 if acked.tell_index:
                     self.note(call.state_key, acked.due_us, acked.now_us)
             if reply.tell_index:
@@ -179,8 +183,8 @@ class Lines(OnCall):
         """Whether this worker takes the task of ``message`` from its own queue."""
         if self.hand.queue is None:
             return False
-        body = decode_message(self.ctl.app, message)
-        return self.hand.takes(self.ctl.app, body["task"], body["args"], body["kwargs"], body["options"])
+        body = decode_message(self.setup.app, message)
+        return self.hand.takes(self.setup.app, body["task"], body["args"], body["kwargs"], body["options"])
 
     def _bury(self, call: BoundCall, entry: str, message: bytes, released: bool) -> None:
         """A message of ``call``'s line that cannot be decoded: kept as a dead letter, and its
@@ -188,31 +192,31 @@ class Lines(OnCall):
         logger.error("a task waiting in the line of scope %r%s has a message that cannot be decoded: it is kept "
                      "as a dead letter (throttle parked --dead)", call.scope,
                      "" if call.key is None else f" key {call.key!r}")
-        self.ctl.metrics.lost()
+        self.setup.metrics.lost()
         try:
-            self.ctl.store.bury(entry, message)
+            self.setup.store.bury(entry, message)
             if released:
-                self.handle(call, self.ctl.checker.give_back(call, entry))
+                self.handle(call, self.checker.give_back(call, entry))
         except (StoreError, ThrottleError) as exc:
             logger.warning("could not keep the dead letter %s: %s", entry, exc)
 
     def note(self, key: str, due_us: int, now_us: int) -> None:
         """Tell the index when ``key`` next needs a look (as its line's script computed it
         at ``now_us``), and wake a releaser if soon."""
-        read_us = self.ctl.checker.controls.read_at_us
-        if self.ctl.store.index_note(key, due_us, now_us, read_us) and due_us - now_us < WAKE_AHEAD_US:
+        read_us = self.checker.controls.read_at_us
+        if self.setup.store.index_note(key, due_us, now_us, read_us) and due_us - now_us < WAKE_AHEAD_US:
             self.wake_releasers()
 
     def wake_releasers(self) -> None:
         """Wake one releaser now (it looks at every key due)."""
-        self.ctl.store.wake_releasers()
+        self.setup.store.wake_releasers()
 
     def wake(self, scope: str | None, key: str | None = None) -> int:
         """Something gave ``scope`` (or its ``key``; None: every scope) room (a raised or
         cleared limit, a reset, a resume, shadow mode): every line of it gets a look now.
         Returns how many."""
-        store = self.ctl.store
-        prefix = self.ctl.settings.key_prefix
+        store = self.setup.store
+        prefix = self.setup.settings.key_prefix
         patterns = ["*"] if scope is None else scope_state_patterns(prefix, scope, key)
         woken = 0
         for pattern in patterns:
@@ -235,11 +239,11 @@ class Lines(OnCall):
         with self._lock:
             seen = self._calls.get(key)
         if seen is None:
-            message = self.ctl.store.sample(key)
+            message = self.setup.store.sample(key)
             if message is None:
                 return None
             try:
-                seen = task_of(self.ctl.app, message)
+                seen = task_of(self.setup.app, message)
             except Exception:  # noqa: BLE001 - a message we cannot read is reported by the release
                 return None
             if len(message) <= CACHED_MESSAGE:
@@ -248,11 +252,11 @@ class Lines(OnCall):
                     while len(self._calls) > CALLS_KEPT:
                         self._calls.popitem(last=False)
         name, args, kwargs = seen
-        known = self.ctl.checker.known(self.ctl.app, name, None)
+        known = self.checker.known(self.setup.app, name, None)
         if known is None:
             return None
         try:
-            call = self.ctl.checker.bind_spec(name, known.spec, known.signature, args, kwargs)
+            call = self.checker.bind_spec(name, known.spec, known.signature, args, kwargs)
         except ThrottleError:
             return None
         return call if call.state_key == key else None
@@ -264,8 +268,8 @@ class Lines(OnCall):
         process read at :attr:`.controls.Controls.read_at_us`."""
         call = self.call_for(key)
         if call is None:
-            waiting, out = self.ctl.store.line_counts(key)
-            now_us = self.ctl.store.now_us()
+            waiting, out = self.setup.store.line_counts(key)
+            now_us = self.setup.store.now_us()
             if waiting:
                 logger.debug("no task of the line %s is known here: left to another worker", key)
                 return now_us + UNKNOWN_RETRY_US, now_us
@@ -273,12 +277,12 @@ class Lines(OnCall):
                 return 0, now_us
             # Only tasks released and not started, none kept to bind: a call of no rate
             # puts back or forgets those whose time is up (nothing waits to be released).
-            target = target_of(self.ctl.settings.key_prefix, key)
+            target = target_of(self.setup.settings.key_prefix, key)
             if target is None:
                 return 0, now_us
             call = BoundCall(target[0], target[1], (), 1, "sliding", key)
         drain = drain or call.shadow  # (switched to shadow mode: whatever waits goes)
-        reply = self.ctl.checker.release(call, RELEASER_BATCH, drain=drain)
+        reply = self.checker.release(call, RELEASER_BATCH, drain=drain)
         # (A slot a release fills is held until its task starts: where a process is idle.)
         self.handle(call, reply, here=call.concurrency > 0 and not drain and self.hand.idle())
         if reply.code == Code.RUN and drain and reply.waiting:

@@ -5,7 +5,7 @@ waiting. :class:`.lines.Lines` is built on it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -14,13 +14,13 @@ from ..core.keys import state_key, target_of
 from ..core.protocol import WindowReply
 from ..core.spec import BoundCall
 from ..core.timing import RELEASER_BATCH
-from . import checker
 from .journaling import Journaling
 
 if TYPE_CHECKING:
-    from celery import Celery
+    from .checker import Checker
+    from .setup import Setup
 
-__all__ = ["OnCall", "Owner", "Waiting"]
+__all__ = ["OnCall", "Waiting"]
 
 
 @dataclass(frozen=True)
@@ -38,18 +38,11 @@ class Waiting:
     since: float
 
 
-class Owner(checker.Owner, Protocol):
-    """What the lines work with: the app's checks, store and metrics, and its app (to send
-    a released task)."""
-
-    @property
-    def app(self) -> Celery: ...
-
-
 class OnCall:
     """The operators' look at the lines of one app."""
 
-    ctl: Owner
+    setup: Setup
+    checker: Checker
     journal: Journaling
 
     def handle(self, call: BoundCall, reply: WindowReply) -> int:
@@ -62,27 +55,27 @@ class OnCall:
         """The state keys that have a line: the index's, and (by SCAN, for the operator's
         tools: one missing from the index is still shown) every one with line counts or
         entries (a store evicting may take either)."""
-        return self.ctl.store.line_keys()
+        return self.setup.store.line_keys()
 
     def count(self) -> int:
         """How many keys have tasks waiting in their line, or released from it (the index)."""
-        return self.ctl.store.lines_indexed()
+        return self.setup.store.lines_indexed()
 
     def total_waiting(self) -> int:
         """How many tasks wait in every line (the gauge)."""
-        return self.ctl.store.total_waiting()
+        return self.setup.store.total_waiting()
 
     def waiting(self, limit: int = 10_000) -> list[Waiting]:
         """The tasks in every line (and those released from one, not started), at most
         ``limit``, each line in its order."""
-        store, prefix, out = self.ctl.store, self.ctl.settings.key_prefix, []
+        store, prefix, out = self.setup.store, self.setup.settings.key_prefix, []
         for key in self.keys():
             target = target_of(prefix, key)
             if target is None:
                 continue
             for entry, place, meta, body in store.line_entries(key, limit):
                 task_id, since = _meta(meta)
-                name = "<message gone>" if body is None else _name(self.ctl.app, body)
+                name = "<message gone>" if body is None else _name(self.setup.app, body)
                 out.append(Waiting(target[0], target[1], entry.decode(errors="surrogateescape"), task_id, name, place,
                                    since))
                 if len(out) >= limit:
@@ -97,10 +90,10 @@ class OnCall:
             if task.place:
                 by_key.setdefault((task.scope, task.key), []).append(task.entry)
         deleted = 0
-        prefix = self.ctl.settings.key_prefix
+        prefix = self.setup.settings.key_prefix
         for (scope, key), entries in by_key.items():
             call = BoundCall(scope, key, (), 1, "sliding", state_key(prefix, scope, key))
-            reply = self.ctl.checker.drop(call, entries)
+            reply = self.checker.drop(call, entries)
             dropped = [r.id for r in reply.reported if r.kind == "d"]
             deleted += len(dropped)
             self.journal.gone(call.state_key, dropped, reply.now_us)
@@ -115,18 +108,18 @@ class OnCall:
         takes one claims it, and puts it back in its place if its key has no room. Returns
         (tasks sent, tasks still waiting: a send that failed puts its task back in its place
         after the send lease)."""
-        prefix = self.ctl.settings.key_prefix
+        prefix = self.setup.settings.key_prefix
         targets = sorted({(t.scope, t.key) for t in tasks if t.place}, key=lambda k: (k[0], k[1] or ""))
         sent = 0
         for scope, key in targets:
             # (No rates: the drain releases whatever the room, and needs no task to bind.)
             call = BoundCall(scope, key, (), 1, "sliding", state_key(prefix, scope, key))
             while True:
-                reply = self.ctl.checker.release(call, RELEASER_BATCH, drain=True)
+                reply = self.checker.release(call, RELEASER_BATCH, drain=True)
                 sent += self.handle(call, reply)
                 if not reply.waiting or not any(r.kind == "r" for r in reply.reported):
                     break
-        left = sum(self.ctl.store.line_counts(state_key(prefix, scope, key))[0] for scope, key in targets)
+        left = sum(self.setup.store.line_counts(state_key(prefix, scope, key))[0] for scope, key in targets)
         return sent, left
 
 

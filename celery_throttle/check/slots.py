@@ -25,17 +25,18 @@ import threading
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import StoreError
 from ..core.keys import encode, glob_escape
 from ..core.locks import ForkSafeLock
 from ..core.protocol import Code
 from ..core.spec import BoundCall
-from . import checker
 
 if TYPE_CHECKING:
+    from .checker import Checker
     from .lines import Lines
+    from .setup import Setup
 
 __all__ = ["RENEWALS_PER_LEASE", "WORKER_PID", "Slots", "holder_id", "holder_prefix", "is_nonce", "nonce_of"]
 
@@ -84,19 +85,11 @@ class Held:
     call: BoundCall
 
 
-class Owner(checker.Owner, Protocol):
-    """What the slots work with: the app's checks, store and metrics, and its lines (a
-    slot given back releases their heads)."""
-
-    @property
-    def lines(self) -> Lines: ...
-
-
 class Slots:
     """This process's concurrency slots, for one app."""
 
-    def __init__(self, ctl: Owner) -> None:
-        self.ctl = ctl
+    def __init__(self, setup: Setup, checker: Checker, lines: Lines) -> None:
+        self.setup, self.checker, self.lines = setup, checker, lines
         self._lock = ForkSafeLock()
         self._held: dict[str, Held] = {}
         self._pid = os.getpid()
@@ -113,7 +106,7 @@ class Slots:
         self._forked()
         with self._lock:
             self._held[holder] = Held(call)
-        self.ctl.metrics.running(call.scope, call.key, 1)
+        self.setup.metrics.running(call.scope, call.key, 1)
         self._start_renewer()
 
     def holds(self, holder: str) -> bool:
@@ -127,9 +120,9 @@ class Slots:
             held = self._held.pop(holder, None)
         if held is None:
             return
-        call = self.ctl.checker.with_live_concurrency(held.call)
-        self.ctl.metrics.running(call.scope, call.key, -1)
-        reply = self.ctl.checker.ended(call, holder)
+        call = self.checker.with_live_concurrency(held.call)
+        self.setup.metrics.running(call.scope, call.key, -1)
+        reply = self.checker.ended(call, holder)
         if reply.code == Code.LOST:
             self._lost(call.state_key, holder)
         if call.share is not None and (reply.running >= reply.slot_cap or not (reply.running or reply.waiting)) \
@@ -137,24 +130,24 @@ class Slots:
             # (The slot went back beyond the key's cap, or the key has nothing left to run: the
             # sharer hands it on now, rather than at its next pass.)
             with suppress(StoreError):
-                self.ctl.store.share_poke(call.scope)
-        self.ctl.lines.handle(call, reply, here=True)
+                self.setup.store.share_poke(call.scope)
+        self.lines.handle(call, reply, here=True)
 
     def release_killed(self, task: Any, task_id: str, args: Any, kwargs: Any) -> int:
         """Give back the slots held by bodies of ``task_id`` in this worker whose process
         was killed (a hard time limit, a revoke that terminated it, a lost process): the
         worker's main process finds them by their holder's name. Returns how many."""
-        call = self.ctl.checker.bind(task, args or (), kwargs or {})
-        holders = self.ctl.store.slot_holders(call.state_key, glob_escape(holder_prefix(task_id)) + "*")
+        call = self.checker.bind(task, args or (), kwargs or {})
+        holders = self.setup.store.slot_holders(call.state_key, glob_escape(holder_prefix(task_id)) + "*")
         for holder in holders:
-            self.ctl.lines.handle(call, self.ctl.checker.ended(call, holder))
+            self.lines.handle(call, self.checker.ended(call, holder))
         return len(holders)
 
     def _lost(self, state_key: str, holder: str) -> None:
-        self.ctl.metrics.store_error("slot-lease-lost")
+        self.setup.metrics.store_error("slot-lease-lost")
         logger.warning("%s ran past the lease of its concurrency slot (%s): the lease ran out (not renewed "
                        "for %.0fs: a stalled process, or the store unreachable), and another task may have "
-                       "run beside it", holder, state_key, self.ctl.settings.concurrency_lease)
+                       "run beside it", holder, state_key, self.setup.settings.concurrency_lease)
 
     # -- renewing ---------------------------------------------------------------------------
     def _start_renewer(self) -> None:
@@ -168,7 +161,7 @@ class Slots:
 
     def _renew_forever(self) -> None:
         while True:
-            time.sleep(self.ctl.settings.concurrency_lease / RENEWALS_PER_LEASE)
+            time.sleep(self.setup.settings.concurrency_lease / RENEWALS_PER_LEASE)
             try:
                 self.renew()
             except Exception as exc:  # noqa: BLE001 - never let the thread die: tried again next round
@@ -182,7 +175,7 @@ class Slots:
                 by_key.setdefault(held.call.state_key, (held.call, []))[1].append(holder)
         for call, holders in by_key.values():
             try:
-                reply = self.ctl.checker.renew(call, holders)
+                reply = self.checker.renew(call, holders)
             except StoreError as exc:
                 logger.warning("could not renew the concurrency slots of %s: %s", call.state_key, exc)
                 continue
@@ -192,4 +185,4 @@ class Slots:
                 if still:
                     self._lost(call.state_key, lost.id)
             if reply.tell_index:  # (a lease that ran out may let the line's head go sooner)
-                self.ctl.lines.note(call.state_key, reply.due_us, reply.now_us)
+                self.lines.note(call.state_key, reply.due_us, reply.now_us)

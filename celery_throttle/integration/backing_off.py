@@ -144,7 +144,7 @@ def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
         logger.warning("%s[%s] backs off: scope %r%s paused for %.1fs on every worker%s", task.name, request.id,
                        call.scope, "" if key is None else f" key {key!r}", seconds,
                        " (no Retry-After: longer while refusals repeat)" if exc.asked is None else "")
-    turned = TurnedAway(ctl, task, request, args, kwargs, call, header_of(request))
+    turned = TurnedAway(ctl.setup, ctl.lines, task, request, args, kwargs, call, header_of(request))
     try:
         reply = ctl.checker.front(call, turned.entry(with_message=True))
     except StoreError as error:

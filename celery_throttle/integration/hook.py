@@ -22,7 +22,7 @@ from ..waits.deferral import TurnedAway, new_entry_id, own_header, urgency_of
 from . import settle
 
 if TYPE_CHECKING:
-    from ..check.parts import Parts
+    from ..check.limiter import Throttle
 
 __all__ = ["guard"]
 
@@ -57,7 +57,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     # (A copy sent again after a lost reply makes its calls in a holder of the nonce it
     # names: the store may have started it in that name, and its copy is told apart.)
     holder = holder_id(request.id, header.lost or None)
-    turned = TurnedAway(ctl, task, request, args, kwargs, call, header, max_wait_us=ctl.checker.max_wait_us(spec),
+    turned = TurnedAway(ctl.setup, ctl.lines, task, request, args, kwargs, call, header, max_wait_us=ctl.checker.max_wait_us(spec),
                         holder=holder)
     ticket = header.ticket if header.key == call.state_key else ""
     try:
@@ -125,7 +125,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
     return False
 
 
-def _shadow(ctl: Parts, task: Any, request: Any, call: BoundCall, header: Header) -> bool:
+def _shadow(ctl: Throttle, task: Any, request: Any, call: BoundCall, header: Header) -> bool:
     """Shadow mode: where enforcing would have started the call is counted and reported
     (:meth:`.Checker.shadow`), and its body runs now, whatever the answer (a store error
     too: shadow mode holds nothing)."""
@@ -183,7 +183,7 @@ def _shadow(ctl: Parts, task: Any, request: Any, call: BoundCall, header: Header
     return True
 
 
-def _dropped_copy(ctl: Parts, task: Any, request: Any, call: BoundCall) -> bool:
+def _dropped_copy(ctl: Throttle, task: Any, request: Any, call: BoundCall) -> bool:
     """A copy of a task that started lately is dropped, said and counted: False (no body)."""
     logger.warning("%s[%s] is a copy of a task that started lately in scope %r%s: dropped, not run twice",
                    task.name, request.id, call.scope, "" if call.key is None else f" key {call.key!r}")
@@ -196,7 +196,7 @@ def _redelivered(request: Any) -> bool:
 
 
 
-def _check(ctl: Parts, call: BoundCall, turned: TurnedAway, holder: str, ticket: str,
+def _check(ctl: Throttle, call: BoundCall, turned: TurnedAway, holder: str, ticket: str,
            stale_ok: bool = False) -> WindowReply:
     """The call's check (:meth:`.Lines.tries`): its claim (a released task, with its
     ``ticket``; ``stale_ok``: see :meth:`.Checker.claim`) or a fresh acquire."""
@@ -212,7 +212,7 @@ def _check(ctl: Parts, call: BoundCall, turned: TurnedAway, holder: str, ticket:
     return reply
 
 
-def _waited_for_start(ctl: Parts, call: BoundCall, reply: Any) -> bool:
+def _waited_for_start(ctl: Throttle, call: BoundCall, reply: Any) -> bool:
     """Wait for the start a released task was granted early (``Verdict.START_AT``); False if the process
     woke too late for it: the body would start past its latest start less the slack (the
     wait counts from the script's now, so it never starts before its start). An Event, not

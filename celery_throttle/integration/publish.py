@@ -50,7 +50,7 @@ from ..core.timing import PUBLISH_HINT_MAX, STORE_ERROR_PAUSE, WORKER_BATCH, sho
 from ..waits.deferral import expires_us, new_entry_id
 
 if TYPE_CHECKING:
-    from ..check.parts import Parts
+    from ..check.limiter import Throttle
 
 __all__ = ["FREE_HINT_S", "admit", "throttle_of", "wrap_send_task"]
 
@@ -70,7 +70,7 @@ FREE_HINT_S = 0.1
 _breaker = Breaker(STORE_ERROR_PAUSE)
 
 
-def wrap_send_task(ctl: Parts) -> None:
+def wrap_send_task(ctl: Throttle) -> None:
     """Admit every task ``ctl.app`` sends (once per app)."""
     app = ctl.app
     send = app.send_task
@@ -90,13 +90,13 @@ def wrap_send_task(ctl: Parts) -> None:
     app.send_task = send_task
 
 
-def throttle_of(ctl: Parts, name: str, task: Any) -> Known | None:
+def throttle_of(ctl: Throttle, name: str, task: Any) -> Known | None:
     """The throttle this app knows for task ``name`` (``task``: its task, if the caller
     has it); None if it has none."""
     return ctl.checker.known(ctl.app, name, task)
 
 
-def _bound(ctl: Parts, name: str, args: Any, kwargs: Any,
+def _bound(ctl: Throttle, name: str, args: Any, kwargs: Any,
            options: Mapping[str, Any]) -> tuple[Known, BoundCall] | None:
     """The throttle of one send of task ``name``, bound to its arguments; None: send it as
     it is (no throttle; not checked at publish; in shadow mode; an ETA, a countdown or our header of its
@@ -132,7 +132,7 @@ def _urgency(app: Any, call: BoundCall, options: Mapping[str, Any]) -> int:
     return message_urgency(app, priority)
 
 
-def _unreachable(ctl: Parts, exc: StoreError) -> None:
+def _unreachable(ctl: Throttle, exc: StoreError) -> None:
     """The store failed a check at publish: tasks go unchecked for a while."""
     ctl.metrics.store_error("producer")
     _breaker.trip()
@@ -140,7 +140,7 @@ def _unreachable(ctl: Parts, exc: StoreError) -> None:
                    "(the workers check them): %s", STORE_ERROR_PAUSE, exc)
 
 
-def admit(ctl: Parts, send: Any, name: str, args: Any, kwargs: Any, options: dict[str, Any], known: Known,
+def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: dict[str, Any], known: Known,
           call: BoundCall) -> Any:
     """Check one send of task ``name`` (``call``): None, send it as it is; else what
     ``send_task`` returns for it (sent by ``send`` with its ticket, or kept in its line)."""
@@ -212,7 +212,7 @@ def admit(ctl: Parts, send: Any, name: str, args: Any, kwargs: Any, options: dic
     return _result(app, task_id, options)
 
 
-def _give_back(ctl: Parts, call: BoundCall, entry_id: str) -> None:
+def _give_back(ctl: Throttle, call: BoundCall, entry_id: str) -> None:
     """A task released at publish that could not be sent: its room goes back (never raises:
     the send's own error stands, and the room comes back when its time is up anyway)."""
     try:

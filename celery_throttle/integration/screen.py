@@ -100,7 +100,7 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             call = ctl.checker.bind(task, args, kwargs, quick=True)
             if call.shadow:  # (checked in the pool, which holds nothing of it)
                 return handler(message, body, ack, reject, callbacks, **kw)
-            turned = TurnedAway(ctl, task, request_context(message), args, kwargs, call,
+            turned = TurnedAway(ctl.setup, ctl.lines, task, request_context(message), args, kwargs, call,
                                 own_header(Header.read(headers.get(HEADER)), str(headers.get("id"))),
                                 max_wait_us=ctl.checker.max_wait_us(spec))
             for with_message in ctl.lines.tries(call):

@@ -31,7 +31,6 @@ from ..check import slots
 from ..check.controller import controller
 from ..check.journaling import store_is_broker_db
 from ..check.limiter import Throttle
-from ..check.parts import Parts
 from ..core.config import hide_secrets
 from ..core.errors import StoreError
 from ..core.header import HEADER, Header
@@ -106,7 +105,7 @@ class ThrottleStep(bootsteps.StartStopStep):
     shutdown = terminate = stop  # (a cold shutdown terminates steps instead of stopping them)
 
 
-def _say_what_is_throttled(ctl: Parts) -> None:
+def _say_what_is_throttled(ctl: Throttle) -> None:
     """One line at start: the throttled tasks, the store and what it risks (each risk
     also on a WARNING line of its own)."""
     store = ctl.store
@@ -129,7 +128,7 @@ def _say_what_is_throttled(ctl: Parts) -> None:
         logger.warning("celery_throttle: the throttle store %s: %s", safe_url(store.url), risk)
 
 
-def _where_copies_are(ctl: Parts) -> str:
+def _where_copies_are(ctl: Throttle) -> str:
     """The start line's word on what keeps a waiting task should the store be lost."""
     if ctl.lines.journal.enabled:
         return ", with a copy in the broker's journal"
@@ -139,7 +138,7 @@ def _where_copies_are(ctl: Parts) -> str:
     return " alone (throttle_journal is off: a store restarted empty or evicting loses them)"
 
 
-def _warm(ctl: Parts, connections: int) -> None:
+def _warm(ctl: Throttle, connections: int) -> None:
     """A store far away: open ``connections`` to it now, and read the controls, so that no
     check of a burst waits for a new connection's handshake or the first read."""
     if ctl.store.rtt_us < RTT_COUNTS_FROM_US:
@@ -159,7 +158,7 @@ def _warm_child(**_: Any) -> None:
 
 
 def _start_releaser(ctl: Any) -> Any:
-    releaser = Releaser(ctl)
+    releaser = Releaser(ctl.setup, ctl.checker, ctl.lines)
     releaser.start()
     return releaser
 
@@ -320,7 +319,7 @@ def _hide_secrets(sender: Any, **_: Any) -> None:
     hide_secrets(sender)
 
 
-def patch_tasks(ctl: Parts) -> int:
+def patch_tasks(ctl: Throttle) -> int:
     """Hook every throttled task of the app (decorated or matched by a rule)."""
     count = 0
     for name, task in list(ctl.app.tasks.items()):

@@ -30,7 +30,8 @@ from ..core.spec import BoundCall
 from ..core.timing import RESEND_PATIENCE, RESEND_RETRY_DELAY, RESEND_RETRY_MAX_DELAY, WORKER_BATCH
 
 if TYPE_CHECKING:
-    from ..check.parts import Parts
+    from ..check.lines import Lines
+    from ..check.setup import Setup
 
 __all__ = ["KEPT_PROPERTIES", "TurnedAway", "expires_us", "kept_properties", "names_task",
            "new_entry_id", "own_header"]
@@ -133,7 +134,8 @@ _refusals = _Refusals()
 class TurnedAway:
     """A task a worker could not start now, with what putting it in its line takes."""
 
-    ctl: Parts
+    setup: Setup
+    lines: Lines
     task: Any
     #: Its request (Celery's ``Context``): id, headers, routing, retries.
     request: Any
@@ -169,13 +171,13 @@ class TurnedAway:
                      self.urgency())
 
     def urgency(self) -> int:
-        return urgency_of(self.ctl.app, self.call, self.request)
+        return urgency_of(self.setup.app, self.call, self.request)
 
     def message(self) -> bytes:
         """Its message as the line keeps it: same id, arguments, routing, retry count and
         ``expires``, its header counting one deferral more (no ticket: it is given one
         when it is released)."""
-        return encode_message(self.ctl.app, self.signature(Header(deferrals=self.header.deferrals + 1,
+        return encode_message(self.setup.app, self.signature(Header(deferrals=self.header.deferrals + 1,
                                                                   errors=self.header.errors)))
 
     def signature(self, header: Header) -> Any:
@@ -192,12 +194,12 @@ class TurnedAway:
         :attr:`.BoundCall.wait_reason`, unless told)."""
         task, request, call = self.task, self.request, self.call
         reason = reason or call.wait_reason
-        self.ctl.lines.journal.kept(call.state_key, self.entry_id, reply.now_us,
+        self.lines.journal.kept(call.state_key, self.entry_id, reply.now_us,
                                     self.kept_message or self.message())
         delay = max(reply.wait_us, 0) / 1e6
         signals.task_throttled.send(sender=task, request=request, delay=delay, scope=call.scope, key=call.key,
                                     reason=reason)
-        self.ctl.metrics.denied(call.scope, call.key, delay)
+        self.setup.metrics.denied(call.scope, call.key, delay)
         logger.debug("throttled %s[%s] scope=%s key=%s: waits in its line (about %.3fs)", task.name, request.id,
                      call.scope, call.key, delay)
 
@@ -214,16 +216,16 @@ class TurnedAway:
         """The check could not reach Redis: ``throttle_on_store_error`` decides. True: run
         the body now (``allow``); raises ``exc`` (``fail``); else the task is sent back
         after a growing, jittered delay (``defer``) and False is returned."""
-        ctl, task, request = self.ctl, self.task, self.request
-        ctl.metrics.store_error("worker")
-        policy = ctl.settings.on_store_error
+        setup, task, request = self.setup, self.task, self.request
+        setup.metrics.store_error("worker")
+        policy = setup.settings.on_store_error
         if policy == "allow":
             logger.warning("throttle store unreachable, running %s[%s] unthrottled: %s", task.name, request.id, exc)
             return True
         if policy == "fail":
             raise exc
         h = self.header
-        s = ctl.settings
+        s = setup.settings
         delay = min(s.store_retry_delay * 2 ** min(h.errors, _BACKOFF_DOUBLINGS), s.store_retry_max_delay)
         delay *= random.uniform(0.5, 1.0)  # so deferred tasks do not return all at once
         logger.warning("throttle store unreachable, deferring %s[%s] for %.1fs: %s", task.name, request.id, delay, exc)

@@ -40,7 +40,8 @@ from ..core.journal import (
 from ..core.keys import target_of
 
 if TYPE_CHECKING:
-    from ..check.parts import Parts
+    from ..check.lines import Lines
+    from ..check.setup import Setup
 
 __all__ = ["Pass"]
 
@@ -64,12 +65,12 @@ PENDING, SENT = "pending ", "sent "
 
 
 class Pass:
-    """One pass over the journal of ``ctl``'s app, on the keeper's ``connection``."""
+    """One pass over the journal of an app's lines, on the keeper's ``connection``."""
 
-    def __init__(self, ctl: Parts, connection: Any, stopping: threading.Event | None = None) -> None:
-        self.ctl = ctl
-        self.store = ctl.store
-        self.broker = ctl.lines.journal.broker
+    def __init__(self, setup: Setup, lines: Lines, connection: Any, stopping: threading.Event | None = None) -> None:
+        self.setup = setup
+        self.store = setup.store
+        self.broker = lines.journal.broker
         self.connection = connection
         self.stopping = stopping or threading.Event()
         self._lock: Any = None
@@ -184,7 +185,7 @@ class Pass:
                 self.broker.publish(producer, headers, message)
             self._renew()
         for _ in range(sent):
-            self.ctl.metrics.store_error("lost-sent-on")
+            self.setup.metrics.store_error("lost-sent-on")
         if sent:
             logger.warning("celery_throttle: the store lost %d task(s) waiting in %d line(s): sent on from the "
                            "journal, as new tasks (each named at INFO)", sent, len({e.key for e in lost}))
@@ -212,14 +213,14 @@ class Pass:
             return False
         target = target_of(self.store.prefix, event.key)
         try:
-            resend(self.ctl.app, body)
+            resend(self.setup.app, body)
         except (OperationalError, OSError):
             raise  # (the broker is away: not sent, and the note says so to the next pass)
         except Exception as exc:  # noqa: BLE001 - a message that cannot be sent: kept for people
             logger.error("celery_throttle: task %s waited in the line of %s and the store lost it; its copy in the "
                          "journal cannot be sent (%r): kept as a dead letter (throttle parked --dead)", event.entry,
                          target or event.key, exc)
-            self.ctl.store.bury(event.entry, body)
+            self.store.bury(event.entry, body)
             return False
         logger.info("celery_throttle: task %s waited in the line of %s and the store lost it: sent on from the "
                     "journal, as a new task", event.entry, target or event.key)

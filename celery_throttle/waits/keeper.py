@@ -27,7 +27,8 @@ from .journal_pass import Pass
 from .outage import Outage
 
 if TYPE_CHECKING:
-    from ..check.parts import Parts
+    from ..check.lines import Lines
+    from ..check.setup import Setup
 
 __all__ = ["Keeper"]
 
@@ -48,9 +49,9 @@ STOP_WAIT = 5.0
 class Keeper(threading.Thread):
     """Reads the journal of one app now and then; sends on what the store lost."""
 
-    def __init__(self, ctl: Parts) -> None:
+    def __init__(self, setup: Setup, lines: Lines) -> None:
         super().__init__(name="celery-throttle-keeper", daemon=True)
-        self.ctl = ctl
+        self.setup, self.lines = setup, lines
         self._stop_event = threading.Event()
         self._urged = threading.Event()
         #: Until when (monotonic) every look makes a pass: after the store restarted, the
@@ -94,13 +95,13 @@ class Keeper(threading.Thread):
 
     def _connected(self) -> Any:
         if self._connection is None:
-            self._connection = self.ctl.lines.journal.broker.connect()
+            self._connection = self.lines.journal.broker.connect()
         return self._connection
 
     def pass_now(self) -> int | None:
         """A pass now, due or not (None: another keeper holds the lock)."""
         state = self._state()
-        journal_pass = Pass(self.ctl, self._connected(), self._stop_event)
+        journal_pass = Pass(self.setup, self.lines, self._connected(), self._stop_event)
         try:
             return journal_pass.run(adopt=state.get("adopted") is None)
         except Exception:
@@ -132,7 +133,7 @@ class Keeper(threading.Thread):
 
     def look(self) -> int | None:
         """A pass if one is due; returns what it left in the journal (None: no pass)."""
-        journal = self.ctl.lines.journal
+        journal = self.lines.journal
         if not journal.enabled:
             return None
         self.give_back()
@@ -147,4 +148,4 @@ class Keeper(threading.Thread):
 
     def _state(self) -> dict[str, str]:
         """The last pass's state (``left``, ``at``, ``due``, ``adopted``) as the store holds it."""
-        return self.ctl.store.journal_state()
+        return self.setup.store.journal_state()

@@ -29,7 +29,9 @@ from .outage import Outage
 from .sharer import Sharer
 
 if TYPE_CHECKING:
-    from ..check.parts import Parts
+    from ..check.checker import Checker
+    from ..check.lines import Lines
+    from ..check.setup import Setup
 
 __all__ = ["CLAIM_LEASE_US", "Outage", "Releaser"]
 
@@ -66,9 +68,9 @@ GAUGE_EVERY = 10.0
 class Releaser(threading.Thread):
     """Releases the heads of lines as their keys get room."""
 
-    def __init__(self, ctl: Parts) -> None:
+    def __init__(self, setup: Setup, checker: Checker, lines: Lines) -> None:
         super().__init__(name="celery-throttle-releaser", daemon=True)
-        self.ctl = ctl
+        self.setup, self.checker, self.lines = setup, checker, lines
         self._stop_event = threading.Event()
         self._chores_at = 0.0
         #: How long the last chores took (seconds).
@@ -86,12 +88,12 @@ class Releaser(threading.Thread):
         #: The journal's keeper (started with this thread when the journal is on), and
         #: the sharer of the scopes whose slots are shared.
         self.keeper: Any = None
-        self.sharer = Sharer(ctl)
+        self.sharer = Sharer(setup, checker, lines)
 
     def run(self) -> None:
         try:
-            if self.ctl.lines.journal.enabled:
-                self.keeper = Keeper(self.ctl)
+            if self.lines.journal.enabled:
+                self.keeper = Keeper(self.setup, self.lines)
                 self.keeper.start()
         except Exception:  # never let the thread die: lines would wait forever
             logger.exception("celery_throttle: could not start the journal's keeper")
@@ -103,7 +105,7 @@ class Releaser(threading.Thread):
                 # within CONTROL_REFRESH, so that the lines it woke are looked at under it.)
                 self._woken = False
                 try:
-                    self.ctl.checker.refresh_controls()
+                    self.checker.refresh_controls()
                 except StoreError:
                     pass  # (the round that follows says what is wrong)
             try:
@@ -111,17 +113,17 @@ class Releaser(threading.Thread):
                 self._outage.ok()
             except StoreError as exc:
                 self._outage.failed(exc)
-                sleep = self.ctl.settings.release_interval * random.uniform(0.5, 1.0)
+                sleep = self.setup.settings.release_interval * random.uniform(0.5, 1.0)
             except Exception:  # never let the thread die: lines would wait forever
                 logger.exception("releasing lines failed")
-                sleep = self.ctl.settings.release_interval
+                sleep = self.setup.settings.release_interval
             # (The next look is due that long from now, whatever the chores take: with a
             # store far away they are several round trips, and a line due meanwhile would
             # be released that much late. So they wait for a gap as long as they took
             # last time, for CHORES_PUT_OFF intervals at most.)
             wake_at = time.monotonic() + sleep
             since = time.monotonic() - self._chores_at
-            interval = self.ctl.settings.release_interval
+            interval = self.setup.settings.release_interval
             if since >= interval and (sleep >= self._chores_took or since >= CHORES_PUT_OFF * interval):
                 self._chores_at = time.monotonic()
                 self.chores()
@@ -140,7 +142,7 @@ class Releaser(threading.Thread):
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0.0005 and not self._stop_event.is_set():
             try:
-                if self.ctl.store.wait_for_wake(min(left, WAKE_SLICE)):
+                if self.setup.store.wait_for_wake(min(left, WAKE_SLICE)):
                     self._woken = True
                     break
             except StoreError:
@@ -151,8 +153,8 @@ class Releaser(threading.Thread):
         """Release the heads of every line due now; returns how long (seconds) to sleep
         before the next look (the earliest due in the index, at most the release
         interval)."""
-        store, lines = self.ctl.store, self.ctl.lines
-        drain = not self.ctl.settings.enabled  # (throttling switched off: every line goes)
+        store, lines = self.setup.store, self.lines
+        drain = not self.setup.settings.enabled  # (throttling switched off: every line goes)
         while True:
             now_us, _, claimed = store.index_claim(LOOKAHEAD_US + store.rtt_us, CLAIM_MOST, CLAIM_LEASE_US)
             settled = []
@@ -166,11 +168,11 @@ class Releaser(threading.Thread):
                     due, at = now_us + CLAIM_LEASE_US, now_us
                 # (with when its controls were read: a due time computed under controls older
                 # than the key's last wake-up never pushes its look later: index.lua)
-                settled.append((key, token, due, at, self.ctl.checker.controls.read_at_us))
+                settled.append((key, token, due, at, self.checker.controls.read_at_us))
             now_us, first = store.index_settle(settled)
             if len(claimed) < CLAIM_MOST:
                 break
-        interval = self.ctl.settings.release_interval
+        interval = self.setup.settings.release_interval
         if first < 0:
             return interval
         # (Less WAKE_TRIPS round trips: the script's now came half of one before its reply,
@@ -192,10 +194,10 @@ class Releaser(threading.Thread):
             if now - self._watched_at >= STORE_WATCH_EVERY:
                 self._watched_at = now
                 self._watch_store()
-            if self.ctl.metrics.enabled and now - self._gauged_at >= GAUGE_EVERY:
+            if self.setup.metrics.enabled and now - self._gauged_at >= GAUGE_EVERY:
                 self._gauged_at = now
-                self.ctl.metrics.parked_waiting(self.ctl.lines.total_waiting())
-                gauge_levels(self.ctl.store, known_specs(self.ctl.app, self.ctl.checker.rule_for), self.ctl.metrics)
+                self.setup.metrics.parked_waiting(self.lines.total_waiting())
+                gauge_levels(self.setup.store, known_specs(self.setup.app, self.checker.rule_for), self.setup.metrics)
             self._chores_outage.ok()
         except StoreError as exc:
             self._chores_outage.failed(exc)
@@ -207,7 +209,7 @@ class Releaser(threading.Thread):
         script and the index, or the index was evicted): SCAN, one worker a round. A line
         is found by its counts or by its entries (a store evicting may take either: the
         next call counts a line again from its entries, line.lua)."""
-        store = self.ctl.store
+        store = self.setup.store
         missing = store.unindexed_lines(int(INDEX_SWEEP_EVERY * 1000 * 0.8))
         if missing is None:
             return 0  # (another worker swept lately)
@@ -216,17 +218,16 @@ class Releaser(threading.Thread):
             found += store.index_note(key, now_us, now_us)
         if found:
             logger.warning("celery_throttle: %d line(s) were missing from the index; they are looked at now", found)
-            self.ctl.lines.wake_releasers()
+            self.lines.wake_releasers()
         return found
 
     def _watch_store(self) -> None:
         """Say so when the store restarted (its run id changed) while this worker ran:
         whatever it did not keep on disk (lines, counts) may be lost."""
-        ctl = self.ctl
-        report = ctl.store.report(self.keeper is not None)
+        report = self.setup.store.report(self.keeper is not None)
         before = report.restarted_from
         if before is not None and report.run_id is not None:
-            ctl.metrics.store_error("restart")
+            self.setup.metrics.store_error("restart")
             seen = self._lines_seen
             lines = (f" ({seen[0]} key(s) had tasks waiting in their lines {time.time() - seen[1]:.0f}s before)"
                      if seen and seen[0] else "")
@@ -238,4 +239,4 @@ class Releaser(threading.Thread):
                 lost = "tasks waiting in its lines and counts it did not keep on disk are lost"
             logger.error("celery_throttle: the throttle store restarted (run id %s -> %s): %s%s%s", before[:8],
                          report.run_id[:8], lost, lines, "".join(f"; {risk}" for risk in report.risks))
-        self._lines_seen = (ctl.lines.count(), time.time())
+        self._lines_seen = (self.lines.count(), time.time())

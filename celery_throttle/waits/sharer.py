@@ -32,7 +32,9 @@ from ..store.sharing import CAP_KEEP_MS
 from .outage import Outage
 
 if TYPE_CHECKING:
-    from ..check.parts import Parts
+    from ..check.checker import Checker
+    from ..check.lines import Lines
+    from ..check.setup import Setup
 
 __all__ = ["LEAVE_AFTER", "PASS_DUTY", "SHARE_EVERY", "Sharer"]
 
@@ -65,9 +67,9 @@ SCOPES_EVERY = 5.0
 class Sharer(threading.Thread):
     """Moves the caps of the shared scopes of one app, where this worker holds the lock."""
 
-    def __init__(self, ctl: Parts) -> None:
+    def __init__(self, setup: Setup, checker: Checker, lines: Lines) -> None:
         super().__init__(name="celery-throttle-sharer", daemon=True)
-        self.ctl = ctl
+        self.setup, self.checker, self.lines = setup, checker, lines
         self._stop_event = threading.Event()
         #: scope -> (its lock, when it was last extended: monotonic)
         self._locks: dict[str, tuple[Any, float]] = {}
@@ -101,7 +103,7 @@ class Sharer(threading.Thread):
                 self._stop_event.wait((time.thread_time() - began) * (1 / PASS_DUTY - 1))
                 if self._locks:
                     # (woken at once by a slot given back beyond a cap, or a key that joins)
-                    self.ctl.store.share_wait(list(self._locks), SHARE_EVERY)
+                    self.setup.store.share_wait(list(self._locks), SHARE_EVERY)
                     continue
             except Exception as exc:  # noqa: BLE001 - never let the thread die: tried again next round
                 self._outage.failed(exc)
@@ -111,13 +113,13 @@ class Sharer(threading.Thread):
         """Each shared scope of the app and its K (the live one if set, else the least declared)."""
         if time.monotonic() - self._declared_at >= SCOPES_EVERY:
             declared: dict[str, int] = {}
-            for scope, spec in known_specs(self.ctl.app, self.ctl.checker.rule_for):
+            for scope, spec in known_specs(self.setup.app, self.checker.rule_for):
                 if spec.share is not None and spec.concurrency:
                     declared[scope] = min(declared.get(scope, spec.concurrency), spec.concurrency)
             self._declared, self._declared_at = declared, time.monotonic()
         found = dict(self._declared)
         for scope in found:
-            live = self.ctl.checker.controls.concurrency_for(self.ctl.store, scope, None)
+            live = self.checker.controls.concurrency_for(self.setup.store, scope, None)
             if live is not None:
                 found[scope] = live
         return found
@@ -138,7 +140,7 @@ class Sharer(threading.Thread):
         if now - self._tried.get(scope, float("-inf")) < STANDBY_EVERY:
             return False
         self._tried[scope] = now
-        lock = self.ctl.store.share_lock(scope, LOCK_S)
+        lock = self.setup.store.share_lock(scope, LOCK_S)
         if not lock.acquire():
             return False
         self._locks[scope] = (lock, now)
@@ -168,7 +170,7 @@ class Sharer(threading.Thread):
     def share(self, scope: str, total: int) -> tuple[dict[str, int], list[str]]:
         """One pass over ``scope`` of ``total`` slots: returns the caps written, and the keys
         that left the share."""
-        store = self.ctl.store
+        store = self.setup.store
         members = self._members(scope)
         if not members:
             return {}, []
@@ -195,7 +197,7 @@ class Sharer(threading.Thread):
         for k, _ in [*lowers, *raised, *stale]:
             self._written[k] = now
         if raised and store.index_wake([k for k, _ in raised if uses[k].waiting]):
-            self.ctl.lines.wake_releasers()
+            self.lines.wake_releasers()
         return {**dict(lowers), **dict(raised)}, self._leave(scope, members, uses, now)
 
     def _members(self, scope: str) -> dict[str, Any]:
@@ -203,14 +205,14 @@ class Sharer(threading.Thread):
         pass that has not left since, written back. Only the sharer takes a key out (after
         LEAVE_AFTER idle); one missing was evicted, and a key that holds slots under a cap
         the sharer does not see would not count against K when it raises the others."""
-        members = self.ctl.store.share_members(scope)
+        members = self.setup.store.share_members(scope)
         known = self._known.setdefault(scope, {})
         lost = {k: m for k, m in known.items() if k not in members}
         if lost:
             logger.warning("celery_throttle: %d key(s) of the shared scope %r had gone from its registry "
                            "(evicted?); written back", len(lost), scope)
             for k, m in lost.items():
-                self.ctl.store.share_join(scope, k, m.weight, m.most)
+                self.setup.store.share_join(scope, k, m.weight, m.most)
             members.update(lost)
         known.clear()
         known.update(members)
@@ -222,7 +224,7 @@ class Sharer(threading.Thread):
         for k, use in uses.items():
             if not (use.held or use.waiting) and self._keeping.idle_for(k, now) >= LEAVE_AFTER:
                 idle[k] = members[k]
-        left = self.ctl.store.share_leave(scope, idle)
+        left = self.setup.store.share_leave(scope, idle)
         for k in left:
             self._known.get(scope, {}).pop(k, None)
             self._keeping.forget(k)

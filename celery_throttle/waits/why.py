@@ -25,7 +25,6 @@ from ..core.keys import encode, glob_escape, state_of
 
 if TYPE_CHECKING:
     from ..check.limiter import Throttle
-    from ..check.parts import Parts
     from ..check.status import RateStatus
 
 __all__ = ["Whereabouts", "explain", "parked_call"]
@@ -70,7 +69,7 @@ class Whereabouts:
     share_cap: int | None = None
 
 
-def parked_call(ctl: Parts, message: bytes | None) -> tuple[str, Header]:
+def parked_call(ctl: Throttle, message: bytes | None) -> tuple[str, Header]:
     """(task name, its ``celery_throttle`` header as read) of a kept message."""
     try:
         body = decode_message(ctl.app, message or b"")
@@ -79,13 +78,13 @@ def parked_call(ctl: Parts, message: bytes | None) -> tuple[str, Header]:
     return body["task"], Header.read((body["options"].get("headers") or {}).get(HEADER))
 
 
-def find_in_lines(ctl: Parts, task_id: str) -> tuple[str, str, int, bytes | None] | None:
+def find_in_lines(ctl: Throttle, task_id: str) -> tuple[str, str, int, bytes | None] | None:
     """(``line`` | ``released``, state key, place in the line from 1 (0: released), its
     message) of task ``task_id``, among the keys with a line (the index)."""
     return ctl.store.find_entry(glob_escape(encode(task_id)) + ":*")
 
 
-def find_dead_letter(ctl: Parts, task_id: str) -> tuple[int, bytes | None] | None:
+def find_dead_letter(ctl: Throttle, task_id: str) -> tuple[int, bytes | None] | None:
     """(since when in µs, its message) of task ``task_id`` kept as a dead letter (its id is
     its line entry's: the encoded task id, then ``:``)."""
     found = ctl.store.find_dead(glob_escape(encode(task_id)) + ":*")

@@ -261,7 +261,7 @@ def test_the_keeper_reads_the_journal_with_a_redis_cluster_store(cluster_url: st
 
     ctl = Throttle(app, {"redis_url": cluster_url, "key_prefix": prefix, "journal": True})
     wrap_send_task(ctl)
-    keeper = Keeper(ctl)
+    keeper = Keeper(ctl.setup, ctl.lines)
     try:
         for n in range(4):
             work.delay("acme", n)
@@ -288,7 +288,7 @@ def test_what_a_pass_marks_is_looked_at_again_lost_after_later(deploy: Deploy) -
     # Given the store restarted empty while no worker ran (nobody saw its run id change)
     d.lose_the_store()
     # When a worker starts: its keeper looks every LOOK_EVERY, as its thread does
-    keeper = Keeper(d.ctl)
+    keeper = Keeper(d.ctl.setup, d.ctl.lines)
     try:
         assert keeper.look() == len(waiting)  # (no trace of a pass: one now, which marks them)
         for _ in range(4):
@@ -470,7 +470,7 @@ def test_a_sent_on_note_whose_reply_was_lost_does_not_keep_its_task_from_running
     # made, its task not sent: taken for sent, it never ran)
     time.sleep(LOOK)
     wait_for(lambda: d.journal_length() >= len(waiting), 10, 0.05, "the copies given back")
-    other = Keeper(d.ctl)
+    other = Keeper(d.ctl.setup, d.ctl.lines)
     try:
         other.look()
     finally:

@@ -180,7 +180,7 @@ def test_a_line_whose_counts_and_index_entry_were_evicted_is_found_and_released_
             assert store.delete(lm) == 1 and store.zrem(line_index_key(d.prefix), d.key) == 1
             # Then the index sweep finds the line by its entries, and its next call counts
             # them again (taken for empty, it was dropped from the index for good)
-            assert Releaser(d.ctl).index_lost_lines() == 1
+            assert Releaser(d.ctl.setup, d.ctl.checker, d.ctl.lines).index_lost_lines() == 1
             assert store.zscore(line_index_key(d.prefix), d.key) is not None
             d.ctl.lines.release(d.key)
             assert int(store.hget(lm, "q")) == 7

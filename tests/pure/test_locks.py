@@ -78,7 +78,7 @@ def test_a_child_forked_while_every_lock_of_a_controller_was_held_checks_and_rep
     app = Celery(f"fork-{prefix}", set_as_current=False)
     ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
     assert ctl.acquire("forked", rates=["50/s"]).allowed
-    locks = [ctl._lock, ctl.store._lock, ctl.lines._lock, ctl.metrics._lock, ctl.checker.controls._lock,
+    locks = [ctl.setup._lock, ctl.store._lock, ctl.lines._lock, ctl.metrics._lock, ctl.checker.controls._lock,
              ctl.slots._lock, controllers._lock, metrics._instruments_lock]
     assert all(isinstance(lock, ForkSafeLock) for lock in locks)
 

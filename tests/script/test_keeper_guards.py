@@ -54,8 +54,8 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Celery, Any, Thrott
 
     ctl = Throttle(app, {"redis_url": server.url, "key_prefix": prefix, "journal": True})
     policy = ScriptPolicy(used_keep_ms=USED_KEEP_MS)
-    ctl._store = RedisStore(server.url, prefix, policy=policy)
-    ctl._quick_store = RedisStore(server.url, prefix, policy=policy)
+    ctl.setup._store = RedisStore(server.url, prefix, policy=policy)
+    ctl.setup._quick_store = RedisStore(server.url, prefix, policy=policy)
     app._celery_throttle = ctl  # (what controller(app) answers: the hook's controller)
     wrap_send_task(ctl)
     try:
@@ -101,7 +101,7 @@ def test_a_task_released_from_its_line_and_run_is_never_sent_on_once_the_store_f
         task.pop_request()
     # When the store has forgotten it started, and the keeper looks again and again
     time.sleep(USED_KEEP_MS / 1000 + 0.5)
-    keeper = Keeper(ctl)
+    keeper = Keeper(ctl.setup, ctl.lines)
     try:
         for _ in range(3):
             keeper.pass_now()

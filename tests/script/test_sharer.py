@@ -40,7 +40,7 @@ def two(prefix: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Sharer, 
 
         ctls.append(Throttle(app, {"redis_url": STORE_URL, "key_prefix": prefix}))
     try:
-        yield Sharer(ctls[0]), Sharer(ctls[1])
+        yield Sharer(ctls[0].setup, ctls[0].checker, ctls[0].lines), Sharer(ctls[1].setup, ctls[1].checker, ctls[1].lines)
     finally:
         for ctl in ctls:
             ctl.close()
@@ -48,7 +48,7 @@ def two(prefix: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Sharer, 
 
 def tenant(sharer: Sharer, name: str, *, held: int = 0, waiting: int = 0) -> str:
     """``name``'s state key, in the share, holding ``held`` slots with ``waiting`` in its line."""
-    store = sharer.ctl.store
+    store = sharer.setup.store
     key = state_key(store.prefix, SCOPE, name)
     _, counts, _, _, _, slots, _ = window_keys(key)
     with store._redis.pipeline(transaction=False) as pipe:
@@ -71,12 +71,12 @@ def test_one_worker_leads_a_scope_and_another_takes_over_when_it_stops(two: tupl
     assert a._lead(SCOPE) and not b._lead(SCOPE)
     x = tenant(a, "x", waiting=10)
     a.share(SCOPE, K)
-    assert caps(a.ctl.store._redis, x) == {x: K}  # (alone: every slot)
+    assert caps(a.setup.store._redis, x) == {x: K}  # (alone: every slot)
     a.stop()  # (gives its lock back: the other need not wait for its lease)
     assert b._lead(SCOPE)
     y = tenant(b, "y", waiting=10)
     b.share(SCOPE, K)  # (x holds none yet: its cap lowered to its share, y raised within what is left)
-    assert caps(b.ctl.store._redis, x, y) == {x: 2, y: 2}
+    assert caps(b.setup.store._redis, x, y) == {x: 2, y: 2}
 
 
 @pytest.mark.parametrize("renew", ["as built", "mutation: trusts its lease"])
@@ -86,20 +86,20 @@ def test_a_pass_that_stalled_past_its_lease_writes_nothing(two: tuple[Sharer, Sh
     gets work, and b gives x and y 2 each. a, going on from its read, would give x all 4:
     6 slots of a scope of 4."""
     a, b = two
-    client = a.ctl.store._redis
+    client = a.setup.store._redis
     assert a._lead(SCOPE)
     x, y = tenant(a, "x", waiting=10), tenant(a, "y")
-    read = a.ctl.store.share_read
+    read = a.setup.store.share_read
 
     def stalled(keys: Any) -> Any:
         got = read(keys)
-        client.delete(share_lock_key(a.ctl.store.prefix, SCOPE))  # (its lease ran out meanwhile)
+        client.delete(share_lock_key(a.setup.store.prefix, SCOPE))  # (its lease ran out meanwhile)
         assert b._lead(SCOPE)
         tenant(b, "y", waiting=10)
         b.share(SCOPE, K)
         return got
 
-    monkeypatch.setattr(a.ctl.store, "share_read", stalled)
+    monkeypatch.setattr(a.setup.store, "share_read", stalled)
     if renew != "as built":
         monkeypatch.setattr(Sharer, "_renew", lambda self, scope: True)
     a.share(SCOPE, K)
@@ -116,13 +116,13 @@ def test_a_registry_evicted_is_written_back(two: tuple[Sharer, Sharer], keep: st
     """x holds all 4 slots; the scope's registry is evicted; y comes. A pass that did not
     count x would give y 4 more: 8 running of a scope of 4."""
     a, _ = two
-    client = a.ctl.store._redis
+    client = a.setup.store._redis
     assert a._lead(SCOPE)
     x = tenant(a, "x", waiting=10)
     a.share(SCOPE, K)
     assert caps(client, x) == {x: K}
     tenant(a, "x", held=K, waiting=10)  # (its 4 start)
-    client.delete(share_registry_key(a.ctl.store.prefix, SCOPE))
+    client.delete(share_registry_key(a.setup.store.prefix, SCOPE))
     if keep != "as built":
         monkeypatch.setattr(a, "_known", {})
     y = tenant(a, "y", waiting=10)
@@ -130,7 +130,7 @@ def test_a_registry_evicted_is_written_back(two: tuple[Sharer, Sharer], keep: st
     got = caps(client, x, y)
     if keep == "as built":
         # (x's cap lowered to its share; y's raise waits for x's bodies to end: none is stopped)
-        assert got == {x: 2, y: 0} and set(a.ctl.store.share_members(SCOPE)) == {x, y}
+        assert got == {x: 2, y: 0} and set(a.setup.store.share_members(SCOPE)) == {x, y}
         slots = window_keys(x)[5]
         client.zpopmin(slots, 2)  # (two of x's bodies end)
         a.share(SCOPE, K)
@@ -150,7 +150,7 @@ def test_a_slow_pass_spaces_the_next(two: tuple[Sharer, Sharer], monkeypatch: py
 
     def slow(scope: str, total: int) -> tuple[dict[str, int], list[str]]:
         passes.append(time.monotonic())
-        a.ctl.store.share_poke(scope)  # (a wake-up waits for every pass)
+        a.setup.store.share_poke(scope)  # (a wake-up waits for every pass)
         if busy[0]:
             spent = time.thread_time()
             while time.thread_time() - spent < 0.06:

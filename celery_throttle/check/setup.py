@@ -1,9 +1,8 @@
-"""This process's parts of one app's throttle, made on first use: its settings, its store
-connections, the checks of its calls (:class:`.checker.Checker`), its side of the lines
-and slots, what it counts, and what it may send unchecked at publish.
-
-The hook, the consumer's screen, publish and the waits work with these parts;
-:class:`.limiter.Throttle` (the controller) is them and the API users and operators call.
+"""What every part of one app's throttle works with in this process: the app, its settings
+(read from ``app.conf`` on first use: the app may be configured after ``install``, and again
+after :meth:`Setup.configure`), its store by two connections (opened in the process that
+uses them: a prefork child opens its own) and what it counts. Never another part: each part
+is handed the parts it works with when the app's :class:`.limiter.Throttle` wires them.
 """
 
 from __future__ import annotations
@@ -15,18 +14,13 @@ from ..core import timing
 from ..core.config import Settings, require_redis_url
 from ..core.locks import ForkSafeLock
 from ..store.client import RedisStore
-from .checker import Checker
-from .hints import Hints
-from .lines import Lines
 from .metrics import Metrics
-from .recorder import Recorder
-from .slots import Slots
 
-__all__ = ["Parts"]
+__all__ = ["Setup"]
 
 
-class Parts:
-    """The parts of one app's throttle in this process (see the module's doc)."""
+class Setup:
+    """One app's settings, store connections and counters in this process."""
 
     def __init__(self, app: Any, overrides: Mapping[str, Any] | None = None,
                  clock: Callable[[], int] | None = None) -> None:
@@ -36,32 +30,22 @@ class Parts:
         self._settings: Settings | None = None
         self._store: RedisStore | None = None
         self._quick_store: RedisStore | None = None
-        self._slots: Slots | None = None
-        self._lines: Lines | None = None
+        self._metrics: Metrics | None = None
         self._lock = ForkSafeLock()
         #: The store's run id as the last store closed saw it (see :meth:`.RedisStore.report`).
         self._run_id: str | None = None
-        #: The checks of this app's calls (the hook, the screen and publish use it).
-        self.checker = Checker(self)
-        self._metrics: Metrics | None = None
-        #: What this process may send unchecked at publish (see :mod:`.publish`).
-        self.hints = Hints()
-        #: What this process saw, for ``throttle simulate`` (``throttle_record``).
-        self.recorder = Recorder(self)
 
     def configure(self, overrides: Mapping[str, Any]) -> None:
-        """Apply more overrides (``install`` called again with settings)."""
+        """Apply more overrides (``install`` called again with settings): read again, loudly
+        now, with new store connections."""
         with self._lock:
             self._overrides.update(overrides)
             self._settings = None
-            self.checker.forget()
         self.close()
-        _ = self.settings  # validate now, loudly
+        _ = self.settings
 
     @property
     def settings(self) -> Settings:
-        """Settings, read from ``app.conf`` on first use (the app may be configured
-        after ``install``)."""
         if self._settings is None:
             self._settings = Settings.from_app(self.app, self._overrides)
         return self._settings
@@ -77,20 +61,6 @@ class Parts:
     def store(self) -> RedisStore:
         """The Redis store, connected on first use (in the process that uses it)."""
         return self._store or self._open("_store")
-
-    @property
-    def slots(self) -> Slots:
-        """This process's concurrency slots (:mod:`.slots`)."""
-        if self._slots is None:
-            self._slots = Slots(self)
-        return self._slots
-
-    @property
-    def lines(self) -> Lines:
-        """This process's side of the lines (:mod:`.lines`)."""
-        if self._lines is None:
-            self._lines = Lines(self)
-        return self._lines
 
     @property
     def quick_store(self) -> RedisStore:
