@@ -37,6 +37,7 @@ SECTIONS = {
     "observe": ("bench.llm", "run_observe", ("46", "headers")),
     "shapes": ("bench.shapes", "run_shapes", ("46b", "adaptive-shapes")),
     "tenants": ("bench.tenants", "run_tenants", ("46c", "small-tenants")),
+    "scripts": ("bench.scripts", "run_scripts", ("45", "script-cost")),
 }
 ALIASES = {alias: name for name, (_, _, aliases) in SECTIONS.items() for alias in aliases}
 

@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from bench.common import Counts, Results, counts, md, new_prefix, produce, running, spend
-from celery_throttle.celery_parts.journal import journal_queue_name
+from celery_throttle.celery_parts.journal_queue import journal_queue_name
 from tests.harness import redis_server, waited
 
 SEC, TENANTS, RATE, WINDOW_S = "journal", [f"t{i}" for i in range(10)], "50/5s", 5.0  # (bench/app.py's JOURNAL_RATE)

@@ -23,7 +23,7 @@ settings.register_profile("celery_throttle_quick", deadline=None, max_examples=1
 
 from kombu.transport.redis import Channel
 
-from celery_throttle.celery_parts.journal import journal_queue_name
+from celery_throttle.celery_parts.journal_queue import journal_queue_name
 from examples.local_redis import drop_bindings
 from tests.helpers import (
     BROKER_URL,

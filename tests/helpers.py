@@ -23,7 +23,7 @@ import redis
 from celery import Celery
 
 from celery_throttle.celery_parts.hand import hand_queue
-from celery_throttle.celery_parts.journal import journal_queue_name
+from celery_throttle.celery_parts.journal_queue import journal_queue_name
 from celery_throttle.core.keys import glob_escape
 from examples.local_redis import drop_bindings, server_binary
 from tests.reference import max_units_in_any_interval, max_units_per_aligned_window

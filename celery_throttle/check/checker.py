@@ -22,7 +22,7 @@ from ..core.rates import Rate
 from ..core.spec import BoundCall
 from ..store.client import RedisStore
 from .binding import Binder, Stores
-from .lease import Leases, sent_at
+from .unit_leases import Leases, sent_at
 
 __all__ = ["Checker"]
 

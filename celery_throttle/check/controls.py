@@ -35,7 +35,7 @@ from ..core.errors import StoreError
 from ..core.locks import ForkSafeLock
 from ..core.rates import Rate
 from ..core.timing import CONTROL_REFRESH, RTT_COUNTS_FROM_US, STORE_TIMEOUT
-from .control_set import (
+from .control_fields import (
     REPLACE_ALL,
     ControlSet,
     limit_field,

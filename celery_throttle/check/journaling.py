@@ -27,7 +27,7 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from ..celery_parts.journal import BrokerJournal
+from ..celery_parts.journal_queue import BrokerJournal
 from ..core.errors import StoreError
 from ..core.journal import Kind
 from ..core.locks import ForkSafeLock

@@ -19,7 +19,7 @@ from ..core.spec import BoundCall, ThrottleSpec, direct_call
 from ..core.state import FOREVER_US
 from ..store.client import RedisStore
 from .checker import Checker
-from .control_set import (
+from .control_fields import (
     ControlSet,
     limit_field,
     mode_field,

@@ -21,7 +21,7 @@ from ..core.spec import BoundCall, ThrottleSpec, declared_spec
 from ..core.state import FOREVER_US, rate_of_field
 from ..store.client import RedisStore
 from .adaptive import Level, level_of
-from .control_set import ControlSet, control_target
+from .control_fields import ControlSet, control_target
 
 __all__ = [
     "Decision",

@@ -1,5 +1,5 @@
 """The Redis store: every family of operations (:mod:`.window`, :mod:`.lines`,
-:mod:`.controls`, :mod:`.sharing`, :mod:`.journal`, :mod:`.recording`, :mod:`.dead_letters`)
+:mod:`.controls`, :mod:`.sharing`, :mod:`.keeper`, :mod:`.recording`, :mod:`.dead_letters`)
 over one client (:mod:`.scripts`)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from ..core.state import STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 from .controls import ControlOps
 from .dead_letters import DeadLetterOps
-from .journal import JournalOps
+from .keeper import KeeperOps
 from .lines import LineOps
 from .recording import RecordOps
 from .sharing import ShareOps
@@ -20,8 +20,8 @@ from .window import WindowOps
 __all__ = ["RedisStore"]
 
 
-class RedisStore(WindowOps, LineOps, ControlOps, ShareOps, JournalOps, RecordOps, DeadLetterOps):
-    """Window state, lines, controls, shares, the journal's side, the record and the dead
+class RedisStore(WindowOps, LineOps, ControlOps, ShareOps, KeeperOps, RecordOps, DeadLetterOps):
+    """Window state, lines, controls, shares, the keeper's notes, the record and the dead
     letters in one Redis (or Redis Cluster): the only part of the plugin that speaks Redis."""
 
     def __init__(self, url: str, prefix: str, clock: Callable[[], int] | None = None,
@@ -33,7 +33,7 @@ class RedisStore(WindowOps, LineOps, ControlOps, ShareOps, JournalOps, RecordOps
         self.layout = layout
         self.add_window_scripts(layout)
         self.add_control_scripts()
-        self.add_journal_scripts()
+        self.add_keeper_scripts()
 
     @classmethod
     def opened(cls, url: str, prefix: str, options: Mapping[str, Any], quick_timeout: float | None = None,

@@ -1,6 +1,6 @@
 """Live limits and pauses as the control hash holds them (celery_throttle/check/controls.py):
 which rates are in force under a live limit, and what a pause leaves of the other controls.
-(How the rates in force are merged, without Redis: tests/pure/test_control_set.py.)"""
+(How the rates in force are merged, without Redis: tests/pure/test_control_fields.py.)"""
 
 from __future__ import annotations
 

@@ -299,7 +299,7 @@ def test_a_start_granted_early_is_used_only_if_the_process_wakes_in_time(ctl: ce
 def test_concurrent_pauses_keep_the_longest_and_forget_those_over(ctl: celery_throttle.Throttle) -> None:
     import threading
 
-    from celery_throttle.check.control_set import pause_field
+    from celery_throttle.check.control_fields import pause_field
 
     # Given a pause that is over, and a live limit, in the controls hash
     store = ctl.store

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from celery_throttle.check.lease import Leases, sent_at
+from celery_throttle.check.unit_leases import Leases, sent_at
 from celery_throttle.core.keys import state_key
 from tests.conftest import _clean
 from tests.helpers import (

@@ -1,4 +1,4 @@
-"""The journal's side in the store: its epoch (an id the store holds while it holds its
+"""The keeper's notes in the store (what the keeper of the journal keeps beside it): the epoch (an id the store holds while it holds its
 lines, ``epoch.lua``), the keeper's last pass and its lock, and the notes of the tasks the
 keeper sent on (each once). The journal itself lives in the broker (:mod:`..check.journaling`)."""
 
@@ -11,13 +11,13 @@ from typing import Any
 from ..core.keys import journal_keys
 from .scripts import ScriptClient, StoreLock
 
-__all__ = ["JournalOps"]
+__all__ = ["KeeperOps"]
 
 
-class JournalOps(ScriptClient):
-    """The journal's operations of a store."""
+class KeeperOps(ScriptClient):
+    """The keeper's operations of a store."""
 
-    def add_journal_scripts(self) -> None:
+    def add_keeper_scripts(self) -> None:
         self.add_lua("epoch")
 
     def journal_epoch(self) -> tuple[str, int]:

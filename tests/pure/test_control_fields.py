@@ -1,4 +1,4 @@
-"""The rates in force under the controls (celery_throttle/check/control_set.py): a live
+"""The rates in force under the controls (celery_throttle/check/control_fields.py): a live
 rate takes the place of the declared rate of its window only, or of all of them when it
 replaces all. Pure: no Redis (the control hash itself is tests/script/test_controls.py)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import celery_throttle
-from celery_throttle.check.control_set import merged_rates, parse_controls
+from celery_throttle.check.control_fields import merged_rates, parse_controls
 from celery_throttle.core.rates import parse_rates
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from celery_throttle.check.lease import MAX_UNITS, Leases, sent_at
+from celery_throttle.check.unit_leases import MAX_UNITS, Leases, sent_at
 
 
 def test_a_key_gets_a_lease_only_once_its_pace_is_known_and_uses_it_up() -> None:

@@ -1,0 +1,159 @@
+"""Section 45 (scripts, issue 45 item 3): what one script call costs the store, by operation, beside a floor.
+
+Each operation is called ``CALLS`` times against a redis-server of its own, on its clock (TIME), and
+timed by the server (SLOWLOG at 0 µs: the script's own time, no round trip):
+
+- the floor: a fixed window counted in a hash on the server's clock, the least a global check does
+  (fitting: counted; denied: read only);
+- ``limits``' moving window (``MovingWindowRateLimiter.hit``), the peer most Celery users know;
+- celery_throttle's window script (sliding, one rate): a check that fits (``acquire``), one denied
+  with nothing in line (``acquire``: DENIED), one denied while its line holds ``LINE`` tasks, and
+  the claim of a task released from a line (``claim``, its release not counted).
+
+The targets are issue 45's: a fitting check at most 1.5x the floor's, a denied one and a claim at
+most 2x the floor's fitting check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from bench.common import Results, md, standalone
+from tests.harness import redis_server
+
+SEC = "45 script cost"
+#: Calls timed per operation, and tasks waiting in the line of the "denied, with a line" case.
+CALLS, LINE = 2_000, 1_000
+FITTING_TARGET, DENIED_TARGET, CLAIM_TARGET = 1.5, 2.0, 2.0
+
+#: The floor: one rate, a fixed window counted in a hash field named by the window's number, on the
+#: server's clock. ARGV: limit, window (µs). 1 if counted, else 0.
+FLOOR = """local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local window = tostring(math.floor(now / tonumber(ARGV[2])))
+local n = tonumber(redis.call('HGET', KEYS[1], window) or '0')
+if n >= tonumber(ARGV[1]) then return 0 end
+redis.call('HINCRBY', KEYS[1], window, 1)
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) / 1000))
+return 1"""
+
+
+def timed(client: redis.Redis, calls: Callable[[], Any], token: bytes = b"") -> list[int]:
+    """The server's µs of each EVALSHA that ``calls`` sends (naming ``token``, when given)."""
+    client.slowlog_reset()
+    calls()
+    return [int(e["duration"]) for e in client.slowlog_get(-1)
+            if e["command"].startswith(b"EVALSHA ") and token in e["command"]]
+
+
+def floor_cost(client: redis.Redis) -> dict[str, list[int]]:
+    script = client.register_script(FLOOR)
+    client.delete("floor:fit", "floor:deny")
+    out = {"fitting": timed(client, lambda: [script(keys=["floor:fit"], args=[10**9, 60_000_000]) for _ in range(CALLS)])}
+    script(keys=["floor:deny"], args=[1, 3_600_000_000])
+    out["denied"] = timed(client, lambda: [script(keys=["floor:deny"], args=[1, 3_600_000_000]) for _ in range(CALLS)])
+    client.delete("floor:fit", "floor:deny")
+    return out
+
+
+def limits_cost(url: str, client: redis.Redis) -> dict[str, list[int]]:
+    from limits import parse, storage, strategies
+
+    limiter = strategies.MovingWindowRateLimiter(storage.RedisStorage(url))
+    roomy, full = parse(f"{CALLS * 10}/hour"), parse("1/hour")
+    out = {"fitting": timed(client, lambda: [limiter.hit(roomy, "fit") for _ in range(CALLS)])}
+    limiter.hit(full, "deny")
+    out["denied"] = timed(client, lambda: [limiter.hit(full, "deny") for _ in range(CALLS)])
+    return out
+
+
+def ours_cost(url: str, client: redis.Redis) -> dict[str, list[int]]:
+    from celery_throttle.core.keys import state_key
+    from celery_throttle.core.protocol import Code, Entry, WindowCall
+    from celery_throttle.core.rates import parse_rate
+    from celery_throttle.store.client import RedisStore
+
+    store = RedisStore(url, "cost")
+    out: dict[str, list[int]] = {}
+    try:
+        roomy = WindowCall("sliding", (parse_rate(f"{CALLS * 10}/h"),), 1, slack_us=10_000)
+        fit = state_key("cost", "cost", "fit")
+        out["fitting"] = timed(client, lambda: [store.acquire(fit, roomy) for _ in range(CALLS)])
+        full = WindowCall("sliding", (parse_rate("1/h"),), 1, slack_us=10_000)
+        denied = state_key("cost", "cost", "denied")
+        store.acquire(denied, full)
+        out["denied"] = timed(client, lambda: [store.acquire(denied, full) for _ in range(CALLS)])
+        lined = state_key("cost", "cost", "lined")
+        store.acquire(lined, full)
+        for n in range(LINE):
+            store.acquire(lined, full, entry=Entry(f"t{n}", b"x" * 300, f"t{n}", 0, 0, 8))
+        out[f"denied, {LINE:,} in line"] = timed(client, lambda: [store.acquire(lined, full) for _ in range(CALLS)])
+        # (A line that a rate of 500/s releases: each released task is claimed at once.)
+        pace = WindowCall("sliding", (parse_rate("500/s"),), 1, slack_us=10_000)
+        claimed = state_key("cost", "cost", "claimed")
+        for n in range(CALLS + 500):
+            store.acquire(claimed, pace, entry=Entry(f"c{n}", b"x" * 300, f"c{n}", 0, 0, 8))
+
+        def claims() -> None:
+            done = 0
+            while done < CALLS:
+                reply = store.release(claimed, pace, 64)
+                for r in reply.reported:
+                    code = store.claim(claimed, pace, r.id, early_us=1_000_000, holder=f"h{r.id}").code
+                    assert code in (Code.RUN, Code.RUN_AT), code
+                    done += 1
+                if not reply.reported:
+                    time.sleep(0.002)
+
+        out["claim of a released task"] = timed(client, claims, b" claim ")
+    finally:
+        for k in client.scan_iter(match="cost:*", count=1000):
+            client.delete(k)
+        store.close()
+    return out
+
+
+def measure() -> dict[str, dict[str, list[int]]]:
+    with redis_server("--slowlog-log-slower-than", "0", "--slowlog-max-len", str(4 * CALLS)) as server:
+        client = redis.Redis(port=server.port, socket_timeout=120)
+        return {"floor": floor_cost(client), "limits": limits_cost(server.url, client),
+                "celery_throttle": ours_cost(server.url, client)}
+
+
+def run_scripts(res: Results, scale: Any = None) -> None:
+    got = measure()
+    floor = statistics.median(got["floor"]["fitting"])
+    rows = []
+    for who, ops in got.items():
+        for op, durations in ops.items():
+            median = statistics.median(durations)
+            rows.append(f"| {who} | {op} | {median:.1f} | {statistics.mean(durations):.1f} | {median / floor:.2f} |")
+    res.table("scripts", md("| script | operation | µs per call, median | mean | / the floor's fitting check |", rows))
+    ours = got["celery_throttle"]
+    for op, target in (("fitting", FITTING_TARGET), ("denied", DENIED_TARGET),
+                       (f"denied, {LINE:,} in line", DENIED_TARGET), ("claim of a released task", CLAIM_TARGET)):
+        ratio = statistics.median(ours[op]) / floor
+        res.add(SEC, f"script µs per call / the floor's fitting check: {op}", "celery_throttle", f"{ratio:.2f}",
+                f"<= {target}x", ratio <= target, f"median {statistics.median(ours[op]):.1f} µs, floor {floor:.1f} µs")
+    for op in ("fitting", "denied"):
+        res.add(SEC, f"script µs per call / the floor's fitting check: {op}", "limits moving window",
+                f"{statistics.median(got['limits'][op]) / floor:.2f}", judged=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.__main__ import FULL
+
+    p = argparse.ArgumentParser(prog="python -m bench.scripts", description=__doc__.splitlines()[0])
+    p.parse_args(argv)
+    standalone("bench.scripts", argv, FULL, True, ("scripts", run_scripts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
