@@ -359,7 +359,9 @@ def produce(plan: dict[str, Any]) -> list[dict[str, Any]]:
             for i in range(send.get("count", 1)):
                 if pace:
                     time.sleep(max(0.0, first + i * pace - time.time()))
-                more = [i] if vary == "index" else [vary[i % len(vary)]] if vary else []
+                # ("runs": each of vary's values that many times in a row, as a tenant sends its tasks at once)
+                at_ = i // send.get("runs", 1)
+                more = [i] if vary == "index" else [vary[at_ % len(vary)]] if vary else []
                 args = list(send.get("args", []))
                 where = send.get("vary_at", len(args))
                 args[where:where] = more

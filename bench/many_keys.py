@@ -42,12 +42,11 @@ def most_in_a_second(starts: list[dict[str, Any]]) -> int:
 
 
 def one_run(task: str, keys: int, per_key: int) -> dict[str, float]:
-    tenants = [f"t{k}" for k in range(keys) for _ in range(per_key)]
-    n = len(tenants)
+    tenants, n = [f"t{k}" for k in range(keys)], keys * per_key
     with served("keys", count=2, concurrency=4) as (_, group):
         time.sleep(3.0)  # (the workers' start-up traffic is over)
         before = counts(group.records)
-        sent = produce(group, {"task": task, "count": n, "vary": tenants})[0]
+        sent = produce(group, {"task": task, "count": n, "vary": tenants, "runs": per_key})[0]
         deadline = time.monotonic() + 600
         while not (done := group.started("keys") >= n) and time.monotonic() < deadline:
             time.sleep(0.2)
