@@ -38,6 +38,7 @@ SECTIONS = {
     "shapes": ("bench.shapes", "run_shapes", ("46b", "adaptive-shapes")),
     "tenants": ("bench.tenants", "run_tenants", ("46c", "small-tenants")),
     "scripts": ("bench.scripts", "run_scripts", ("45", "script-cost")),
+    "keys": ("bench.many_keys", "run_many_keys", ("47", "many-keys")),
 }
 ALIASES = {alias: name for name, (_, _, aliases) in SECTIONS.items() for alias in aliases}
 
