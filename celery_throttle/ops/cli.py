@@ -94,9 +94,8 @@ def status(ctx: click.Context, scope: str | None, key: str | None, match: str, k
 
 
 def _as_scope_and_key(ctl: Any, match: str, limit: int) -> tuple[list[Any], bool, list[tuple[str, str]]]:
-    """What ``--match 'scope:key'`` names, the shape every key is shown in:
-    spelling of an earlier version): each split at a ``:`` tried as a scope glob and a key
-    glob. Returns the statuses, whether more were left, and the splits that matched."""
+    """What ``--match 'scope:key'`` names, the shape every key is shown in: each split at a
+    ``:`` tried as a scope glob and a key glob. Returns the statuses, whether more were left, and the splits that matched."""
     found: dict[tuple[str, str | None], Any] = {}
     more, spelt = False, []
     for at in (i for i, c in enumerate(match) if c == ":"):

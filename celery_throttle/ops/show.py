@@ -180,7 +180,7 @@ def whereabouts_lines(found: Any) -> list[str]:
     elif found.scope is not None and found.where != "released":
         lines.append(target)
     if found.paused_until is not None:
-        lines.append("held by: a pause " + ("that has ended" if found.paused_until is None else pause_end(found.paused_until)))
+        lines.append("held by: a pause " + pause_end(found.paused_until))
     elif found.share_cap is not None and found.running is not None and found.running >= found.share_cap:
         lines.append(f"held by: its share of the scope's {found.concurrency} slots ({found.running} held of its cap "
                      f"{found.share_cap}); the sharer raises the cap as other keys of the scope give slots back")

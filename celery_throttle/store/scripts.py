@@ -268,12 +268,14 @@ class ScriptClient:
 
 class StoreLock:
     """A lease on a key that one process holds at a time, for ``lease_s`` seconds after it
-    was taken or last renewed (redis-py's lock, which writes a token of its own)."""
+    was taken or last renewed (redis-py's lock, which writes a token of its own). Its token
+    is the object's, not a thread's: a worker that stops gives up, from its own thread, the
+    lease its sharer's thread took (the next worker need not wait the lease out)."""
 
     def __init__(self, store: ScriptClient, key: str, lease_s: float) -> None:
         self._store, self._lease_s = store, lease_s
         with store.errors():
-            self._lock = store._redis.lock(key, timeout=lease_s, blocking=False)
+            self._lock = store._redis.lock(key, timeout=lease_s, blocking=False, thread_local=False)
 
     def acquire(self) -> bool:
         """Take the lease if no one holds it; whether this process holds it now."""

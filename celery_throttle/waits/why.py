@@ -102,7 +102,7 @@ def explain(ctl: Throttle, task_id: str, timeout: float = REPLY_TIMEOUT) -> Wher
         since_us, message = letter
         name, header = parked_call(ctl, message)
         key = header.key or None
-        out = Whereabouts(task_id, "dead", name, until=since_us / 1e6)
+        out = Whereabouts(task_id, "dead", name if message is not None else "<message gone>", until=since_us / 1e6)
     else:
         replies = ctl.app.control.broadcast("throttle_why", arguments={"task_id": task_id}, reply=True,
                                             timeout=timeout)

@@ -406,3 +406,26 @@ def test_a_state_field_written_by_hand_that_names_no_rate_is_skipped_by_status(
     # Then status shows the one rate counted, and reads the rest as no rate (no traceback)
     shown = ctl.status("hand-api")
     assert [(str(r.rate), r.used) for r in shown.rates] == [("5/s", 1)], shown
+
+
+def test_a_lease_taken_in_one_thread_is_given_up_from_another_and_a_lost_one_says_so(
+        ctl: celery_throttle.Throttle, store_client: redis.Redis, prefix: str) -> None:
+    import threading
+
+    # Given a lease one thread took (a sharer's), given up from another (its worker stopping)
+    lock = ctl.store.lock(f"{prefix}:lease-test", 30.0)
+    taker = threading.Thread(target=lambda: lock.acquire())
+    taker.start()
+    taker.join()
+    assert store_client.exists(f"{prefix}:lease-test")
+    lock.release()
+    # Then it is free for the next process at once, not after its lease
+    assert not store_client.exists(f"{prefix}:lease-test")
+    other = ctl.store.lock(f"{prefix}:lease-test", 30.0)
+    assert other.acquire() and other.renew()
+    # And a lease another took meanwhile is lost: renew says so, release leaves it be
+    store_client.set(f"{prefix}:lease-test", "someone else")
+    assert not other.renew()
+    other.release()
+    assert store_client.get(f"{prefix}:lease-test") == b"someone else"
+    store_client.delete(f"{prefix}:lease-test")
