@@ -8,16 +8,23 @@ wait in its line and are released over the next seconds. Measured: the producer'
 to the last start, the most starts of a tenant in any 1 s, and the server's
 commands, script calls and CPU per task, beside plain Celery sending the same tasks unthrottled.
 
-``python -m bench.many_keys [--keys 100,2000] [--per-key 15]``
+With ``--ops``, a run more at the fewest keys, on a server that logs every command (SLOWLOG at 0 µs): the
+script calls of each operation per task, and the server's µs per call of each.
+
+``python -m bench.many_keys [--keys 100,2000] [--per-key 15] [--ops]``
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from typing import Any
 
-from bench.common import Results, counts, md, produce, served, standalone
+import redis
+
+from bench.common import Results, counts, md, new_prefix, produce, running, served, standalone
+from tests.harness import redis_server
 
 SEC = "47 many keys"
 #: Issue 47's targets: against plain Celery's makespan, and per task that waits.
@@ -57,7 +64,39 @@ def one_run(task: str, keys: int, per_key: int) -> dict[str, float]:
             "most": most_in_a_second(starts), "done": float(done)}
 
 
-def run_many_keys(res: Results, scale: Any = None, keys: tuple[int, ...] = KEYS, per_key: int = PER_KEY) -> None:
+def script_ops(keys: int, per_key: int) -> tuple[int, Counter[str], Counter[str]]:
+    """(tasks, script calls by operation, their server µs) of one throttled run, from the SLOWLOG. The window
+    script's operation is its ARGV[2], the index's ``index:`` and its op; a line's sample is ``eval``, any
+    other script (a pause, the journal's epoch) ``other``."""
+    n, calls, us = keys * per_key, Counter[str](), Counter[str]()
+    with redis_server("--slowlog-log-slower-than", "0", "--slowlog-max-len", str(200 * n)) as server, \
+            running(new_prefix("keys-ops"), server, store=server.url, records=server.url, count=2,
+                    concurrency=4) as group:
+        client = redis.Redis(port=server.port)
+        time.sleep(3.0)
+        client.slowlog_reset()
+        produce(group, {"task": "keys_limit", "count": n, "vary": [f"t{k}" for k in range(keys)], "runs": per_key})
+        deadline = time.monotonic() + 600
+        while group.started("keys") < n and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for entry in client.slowlog_get(-1):
+            parts = entry["command"].split(b" ")
+            if parts[0] == b"EVALSHA" and len(parts) > 5:
+                keys_n = int(parts[2])
+                op = parts[4 + keys_n].decode(errors="replace")
+                # (window.lua takes a key's 7 keys, or 8 with a share; index.lua the index's 2)
+                name = op if keys_n >= 7 else f"index:{op}" if keys_n == 2 else "other"
+            elif parts[0] == b"EVAL":
+                name = "eval"
+            else:
+                continue
+            calls[name] += 1
+            us[name] += int(entry["duration"])
+    return n, calls, us
+
+
+def run_many_keys(res: Results, scale: Any = None, keys: tuple[int, ...] = KEYS, per_key: int = PER_KEY,
+                  ops: bool = False) -> None:
     rows = []
     for k in keys:
         print(f"  many keys: {k:,} tenants x {per_key} ...", flush=True)
@@ -77,6 +116,11 @@ def run_many_keys(res: Results, scale: Any = None, keys: tuple[int, ...] = KEYS,
                 "celery_throttle", f"{extra_calls:.2f}; {extra_cmds:.1f}",
                 f"<= {CALLS_TARGET:.0f}; <= {COMMANDS_TARGET:.0f}",
                 extra_calls <= CALLS_TARGET and extra_cmds <= COMMANDS_TARGET)
+    if ops:
+        n, calls, us = script_ops(min(keys), per_key)
+        res.table("many_keys", f"Script calls by operation, {min(keys):,} keys x {per_key} (SLOWLOG at 0 µs)\n\n" + md(
+            "| operation | calls per task | server µs per call | server µs per task |",
+            (f"| {op} | {c / n:.2f} | {us[op] / c:.0f} | {us[op] / n:.0f} |" for op, c in calls.most_common())))
     res.table("many_keys", md("| keys | client | producer's sends (s) | first send to last start (s) | commands/task | "
                               "script calls/task | server CPU µs/task | most starts of a tenant in 1 s |", rows))
 
@@ -87,9 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.many_keys", description=__doc__.splitlines()[0])
     p.add_argument("--keys", default=",".join(map(str, KEYS)), help="tenants of each run, comma-separated")
     p.add_argument("--per-key", type=int, default=PER_KEY, help="tasks each tenant sends at once")
+    p.add_argument("--ops", action="store_true", help="and the script calls by operation, at the fewest keys")
     args = p.parse_args(argv)
     keys = tuple(int(k) for k in args.keys.split(","))
-    standalone("bench.many_keys", argv, FULL, True, ("many_keys", run_many_keys, keys, args.per_key))
+    standalone("bench.many_keys", argv, FULL, True, ("many_keys", run_many_keys, keys, args.per_key, args.ops))
     return 0
 
 
