@@ -8,15 +8,20 @@ wait in its line and are released over the next seconds. Measured: the producer'
 to the last start, the most starts of a tenant in any 1 s, and the server's
 commands, script calls and CPU per task, beside plain Celery sending the same tasks unthrottled.
 
+With ``--admitted N``, N runs more of each size with the record on (``throttle_record``), whose start
+events carry the start the store admitted (its clock): the most starts of a tenant in any 1 s by those, beside
+the bodies' own notes (taken after the claim: a body that began late bunches with the next window's).
+
 With ``--ops``, a run more at the fewest keys, on a server that logs every command (SLOWLOG at 0 µs): the
 script calls of each operation per task, and the server's µs per call of each.
 
-``python -m bench.many_keys [--keys 100,2000] [--per-key 15] [--ops]``
+``python -m bench.many_keys [--keys 100,2000] [--per-key 15] [--ops] [--admitted N]``
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import Counter
 from typing import Any
@@ -24,6 +29,7 @@ from typing import Any
 import redis
 
 from bench.common import Results, counts, md, new_prefix, produce, running, served, standalone
+from celery_throttle.core.keys import record_key
 from tests.harness import redis_server
 
 SEC = "47 many keys"
@@ -48,9 +54,20 @@ def most_in_a_second(starts: list[dict[str, Any]]) -> int:
     return most
 
 
-def one_run(task: str, keys: int, per_key: int) -> dict[str, float]:
+def admitted_starts(store_url: str, prefix: str) -> list[dict[str, Any]]:
+    """Each start as the store admitted it (the record's start events, the server's clock), with its key for its id."""
+    client = redis.Redis.from_url(store_url)
+    events = [json.loads(fields[b"e"]) for _, fields in client.xrange(record_key(prefix))]
+    key_of = {e["id"]: e["key"] for e in events if e["k"] == "a"}
+    return [{"id": key_of.get(e["id"], "?"), "t": e["t"] / 1e6} for e in events if e["k"] == "s"]
+
+
+def one_run(task: str, keys: int, per_key: int, admitted: bool = False) -> dict[str, float]:
+    """One run; ``admitted``: with the record on (``throttle_record``: more commands per task), to count the
+    starts as the store admitted them beside the bodies' own notes."""
     tenants, n = [f"t{k}" for k in range(keys)], keys * per_key
-    with served("keys", count=2, concurrency=4) as (_, group):
+    env = {"CT_RECORD": str(4 * n)} if admitted else {}
+    with served("keys", count=2, concurrency=4, env=env) as (store, group):
         time.sleep(3.0)  # (the workers' start-up traffic is over)
         before = counts(group.records)
         sent = produce(group, {"task": task, "count": n, "vary": tenants, "runs": per_key})[0]
@@ -59,9 +76,13 @@ def one_run(task: str, keys: int, per_key: int) -> dict[str, float]:
             time.sleep(0.2)
         got = counts(group.records) - before
         starts = group.starts("keys")
+        if admitted:
+            time.sleep(1.5)  # (a process writes its record twice a second)
+            by_store = admitted_starts(store.url, group.prefix)
     return {"sends": sent["last"] - sent["first"], "makespan": max(s["t"] for s in starts) - sent["first"],
             "commands": got.commands / n, "calls": got.script_calls / n, "cpu_us": got.cpu_s / n * 1e6,
-            "most": most_in_a_second(starts), "done": float(done)}
+            "most": most_in_a_second(starts), "done": float(done),
+            **({"admitted": most_in_a_second(by_store), "recorded": len(by_store) / n} if admitted else {})}
 
 
 def script_ops(keys: int, per_key: int) -> tuple[int, Counter[str], Counter[str]]:
@@ -96,7 +117,7 @@ def script_ops(keys: int, per_key: int) -> tuple[int, Counter[str], Counter[str]
 
 
 def run_many_keys(res: Results, scale: Any = None, keys: tuple[int, ...] = KEYS, per_key: int = PER_KEY,
-                  ops: bool = False) -> None:
+                  ops: bool = False, admitted: int = 0) -> None:
     rows = []
     for k in keys:
         print(f"  many keys: {k:,} tenants x {per_key} ...", flush=True)
@@ -116,6 +137,15 @@ def run_many_keys(res: Results, scale: Any = None, keys: tuple[int, ...] = KEYS,
                 "celery_throttle", f"{extra_calls:.2f}; {extra_cmds:.1f}",
                 f"<= {CALLS_TARGET:.0f}; <= {COMMANDS_TARGET:.0f}",
                 extra_calls <= CALLS_TARGET and extra_cmds <= COMMANDS_TARGET)
+    if admitted:
+        lines = []
+        for k in keys:
+            for run in range(admitted):
+                got = one_run("keys_limit", k, per_key, admitted=True)
+                lines.append(f"| {k:,} | {run + 1} | {got['admitted']:.0f} | {got['most']:.0f} | {got['recorded']:.2f} |")
+        res.table("many_keys", "The most starts of a tenant in any 1 s, as the store admitted them (the record) and as "
+                               "the bodies noted them\n\n" + md("| keys | run | admitted by the store | the bodies' notes "
+                                                                "| starts recorded / tasks |", lines))
     if ops:
         n, calls, us = script_ops(min(keys), per_key)
         res.table("many_keys", f"Script calls by operation, {min(keys):,} keys x {per_key} (SLOWLOG at 0 µs)\n\n" + md(
@@ -132,9 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keys", default=",".join(map(str, KEYS)), help="tenants of each run, comma-separated")
     p.add_argument("--per-key", type=int, default=PER_KEY, help="tasks each tenant sends at once")
     p.add_argument("--ops", action="store_true", help="and the script calls by operation, at the fewest keys")
+    p.add_argument("--admitted", type=int, default=0, metavar="RUNS",
+                   help="and RUNS runs more of each size with the record on: the starts as the store admitted them")
     args = p.parse_args(argv)
     keys = tuple(int(k) for k in args.keys.split(","))
-    standalone("bench.many_keys", argv, FULL, True, ("many_keys", run_many_keys, keys, args.per_key, args.ops))
+    standalone("bench.many_keys", argv, FULL, True, ("many_keys", run_many_keys, keys, args.per_key, args.ops,
+                                                          args.admitted))
     return 0
 
 
