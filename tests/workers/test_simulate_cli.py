@@ -32,9 +32,13 @@ def test_simulate_replays_what_the_workers_recorded_against_a_proposed_limit(wor
     wait_for(lambda: any(k["key"] == tenant and k["waited"]["unknown"] == 0 for k in simulated(workers)["keys"]),
              10, what="the record of the 10 starts")
     found = row(simulated(workers), tenant)
-    # Then it says what they waited (the last about 4 s), and the model would have them wait as much
+    # Then it says what they waited (the last at least the 4 s the limit makes: more on a busy machine, where
+    # a worker takes a released task late; 8.1 s seen beside the rest of the suite), and the model, replaying
+    # the arrivals, would have them wait the 4 s exactly
+    starts = sorted(e["t"] for e in workers.starts(label))
     assert found["tasks"] == 10 and found["rates"] == ["2/1.02s"]
-    assert 3.0 <= found["waited"]["max"] <= 8.0, found
+    assert 3.0 <= found["waited"]["max"] and found["waited"]["max"] >= starts[-1] - starts[0] - 2.0, (found, starts)
+    assert found["waited"]["max"] <= 60.0, found  # (seconds, not another unit)
     assert abs(found["would_wait"]["max"] - 4.0) <= 0.3, found
     # And under a proposed 10/s for the key, none would have waited
     raised = row(simulated(workers, "--rate", f"priority-api:{tenant}=10/s"), tenant)
