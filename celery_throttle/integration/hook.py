@@ -18,7 +18,7 @@ from ..core.errors import StoreError, ThrottleError, WaitTooLong
 from ..core.header import HEADER, Header
 from ..core.protocol import Code, Counted, Verdict, WindowReply
 from ..core.spec import BoundCall, ThrottleSpec
-from ..waits.deferral import TurnedAway, new_entry_id, own_header, urgency_of
+from ..waits.deferral import TurnedAway, new_entry_id, own_header, redelivered, urgency_of
 from . import settle
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
             ctl.checker.refresh_controls()
             call = turned.call = ctl.checker.bind(task, args, kwargs)
             reply = _check(ctl, call, turned, holder, ticket)
-        if ticket and reply.verdict is Verdict.COPY and _redelivered(request):
+        if ticket and reply.verdict is Verdict.COPY and redelivered(request):
             # The broker gave this message back (its worker died, or lost its connection,
             # before acking it): its process may have died waiting for the start granted
             # to its ticket. Never dropped then: checked as a new task (at least once, as
@@ -189,10 +189,6 @@ def _dropped_copy(ctl: Throttle, task: Any, request: Any, call: BoundCall) -> bo
                    task.name, request.id, call.scope, "" if call.key is None else f" key {call.key!r}")
     ctl.metrics.store_error("duplicate")
     return False
-
-
-def _redelivered(request: Any) -> bool:
-    return bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
 
 
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..check.setup import Setup
 
 __all__ = ["KEPT_PROPERTIES", "TurnedAway", "expires_us", "kept_properties", "names_task",
-           "new_entry_id", "own_header"]
+           "new_entry_id", "own_header", "redelivered"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -235,8 +235,16 @@ class TurnedAway:
         # task that ran. The copy makes its calls in a holder of that nonce, so a chain of
         # lost replies names one nonce throughout.)
         mine = h.key == self.call.state_key
-        sig = self.signature(Header(self.call.state_key, h.ticket if mine else "", h.deferrals + 1, h.errors + 1,
-                                    self.entry_id or (h.pending if mine else ""),
+        ticket, entry = (h.ticket if mine else ""), self.entry_id or (h.pending if mine else "")
+        if ticket and redelivered(request):
+            # (The broker gave this message back: its worker may have died holding the start
+            # granted to its ticket, and the pool checks such a delivery as a new task, never
+            # dropping it as a copy. Its copy sent now is no redelivery: it goes as the new
+            # task it was being checked as, without the ticket and under an entry of its own,
+            # or it would be dropped as a copy of the start its dead worker held.)
+            ticket = ""
+            entry = entry if entry and entry != h.ticket else new_entry_id(request.id)
+        sig = self.signature(Header(self.call.state_key, ticket, h.deferrals + 1, h.errors + 1, entry,
                                     nonce_of(self.holder) or (h.lost if mine else "")))
         self._resend(sig, delay)
         return False
@@ -281,3 +289,9 @@ def urgency_of(app: Any, call: BoundCall, request: Any) -> int:
         return call.priority
     delivery = getattr(request, "delivery_info", None) or {}
     return message_urgency(app, delivery.get("priority") if isinstance(delivery, dict) else None)
+
+
+def redelivered(request: Any) -> bool:
+    """Whether the broker gave this message back (its worker died, or lost its connection,
+    before acking it)."""
+    return bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))

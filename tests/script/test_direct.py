@@ -429,3 +429,59 @@ def test_a_lease_taken_in_one_thread_is_given_up_from_another_and_a_lost_one_say
     other.release()
     assert store_client.get(f"{prefix}:lease-test") == b"someone else"
     store_client.delete(f"{prefix}:lease-test")
+
+
+#: A holder's nonce, as a process makes them (slots.is_nonce).
+NONCE = "0a1b2c3d4e5f6a7b"
+
+
+def test_a_redelivered_task_sent_back_after_a_store_error_goes_as_a_new_task_not_as_a_copy(prefix: str) -> None:
+    from celery.app.task import Context
+    from celery.signals import before_task_publish
+
+    from celery_throttle.core.errors import StoreError
+    from celery_throttle.core.header import HEADER, Header
+    from celery_throttle.waits.deferral import TurnedAway
+
+    app = Celery("redelivered", broker="memory://", set_as_current=False)
+    ctl = celery_throttle.install(app, redis_url=STORE_URL, key_prefix=prefix)
+
+    @app.task(name="redelivered.job", shared=False)
+    @throttle("1/m", scope="redelivered-api")
+    def job(x: int) -> None: ...
+
+    import inspect
+
+    from celery_throttle.core.spec import declared_spec
+
+    spec = declared_spec(job)
+    assert spec is not None
+    call = ctl.checker.bind_spec(job.name, spec, inspect.signature(job.run), (1,), {})
+    released = Header(call.state_key, "ticket-1:abc", 1)
+    sent: list[Header] = []
+
+    def capture(headers: dict, **_: object) -> None:
+        sent.append(Header.read(headers.get(HEADER)))
+
+    before_task_publish.connect(capture, weak=False)
+    try:
+        for redelivered in (True, False):
+            # Given a task released with its ticket, delivered again by the broker (its worker died
+            # holding the start granted to it), or not, whose claim meets a store error
+            request = Context(id="t-1", task="redelivered.job", args=[1], kwargs={},
+                              headers={HEADER: released.value()},
+                              delivery_info={"redelivered": redelivered, "exchange": "", "routing_key": "q"})
+            turned = TurnedAway(ctl.setup, ctl.lines, job, request, (1,), {}, call, released,
+                                holder=f"t-1@1:{NONCE}")
+            turned.entry(with_message=False)  # (its claim's entry: its ticket)
+            # When it is sent back for a moment
+            assert turned.on_store_error(StoreError("the store went away")) is False
+    finally:
+        before_task_publish.disconnect(capture)
+    # Then the redelivered one goes as the new task its pool checks it as: no ticket, an entry
+    # of its own (with its ticket, the start its dead worker held would drop it as a copy)
+    new, kept = sent
+    assert new.ticket == "" and new.pending not in ("", "ticket-1:abc") and new.lost == NONCE
+    # and one delivered once keeps its ticket, to be claimed with it
+    assert kept.ticket == "ticket-1:abc" and kept.pending == "ticket-1:abc"
+    ctl.close()
