@@ -429,10 +429,12 @@ def max_in_window(times: Iterable[float], window: float, weights: Iterable[int] 
 
 #: Starts are read in the task bodies, which a loaded 2-core machine reaches tens of ms
 #: after the check: the first of a burst (a cold check, a second call with its message)
-#: later than one granted its start ahead, which waits for it in its process. A limit is
-#: measured this much short of its window (the script's own bound, exact, is the model
-#: check's: tests/script/test_line_model.py).
-BODY_NOISE = 0.05
+#: later than one granted its start ahead, which waits for it in its process; a gevent
+#: pool's third greenlet noted its start 0.12 s after its admission beside the suite (CI).
+#: A limit is measured this much short of its window (the script's own bound, exact, is
+#: the model check's: tests/script/test_line_model.py); a burst run unthrottled lands
+#: well inside what is left.
+BODY_NOISE = 0.15
 
 
 def max_started_in(times: Iterable[float], window: float, weights: Iterable[int] | None = None) -> int:
