@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from importlib import resources
 from typing import Any
 
 from redis.exceptions import LockError, NoScriptError, RedisError
@@ -27,43 +26,11 @@ from ..core.errors import StoreError
 from ..core.locks import ForkSafeLock
 from ..core.timing import SCRIPT_POLICY, STORE_CONNECT_TIMEOUT, STORE_TIMEOUT, ScriptPolicy
 from ..core.urls import safe_url, scrub, secrets_of
+from .compose import composed, script_parts
 from .connection import connect
 from .doctor import StoreReport, examine
 
-__all__ = ["ScriptClient", "StoreLock", "composed", "line_map", "lua", "script_parts", "text", "true_lines"]
-
-
-def lua(name: str) -> str:
-    """The source of one of the package's scripts (``celery_throttle/store/lua/``)."""
-    return resources.files("celery_throttle.store").joinpath("lua", *name.split("/")).read_text("utf-8")
-
-
-#: A script names the shared parts it uses on a line of its own: ``-- include: clock, cubic``
-#: (``lua/include/<name>.lua``, each a set of local functions).
-_INCLUDE = re.compile(r"^-- include: ([a-z_, ]+)$", re.MULTILINE)
-
-
-def script_parts(*names: str) -> list[tuple[str, str]]:
-    """(file, source) of the scripts ``names`` as the loader composes them into one: the
-    includes any of them names, each once, in the order first named, then each script."""
-    sources = [(name, lua(name)) for name in names]
-    included = dict.fromkeys(part.strip() for _, source in sources for found in _INCLUDE.findall(source)
-                             for part in found.split(",") if part.strip())
-    return [(f"include/{name}.lua", lua(f"include/{name}.lua")) for name in included] + sources
-
-
-def line_map(parts: Sequence[tuple[str, str]]) -> list[tuple[int, str]]:
-    """(first line in the composed script, file) of each part."""
-    out, first = [], 1
-    for name, source in parts:
-        out.append((first, name))
-        first += source.count("\n")
-    return out
-
-
-def composed(parts: Sequence[tuple[str, str]]) -> tuple[str, list[tuple[int, str]]]:
-    """The script made of ``parts`` (each ending with a newline), and its line map."""
-    return "".join(source for _, source in parts), line_map(parts)
+__all__ = ["ScriptClient", "StoreLock", "text", "true_lines"]
 
 
 def text(name: bytes | str) -> str:

@@ -1,12 +1,14 @@
-"""The operations of a key's window, its line and its slots (window.lua with its algorithm
-and line.lua, loaded as one script), and of the index of keys with a line (index.lua).
+"""The operations of a key's window, its line and its slots (a script per operation and
+algorithm: lua/op/, after window.lua and line.lua), and of the index of keys with a line
+(index.lua).
 
-One method per operation of window.lua (line.lua's header says what each does), each
-taking what the script is told about the call as a :class:`.protocol.WindowCall`.
+One method per operation (its file in lua/op/ says what it does), each taking what the
+script is told about the call as a :class:`.protocol.WindowCall`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,12 +16,18 @@ from ..core.keys import adaptive_index_key, line_index_keys, share_key, wake_key
 from ..core.protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowReply, window_argv
 from ..core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, ScriptPolicy
-from .scripts import ScriptClient, line_map, script_parts, text
+from .compose import composed, pruned, script_parts, with_constants
+from .scripts import ScriptClient, text
 
-__all__ = ["ALGORITHMS", "WAKE_TTL_MS", "WindowOps", "window_preamble", "window_script"]
+__all__ = ["ALGORITHMS", "OPERATIONS", "WAKE_TTL_MS", "WindowOps", "window_constants", "window_script"]
 
-#: The window scripts, one per algorithm, each with window.lua and line.lua after it.
+#: The algorithms of a window; each operation is a script per algorithm.
 ALGORITHMS = ("sliding", "fixed")
+#: Each operation of a key's window and line, and its file in lua/op/ ('screen' is an
+#: 'acquire' that records nothing).
+OPERATIONS = {"acquire": "acquire", "screen": "acquire", "admit": "admit", "front": "front", "claim": "claim",
+              "release": "release", "drain": "drain", "drop": "drop", "ack": "ack", "give_back": "give_back",
+              "settle": "settle", "ended": "ended", "renew": "renew", "peek": "peek", "shadow": "shadow"}
 #: A wake-up no releaser took (none runs) is forgotten after this (ms).
 WAKE_TTL_MS = 10_000
 #: A message of a line (KEYS: its line, released entries, messages): its head's, else one of
@@ -39,9 +47,10 @@ class WindowOps(ScriptClient):
     def add_window_scripts(self, layout: StateLayout) -> None:
         """Register the window scripts (with this store's timing policy and ``layout``)
         and the index's."""
-        parts = {algorithm: _window_parts(algorithm, self.policy, layout) for algorithm in ALGORITHMS}
-        self.add_scripts({algorithm: "".join(text for _, text in p) for algorithm, p in parts.items()},
-                         {algorithm: line_map(p) for algorithm, p in parts.items()})
+        scripts = {f"{algorithm}/{op}": _window_script(algorithm, op, self.policy, layout)
+                   for algorithm in ALGORITHMS for op in OPERATIONS}
+        self.add_scripts({name: source for name, (source, _) in scripts.items()},
+                         {name: lines for name, (_, lines) in scripts.items()})
         self.add_lua("index", "adapt")
 
     def lower(self, key: str, law: tuple[float, float, float], window_us: int, reason: str,
@@ -85,7 +94,7 @@ class WindowOps(ScriptClient):
         """Run operation ``op`` of window.lua on state key ``key`` for ``call``, with the
         operation's own ``args``."""
         keys = (*window_keys(key), share_key(key)) if call.shared else window_keys(key)
-        raw = self.run(call.algorithm, keys, window_argv(self.now_arg(), op, call, *args, cost=cost))
+        raw = self.run(f"{call.algorithm}/{op}", keys, window_argv(self.now_arg(), op, call, *args, cost=cost))
         return WindowReply.of(raw)
 
     def acquire(self, key: str, call: WindowCall, *, lease: int = 0, lease_span_us: int = 0, holder: str = "",
@@ -228,20 +237,24 @@ class WindowOps(ScriptClient):
             return self._redis.blpop([wake_key(self.prefix)], timeout=seconds) is not None
 
 
-def window_script(algorithm: str, policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> str:
-    """window.lua with its algorithm and the constants they read: the timing policy, the
-    reply codes, the state format and layout (on a first line of their own: an error's
-    line is told as the file's own by :func:`.scripts.true_lines`)."""
-    return "".join(text for _, text in _window_parts(algorithm, policy, layout))
+def window_script(algorithm: str, op: str, policy: ScriptPolicy = SCRIPT_POLICY,
+                  layout: StateLayout = STATE_LAYOUT) -> str:
+    """The script of window operation ``op`` (:data:`OPERATIONS`) of ``algorithm``."""
+    return _window_script(algorithm, op, policy, layout)[0]
 
 
-def window_preamble(policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> str:
-    """The line of constants put before the window scripts."""
-    constants = {**policy.values(), **layout.values(), **{code.name: int(code) for code in Code},
-                 "STATE_FORMAT": STATE_FORMAT, "FOREVER_US": FOREVER_US}
-    return f"local {', '.join(constants)} = {', '.join(map(str, constants.values()))}\n"
+def window_constants(policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> dict[str, int]:
+    """The constants the window scripts read, by name: the timing policy, the state layout,
+    the reply codes, the state format."""
+    return {**policy.values(), **layout.values(), **{code.name: int(code) for code in Code},
+            "STATE_FORMAT": STATE_FORMAT, "FOREVER_US": FOREVER_US}
 
 
-def _window_parts(algorithm: str, policy: ScriptPolicy, layout: StateLayout) -> list[tuple[str, str]]:
-    return [("(constants)", window_preamble(policy, layout)), *script_parts(f"{algorithm}.lua", "window.lua", "line.lua")]
-
+@functools.cache
+def _window_script(algorithm: str, op: str, policy: ScriptPolicy,
+                   layout: StateLayout) -> tuple[str, list[tuple[int, str]]]:
+    """The script of ``op`` and where each of its lines comes from: its algorithm,
+    window.lua, line.lua and lua/op/, with the constants written in and every function it
+    does not reach blanked (compose.py says why). Made once per process (a few ms each)."""
+    source, lines = composed(script_parts(f"{algorithm}.lua", "window.lua", "line.lua", f"op/{OPERATIONS[op]}.lua"))
+    return pruned(with_constants(source, window_constants(policy, layout))), lines

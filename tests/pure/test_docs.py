@@ -24,7 +24,7 @@ DOCS = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").gl
 #: Where a file named without its folder may live.
 SOURCE_DIRS = ("celery_throttle", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "celery_throttle").glob("*/"))
                                   if p.name != "__pycache__"),
-               "celery_throttle/store/lua", "celery_throttle/store/lua/include", "tests",
+               "celery_throttle/store/lua", "celery_throttle/store/lua/include", "celery_throttle/store/lua/op", "tests",
                *(f"tests/{tier}" for tier in TIERS), "tests/fixtures",
                "bench", "examples", ".ci", ".")
 #: ``throttle_*`` names that are not settings: the remote-control command of ``throttle why``.

@@ -14,13 +14,13 @@ from celery_throttle.core.rates import Rate
 from celery_throttle.core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, rate_field
 from celery_throttle.core.timing import SCRIPT_POLICY
 from celery_throttle.store.client import RedisStore
-from celery_throttle.store.scripts import lua
-from celery_throttle.store.window import window_script
+from celery_throttle.store.compose import lua, script_parts
+from celery_throttle.store.window import OPERATIONS, window_constants, window_script
 from tests.helpers import STORE_URL
 
 #: Each documented ARGV slot of window.lua's head, by the words its header line starts with.
 DOCUMENTED = {
-    1: "now in microseconds", 2: "op (line.lua lists them)", 3: "cost:", 4: "slack", 5: "not before",
+    1: "now in microseconds", 2: "op (its script's name: lua/op/ has them)", 3: "cost:", 4: "slack", 5: "not before",
     6: "concurrency", 7: "a running body's slot lease", 8: "lead", 9: "number of rates",
 }
 
@@ -48,19 +48,19 @@ def test_every_argument_sits_where_window_lua_documents_it() -> None:
     assert "then ARGV[10..]: limit, period (µs) and field name per rate" in header[9]
 
 
-def test_each_operations_arguments_are_where_line_lua_documents_them() -> None:
-    text = lua("line.lua")
+def test_each_operations_arguments_are_where_its_file_documents_them() -> None:
+    text = "\n".join(lua(name) for name in ("line.lua", *(f"op/{f}.lua" for f in sorted(set(OPERATIONS.values())))))
     documented = " ".join(" ".join(line.removeprefix("--").strip() for line in text.splitlines()
                                    if line.startswith("--")).split())
-    for words in ("acquire a fresh call", "[P] lease, [P+1] lease span, [P+2] holder (a delivery id), then the entry's",
-                  "claim a released task arrives", "[P] ticket, [P+1] how early it may come at most",
+    for words in ("acquire: a fresh call", "[P] lease, [P+1] lease span, [P+2] holder (a delivery id), then the entry's",
+                  "claim: a released task arrives", "[P] ticket, [P+1] how early it may come at most",
                   "[P+2] holder", "[P+3] the start granted to this process earlier",
-                  "release release the heads that fit. [P] batch", "ack the tasks released were sent",
-                  "settle a call that started reports its real cost", "[P] at, [P+1] latest, [P+2] epoch",
+                  "release: release the heads that fit. [P] batch", "ack: the tasks released were sent",
+                  "settle: a call that started reports its real cost", "[P] at, [P+1] latest, [P+2] epoch",
                   "The entry's arguments: [E] entry id, [E+1] message ('' none), [E+2] task id, [E+3] expires",
                   "[E+5] batch, [E+6] the nonce of the holder of this task's own call whose reply was lost",
                   "[E+7] its urgency", "[P+12] '1' if it may be told STALE"):
-        assert " ".join(words.split()) in documented, f"line.lua does not document {words!r}"
+        assert " ".join(words.split()) in documented, f"nothing documents {words!r}"
 
 
 def test_reply_codes_match_the_script() -> None:
@@ -89,28 +89,46 @@ _OTHER_ALGORITHMS_LAYOUT = {"sliding": {"MAX_AHEAD", "KEEP_AHEAD"}, "fixed": {"B
 
 def test_the_scripts_read_every_constant_they_are_loaded_with_and_no_other() -> None:
     # The constants the window scripts are given: the timing policy, the state layout,
-    # the reply codes and the state format, on a first line of their own
+    # the reply codes and the state format
+    given = window_constants()
+    assert given == {**SCRIPT_POLICY.values(), **STATE_LAYOUT.values(), **{c.name: c.value for c in Code},
+                     "STATE_FORMAT": STATE_FORMAT, "FOREVER_US": FOREVER_US}
     for algorithm in ("sliding", "fixed"):
-        script = window_script(algorithm)
-        first = script.split("\n", 1)[0]
-        given = dict(zip(first.removeprefix("local ").split(" = ")[0].split(", "),
-                         first.split(" = ")[1].split(", "), strict=True))
-        assert given == {**{k: str(v) for k, v in SCRIPT_POLICY.values().items()},
-                         **{k: str(v) for k, v in STATE_LAYOUT.values().items()},
-                         **{c.name: str(c.value) for c in Code}, "STATE_FORMAT": str(STATE_FORMAT),
-                         "FOREVER_US": str(FOREVER_US)}
-        # Each is used by the algorithm, window.lua or line.lua, and they use no
-        # capitalised name they are not given but those they set themselves
+        # Each is used by the algorithm, window.lua, line.lua or an operation, and they use
+        # no capitalised name they are not given but those they set themselves
         used: set[str] = set()
         own: set[str] = set()
-        for name in (f"{algorithm}.lua", "window.lua", "line.lua"):
-            text = lua(name)
-            code = re.sub(r"'[^']*'", "", "\n".join(line.split("--")[0] for line in text.splitlines()))
-            code = re.sub(r"\bM\.[A-Z_]+|local M = \{[^}]*\}", "", code)  # (an entry's fields, M's)
+        files = (f"{algorithm}.lua", "window.lua", "line.lua", *(f"op/{f}.lua" for f in set(OPERATIONS.values())))
+        for name in files:
+            code = _code(lua(name))
             used |= set(re.findall(r"\b[A-Z][A-Z_]{2,}\b", code)) - {"ARGV", "KEYS", "ALGO"}
             own |= set(re.findall(r"^local ([A-Z][A-Z_]{2,}) =", code, re.MULTILINE))
         assert own.isdisjoint(given), f"{algorithm}: sets a constant it is given: {own & set(given)}"
         assert used - own == set(given) - _OTHER_ALGORITHMS_LAYOUT[algorithm]
+        # And in each operation's script as loaded, every one is written as its value
+        for op in OPERATIONS:
+            left = set(re.findall(r"\b[A-Z][A-Z_]{2,}\b", _code(window_script(algorithm, op)))) & set(given)
+            assert not left, f"{algorithm}/{op}: {left}"
+
+
+def _code(text: str) -> str:
+    """The code of a script: no comment, no string, no entry's field (M's)."""
+    code = re.sub(r"'[^']*'", "", "\n".join(line.split("--")[0] for line in text.splitlines()))
+    return re.sub(r"\bM\.[A-Z_]+|local M = \{[^}]*\}", "", code)
+
+
+def test_each_operation_makes_only_the_functions_it_reaches() -> None:
+    # A fresh call's script has the line's helpers a fresh call uses, and none of another
+    # operation's own; the composed lines stay where their files have them
+    acquire = window_script("sliding", "acquire")
+    assert "local function fresh(" in acquire and "local function acquire(" in acquire
+    for other in ("local function settle(", "local function renew(", "local function shadow(",
+                  "local function per_rate("):
+        assert other not in acquire
+    composed = "".join(source for _, source in script_parts("sliding.lua", "window.lua", "line.lua", "op/acquire.lua"))
+    assert acquire.count("\n") == composed.count("\n")
+    settle = window_script("sliding", "settle")
+    assert "local function per_rate(" in settle and "local function fresh(" not in settle
 
 
 @pytest.mark.script
@@ -122,7 +140,7 @@ def test_an_error_in_a_script_names_the_file_and_its_own_line(store_client: redi
         argv = window_argv("", "peek", WindowCall("sliding", (Rate(1, 1.0),)))
         # When the script runs it
         with pytest.raises(StoreError) as failed:
-            store.run("sliding", [f"{prefix}:k{i}" for i in range(6)], argv[:8] + ["1"])
+            store.run("sliding/peek", [f"{prefix}:k{i}" for i in range(6)], argv[:8] + ["1"])
         # Then the error names window.lua and its line there (the unit read from the rate's
         # missing field name), not the line in the script as loaded
         named = re.search(r"window\.lua:(\d+): bad argument #1 to 'match'", str(failed.value))

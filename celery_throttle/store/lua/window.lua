@@ -1,15 +1,18 @@
 -- One (scope, key): its windows, and the line of tasks waiting for room in them. Every
--- operation on a key is one run of this script, so that counting a start, joining the
+-- operation on a key is one run of one script, so that counting a start, joining the
 -- line and releasing its head are each atomic.
 --
--- Put together at load time (store/window.py, window_script): a line of constants (the timing
--- policy, ScriptPolicy in celery_throttle/timing.py, which says what each is and why; the
--- state layout, state.StateLayout; the reply codes; the state format), the includes these
--- files name (lua/include/: the clock, the adaptive law), the algorithm
--- (sliding.lua or fixed.lua, which defines ALGO), this file (the windows: what every
--- operation shares) and line.lua (the line, the operations and their dispatch). An
--- error's line is told as its file's own (store/scripts.py, true_lines). tests/reference.py and
--- tests/line_reference.py are the twins, function by function.
+-- Each operation is a script of its own, put together at load time (store/window.py,
+-- window_script): the includes these files name (lua/include/: the clock, the adaptive
+-- law), the algorithm (sliding.lua or fixed.lua, which defines ALGO), this file (the
+-- windows: what every operation shares), line.lua (the line's helpers) and the
+-- operation's own file (lua/op/), keeping only the functions the operation reaches. The
+-- loader writes each constant's value where its name is (the timing policy, ScriptPolicy
+-- in core/timing.py, which says what each is and why; the state layout,
+-- state.StateLayout; the reply codes and fields; the state format): a constant is no
+-- upvalue to capture. An error's line is told as its file's own (store/scripts.py,
+-- true_lines). tests/reference.py and tests/line_reference.py are the twins, function by
+-- function.
 --
 -- KEYS[1]  hash: the state of every rate of this (scope, key), one field per rate (named
 --          by the caller), and 'e' (epoch), 'd' and 'v' (the learnt dispatch delay and its
@@ -25,7 +28,7 @@
 -- (All share the hash tag of KEYS[1]: one Redis Cluster slot.)
 --
 -- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
--- ARGV[2]  op (line.lua lists them)
+-- ARGV[2]  op (its script's name: lua/op/ has them)
 -- ARGV[3]  cost: units this call uses of every rate (a number), or one count per rate,
 --          comma-separated ('1,500'), when its rates count different units; for 'settle',
 --          the units to add to where it was counted (negative: a refund)
@@ -40,7 +43,7 @@
 --          (a field named 'name.unit' counts that unit). An adaptive throttle's count is
 --          followed by its law, '2;floor,decrease,growth' (core/adapt.py): each limit is
 --          then in force at the share of it field 'A' of KEYS[1] says (adapt.lua writes it)
--- ARGV[10 + 3 * rates ..]  the operation's own (line.lua)
+-- ARGV[10 + 3 * rates ..]  the operation's own (lua/op/)
 --
 -- Replies (times in µs of the Redis clock; protocol.WindowReply names each):
 --   {code, wait, remaining, clear_at, now, epoch, lead, leased, rooms, start, latest,

@@ -1,0 +1,14 @@
+-- ended: a body ended: its holder's slot goes. [P] holder, [P+1] batch
+-- (One script: the loader puts window.lua and line.lua, each function this file reaches,
+-- before it; line.lua's header says what the keys, the arguments and the replies are.)
+
+local function ended()
+  local holder, batch = ARGV[P], tonumber(ARGV[P + 1])
+  local held = redis.call('ZREM', slots_key, holder) == 1
+  expire_out(LINE_BATCH)
+  reclaim()
+  release_heads(batch)
+  return finish(held and RUN or LOST, 0)
+end
+
+return ended()
