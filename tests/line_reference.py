@@ -176,7 +176,7 @@ class KeyModel:
 
     # -- the run of one call ---------------------------------------------------------------
     def run(self, now: int, op: str, call: Call, *args: Any, delta: tuple[int, ...] | None = None) -> _Reply:
-        """One run of the script: ``op`` with its own ``args`` (as line.lua lists them)."""
+        """One run of the script: ``op`` with its own ``args`` (as its file of lua/op/ lists them)."""
         lost = self.counts_lost
         # (The entry's urgency, [E+7]: taken out of the args here, read by _enqueue.)
         at = {"acquire": 10, "screen": 10, "admit": 7, "front": 7, "claim": 11}.get(op)

@@ -24,6 +24,7 @@ from .state import rate_field
 
 __all__ = [
     "NO_ENTRY",
+    "REPLY_PLACES",
     "Code",
     "Cost",
     "Counted",
@@ -282,13 +283,22 @@ class WindowReply(NamedTuple):
 
     @classmethod
     def of(cls, raw: Sequence[Any]) -> WindowReply:
-        """The reply from the script's array."""
-        rooms = raw[8]
-        rooms = tuple(int(v) for v in rooms.split(b",")) if isinstance(rooms, bytes) and rooms else ()
+        """The reply from the script's array: each field at its place (:data:`REPLY_PLACES`),
+        then the tasks reported, three items each."""
+        head = list(raw[:_REPLY_LENGTH])
+        rooms = head[_ROOMS]
+        head[_ROOMS] = tuple(int(v) for v in rooms.split(b",")) if isinstance(rooms, bytes) and rooms else ()
         reported = tuple(Reported(_decoded(raw[i]), _payload(raw[i + 1], raw[i + 2]), _decoded(raw[i + 2]))
-                         for i in range(19, len(raw) - 2, 3))
-        return cls(raw[0], raw[1], raw[2], raw[3], raw[4], raw[5], raw[6], raw[7], rooms, raw[9], raw[10], raw[11],
-                   raw[12], raw[13], raw[14], raw[15], raw[16], raw[17], raw[18], reported)
+                         for i in range(_REPLY_LENGTH, len(raw) - 2, 3))
+        return cls(*head, reported)  # type: ignore[call-arg]  # (the script's fields, in their order)
+
+
+#: Where each field of a window script's reply sits (1-based, as Lua counts): the script
+#: reads them as REPLY_<FIELD>, written in by the loader (store/compose.py), and
+#: :meth:`WindowReply.of` reads the array the same way. The order is WindowReply's own.
+REPLY_PLACES = {f"REPLY_{name.upper()}": place for place, name in enumerate(WindowReply._fields[:-1], 1)}
+_REPLY_LENGTH = len(REPLY_PLACES)
+_ROOMS = WindowReply._fields.index("rooms")
 
 
 def _decoded(value: bytes | str) -> str:
@@ -302,8 +312,8 @@ def _payload(value: Any, kind: bytes | str) -> bytes | str | None:
 
 
 def window_argv(now: str, op: str, call: WindowCall, *args: Any, cost: Cost | None = None) -> list[Any]:
-    """ARGV of window.lua for ``op`` on ``call``: its head, then the operation's own
-    arguments as line.lua lists them (``tests/pure/test_script_format.py`` holds the two
+    """ARGV of window operation ``op`` on ``call``: window.lua's head, then the operation's
+    own arguments as its file of lua/op/ lists them (``tests/pure/test_script_format.py`` holds the two
     together). ``cost``: a settle's difference, in place of the call's cost."""
     return [*call.head(now, op, cost), *args]
 

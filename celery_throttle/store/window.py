@@ -13,7 +13,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..core.keys import adaptive_index_key, line_index_keys, share_key, wake_key, window_keys
-from ..core.protocol import NO_ENTRY, Code, Cost, Counted, Entry, WindowCall, WindowReply, window_argv
+from ..core.protocol import (
+    NO_ENTRY,
+    REPLY_PLACES,
+    Code,
+    Cost,
+    Counted,
+    Entry,
+    WindowCall,
+    WindowReply,
+    window_argv,
+)
 from ..core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, ScriptPolicy
 from .compose import composed, pruned, script_parts, with_constants
@@ -89,7 +99,7 @@ class WindowOps(ScriptClient):
                 self._redis.zrem(adaptive_index_key(self.prefix), *keys)
 
     # -- windows and lines -------------------------------------------------------------
-    # One method per operation of window.lua (line.lua's header says what each does).
+    # One method per operation (its file of lua/op/ says what it does).
     def window(self, key: str, op: str, call: WindowCall, *args: Any, cost: Cost | None = None) -> WindowReply:
         """Run operation ``op`` of window.lua on state key ``key`` for ``call``, with the
         operation's own ``args``."""
@@ -245,8 +255,8 @@ def window_script(algorithm: str, op: str, policy: ScriptPolicy = SCRIPT_POLICY,
 
 def window_constants(policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout = STATE_LAYOUT) -> dict[str, int]:
     """The constants the window scripts read, by name: the timing policy, the state layout,
-    the reply codes, the state format."""
-    return {**policy.values(), **layout.values(), **{code.name: int(code) for code in Code},
+    the reply codes and each field's place in a reply, the state format."""
+    return {**policy.values(), **layout.values(), **{code.name: int(code) for code in Code}, **REPLY_PLACES,
             "STATE_FORMAT": STATE_FORMAT, "FOREVER_US": FOREVER_US}
 
 

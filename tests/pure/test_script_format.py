@@ -9,7 +9,15 @@ import pytest
 import redis
 
 from celery_throttle.core.errors import StoreError
-from celery_throttle.core.protocol import Code, Entry, Verdict, WindowCall, WindowReply, window_argv
+from celery_throttle.core.protocol import (
+    REPLY_PLACES,
+    Code,
+    Entry,
+    Verdict,
+    WindowCall,
+    WindowReply,
+    window_argv,
+)
 from celery_throttle.core.rates import Rate
 from celery_throttle.core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, rate_field
 from celery_throttle.core.timing import SCRIPT_POLICY
@@ -92,7 +100,8 @@ def test_the_scripts_read_every_constant_they_are_loaded_with_and_no_other() -> 
     # the reply codes and the state format
     given = window_constants()
     assert given == {**SCRIPT_POLICY.values(), **STATE_LAYOUT.values(), **{c.name: c.value for c in Code},
-                     "STATE_FORMAT": STATE_FORMAT, "FOREVER_US": FOREVER_US}
+                     **REPLY_PLACES, "STATE_FORMAT": STATE_FORMAT, "FOREVER_US": FOREVER_US}
+    assert REPLY_PLACES["REPLY_CODE"] == 1 and REPLY_PLACES["REPLY_SLOT_CAP"] == len(WindowReply._fields) - 1
     for algorithm in ("sliding", "fixed"):
         # Each is used by the algorithm, window.lua, line.lua or an operation, and they use
         # no capitalised name they are not given but those they set themselves

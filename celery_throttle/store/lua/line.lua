@@ -470,11 +470,10 @@ local function finish(code, wait, f, release_op, readonly)
                  'x', string.format('%.0f', indexed), 'xt', string.format('%.0f', indexed_at))
     end
   end
-  local out = {code, wait, remaining_beside_out(), clear_at(), now, tonumber(epoch or '0'), lead(half_pace),
-               f.leased or 0, f.rooms or '', f.start or 0, f.latest or 0, waiting, out_count,
-               slots_held(), due, index, f.waited or 0, f.held or 0, slot_cap}
-  for _, v in ipairs(reported) do out[#out + 1] = v end
-  return out
+  f.code, f.wait_us, f.remaining, f.clear_at_us = code, wait, remaining_beside_out(), clear_at()
+  f.lead_us, f.waiting, f.out, f.due_us, f.tell_index = lead(half_pace), waiting, out_count, due, index
+  f.running = f.running or slots_held()  -- (shadow mode tells the bodies that ran beside it)
+  return reply(f, reported)
 end
 
 -- The wait of a call behind the line and what is out (an estimate: see window.lua).
@@ -665,7 +664,7 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
     redis.call('ZREM', slots_key, ticket)
     forget(ticket)
     release_heads(a.batch)
-    return finish(too_costly(units) and TOO_COSTLY or WAITED, 0, {waited = waited})
+    return finish(too_costly(units) and TOO_COSTLY or WAITED, 0, {waited_us = waited})
   end
   if phase ~= 'g' and stale_ok and m[M.CONTROLS] ~= nil and m[M.CONTROLS] ~= controls_seen() then
     -- Released under other controls than the caller's: if it would go back for them, the
@@ -675,7 +674,7 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
     if not_before == 0 and (own_slot or slot_free()) then x = earliest(now, units, out_per_rate(units)) end
     if x == nil or x - now > early then
       as_stored()
-      return finish(STALE, 0, {waited = waited})
+      return finish(STALE, 0, {waited_us = waited})
     end
   end
   if in_line then leave(ticket, m) end
@@ -724,7 +723,7 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
       out_count = out_count + 1
     end
     release_heads(a.batch)
-    return finish(x == now and RUN or RUN_AT, x - now, {start = x, latest = latest, waited = waited,
+    return finish(x == now and RUN or RUN_AT, x - now, {start_us = x, latest_us = latest, waited_us = waited,
                                                         held = held_now})
   end
   -- No room for it now (less than when it was released: an overrun reported since, a
@@ -734,7 +733,7 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
     -- (released at publish, nothing kept: the caller calls again with its message; the
     -- windows stay as they were, its granted start with them)
     as_stored()
-    return finish(DENIED, x and x - now or 0, {waited = waited})
+    return finish(DENIED, x and x - now or 0, {waited_us = waited})
   end
   come_in(ticket, m)
   redis.call('ZREM', slots_key, ticket, holder)
@@ -745,13 +744,13 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
   end
   join(ticket, m, place)
   release_heads(a.batch)
-  return finish(QUEUED, wait_of(units), {waited = waited})
+  return finish(QUEUED, wait_of(units), {waited_us = waited})
 end
 
 -- The reply of a call that costs more than a rate's limit (its operations check it first).
 local function too_costly_call()
   for _, r in ipairs(rates) do
-    if r.cost > r.limit then return {TOO_COSTLY, 0, 0, 0, now, 0, -1, 0, '', 0, 0, 0, 0, 0, 0, 0, 0, 0, slot_cap} end
+    if r.cost > r.limit then return reply({code = TOO_COSTLY, epoch = 0, lead_us = -1}) end
   end
   return nil
 end

@@ -131,9 +131,21 @@ local function keep_until(clear, shortest)
   end
 end
 
-local function reply_head(code, wait, remaining, clear_at, lead_)
-  return {code, wait, remaining, clear_at, now, tonumber(epoch or '0'), lead_, 0, '', 0, 0,
-          0, 0, 0, 0, 0, 0, 0, slot_cap}
+-- A reply: the fields of `f` by name, each at its place (REPLY_<FIELD>: protocol.WindowReply's
+-- fields in their order, written in by the loader), then the tasks of `reported` ({id,
+-- payload, kind} each, flat). A field not given is 0 ('' for rooms), but `now`, the epoch
+-- (unless given) and the key's slot cap, which every reply tells as they are.
+local function reply(f, reported)
+  local out = {0, 0, 0, 0, 0, 0, 0, 0, '', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+  out[REPLY_CODE], out[REPLY_WAIT_US], out[REPLY_REMAINING] = f.code, f.wait_us or 0, f.remaining or 0
+  out[REPLY_CLEAR_AT_US], out[REPLY_NOW_US], out[REPLY_EPOCH] = f.clear_at_us or 0, now, f.epoch or tonumber(epoch or '0')
+  out[REPLY_LEAD_US], out[REPLY_LEASED], out[REPLY_ROOMS] = f.lead_us or 0, f.leased or 0, f.rooms or ''
+  out[REPLY_START_US], out[REPLY_LATEST_US], out[REPLY_WAITING] = f.start_us or 0, f.latest_us or 0, f.waiting or 0
+  out[REPLY_OUT], out[REPLY_RUNNING], out[REPLY_DUE_US] = f.out or 0, f.running or 0, f.due_us or 0
+  out[REPLY_TELL_INDEX], out[REPLY_WAITED_US], out[REPLY_HELD] = f.tell_index or 0, f.waited_us or 0, f.held or 0
+  out[REPLY_SLOT_CAP] = slot_cap
+  for _, v in ipairs(reported or {}) do out[#out + 1] = v end
+  return out
 end
 
 -- The fast path: a fresh 'acquire' (with a lease or without), a 'screen', or an 'admit'
@@ -206,10 +218,10 @@ if fast_entry and n_rates > 0 and not_before == 0 and concurrency == 0
       redis.call('HSET', key, unpack(sets))
       keep_until(got.clear, got.shortest)
     end
-    local reply = reply_head(RUN, 0, math.max(got.free, 0), got.clear, lead(got.half_pace))
-    reply[8] = lease
-    if publish then reply[8], reply[9] = got.room, costs and table.concat(got.rooms, ',') or '' end
-    return reply
+    local f = {code = RUN, remaining = math.max(got.free, 0), clear_at_us = got.clear, lead_us = lead(got.half_pace),
+               leased = lease}
+    if publish then f.leased, f.rooms = got.room, costs and table.concat(got.rooms, ',') or '' end
+    return reply(f)
   end
 end
 

@@ -49,12 +49,11 @@ local function shadow()
   redis.call('HSET', key, 'l', string.format('%.0f', seen[1]), 'n', string.format('%.0f', seen[2]),
              'h', string.format('%.0f', seen[3]), 'w', string.format('%.0f', seen[4]),
              'm', string.format('%.0f', seen[5]))
-  local reply = finish(code, wait, {start = x, latest = x + slack, held = held})
+  local reply = finish(code, wait, {start_us = x, latest_us = x + slack, held = held, running = running})
   -- (The counts last while anything of the key's shadow does, and a slot's lease at least:
   -- a throttle of slots alone writes no window that would keep them.)
   local ttl = math.ceil(math.max(shortest, slot_lease) / 1000) + STATE_TTL_PAD_MS
   if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
-  reply[14] = running
   return reply
 end
 
