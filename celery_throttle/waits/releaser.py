@@ -156,7 +156,9 @@ class Releaser(threading.Thread):
         store, lines = self.setup.store, self.lines
         drain = not self.setup.settings.enabled  # (throttling switched off: every line goes)
         while True:
-            now_us, _, claimed = store.index_claim(LOOKAHEAD_US + store.rtt_us, CLAIM_MOST, CLAIM_LEASE_US)
+            now_us, first, claimed = store.index_claim(LOOKAHEAD_US + store.rtt_us, CLAIM_MOST, CLAIM_LEASE_US)
+            if not claimed:
+                break  # (nothing to settle: the claim's reply says when the next is due)
             settled = []
             for key, token in claimed:
                 try:
