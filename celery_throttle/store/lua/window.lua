@@ -45,10 +45,9 @@
 --          then in force at the share of it field 'A' of KEYS[1] says (adapt.lua writes it)
 -- ARGV[10 + 3 * rates ..]  the operation's own (lua/op/)
 --
--- Replies (times in µs of the Redis clock; protocol.WindowReply names each):
---   {code, wait, remaining, clear_at, now, epoch, lead, leased, rooms, start, latest,
---    waiting, out, running, due, index, waited, held, slot cap, then id, payload, kind per
---    task released or reported}
+-- Replies (times in µs of the Redis clock): protocol.WindowReply's fields, each at its
+--   place (built by name: reply() below), then id, payload, kind per task released or
+--   reported
 local key = KEYS[1]
 -- include: clock, cubic
 local now = clock_now(ARGV[1])

@@ -1,6 +1,7 @@
 -- ack: the tasks released were sent: their messages go. [P..] tickets
--- (One script: the loader puts window.lua and line.lua, each function this file reaches,
--- before it; line.lua's header says what the keys, the arguments and the replies are.)
+-- (One script: the loader puts window.lua and line.lua before it, each function this file
+-- reaches kept; window.lua's header says what the keys, the arguments and the replies are,
+-- line.lua's what the line holds.)
 
 -- The tasks released were sent: their time out is OUT_LEASE_MS from now (their messages
 -- stay until they start, for one that finds no room then).

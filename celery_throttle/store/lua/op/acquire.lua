@@ -4,8 +4,9 @@
 --   [P+2] holder (a delivery id), then the entry's
 -- screen: as acquire, from the consumer: a call that fits is not recorded (the pool's
 --   acquire records it). [P..P+2] unused, then the entry's
--- (One script: the loader puts window.lua and line.lua, each function this file reaches,
--- before it; line.lua's header says what the keys, the arguments and the replies are.)
+-- (One script: the loader puts window.lua and line.lua before it, each function this file
+-- reaches kept; window.lua's header says what the keys, the arguments and the replies are,
+-- line.lua's what the line holds.)
 
 local function acquire(runs)
   expire_out(LINE_BATCH)

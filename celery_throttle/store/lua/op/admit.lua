@@ -3,8 +3,9 @@
 --   and every rate stays at most half full (`leased`, the room before one is; `rooms`,
 --   each rate's); else RELEASED if it fits now (its own entry id is its ticket, no
 --   message kept); else as acquire. [P..] the entry's
--- (One script: the loader puts window.lua and line.lua, each function this file reaches,
--- before it; line.lua's header says what the keys, the arguments and the replies are.)
+-- (One script: the loader puts window.lua and line.lua before it, each function this file
+-- reaches kept; window.lua's header says what the keys, the arguments and the replies are,
+-- line.lua's what the line holds.)
 
 local function admit()
   expire_out(LINE_BATCH)

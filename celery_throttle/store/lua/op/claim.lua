@@ -6,8 +6,9 @@
 --   for (0: none), then its entry as a fresh call's, then [P+12] '1' if it may be told
 --   STALE (released under other controls than the caller's, it would go back: the
 --   caller reads them and claims again with '0')
--- (One script: the loader puts window.lua and line.lua, each function this file reaches,
--- before it; line.lua's header says what the keys, the arguments and the replies are.)
+-- (One script: the loader puts window.lua and line.lua before it, each function this file
+-- reaches kept; window.lua's header says what the keys, the arguments and the replies are,
+-- line.lua's what the line holds.)
 
 local function claim()
   expire_out(LINE_BATCH)

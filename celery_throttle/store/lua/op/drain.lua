@@ -1,7 +1,8 @@
 -- drain: release the heads whatever the room (throttling switched off, or taken down by
 --   an operator). [P] batch
--- (One script: the loader puts window.lua and line.lua, each function this file reaches,
--- before it; line.lua's header says what the keys, the arguments and the replies are.)
+-- (One script: the loader puts window.lua and line.lua before it, each function this file
+-- reaches kept; window.lua's header says what the keys, the arguments and the replies are,
+-- line.lua's what the line holds.)
 
 local function drain()
   expire_out(LINE_BATCH)

@@ -1,6 +1,7 @@
 -- drop: an operator deletes tasks waiting in the line (they never run). [P..] entries
--- (One script: the loader puts window.lua and line.lua, each function this file reaches,
--- before it; line.lua's header says what the keys, the arguments and the replies are.)
+-- (One script: the loader puts window.lua and line.lua before it, each function this file
+-- reaches kept; window.lua's header says what the keys, the arguments and the replies are,
+-- line.lua's what the line holds.)
 
 -- An operator deletes tasks waiting in the line: they never run (one released meanwhile
 -- goes on). Reported back as 'l' with their task id.

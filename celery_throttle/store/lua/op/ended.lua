@@ -1,6 +1,7 @@
 -- ended: a body ended: its holder's slot goes. [P] holder, [P+1] batch
--- (One script: the loader puts window.lua and line.lua, each function this file reaches,
--- before it; line.lua's header says what the keys, the arguments and the replies are.)
+-- (One script: the loader puts window.lua and line.lua before it, each function this file
+-- reaches kept; window.lua's header says what the keys, the arguments and the replies are,
+-- line.lua's what the line holds.)
 
 local function ended()
   local holder, batch = ARGV[P], tonumber(ARGV[P + 1])

@@ -1,6 +1,7 @@
 -- front: Backoff: the entry joins the line before everyone. [P..] the entry's
--- (One script: the loader puts window.lua and line.lua, each function this file reaches,
--- before it; line.lua's header says what the keys, the arguments and the replies are.)
+-- (One script: the loader puts window.lua and line.lua before it, each function this file
+-- reaches kept; window.lua's header says what the keys, the arguments and the replies are,
+-- line.lua's what the line holds.)
 
 local function front()
   expire_out(LINE_BATCH)

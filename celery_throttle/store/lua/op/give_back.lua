@@ -3,8 +3,9 @@
 --   [P] ticket, [P+1] batch, [P+2] '1': handed back (never acked: back in its place),
 --   '2': it started in shadow mode (its room comes back, and it is used: DUPLICATE for
 --   a copy)
--- (One script: the loader puts window.lua and line.lua, each function this file reaches,
--- before it; line.lua's header says what the keys, the arguments and the replies are.)
+-- (One script: the loader puts window.lua and line.lua before it, each function this file
+-- reaches kept; window.lua's header says what the keys, the arguments and the replies are,
+-- line.lua's what the line holds.)
 
 -- The task released with a ticket will not start (expired, revoked): it is forgotten. Or
 -- [P+2] '1', handed back (the worker it was handed to has no process for it): never acked,

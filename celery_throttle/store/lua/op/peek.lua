@@ -1,6 +1,7 @@
 -- peek: usage and the line, nothing written
--- (One script: the loader puts window.lua and line.lua, each function this file reaches,
--- before it; line.lua's header says what the keys, the arguments and the replies are.)
+-- (One script: the loader puts window.lua and line.lua before it, each function this file
+-- reaches kept; window.lua's header says what the keys, the arguments and the replies are,
+-- line.lua's what the line holds.)
 
 local function peek()
   local x = earliest(math.max(now, not_before), call_units, out_per_rate())

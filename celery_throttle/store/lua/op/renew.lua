@@ -1,6 +1,7 @@
 -- renew: [P..] holders whose slot leases go on
--- (One script: the loader puts window.lua and line.lua, each function this file reaches,
--- before it; line.lua's header says what the keys, the arguments and the replies are.)
+-- (One script: the loader puts window.lua and line.lua before it, each function this file
+-- reaches kept; window.lua's header says what the keys, the arguments and the replies are,
+-- line.lua's what the line holds.)
 
 local function renew()
   for i = P, #ARGV do

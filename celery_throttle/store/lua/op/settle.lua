@@ -1,8 +1,9 @@
 -- settle: a call that started reports its real cost (ARGV[3], the difference, by rate)
 --   for the span it was counted in. [P] at, [P+1] latest, [P+2] epoch (at 0: admitted
 --   from a lease, latest its slack), [P+3] batch
--- (One script: the loader puts window.lua and line.lua, each function this file reaches,
--- before it; line.lua's header says what the keys, the arguments and the replies are.)
+-- (One script: the loader puts window.lua and line.lua before it, each function this file
+-- reaches kept; window.lua's header says what the keys, the arguments and the replies are,
+-- line.lua's what the line holds.)
 
 -- A call that started reports its real cost: the difference (ARGV[3]) is added to (or, a
 -- refund, taken from) the span it was counted in, so later starts see what it really

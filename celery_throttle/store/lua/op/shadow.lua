@@ -1,8 +1,9 @@
 -- shadow: a call of a throttle in shadow mode, on its key's shadow keys: where
 --   enforcing would have started it, recorded there, nothing held (see shadow()). [P]
 --   holder ('' none), [P+1] max wait (µs, 0 none)
--- (One script: the loader puts window.lua and line.lua, each function this file reaches,
--- before it; line.lua's header says what the keys, the arguments and the replies are.)
+-- (One script: the loader puts window.lua and line.lua before it, each function this file
+-- reaches kept; window.lua's header says what the keys, the arguments and the replies are,
+-- line.lua's what the line holds.)
 
 -- A call of a throttle in shadow mode, run on its key's shadow keys (the caller names
 -- them: never the key's own state, line or slots). The start enforcing would have given
