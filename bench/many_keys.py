@@ -15,7 +15,9 @@ the bodies' own notes (taken after the claim: a body that began late bunches wit
 With ``--ops``, a run more at the fewest keys, on a server that logs every command (SLOWLOG at 0 µs): the
 script calls of each operation per task, and the server's µs per call of each.
 
-``python -m bench.many_keys [--keys 100,2000] [--per-key 15] [--ops] [--admitted N]``
+With ``--processes 1,2,4``, a run (and a row) per number of prefork processes of each of the 2 workers.
+
+``python -m bench.many_keys [--keys 100,2000] [--per-key 15] [--processes 4] [--ops] [--admitted N]``
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ SEC = "47 many keys"
 #: Issue 47's targets: against plain Celery's makespan, and per task that waits.
 MAKESPAN_TARGET, CALLS_TARGET, COMMANDS_TARGET = 1.5, 2.0, 30.0
 KEYS, PER_KEY, LIMIT = (100, 2_000), 15, 5
+#: Prefork processes of each of the 2 workers (``--processes``: a row per number).
+PROCESSES = 4
 
 
 def most_in_a_second(starts: list[dict[str, Any]]) -> int:
@@ -62,12 +66,13 @@ def admitted_starts(store_url: str, prefix: str) -> list[dict[str, Any]]:
     return [{"id": key_of.get(e["id"], "?"), "t": e["t"] / 1e6} for e in events if e["k"] == "s"]
 
 
-def one_run(task: str, keys: int, per_key: int, admitted: bool = False) -> dict[str, float]:
-    """One run; ``admitted``: with the record on (``throttle_record``: more commands per task), to count the
-    starts as the store admitted them beside the bodies' own notes."""
+def one_run(task: str, keys: int, per_key: int, admitted: bool = False, processes: int = PROCESSES) -> dict[str, float]:
+    """One run, 2 workers of ``processes`` prefork processes each; ``admitted``: with the record on
+    (``throttle_record``: more commands per task), to count the starts as the store admitted them beside the
+    bodies' own notes."""
     tenants, n = [f"t{k}" for k in range(keys)], keys * per_key
     env = {"CT_RECORD": str(4 * n)} if admitted else {}
-    with served("keys", count=2, concurrency=4, env=env) as (store, group):
+    with served("keys", count=2, concurrency=processes, env=env) as (store, group):
         time.sleep(3.0)  # (the workers' start-up traffic is over)
         before = counts(group.records)
         sent = produce(group, {"task": task, "count": n, "vary": tenants, "runs": per_key})[0]
@@ -117,26 +122,28 @@ def script_ops(keys: int, per_key: int) -> tuple[int, Counter[str], Counter[str]
 
 
 def run_many_keys(res: Results, scale: Any = None, keys: tuple[int, ...] = KEYS, per_key: int = PER_KEY,
-                  ops: bool = False, admitted: int = 0) -> None:
+                  ops: bool = False, admitted: int = 0, processes: tuple[int, ...] = (PROCESSES,)) -> None:
     rows = []
     for k in keys:
-        print(f"  many keys: {k:,} tenants x {per_key} ...", flush=True)
-        plain, ours = one_run("keys_plain", k, per_key), one_run("keys_limit", k, per_key)
-        waiting = k * max(per_key - LIMIT, 0) / (k * per_key)  # (the share of tasks that wait)
-        ratio = ours["makespan"] / plain["makespan"]
-        for name, got in (("plain Celery", plain), ("celery_throttle", ours)):
-            rows.append(f"| {k:,} | {name} | {got['sends']:.1f} | {got['makespan']:.1f} | {got['commands']:.1f} | "
-                        f"{got['calls']:.2f} | {got['cpu_us']:.0f} | {got['most']:.0f} |{'' if got['done'] else ' NOT finished'}")
-        extra_cmds = (ours["commands"] - plain["commands"]) / waiting if waiting else 0.0
-        extra_calls = ours["calls"] / waiting if waiting else 0.0
-        res.add(SEC, f"{k:,} keys x {per_key} at {LIMIT}/s: makespan / plain Celery's", "celery_throttle",
-                f"{ratio:.2f} ({ours['makespan']:.1f} s / {plain['makespan']:.1f} s)", f"<= {MAKESPAN_TARGET}",
-                ratio <= MAKESPAN_TARGET and bool(ours["done"]) and ours["most"] <= LIMIT,
-                f"most starts of a tenant in any 1 s: {ours['most']:.0f} (limit {LIMIT})")
-        res.add(SEC, f"{k:,} keys x {per_key}: script calls; store commands beyond plain Celery's, per waiting task",
-                "celery_throttle", f"{extra_calls:.2f}; {extra_cmds:.1f}",
-                f"<= {CALLS_TARGET:.0f}; <= {COMMANDS_TARGET:.0f}",
-                extra_calls <= CALLS_TARGET and extra_cmds <= COMMANDS_TARGET)
+        for c in processes:
+            print(f"  many keys: {k:,} tenants x {per_key}, 2 workers x {c} ...", flush=True)
+            plain, ours = one_run("keys_plain", k, per_key, processes=c), one_run("keys_limit", k, per_key, processes=c)
+            waiting = k * max(per_key - LIMIT, 0) / (k * per_key)  # (the share of tasks that wait)
+            ratio = ours["makespan"] / plain["makespan"]
+            for name, got in (("plain Celery", plain), ("celery_throttle", ours)):
+                rows.append(f"| {k:,} | 2 x {c} | {name} | {got['sends']:.1f} | {got['makespan']:.1f} | "
+                            f"{got['commands']:.1f} | {got['calls']:.2f} | {got['cpu_us']:.0f} | {got['most']:.0f} |"
+                            f"{'' if got['done'] else ' NOT finished'}")
+            extra_cmds = (ours["commands"] - plain["commands"]) / waiting if waiting else 0.0
+            extra_calls = ours["calls"] / waiting if waiting else 0.0
+            res.add(SEC, f"{k:,} keys x {per_key} at {LIMIT}/s, 2 workers x {c}: makespan / plain Celery's",
+                    "celery_throttle", f"{ratio:.2f} ({ours['makespan']:.1f} s / {plain['makespan']:.1f} s)",
+                    f"<= {MAKESPAN_TARGET}", ratio <= MAKESPAN_TARGET and bool(ours["done"]) and ours["most"] <= LIMIT,
+                    f"most starts of a tenant in any 1 s: {ours['most']:.0f} (limit {LIMIT})")
+            res.add(SEC, f"{k:,} keys x {per_key}, 2 workers x {c}: script calls; store commands beyond plain "
+                         "Celery's, per waiting task", "celery_throttle", f"{extra_calls:.2f}; {extra_cmds:.1f}",
+                    f"<= {CALLS_TARGET:.0f}; <= {COMMANDS_TARGET:.0f}",
+                    extra_calls <= CALLS_TARGET and extra_cmds <= COMMANDS_TARGET)
     if admitted:
         lines = []
         for k in keys:
@@ -151,8 +158,9 @@ def run_many_keys(res: Results, scale: Any = None, keys: tuple[int, ...] = KEYS,
         res.table("many_keys", f"Script calls by operation, {min(keys):,} keys x {per_key} (SLOWLOG at 0 µs)\n\n" + md(
             "| operation | calls per task | server µs per call | server µs per task |",
             (f"| {op} | {c / n:.2f} | {us[op] / c:.0f} | {us[op] / n:.0f} |" for op, c in calls.most_common())))
-    res.table("many_keys", md("| keys | client | producer's sends (s) | first send to last start (s) | commands/task | "
-                              "script calls/task | server CPU µs/task | most starts of a tenant in 1 s |", rows))
+    res.table("many_keys", md("| keys | worker processes | client | producer's sends (s) | first send to last start (s) "
+                              "| commands/task | script calls/task | server CPU µs/task | most starts of a tenant in 1 s |",
+                              rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,12 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keys", default=",".join(map(str, KEYS)), help="tenants of each run, comma-separated")
     p.add_argument("--per-key", type=int, default=PER_KEY, help="tasks each tenant sends at once")
     p.add_argument("--ops", action="store_true", help="and the script calls by operation, at the fewest keys")
+    p.add_argument("--processes", default=str(PROCESSES), help="prefork processes of each of the 2 workers, "
+                   "comma-separated: a run (and a row) per number")
     p.add_argument("--admitted", type=int, default=0, metavar="RUNS",
                    help="and RUNS runs more of each size with the record on: the starts as the store admitted them")
     args = p.parse_args(argv)
     keys = tuple(int(k) for k in args.keys.split(","))
+    processes = tuple(int(c) for c in args.processes.split(","))
     standalone("bench.many_keys", argv, FULL, True, ("many_keys", run_many_keys, keys, args.per_key, args.ops,
-                                                          args.admitted))
+                                                          args.admitted, processes))
     return 0
 
 
