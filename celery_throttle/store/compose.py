@@ -83,6 +83,13 @@ def with_constants(source: str, constants: Mapping[str, int]) -> str:
 #: A function defined at the top level of a script: ``local function name(`` (or ``name =
 #: function(``, forward-declared), to the first ``end`` at the start of a line.
 _FUNCTION = re.compile(r"^(?:local function (\w+)\(|(\w+) = function\()")
+_OPENS, _ENDS = re.compile(r"\b(?:function|if|do)\b"), re.compile(r"\bend\b")
+
+
+def _closed(line: str) -> bool:
+    """Whether ``line`` closes every block it opens (a function written on one line)."""
+    code = _code(line)
+    return len(_OPENS.findall(code)) == len(_ENDS.findall(code))
 
 
 def _functions(lines: Sequence[str]) -> tuple[dict[str, list[tuple[int, int]]], list[int]]:
@@ -96,7 +103,8 @@ def _functions(lines: Sequence[str]) -> tuple[dict[str, list[tuple[int, int]]], 
             i += 1
             continue
         last = i
-        while not lines[last].startswith("end"):
+        # (A function on one line ends on it: `local function f() return 1 end`.)
+        while not (lines[last].startswith("end") or (last == i and _closed(lines[i]))):
             last += 1
         spans.setdefault(found.group(1) or found.group(2), []).append((i, last))
         i = last + 1

@@ -103,6 +103,8 @@ class WindowOps(ScriptClient):
     def window(self, key: str, op: str, call: WindowCall, *args: Any, cost: Cost | None = None) -> WindowReply:
         """Run operation ``op`` of window.lua on state key ``key`` for ``call``, with the
         operation's own ``args``."""
+        if op not in OPERATIONS:
+            raise ValueError(f"no window operation {op!r} (one of {', '.join(OPERATIONS)})")
         keys = (*window_keys(key), share_key(key)) if call.shared else window_keys(key)
         raw = self.run(f"{call.algorithm}/{op}", keys, window_argv(self.now_arg(), op, call, *args, cost=cost))
         return WindowReply.of(raw)

@@ -22,7 +22,7 @@ from celery_throttle.core.rates import Rate
 from celery_throttle.core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, rate_field
 from celery_throttle.core.timing import SCRIPT_POLICY
 from celery_throttle.store.client import RedisStore
-from celery_throttle.store.compose import lua, script_parts
+from celery_throttle.store.compose import lua, pruned, script_parts
 from celery_throttle.store.window import OPERATIONS, window_constants, window_script
 from tests.helpers import STORE_URL
 
@@ -136,6 +136,12 @@ def test_each_operation_makes_only_the_functions_it_reaches() -> None:
         assert other not in acquire
     composed = "".join(source for _, source in script_parts("sliding.lua", "window.lua", "line.lua", "op/acquire.lua"))
     assert acquire.count("\n") == composed.count("\n")
+    # (A function on one line is a span of its own: pruned, it takes no line after it.)
+    one_line = pruned("local function unused() return 1 end\nlocal x = 2\nend_of = x\nreturn x\n")
+    assert one_line.split("\n")[:4] == ["", "local x = 2", "end_of = x", "return x"]
+    # (and one whose first line closes an `if` of its own goes on to its `end`)
+    two_lines = pruned("local function unused(x) if x then return end\n  return 1\nend\nreturn 2\n")
+    assert two_lines.split("\n")[:4] == ["", "", "", "return 2"]
     settle = window_script("sliding", "settle")
     assert "local function per_rate(" in settle and "local function fresh(" not in settle
 
