@@ -66,6 +66,7 @@ class ScriptClient:
         self._sources: dict[str, str] = {}
         self._lines: dict[str, list[tuple[int, str]]] = {}
         self._scripts: dict[str, Any] = {}
+        self._makers: dict[str, Callable[[], tuple[str, list[tuple[int, str]]]]] = {}
         #: The smoothed round trip of a script call (µs; TCP's estimator, gain 1/8), as
         #: this process measures it: a store far away (another region, a slow link)
         #: answers that late, and a claim that waits for its start allows for it.
@@ -105,6 +106,18 @@ class ScriptClient:
             if self._client is not None:
                 self._scripts.update({name: self._client.register_script(source) for name, source in sources.items()})
 
+    def add_lazy_scripts(self, makers: Mapping[str, Callable[[], tuple[str, list[tuple[int, str]]]]]) -> None:
+        """Register scripts made on their first :meth:`run` (a process runs a few of them,
+        and making each takes a few ms): each maker returns the source and its line map."""
+        with self._lock:
+            self._makers.update(makers)
+
+    def _made(self, script: str) -> Any:
+        """The registered script ``script``, made now by its maker (KeyError: none)."""
+        source, lines = self._makers[script]()
+        self.add_scripts({script: source}, {script: lines})
+        return self._scripts[script]
+
     @contextmanager
     def errors(self) -> Iterator[None]:
         """Any Redis error inside becomes a StoreError naming the (masked) URL."""
@@ -127,7 +140,10 @@ class ScriptClient:
         client = self._redis
         # EVALSHA straight from the client: redis-py's Script.__call__ costs a few µs
         # more per call. A restarted or flushed Redis answers NOSCRIPT: load, run again.
-        registered = self._scripts[script]
+        try:
+            registered = self._scripts[script]
+        except KeyError:
+            registered = self._made(script)
         sent = time.perf_counter()
         try:  # (inline, not self.errors(): this is every check's path)
             try:

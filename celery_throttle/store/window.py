@@ -55,12 +55,10 @@ class WindowOps(ScriptClient):
     """The window, line and index operations of a store."""
 
     def add_window_scripts(self, layout: StateLayout) -> None:
-        """Register the window scripts (with this store's timing policy and ``layout``)
-        and the index's."""
-        scripts = {f"{algorithm}/{op}": _window_script(algorithm, op, self.policy, layout)
-                   for algorithm in ALGORITHMS for op in OPERATIONS}
-        self.add_scripts({name: source for name, (source, _) in scripts.items()},
-                         {name: lines for name, (_, lines) in scripts.items()})
+        """Register the window scripts (with this store's timing policy and ``layout``;
+        each made when first run) and the index's."""
+        self.add_lazy_scripts({f"{algorithm}/{op}": functools.partial(_window_script, algorithm, op, self.policy, layout)
+                               for algorithm in ALGORITHMS for op in OPERATIONS})
         self.add_lua("index", "adapt")
 
     def lower(self, key: str, law: tuple[float, float, float], window_us: int, reason: str,
