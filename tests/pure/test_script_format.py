@@ -147,6 +147,21 @@ def test_each_operation_makes_only_the_functions_it_reaches() -> None:
 
 
 @pytest.mark.script
+def test_a_window_script_is_made_on_its_first_run(store_client: redis.Redis, prefix: str) -> None:
+    # Given a store just made: no operation's script composed yet (a process runs a few)
+    store = RedisStore(STORE_URL, prefix)
+    try:
+        assert not [name for name in store._sources if "/" in name]
+        # When a peek runs, then its script is made and registered, and no other
+        store.peek(f"{prefix}:k", WindowCall("sliding", (Rate(1, 1.0),)))
+        assert [name for name in store._sources if "/" in name] == ["sliding/peek"]
+    finally:
+        store.close()
+        for key in store_client.scan_iter(match=f"{prefix}*"):
+            store_client.delete(key)
+
+
+@pytest.mark.script
 def test_an_error_in_a_script_names_the_file_and_its_own_line(store_client: redis.Redis, prefix: str) -> None:
     # Given a call whose ARGV says one rate but carries none (its field name missing)
     store = RedisStore(STORE_URL, prefix)
