@@ -16,7 +16,7 @@ import msgpack
 import redis
 
 from celery_throttle.core.keys import share_key, state_key, window_keys
-from celery_throttle.core.protocol import Code, WindowCall, WindowReply
+from celery_throttle.core.protocol import REPLY_PLACES, Code, WindowCall, WindowReply
 from celery_throttle.core.rates import Rate, parse_rate
 from celery_throttle.core.state import rate_field
 from celery_throttle.store.client import RedisStore
@@ -700,16 +700,20 @@ def _zset(client: redis.Redis, name: str) -> dict[str, float]:
     return {k.decode(): int(v) if v == int(v) else v for k, v in client.zrange(name, 0, -1, withscores=True)}
 
 
+#: The reply's fields before the tasks reported, and where its rooms are (WindowReply's order).
+_FIELDS, _ROOMS = len(REPLY_PLACES), WindowReply._fields.index("rooms")
+
+
 def _as_tuple(reply: WindowReply) -> tuple[Any, ...]:
-    return (*reply[:19], tuple((r.id, r.payload, r.kind) for r in reply.reported))
+    return (*reply[:_FIELDS], tuple((r.id, r.payload, r.kind) for r in reply.reported))
 
 
 def _model_tuple(reply: Any) -> tuple[Any, ...]:
     t = reply.as_tuple()
-    rooms = tuple(int(v) for v in t[8].split(",")) if t[8] else ()
+    rooms = tuple(int(v) for v in t[_ROOMS].split(",")) if t[_ROOMS] else ()
     reported = tuple((i, p.decode() if isinstance(p, bytes) and k not in ("r", "x", "c") else p, k)
-                     for i, p, k in t[19])
-    return (*t[:8], rooms, *t[9:19], reported)
+                     for i, p, k in t[_FIELDS])
+    return (*t[:_ROOMS], rooms, *t[_ROOMS + 1:_FIELDS], reported)
 
 
 def _show(reply: WindowReply) -> str:
