@@ -111,9 +111,11 @@ def _say_what_is_throttled(ctl: Throttle) -> None:
     store = ctl.store
     names = sorted(name for name, task in ctl.app.tasks.items() if type(task).__dict__.get("_throttle_hooked"))
     shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    # (Before the pool forks: every child starts with every script made, and knowing how
+    # far away the store is and the store's epoch, read before any call of its own:
+    # Journaling.epoch.)
+    store.make_scripts()
     try:
-        # (Before the pool forks: every child starts knowing how far away the store is,
-        # and the store's epoch, read before any call of its own: Journaling.epoch.)
         rtt_us = store.measure_rtt()
         ctl.lines.journal.prime()
         report = store.report(ctl.lines.journal.enabled)

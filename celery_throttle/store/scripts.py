@@ -112,6 +112,14 @@ class ScriptClient:
         with self._lock:
             self._makers.update(makers)
 
+    def make_scripts(self) -> None:
+        """Make every script registered to be made on its first run, now (a worker, before
+        its pool forks: every child starts with them made)."""
+        for name, maker in list(self._makers.items()):
+            if name not in self._sources:
+                source, lines = maker()
+                self.add_scripts({name: source}, {name: lines})
+
     def _made(self, script: str) -> Any:
         """The registered script ``script``, made now by its maker (KeyError: none)."""
         source, lines = self._makers[script]()
