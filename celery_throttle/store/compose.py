@@ -7,11 +7,10 @@ does, and keep every line where it was, so an error still names its file's own l
 (:func:`.scripts.true_lines`):
 
 - :func:`with_constants` writes each constant's value where its name is: Lua 5.1 makes a
-  closure of every function on every run, and each upvalue it captures is found by a walk
-  of every local captured after it (some 150 in the window scripts); a constant written in
-  place is none.
+  closure of every function on every run, and a constant written in place is no upvalue
+  for it to capture (a denied check's script time 73 -> 63 µs in a probe of one server).
 - :func:`pruned` blanks each top-level function the script never reaches: an operation makes
-  no closure of another's helpers.
+  no closure of another's helpers (74 -> 62 µs in the same probe; docs/benchmarks.md).
 """
 
 from __future__ import annotations
