@@ -17,7 +17,11 @@ script calls of each operation per task, and the server's µs per call of each.
 
 With ``--processes 1,2,4``, a run (and a row) per number of prefork processes of each of the 2 workers.
 
-``python -m bench.many_keys [--keys 100,2000] [--per-key 15] [--processes 4] [--ops] [--admitted N]``
+With ``--cluster``, the throttled runs again with the store on a Redis Cluster of 3 masters started on
+loopback (the broker and the notes on a server of their own): each master's share of the store's commands,
+script calls and CPU (target: no master more than 45 % of the commands).
+
+``python -m bench.many_keys [--keys 100,2000] [--per-key 15] [--processes 4] [--ops] [--admitted N] [--cluster]``
 """
 
 from __future__ import annotations
@@ -26,17 +30,20 @@ import argparse
 import json
 import time
 from collections import Counter
+from dataclasses import astuple
 from typing import Any
 
 import redis
 
-from bench.common import Results, counts, md, new_prefix, produce, running, served, standalone
+from bench.common import Counts, Results, counts, md, new_prefix, produce, running, served, standalone
 from celery_throttle.core.keys import record_key
-from tests.harness import redis_server
+from tests.harness import redis_cluster, redis_server
 
 SEC = "47 many keys"
 #: Issue 47's targets: against plain Celery's makespan, and per task that waits.
 MAKESPAN_TARGET, CALLS_TARGET, COMMANDS_TARGET = 1.5, 2.0, 30.0
+#: Issue 47's target on a Redis Cluster of CLUSTER_MASTERS masters: the most of the store's commands one takes.
+CLUSTER_MASTERS, MASTER_TARGET = 3, 0.45
 KEYS, PER_KEY, LIMIT = (100, 2_000), 15, 5
 #: Prefork processes of each of the 2 workers (``--processes``: a row per number).
 PROCESSES = 4
@@ -90,6 +97,52 @@ def one_run(task: str, keys: int, per_key: int, admitted: bool = False, processe
             **({"admitted": most_in_a_second(by_store), "recorded": len(by_store) / n} if admitted else {})}
 
 
+def cluster_run(keys: int, per_key: int, processes: int = PROCESSES) -> tuple[list[Counts], dict[str, float]]:
+    """One throttled run with the store on a Redis Cluster of CLUSTER_MASTERS masters: each master's counts
+    (from the workers' start-up on: the producer's sends to the last start), and the run's figures."""
+    tenants, n = [f"t{k}" for k in range(keys)], keys * per_key
+    with redis_cluster(CLUSTER_MASTERS) as ports, redis_server() as server, \
+            running(new_prefix("keys-cluster"), server, store=f"redis+cluster://127.0.0.1:{ports[0]}",
+                    records=server.url, count=2, concurrency=processes) as group:
+        masters = [redis.Redis(port=p) for p in ports]
+        time.sleep(3.0)
+        before = [counts(m) for m in masters]
+        sent = produce(group, {"task": "keys_limit", "count": n, "vary": tenants, "runs": per_key})[0]
+        deadline = time.monotonic() + 600
+        while not (done := group.started("keys") >= n) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        got = [counts(m) - b for m, b in zip(masters, before)]
+        starts = group.starts("keys")
+        for m in masters:
+            m.close()
+    return got, {"makespan": max(s["t"] for s in starts) - sent["first"], "most": most_in_a_second(starts),
+                 "done": float(done)}
+
+
+def cluster_rows(res: Results, keys: tuple[int, ...], per_key: int) -> None:
+    """Each master's share of the store's work, a run per number of keys."""
+    lines = []
+    for k in keys:
+        print(f"  many keys: {k:,} tenants x {per_key}, store on a cluster of {CLUSTER_MASTERS} ...", flush=True)
+        masters, got = cluster_run(k, per_key)
+        n = k * per_key
+        total = Counts(*(sum(x) for x in zip(*(astuple(m) for m in masters))))
+        shares = [m.commands / total.commands for m in masters]
+        res.add(SEC, f"{k:,} keys x {per_key}, store on a cluster of {CLUSTER_MASTERS} masters: the most of the "
+                     "store's commands one master takes", "celery_throttle", f"{max(shares):.2f} "
+                f"({' / '.join(f'{x:.2f}' for x in shares)})", f"<= {MASTER_TARGET}",
+                max(shares) <= MASTER_TARGET and bool(got["done"]) and got["most"] <= LIMIT,
+                f"{total.commands / n:.1f} commands, {total.script_calls / n:.2f} script calls per task in all; "
+                f"most starts of a tenant in any 1 s: {got['most']:.0f} (limit {LIMIT})")
+        for i, m in enumerate(masters):
+            lines.append(f"| {k:,} | {i + 1} | {m.commands / total.commands:.2f} | {m.commands / n:.1f} | "
+                         f"{m.script_calls / n:.2f} | {m.cpu_s / n * 1e6:.0f} |")
+    res.table("many_keys", f"The store on a Redis Cluster of {CLUSTER_MASTERS} masters (loopback, no replicas), 2 "
+                           f"workers x {PROCESSES}, the broker apart: each master's part\n\n" + md(
+                               "| keys | master | share of the commands | commands/task | script calls/task "
+                               "| CPU µs/task |", lines))
+
+
 def script_ops(keys: int, per_key: int) -> tuple[int, Counter[str], Counter[str]]:
     """(tasks, script calls by operation, their server µs) of one throttled run, from the SLOWLOG. The window
     script's operation is its ARGV[2], the index's ``index:`` and its op; a line's sample is ``eval``, any
@@ -122,7 +175,8 @@ def script_ops(keys: int, per_key: int) -> tuple[int, Counter[str], Counter[str]
 
 
 def run_many_keys(res: Results, scale: Any = None, keys: tuple[int, ...] = KEYS, per_key: int = PER_KEY,
-                  ops: bool = False, admitted: int = 0, processes: tuple[int, ...] = (PROCESSES,)) -> None:
+                  ops: bool = False, admitted: int = 0, processes: tuple[int, ...] = (PROCESSES,),
+                  cluster: bool = False) -> None:
     rows = []
     for k in keys:
         for c in processes:
@@ -158,6 +212,8 @@ def run_many_keys(res: Results, scale: Any = None, keys: tuple[int, ...] = KEYS,
         res.table("many_keys", f"Script calls by operation, {min(keys):,} keys x {per_key} (SLOWLOG at 0 µs)\n\n" + md(
             "| operation | calls per task | server µs per call | server µs per task |",
             (f"| {op} | {c / n:.2f} | {us[op] / c:.0f} | {us[op] / n:.0f} |" for op, c in calls.most_common())))
+    if cluster:
+        cluster_rows(res, keys, per_key)
     res.table("many_keys", md("| keys | worker processes | client | producer's sends (s) | first send to last start (s) "
                               "| commands/task | script calls/task | server CPU µs/task | most starts of a tenant in 1 s |",
                               rows))
@@ -174,11 +230,13 @@ def main(argv: list[str] | None = None) -> int:
                    "comma-separated: a run (and a row) per number")
     p.add_argument("--admitted", type=int, default=0, metavar="RUNS",
                    help="and RUNS runs more of each size with the record on: the starts as the store admitted them")
+    p.add_argument("--cluster", action="store_true", help="and the throttled runs with the store on a Redis Cluster "
+                   f"of {CLUSTER_MASTERS} masters: each master's part")
     args = p.parse_args(argv)
     keys = tuple(int(k) for k in args.keys.split(","))
     processes = tuple(int(c) for c in args.processes.split(","))
     standalone("bench.many_keys", argv, FULL, True, ("many_keys", run_many_keys, keys, args.per_key, args.ops,
-                                                          args.admitted, processes))
+                                                          args.admitted, processes, args.cluster))
     return 0
 
 

@@ -5,9 +5,6 @@ A missing Redis skips the tests locally but fails them in CI (CI=true).
 
 from __future__ import annotations
 
-import random
-import socket
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,15 +22,14 @@ from kombu.transport.redis import Channel
 
 from celery_throttle.celery_parts.journal_queue import journal_queue_name
 from examples.local_redis import drop_bindings
+from tests.harness import redis_cluster
 from tests.helpers import (
     BROKER_URL,
     QUICK,
     STORE_URL,
-    RedisServer,
     WorkerGroup,
     rabbitmq_or_skip,
     redis_or_skip,
-    wait_for,
 )
 
 settings.load_profile("celery_throttle_quick" if QUICK else "celery_throttle")
@@ -135,44 +131,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # -- a Redis Cluster of 3 masters on loopback, for the tests that need one ---------------
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free and valid too."""
-    for _ in range(200):
-        port = random.randint(20000, 45000)
-        try:
-            for p in (port, port + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
-
-
 @pytest.fixture
 def cluster_url() -> Iterator[str]:
-    servers: list[RedisServer] = []
-    try:
-        for _ in range(3):
-            server = RedisServer(port=_cluster_port())
-            server.extra = ["--cluster-enabled", "yes", "--cluster-config-file",
-                            f"{server.dir}/nodes.conf", "--cluster-node-timeout", "2000"]
-            servers.append(server.start())
-        ports = [s.port for s in servers]
-        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
-        # Every node must see the cluster ok, not only the first: a node still joining
-        # answers CLUSTERDOWN for its slots.
-        clients = [redis.Redis(port=p) for p in ports]
-        wait_for(lambda: all(c.cluster("info")["cluster_state"] == "ok" for c in clients), 20,
-                 what="cluster ok on every node")
-        for c in clients:
-            c.close()
+    with redis_cluster() as ports:
         yield f"redis+cluster://127.0.0.1:{ports[0]}"
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def _journal_owner_gone(queue: str, store: redis.Redis) -> bool:

@@ -11,14 +11,19 @@ note each start in a list per label (``<prefix>:starts:<label>``), so that a flo
 from __future__ import annotations
 
 import json
+import random
 import shutil
+import socket
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import RedisServer, WorkerGroup
+import redis
+
+from tests.helpers import RedisServer, WorkerGroup, wait_for
 
 
 def waited(predicate: Callable[[], Any], timeout: float, interval: float = 0.1) -> bool:
@@ -39,6 +44,48 @@ def redis_server(*extra: str) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+@contextmanager
+def redis_cluster(masters: int = 3) -> Iterator[list[int]]:
+    """A Redis Cluster of ``masters`` masters and no replicas on loopback, each a redis-server of its
+    own, stopped after. Yields their ports (``redis+cluster://127.0.0.1:<first>`` names it)."""
+    servers: list[RedisServer] = []
+    try:
+        for _ in range(masters):
+            server = RedisServer(port=_cluster_port())
+            server.extra = ["--cluster-enabled", "yes", "--cluster-config-file",
+                            f"{server.dir}/nodes.conf", "--cluster-node-timeout", "2000"]
+            servers.append(server.start())
+        ports = [s.port for s in servers]
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+        # Every node must see the cluster ok, not only the first: a node still joining
+        # answers CLUSTERDOWN for its slots.
+        clients = [redis.Redis(port=p) for p in ports]
+        wait_for(lambda: all(c.cluster("info")["cluster_state"] == "ok" for c in clients), 20,
+                 what="cluster ok on every node")
+        for c in clients:
+            c.close()
+        yield ports
+    finally:
+        for server in servers:
+            server.stop()
 
 
 class AppWorkers(WorkerGroup):

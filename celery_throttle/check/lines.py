@@ -204,8 +204,9 @@ class Lines(OnCall):
         """Tell the index when ``key`` next needs a look (as its line's script computed it
         at ``now_us``), and wake a releaser if soon."""
         read_us = self.checker.controls.read_at_us
-        if self.setup.store.index_note(key, due_us, now_us, read_us) and due_us - now_us < WAKE_AHEAD_US:
-            self.wake_releasers()
+        store = self.setup.store
+        if store.index_note(key, due_us, now_us, read_us) and due_us - now_us < WAKE_AHEAD_US:
+            store.wake_releasers(store.index_part(key))
 
     def wake_releasers(self) -> None:
         """Wake one releaser now (it looks at every key due)."""

@@ -177,10 +177,11 @@ def share_key(state_key: str) -> str:
     return f"{state_key}:share"
 
 
-def share_registry_key(prefix: str, scope: str) -> str:
-    """The keys of ``scope`` that take part in its share, each to its weight and most. (The
+def share_registry_key(prefix: str, scope: str, tag: str = "#share") -> str:
+    """The keys of ``scope`` that take part in its share, each to its weight and most: the
+    part of hash tag ``tag`` (a single Redis has one, ``#share``: store/sharing.py). (The
     tag begins with ``#``, which no encoded scope does: never a scope's own key.)"""
-    return f"{prefix}:{{#share}}:{encode(scope)}"
+    return f"{prefix}:{{{tag}}}:{encode(scope)}"
 
 
 def share_lock_key(prefix: str, scope: str) -> str:
@@ -194,9 +195,10 @@ def share_wake_key(prefix: str, scope: str) -> str:
     return share_registry_key(prefix, scope) + "#wake"
 
 
-def line_index_key(prefix: str) -> str:
-    """The index of state keys with a line, by when each next needs a look (index.lua)."""
-    return f"{prefix}:{{lines}}:due"
+def line_index_key(prefix: str, tag: str = "lines") -> str:
+    """The index of state keys with a line, by when each next needs a look (index.lua):
+    the part of hash tag ``tag`` (a single Redis has one, ``lines``: store/index.py)."""
+    return f"{prefix}:{{{tag}}}:due"
 
 
 #: The companion keys of a state hash that mean it has a line: its counts and its entries
@@ -235,9 +237,10 @@ def journal_keys(prefix: str) -> tuple[str, str, str]:
     return f"{prefix}:{{lines}}:journal", f"{prefix}:{{lines}}:keeper", f"{prefix}:{{lines}}:sent-on"
 
 
-def line_index_keys(prefix: str) -> tuple[str, str]:
-    """index.lua's keys: the index, and when each due time in it was computed."""
-    return line_index_key(prefix), f"{prefix}:{{lines}}:at"
+def line_index_keys(prefix: str, tag: str = "lines") -> tuple[str, str]:
+    """index.lua's keys for the index's part of hash tag ``tag``: the part, and when each
+    due time in it was computed."""
+    return line_index_key(prefix, tag), f"{prefix}:{{{tag}}}:at"
 
 
 def record_key(prefix: str) -> str:

@@ -1,4 +1,4 @@
-"""The Redis store: every family of operations (:mod:`.window`, :mod:`.lines`,
+"""The Redis store: every family of operations (:mod:`.window`, :mod:`.index`, :mod:`.lines`,
 :mod:`.controls`, :mod:`.sharing`, :mod:`.keeper`, :mod:`.recording`, :mod:`.dead_letters`)
 over one client (:mod:`.scripts`)."""
 
@@ -27,11 +27,13 @@ class RedisStore(WindowOps, LineOps, ControlOps, ShareOps, KeeperOps, RecordOps,
     def __init__(self, url: str, prefix: str, clock: Callable[[], int] | None = None,
                  timeout: float = STORE_TIMEOUT, connect_timeout: float = STORE_CONNECT_TIMEOUT,
                  options: Mapping[str, Any] | None = None, policy: ScriptPolicy = SCRIPT_POLICY,
-                 layout: StateLayout = STATE_LAYOUT) -> None:
+                 layout: StateLayout = STATE_LAYOUT, index_parts: int | None = None) -> None:
         super().__init__(url, prefix, clock, timeout, connect_timeout, options, policy)
         #: The state layout the window scripts are loaded with (tests load them with others).
         self.layout = layout
         self.add_window_scripts(layout)
+        # (index_parts: the index's parts whatever the URL says; tests split it on one Redis)
+        self.add_index_scripts(index_parts)
         self.add_control_scripts()
         self.add_keeper_scripts()
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from ..core.keys import line_index_key, line_scan_patterns, sweep_key, window_keys
-from .scripts import ScriptClient, text
+from ..core.keys import line_scan_patterns, sweep_key, window_keys
+from .index import IndexOps
+from .scripts import text
 
 __all__ = ["LineEntry", "LineOps"]
 
@@ -20,14 +21,15 @@ _BATCH = 1000
 LineEntry = tuple[bytes, int, "bytes | None", "bytes | None"]
 
 
-class LineOps(ScriptClient):
+class LineOps(IndexOps):
     """What is read of the lines beside their operations."""
 
     def indexed(self, match: str = "*") -> Iterator[str]:
         """The state keys the index holds (whose names match ``match``), by ZSCAN."""
         with self.errors():
-            for member, _ in self._redis.zscan_iter(line_index_key(self.prefix), match=match, count=_BATCH):
-                yield text(member)
+            for part in range(self.index_parts):
+                for member, _ in self._redis.zscan_iter(self.index_part_key(part), match=match, count=_BATCH):
+                    yield text(member)
 
     def line_keys(self) -> list[str]:
         """The state keys that have a line: the index's, and (by SCAN: one missing from the
@@ -41,7 +43,7 @@ class LineOps(ScriptClient):
 
     def lines_indexed(self) -> int:
         with self.errors():
-            return int(self._redis.zcard(line_index_key(self.prefix)))
+            return sum(int(self._redis.zcard(self.index_part_key(part))) for part in range(self.index_parts))
 
     def total_waiting(self) -> int:
         """How many tasks wait in every line of the index: one ZCARD per key, pipelined."""
@@ -124,6 +126,6 @@ class LineOps(ScriptClient):
                     if key in seen:
                         continue
                     seen.add(key)
-                    if self._redis.zscore(line_index_key(self.prefix), key) is None:
+                    if self._redis.zscore(self.index_part_key(self.index_part(key)), key) is None:
                         missing.append(key)
         return missing

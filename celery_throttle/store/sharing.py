@@ -1,5 +1,6 @@
 """The operations of a scope's share of slots (core/share.py): the keys that take part (a
-hash per scope, key to its weight and most) and each key's cap (a string in the key's own
+hash per scope, key to its weight and most; on a Redis Cluster in as many parts as the
+index, :mod:`.index`, each key in its part) and each key's cap (a string in the key's own
 hash tag, window.lua's KEYS[8]).
 
 A cap is only ever read by window.lua; it is written here by the sharer, one worker at a
@@ -14,9 +15,14 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ..core.keys import share_key, share_lock_key, share_registry_key, share_wake_key, window_keys
-from .scripts import ScriptClient, StoreLock
+from .index import IndexOps, index_tags
+from .scripts import StoreLock
 
 __all__ = ["CAP_KEEP_MS", "Member", "ShareOps"]
+
+#: The hash tag of the registry's first part: the only one on a single Redis (the sharers'
+#: locks and wake lists are in it too: one BLPOP waits on the wake lists of many scopes).
+_REGISTRY_TAG = "#share"
 
 #: A cap lives this long (ms) after its last write. A cap that runs out is 0: the key's
 #: tasks wait, and say so (the sharer writes it again at its next pass); what was held
@@ -51,8 +57,15 @@ def _number(raw: bytes | str | None) -> int:
         return 0
 
 
-class ShareOps(ScriptClient):
+class ShareOps(IndexOps):
     """The share operations of a store."""
+
+    def _registry(self, scope: str, key: str | None = None) -> list[str]:
+        """The parts of ``scope``'s registry (only the one of ``key``, if given)."""
+        tags = index_tags(self.index_parts, _REGISTRY_TAG)
+        if key is not None:
+            tags = (tags[self.index_part(key)],)
+        return [share_registry_key(self.prefix, scope, tag) for tag in tags]
 
     def share_lock(self, scope: str, lease_s: float) -> StoreLock:
         """The lock of the worker that moves ``scope``'s caps (one at a time)."""
@@ -63,7 +76,7 @@ class ShareOps(ScriptClient):
         and the sharer is woken."""
         with self.errors():
             pipe = self._redis.pipeline(transaction=False)
-            pipe.hset(share_registry_key(self.prefix, scope), state_key, f"{weight!r},{most}")
+            pipe.hset(self._registry(scope, state_key)[0], state_key, f"{weight!r},{most}")
             self._poke(pipe, scope)
             pipe.execute()
 
@@ -87,8 +100,16 @@ class ShareOps(ScriptClient):
     def share_members(self, scope: str) -> dict[str, Member]:
         """The keys that take part in ``scope``'s share."""
         with self.errors():
-            raw = self._redis.hgetall(share_registry_key(self.prefix, scope))
-        return {(k.decode(errors="surrogateescape") if isinstance(k, bytes) else k): _member(v) for k, v in raw.items()}
+            parts = self._registry(scope)
+            if len(parts) == 1:
+                found = [self._redis.hgetall(parts[0])]
+            else:
+                pipe = self._redis.pipeline(transaction=False)
+                for part in parts:
+                    pipe.hgetall(part)
+                found = pipe.execute()
+        return {(k.decode(errors="surrogateescape") if isinstance(k, bytes) else k): _member(v)
+                for raw in found for k, v in raw.items()}
 
     def share_read(self, keys: Sequence[str]) -> list[tuple[int, int, int]]:
         """(cap, held, waiting) of each key: its cap, the slots held (bodies running and
@@ -130,7 +151,11 @@ class ShareOps(ScriptClient):
             for key in keys:  # (one by one: each cap is on its key's own slot)
                 pipe.delete(share_key(key))
             pipe.execute()
-            self._redis.hdel(share_registry_key(self.prefix, scope), *keys)
+            by_part: dict[str, list[str]] = {}
+            for key in keys:
+                by_part.setdefault(self._registry(scope, key)[0], []).append(key)
+            for part, some in by_part.items():
+                self._redis.hdel(part, *some)
         back = [k for k, (_, held, waiting) in zip(keys, self.share_read(keys)) if held or waiting]
         for key in back:
             self.share_join(scope, key, members[key].weight, members[key].most)

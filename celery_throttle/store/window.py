@@ -1,6 +1,5 @@
 """The operations of a key's window, its line and its slots (a script per operation and
-algorithm: lua/op/, after window.lua and line.lua), and of the index of keys with a line
-(index.lua).
+algorithm: lua/op/, after window.lua and line.lua).
 
 One method per operation (its file in lua/op/ says what it does), each taking what the
 script is told about the call as a :class:`.protocol.WindowCall`.
@@ -12,7 +11,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from ..core.keys import adaptive_index_key, line_index_keys, share_key, wake_key, window_keys
+from ..core.keys import adaptive_index_key, share_key, window_keys
 from ..core.protocol import (
     NO_ENTRY,
     REPLY_PLACES,
@@ -29,7 +28,7 @@ from ..core.timing import SCRIPT_POLICY, ScriptPolicy
 from .compose import composed, pruned, script_parts, with_constants
 from .scripts import ScriptClient, text
 
-__all__ = ["ALGORITHMS", "OPERATIONS", "WAKE_TTL_MS", "WindowOps", "window_constants", "window_script"]
+__all__ = ["ALGORITHMS", "OPERATIONS", "WindowOps", "window_constants", "window_script"]
 
 #: The algorithms of a window; each operation is a script per algorithm.
 ALGORITHMS = ("sliding", "fixed")
@@ -38,8 +37,6 @@ ALGORITHMS = ("sliding", "fixed")
 OPERATIONS = {"acquire": "acquire", "screen": "acquire", "admit": "admit", "front": "front", "claim": "claim",
               "release": "release", "drain": "drain", "drop": "drop", "ack": "ack", "give_back": "give_back",
               "settle": "settle", "ended": "ended", "renew": "renew", "peek": "peek", "shadow": "shadow"}
-#: A wake-up no releaser took (none runs) is forgotten after this (ms).
-WAKE_TTL_MS = 10_000
 #: A message of a line (KEYS: its line, released entries, messages): its head's, else one of
 #: the first released entries'. One round trip, not three: a store far away pays each.
 _SAMPLE = """local ids = redis.call('ZRANGE', KEYS[1], 0, 0)
@@ -59,7 +56,7 @@ class WindowOps(ScriptClient):
         each made when first run) and the index's."""
         self.add_lazy_scripts({f"{algorithm}/{op}": functools.partial(_window_script, algorithm, op, self.policy, layout)
                                for algorithm in ALGORITHMS for op in OPERATIONS})
-        self.add_lua("index", "adapt")
+        self.add_lua("adapt")
 
     def lower(self, key: str, law: tuple[float, float, float], window_us: int, reason: str,
               used: float = 1.0, unit: float = 0.0) -> tuple[float, float, bool]:
@@ -200,51 +197,6 @@ class WindowOps(ScriptClient):
         """The holders of ``key``'s concurrency slots whose names match ``match`` (ZSCAN)."""
         with self.errors():
             return [text(h) for h, _ in self._redis.zscan_iter(window_keys(key)[5], match=match)]
-
-    # -- the index of keys with a line ---------------------------------------------------
-    def index_claim(self, lookahead_us: int, most: int, lease_us: int) -> tuple[int, int, list[tuple[str, int]]]:
-        """(now, the earliest due left (-1: none), [(state key, token)]) of the keys due
-        within ``lookahead_us``, each claimed for ``lease_us``."""
-        reply = self.run("index", list(line_index_keys(self.prefix)), [self.now_arg(), "claim", lookahead_us, most,
-                                                                       lease_us])
-        return int(reply[0]), int(reply[1]), [(text(reply[i]), int(reply[i + 1])) for i in range(2, len(reply), 2)]
-
-    def index_settle(self, settled: Sequence[tuple[str, int, int, int, int]]) -> tuple[int, int]:
-        """Each (state key, token, due, computed at, controls read at) claimed: its due time,
-        unless a newer one was written since (one computed under controls read before the
-        key's last wake-up leaves it due now, if later). Returns (now, the earliest due in
-        the index now, -1: none)."""
-        reply = self.run("index", list(line_index_keys(self.prefix)),
-                         [self.now_arg(), "settle", *(v for five in settled for v in five)])
-        return int(reply[0]), int(reply[1])
-
-    def index_note(self, key: str, due_us: int, at_us: int, read_us: int = 0) -> bool:
-        """Tell the index when ``key`` next needs a look, as computed at ``at_us`` (the
-        line script's now) under controls read at ``read_us`` (0: unknown): written unless
-        a newer due time was, or (computed before the key's last wake-up) a later one.
-        True if written."""
-        return bool(self.run("index", list(line_index_keys(self.prefix)),
-                             [self.now_arg(), "note", key, due_us, at_us, read_us]))
-
-    def index_wake(self, keys: Sequence[str]) -> int:
-        """Each of ``keys`` the index holds is due now. Returns how many."""
-        if not keys:
-            return 0
-        return int(self.run("index", list(line_index_keys(self.prefix)), [self.now_arg(), "wake", *keys]))
-
-
-    def wake_releasers(self) -> None:
-        """Wake one releaser waiting in :meth:`wait_for_wake` now (it looks at every line due)."""
-        with self.errors():
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.lpush(wake_key(self.prefix), 1)
-            pipe.pexpire(wake_key(self.prefix), WAKE_TTL_MS)
-            pipe.execute()
-
-    def wait_for_wake(self, seconds: float) -> bool:
-        """Wait up to ``seconds`` for :meth:`wake_releasers`; True if woken."""
-        with self.errors():
-            return self._redis.blpop([wake_key(self.prefix)], timeout=seconds) is not None
 
 
 def window_script(algorithm: str, op: str, policy: ScriptPolicy = SCRIPT_POLICY,

@@ -82,8 +82,16 @@ class Releaser(threading.Thread):
         #: (keys with a line, when: Unix time) at the last watch of the store, to say what
         #: a restart that emptied it lost.
         self._lines_seen: tuple[int, float] | None = None
-        #: Woken (BLPOP) since the last round, rather than timed out.
+        #: Woken (BLPOP) since the last round, rather than timed out, and for which parts of
+        #: the index (store/index.py).
         self._woken = False
+        self._woken_parts: set[int] = set()
+        #: Per part of the index: the earliest look due in it (µs, the store's clock; -1:
+        #: none) as its last claim or settle answered, and when that was (monotonic).
+        self._first: list[int] = []
+        self._read: list[float] = []
+        #: (the store's clock in µs, monotonic seconds) at the last reply: the store's now, told.
+        self._clock = (0, 0.0)
         self._chores_outage = Outage("do the releaser's chores (lost index entries, gauges)")
         #: The journal's keeper (started with this thread when the journal is on), and
         #: the sharer of the scopes whose slots are shared.
@@ -142,8 +150,10 @@ class Releaser(threading.Thread):
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0.0005 and not self._stop_event.is_set():
             try:
-                if self.setup.store.wait_for_wake(min(left, WAKE_SLICE)):
+                woken = self.setup.store.wait_for_wake(min(left, WAKE_SLICE))
+                if woken is not None:
                     self._woken = True
+                    self._woken_parts.update(woken)
                     break
             except StoreError:
                 self._stop_event.wait(left)  # the round that follows says what is wrong
@@ -152,36 +162,64 @@ class Releaser(threading.Thread):
     def release_due(self) -> float:
         """Release the heads of every line due now; returns how long (seconds) to sleep
         before the next look (the earliest due in the index, at most the release
-        interval)."""
-        store, lines = self.setup.store, self.lines
-        drain = not self.setup.settings.enabled  # (throttling switched off: every line goes)
-        while True:
-            now_us, first, claimed = store.index_claim(LOOKAHEAD_US + store.rtt_us, CLAIM_MOST, CLAIM_LEASE_US)
-            if not claimed:
-                break  # (nothing to settle: the claim's reply says when the next is due)
-            settled = []
-            for key, token in claimed:
-                try:
-                    due, at = lines.release(key, drain=drain)
-                except StoreError:
-                    raise
-                except Exception:
-                    logger.exception("could not release the line of %s", key)
-                    due, at = now_us + CLAIM_LEASE_US, now_us
-                # (with when its controls were read: a due time computed under controls older
-                # than the key's last wake-up never pushes its look later: index.lua)
-                settled.append((key, token, due, at, self.checker.controls.read_at_us))
-            now_us, first = store.index_settle(settled)
-            if len(claimed) < CLAIM_MOST:
-                break
-        interval = self.setup.settings.release_interval
+        interval). Of an index in parts (a Redis Cluster), a round claims from each part
+        woken, due, or not looked at for a release interval."""
+        store = self.setup.store
+        parts, interval = store.index_parts, self.setup.settings.release_interval
+        if len(self._first) != parts:
+            self._first, self._read = [0] * parts, [float("-inf")] * parts
+        woken, self._woken_parts = self._woken_parts, set()
+        lookahead = LOOKAHEAD_US + store.rtt_us
+        for part in range(parts):
+            if parts == 1 or part in woken or self._part_due(part, lookahead, interval):
+                self._release_part(part, lookahead)
+        first = min((f for f in self._first if f >= 0), default=-1)
         if first < 0:
             return interval
         # (Less WAKE_TRIPS round trips: the script's now came half of one before its reply,
         # the wait's BLPOP ends one after its timeout, and the next look claims the key and
         # reads its controls before its release. Early costs a look more; late, a start.)
         early = WAKE_TRIPS * store.rtt_us / 1e6
-        return min(max((first - now_us) / 1e6 - early, 0.0), interval)
+        return min(max((first - self._now_us()) / 1e6 - early, 0.0), interval)
+
+    def _now_us(self) -> float:
+        """The store's clock now, as told by its last reply and this process's since."""
+        told, at = self._clock
+        return told + (time.monotonic() - at) * 1e6
+
+    def _part_due(self, part: int, lookahead: int, interval: float) -> bool:
+        """Whether ``part`` of the index needs a claim now: its earliest look is due (the
+        wait ends WAKE_TRIPS round trips early), or it was last read an interval ago (a
+        note from another process brought a look in it earlier without waking anyone)."""
+        first = self._first[part]
+        if time.monotonic() - self._read[part] >= interval:
+            return True
+        return 0 <= first <= self._now_us() + lookahead + WAKE_TRIPS * self.setup.store.rtt_us
+
+    def _release_part(self, part: int, lookahead: int) -> None:
+        """Claim the keys due in ``part`` of the index, release their heads, settle them."""
+        store, lines = self.setup.store, self.lines
+        drain = not self.setup.settings.enabled  # (throttling switched off: every line goes)
+        while True:
+            now_us, first, claimed = store.index_claim(lookahead, CLAIM_MOST, CLAIM_LEASE_US, part)
+            if claimed:
+                settled = []
+                for key, token in claimed:
+                    try:
+                        due, at = lines.release(key, drain=drain)
+                    except StoreError:
+                        raise
+                    except Exception:
+                        logger.exception("could not release the line of %s", key)
+                        due, at = now_us + CLAIM_LEASE_US, now_us
+                    # (with when its controls were read: a due time computed under controls older
+                    # than the key's last wake-up never pushes its look later: index.lua)
+                    settled.append((key, token, due, at, self.checker.controls.read_at_us))
+                now_us, first = store.index_settle(settled, part)
+            self._first[part], self._read[part] = first, time.monotonic()
+            self._clock = (now_us, self._read[part])
+            if len(claimed) < CLAIM_MOST:
+                break
 
     # -- between rounds -------------------------------------------------------------------
     def chores(self) -> None:
