@@ -73,9 +73,10 @@ TEST_PROCS ?= 4
 test-passes:
 	$(MAKE) --no-print-directory -j2 --output-sync=target pass-suite pass-soak
 	$(MAKE) --no-print-directory -j3 --output-sync=target pass-redis62 pass-valkey pass-celery
+	$(MAKE) --no-print-directory pass-cluster
 	$(MAKE) --no-print-directory pass-campaign
 
-.PHONY: pass-suite pass-soak pass-redis62 pass-valkey pass-celery pass-campaign campaign
+.PHONY: pass-suite pass-soak pass-redis62 pass-valkey pass-celery pass-cluster pass-campaign campaign
 pass-suite:
 	$(PYTHON) -m pytest -n $(TEST_PROCS)
 pass-soak:
@@ -88,6 +89,10 @@ pass-valkey:
 	CT_QUICK=1 $(PYTHON) -m tests.valkey $(REDIS62_TESTS) $(VALKEY_WORKER_TESTS)
 pass-celery:
 	$(PYTHON) -m tests.celery_versions $(CELERY_VERSIONS)
+# The guarantees whose tests name the store (marked any_store), again with the store on a
+# Redis Cluster of 3 masters that tests.on_cluster starts on loopback (the broker stays put).
+pass-cluster:
+	$(PYTHON) -m tests.on_cluster -m any_store -n 3 -p no:cacheprovider
 # The fault campaign (tests/faults/test_campaign.py), alone: it kills and restarts servers
 # and workers of its own, and its waits are for faults to heal, not windows to pass. The
 # short one: one seed, 600 tasks over 20 tenants, 7 faults, on a Redis broker and on

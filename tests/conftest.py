@@ -28,6 +28,7 @@ from tests.helpers import (
     QUICK,
     STORE_URL,
     WorkerGroup,
+    client_of,
     rabbitmq_or_skip,
     redis_or_skip,
 )
@@ -159,7 +160,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if hasattr(session.config, "workerinput"):
         return
     try:
-        store, broker = redis.Redis.from_url(STORE_URL), redis.Redis.from_url(BROKER_URL)
+        store, broker = client_of(STORE_URL), redis.Redis.from_url(BROKER_URL)
         with store, broker:
             gone = [k.decode() for k in broker.scan_iter(match=f"{JOURNAL_OF_A_TEST}*", count=1000)]
             gone = [k for k in gone if _journal_owner_gone(k, store)]

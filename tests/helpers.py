@@ -40,12 +40,23 @@ QUICK = os.environ.get("CT_QUICK") == "1"
 #: server; and it runs the script-level tests a second time against Redis 6.2, the oldest
 #: we support.
 REDIS = os.environ.get("CT_REDIS", "redis://127.0.0.1:6379")
-#: Window state and records of the tests; broker and results of their workers.
-STORE_URL = f"{REDIS}/12"
+#: The tests' own notes (each body's start, its span); broker and results of their workers.
+NOTES_URL = f"{REDIS}/12"
 BROKER_URL = f"{REDIS}/13"
+#: The throttle's store: the notes' database, or CT_STORE_URL (``python -m tests.on_cluster``
+#: runs the tests marked ``any_store`` with a Redis Cluster as the store).
+STORE_URL = os.environ.get("CT_STORE_URL") or NOTES_URL
 
-def redis_or_skip(url: str) -> redis.Redis:
-    client = redis.Redis.from_url(url)
+
+def client_of(url: str) -> Any:
+    """A redis-py client of ``url``, a Redis Cluster's (``redis+cluster://``) too."""
+    if url.startswith("redis+cluster://"):
+        return redis.RedisCluster.from_url(url.replace("+cluster", "", 1))
+    return redis.Redis.from_url(url)
+
+
+def redis_or_skip(url: str) -> Any:
+    client = client_of(url)
     try:
         client.ping()
     except redis.RedisError as exc:
@@ -257,7 +268,7 @@ class WorkerGroup:
 
     def __init__(self, prefix: str, broker: str, store: str, count: int = 2, concurrency: int = 2,
                  env: dict[str, str] | None = None, queue: str | None = None,
-                 records: str = STORE_URL, pool: str = "prefork") -> None:
+                 records: str = NOTES_URL, pool: str = "prefork") -> None:
         self.prefix = prefix
         self.pool = pool
         self.broker = broker
@@ -275,6 +286,8 @@ class WorkerGroup:
         self.client.conf.broker_connection_retry_on_startup = True
         self.client.conf.update(results_under(f"{prefix}:results"))  # (as tests.taskapp's)
         self.records = redis.Redis.from_url(records)
+        #: A client of the throttle's store, to read its keys (a Redis Cluster's too).
+        self.store_client = client_of(store)
         self.sent: list[str] = []  # ids sent with send(): stop() deletes their results
 
     @property
@@ -347,6 +360,7 @@ class WorkerGroup:
         self.delete_results()
         close_app(self.client)
         self.records.close()
+        self.store_client.close()
         if self.broker.startswith("redis"):  # pidbox bindings left by a worker killed
             client = redis.Redis.from_url(self.broker)
             drop_bindings(client, lambda queue: f"-{self.prefix}@" in queue)

@@ -36,7 +36,7 @@ _FIRST_TAG = "lines"
 _ALL = b"*"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def index_tags(parts: int, first: str = _FIRST_TAG) -> tuple[str, ...]:
     """The hash tags of ``parts`` parts: the i-th one whose slot is in the i-th of ``parts``
     equal ranges of the cluster's slots (``first``, else ``<first>.<n>`` for the least n

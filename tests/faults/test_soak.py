@@ -53,8 +53,8 @@ def test_soak_twenty_thousand_tasks_across_tenants(workers: WorkerGroup, broker_
     # them by design, USED_KEEP_MS: a key has it when a task of it waited in its line (as
     # many do when the producer outruns 25/s a tenant), with its TTL (the fixture deletes it)
     def state_left() -> list[bytes]:
-        return [k for k in workers.records.scan_iter(match=f"{workers.prefix}:{{soak-*", count=1000)
+        return [k for k in workers.store_client.scan_iter(match=f"{workers.prefix}:{{soak-*", count=1000)
                 if not k.endswith(b":used")]
     wait_for(lambda: not state_left(), 10, 0.5, "window state to expire")
-    used = list(workers.records.scan_iter(match=f"{workers.prefix}:{{soak-*:used", count=1000))
-    assert all(0 < workers.records.pttl(k) <= SCRIPT_POLICY.used_keep_ms for k in used)
+    used = list(workers.store_client.scan_iter(match=f"{workers.prefix}:{{soak-*:used", count=1000))
+    assert all(0 < workers.store_client.pttl(k) <= SCRIPT_POLICY.used_keep_ms for k in used)

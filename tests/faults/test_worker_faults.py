@@ -64,7 +64,7 @@ def test_tasks_waiting_in_a_line_survive_the_death_of_every_worker(group_factory
     group = group_factory(prefix=prefix).start()
     ids = [group.send("slow_quota", "survive", "t") for _ in range(6)]
     line = window_keys(state_key(prefix, "tests.taskapp.slow_quota", "t"))[2]
-    wait_for(lambda: group.records.zcard(line) == 3, 15, what="three tasks waiting in the line")
+    wait_for(lambda: group.store_client.zcard(line) == 3, 15, what="three tasks waiting in the line")
     # When every worker dies while they wait
     for i in range(group.count):
         group.kill(i)
@@ -75,7 +75,7 @@ def test_tasks_waiting_in_a_line_survive_the_death_of_every_worker(group_factory
         group.wait_ready(i)
     group.wait_starts("survive", 6, timeout=30)
     ran_once(group, "survive", ids)
-    assert group.records.zcard(line) == 0
+    assert group.store_client.zcard(line) == 0
 
 
 #: How long each racing releaser pauses between its claims (seconds): long enough that the
@@ -122,7 +122,7 @@ def test_a_line_missing_from_the_index_is_indexed_again_by_its_next_call(group_f
     group = group_factory(count=1).start()
     ids = [group.send("slow_quota", "reindexed", "t") for _ in range(5)]
     key = state_key(group.prefix, "tests.taskapp.slow_quota", "t")
-    wait_for(lambda: group.records.zcard(window_keys(key)[2]) >= 2, 15, what="tasks waiting in the line")
+    wait_for(lambda: group.store_client.zcard(window_keys(key)[2]) >= 2, 15, what="tasks waiting in the line")
     # When the index loses it (evicted, or deleted by hand)
     group.records.delete(line_index_key(group.prefix))
     # Then its next call (a task of that tenant, after the index's stale time) writes it

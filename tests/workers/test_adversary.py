@@ -159,7 +159,7 @@ def test_a_real_ticket_copied_onto_new_tasks_by_a_plain_producer_starts_nothing_
     ids = [workers.send("slow_quota", label, tenant) for _ in range(4)]
     workers.wait_starts(label, 4, timeout=20, settle=0)
     used = window_keys(state_key(workers.prefix, "tests.taskapp.slow_quota", tenant))[6]
-    tickets = [t.decode() for t in workers.records.zrange(used, 0, -1)]
+    tickets = [t.decode() for t in workers.store_client.zrange(used, 0, -1)]
     assert tickets, "no task of the key started on a ticket"
     copied = Header(state_key(workers.prefix, "tests.taskapp.slow_quota", tenant), tickets[0], 0, 0,
                     tickets[0]).value()

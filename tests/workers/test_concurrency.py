@@ -82,6 +82,7 @@ def slot_workers(request: pytest.FixtureRequest, store_client: redis.Redis) -> I
         delete_queues(BROKER_URL, group.queues)
 
 
+@pytest.mark.any_store
 def test_at_most_k_bodies_of_a_key_run_at_once_in_every_pool(slot_workers: WorkerGroup) -> None:
     """2 workers with 4 (or 8) processes or threads each, 16 tasks of tenant a and 8 of b,
     K=2 per tenant: never more than 2 of a tenant at once, and 2 they do run (the slots
@@ -105,6 +106,7 @@ def test_at_most_k_bodies_of_a_key_run_at_once_in_every_pool(slot_workers: Worke
         assert client.zcard(line) == 0 and client.zcard(out) == 0 and client.hlen(messages) == 0
 
 
+@pytest.mark.any_store
 def test_tasks_waiting_for_a_slot_start_first_come_first_served(slot_workers: WorkerGroup) -> None:
     """K=2, two holders of 3 s, then 6 tasks sent one by one (all while the holders run):
     they start in the order they came, each right after a holder ended (woken by it, not
@@ -117,7 +119,7 @@ def test_tasks_waiting_for_a_slot_start_first_come_first_served(slot_workers: Wo
     group.send("exporting", label, tenant, 3.0)
     time.sleep(0.15)
     group.send("exporting", label, tenant, 3.0)
-    wait_for(lambda: group.records.zcard(window_keys(state_key(group.prefix, "export-api", tenant))[5]) == 2,
+    wait_for(lambda: group.store_client.zcard(window_keys(state_key(group.prefix, "export-api", tenant))[5]) == 2,
              10, what="two holders")
     order = []
     for i in range(6):
@@ -245,7 +247,7 @@ def test_status_cli_and_why_show_the_slots(group_with_lease) -> None:
     wait_for(lambda: began(group, f"{label}-holder"), 15, what="the holder's start")
     waiting = [group.send("long_holder", f"{label}-w", tenant, 0) for _ in range(3)]
     queue = window_keys(state_key(group.prefix, "long-holder", tenant))[2]
-    wait_for(lambda: group.records.zcard(queue) == 3, 10, what="three tasks waiting")
+    wait_for(lambda: group.store_client.zcard(queue) == 3, 10, what="three tasks waiting")
     ctl = celery_throttle.Throttle(group.client, {"redis_url": STORE_URL, "key_prefix": group.prefix})
     status = ctl.status("long-holder", tenant)
     assert (status.running, status.waiting) == (1, 3)
@@ -255,7 +257,7 @@ def test_status_cli_and_why_show_the_slots(group_with_lease) -> None:
     assert row.split()[-2:] == ["3", "1/1"], table.stdout
     as_json = json.loads(run_cli(group, "status", "long-holder", "--key", tenant, "--json").stdout)
     assert (as_json["keys"][0]["running"], as_json["keys"][0]["waiting"]) == (1, 3)
-    entries = [m.decode() for m in group.records.zrange(queue, 0, -1)]
+    entries = [m.decode() for m in group.store_client.zrange(queue, 0, -1)]
     # (two workers put the three in the line: in either order)
     place = next(n for n, entry in enumerate(entries, 1) if entry.startswith(f"{waiting[-1]}:"))
     why = run_cli(group, "why", waiting[-1])
@@ -278,7 +280,7 @@ def test_a_producer_keeps_tasks_that_would_wait_for_a_slot_out_of_the_queue(grou
     assert [d["id"] for d in out["denials"]] == sent  # each kept at publish
     assert not out["finalized"]
     queue = window_keys(state_key(group.prefix, "long-holder", tenant))[2]
-    assert [m.decode().rpartition(":")[0] for m in group.records.zrange(queue, 0, -1)] == sent
+    assert [m.decode().rpartition(":")[0] for m in group.store_client.zrange(queue, 0, -1)] == sent
     wait_for(lambda: len(began(group, f"{label}-w")) == 5, 30, what="the five tasks' starts")
     time.sleep(0.5)
     ran = sorted(began(group, f"{label}-w"), key=lambda e: e["t"])
@@ -333,7 +335,7 @@ def test_a_live_concurrency_limit_raises_and_lowers_k_on_every_worker(group_with
     for _ in range(6):
         group.send("exporting", label, tenant, RAISE_BODY_S)
     queue = window_keys(state_key(group.prefix, "export-api", tenant))[2]
-    wait_for(lambda: len(began(group, label)) == 2 and group.records.zcard(queue) == 4, 15,
+    wait_for(lambda: len(began(group, label)) == 2 and group.store_client.zcard(queue) == 4, 15,
              what="two running and four waiting")
     # When K is raised to 4 from the CLI: two of the waiting start at once
     done = run_cli(group, "set", "export-api", "--key", tenant, "--concurrency", "4")
@@ -368,7 +370,7 @@ def test_a_live_k_cleared_on_a_throttle_without_one_sends_every_task_waiting_onc
     time.sleep(1.5)  # (every worker has read it: controls.CONTROL_REFRESH)
     ids = [group.send("rated_only", label, tenant, 5.0) for _ in range(4)]
     _, _, queue, _, _, slots, _ = window_keys(state_key(group.prefix, "live-slotted", tenant))
-    wait_for(lambda: len(began(group, label)) == 1 and group.records.zcard(queue) == 3, 15,
+    wait_for(lambda: len(began(group, label)) == 1 and group.store_client.zcard(queue) == 3, 15,
              what="one running and three waiting")
     cleared = time.time()
     assert ctl.clear_limit("live-slotted", key=tenant)
@@ -377,8 +379,8 @@ def test_a_live_k_cleared_on_a_throttle_without_one_sends_every_task_waiting_onc
     # Two leases and a sweep later, each ran once, and nothing is held or waiting
     time.sleep(2 * 4 + 5)
     assert sorted(e["id"] for e in began(group, label)) == sorted(ids)
-    assert group.records.zcard(queue) == 0 and group.records.zcard(slots) == 0, (
-        group.records.zrange(slots, 0, -1, withscores=True), ids, time.time(), group.log_text()[-3000:])
+    assert group.store_client.zcard(queue) == 0 and group.store_client.zcard(slots) == 0, (
+        group.store_client.zrange(slots, 0, -1, withscores=True), ids, time.time(), group.log_text()[-3000:])
 
 
 def test_one_task_id_sent_four_times_runs_four_times_one_at_a_time(slot_workers: WorkerGroup) -> None:
@@ -471,7 +473,7 @@ def test_a_corrupt_message_waiting_for_a_slot_is_a_dead_letter_and_those_behind_
     messages = window_keys(state_key(group.prefix, "single-slot", tenant))[3]
 
     def entry_of(task_id: str) -> bytes | None:
-        return next((f for f in group.records.hkeys(messages)
+        return next((f for f in group.store_client.hkeys(messages)
                      if f.startswith(encode(task_id).encode() + b":") and not f.endswith(b"#")), None)
 
     wait_for(lambda: entry_of(corrupt) and entry_of(behind), 15, what="both waiting in the line")

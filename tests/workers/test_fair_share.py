@@ -55,6 +55,7 @@ def flood(group: WorkerGroup, label: str, counts: dict[str, int]) -> list[str]:
     return [i for ids in sent["sent"] for i in ids]
 
 
+@pytest.mark.any_store
 def test_tenants_share_the_slots_by_weight(group: WorkerGroup) -> None:
     # Given a backlog of three tenants (weights 1:1:2), sent while no worker runs
     label = new_label()

@@ -33,6 +33,7 @@ def urgent_rank(starts: list[dict], urgent: str) -> int:
     return order.index(urgent)
 
 
+@pytest.mark.any_store
 @pytest.mark.parametrize("path", ["publish", "worker"])
 def test_an_urgent_task_goes_before_the_tasks_of_its_key_waiting_before_it(workers: WorkerGroup, path: str) -> None:
     # Given 12 bulk tasks of a key of 2/s (10 of them wait in its line, 5 s of them),

@@ -18,6 +18,7 @@ from tests.helpers import WorkerGroup, wait_for
 from tests.reference import SlidingRate
 
 
+@pytest.mark.any_store
 def test_a_task_that_would_wait_past_its_max_wait_fails_naming_scope_key_and_wait(
     workers: WorkerGroup,
 ) -> None:
@@ -42,7 +43,7 @@ def test_a_task_that_would_wait_past_its_max_wait_fails_naming_scope_key_and_wai
     assert all(g["wait"] > 5 and g["max_wait"] == 5 for g in mine)
     # And nothing was reserved for them: the window holds only the 2 that ran
     window_us = 60_000_000 + default_margin_us(60_000_000)  # (2/m, with the default margin)
-    state = workers.records.hget(state_key(workers.prefix, "tests.taskapp.capped", tenant), f"s2/{window_us}")
+    state = workers.store_client.hget(state_key(workers.prefix, "tests.taskapp.capped", tenant), f"s2/{window_us}")
     assert sum(SlidingRate.decode(state)[1::2]) == 2
     for result in results:
         result.forget()

@@ -117,14 +117,14 @@ def test_tasks_turned_away_in_the_pool_wait_in_their_keys_line(pool_workers: Wor
     ids = [pool_workers.send("slow_quota", label, tenant, countdown=0.1) for _ in range(6)]
     # When the quota is spent, the 3 that must wait about 4 s join their key's line
     line = f"{state_key(pool_workers.prefix, 'tests.taskapp.slow_quota', tenant)}:line"
-    wait_for(lambda: pool_workers.records.zcard(line) >= 3, 10, what="tasks waiting in the line")
+    wait_for(lambda: pool_workers.store_client.zcard(line) >= 3, 10, what="tasks waiting in the line")
     starts = pool_workers.wait_starts(label, 6, timeout=20, settle=0.5)
     # Then each ran once, the limit held, and nothing is left in the line
     assert_each_ran_once(starts, ids)
     assert max_started_in([e["t"] for e in starts], 4.0) <= 3
     lined = {d["id"] for d in pool_workers.denials()}
     assert len(lined & set(ids)) >= 3
-    wait_for(lambda: not pool_workers.records.exists(line), 10, what="an empty line")
+    wait_for(lambda: not pool_workers.store_client.exists(line), 10, what="an empty line")
     _assert_no_errors_logged(pool_workers)
 
 

@@ -122,6 +122,7 @@ def test_a_producer_holds_back_calls_by_the_unit_that_runs_out(idle_queue: dict[
     assert _waiting_in_lines(store_client, idle_queue["CT_PREFIX"]) == 9
 
 
+@pytest.mark.any_store
 def test_a_flood_of_one_tenant_waits_outside_the_queue_and_other_tenants_start_at_once(
     workers: WorkerGroup,
 ) -> None:

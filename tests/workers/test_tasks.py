@@ -27,6 +27,7 @@ from tests.helpers import (
 )
 
 
+@pytest.mark.any_store
 def test_sliding_limit_holds_across_every_worker_process(workers: WorkerGroup) -> None:
     # Given a 5/s sliding limit (decorator below @app.task) and 4 pool processes
     label = new_label()
@@ -90,6 +91,7 @@ def test_busy_key_far_below_its_limit_is_admitted_from_leases_and_still_held(
             store_client.delete(key)
 
 
+@pytest.mark.any_store
 def test_fixed_window_per_tenant_above_the_task_decorator(workers: WorkerGroup) -> None:
     # Given a fixed 4/s per tenant limit, declared above @app.task
     label = new_label()
@@ -104,6 +106,7 @@ def test_fixed_window_per_tenant_above_the_task_decorator(workers: WorkerGroup) 
     assert sum(1 for e in starts if e["t"] - first < 0.5) >= 5, "tenants should run side by side"
 
 
+@pytest.mark.any_store
 def test_shared_scope_two_rates_and_cost(workers: WorkerGroup) -> None:
     # Given two tasks sharing scope "shared-api" at 6/s and 9/3s, one costing len(ids)
     label = new_label()
@@ -133,6 +136,7 @@ def test_a_call_costing_more_than_its_rate_fails_with_the_rate_and_does_not_run(
     assert [e["id"] for e in workers.starts(label)] == [fits]
 
 
+@pytest.mark.any_store
 def test_callable_rate_gives_each_plan_its_limit(workers: WorkerGroup) -> None:
     label = new_label()
     free, pro = f"free-{label}", f"pro-{label}"
@@ -175,6 +179,7 @@ def test_own_retries_still_count_and_work(workers: WorkerGroup) -> None:
         assert retry["reservation"] is None or retry["reservation"] != first["reservation"], (first, retry)
 
 
+@pytest.mark.any_store
 def test_denied_task_keeps_its_id_args_queue_and_properties(workers: WorkerGroup) -> None:
     # Given tasks sent to a second queue with a message property, well over a 5/s limit
     label = new_label()
@@ -224,6 +229,7 @@ def test_unthrottled_tasks_are_untouched(workers: WorkerGroup) -> None:
     assert not [d for d in workers.denials() if d["id"] in ids]
 
 
+@pytest.mark.any_store
 def test_tasks_that_must_wait_wait_in_their_keys_line_and_each_runs_once(workers: WorkerGroup) -> None:
     # Given a 3/4s quota
     label = new_label()
@@ -232,14 +238,14 @@ def test_tasks_that_must_wait_wait_in_their_keys_line_and_each_runs_once(workers
     # When the quota is spent, those that wait do so in their key's line in the store
     # (with either broker), not as ETAs in a worker's memory
     line = f"{state_key(workers.prefix, 'tests.taskapp.slow_quota', tenant)}:line"
-    wait_for(lambda: workers.records.zcard(line) >= 3, 10, what="tasks waiting in the line")
+    wait_for(lambda: workers.store_client.zcard(line) >= 3, 10, what="tasks waiting in the line")
     starts = workers.wait_starts(label, 9, timeout=30)
     # Then all ran once, the limit held, and nothing is left in the line
     assert_each_ran_once(starts, ids)
     assert max_started_in([e["t"] for e in starts], 4.0) <= 3
     assert {e["app_id"] for e in starts} == {"billing"}  # sent with its message's properties
     assert any(d["id"] in ids for d in workers.denials())
-    wait_for(lambda: not workers.records.exists(line, f"{line[:-len(':line')]}:msgs"), 10, what="an empty line")
+    wait_for(lambda: not workers.store_client.exists(line, f"{line[:-len(':line')]}:msgs"), 10, what="an empty line")
 
 
 def test_bad_key_argument_fails_visibly_and_is_not_dropped(workers: WorkerGroup) -> None:
@@ -254,16 +260,17 @@ def test_bad_key_argument_fails_visibly_and_is_not_dropped(workers: WorkerGroup)
     assert [e["tenant"] for e in workers.starts(label)] == ["'t1'"]
 
 
+@pytest.mark.any_store
 def test_window_state_lives_on_redis_with_ttl(workers: WorkerGroup) -> None:
     label = new_label()
     workers.send("above", label, f"ttl-{label}")
     workers.wait_starts(label, 1, timeout=15, settle=0.1)
     key = f"{workers.prefix}:{{tests.taskapp.above:ttl-{label}}}"
-    ttl = workers.records.pttl(key)
+    ttl = workers.store_client.pttl(key)
     # the rest of the 1 s window, + 1 s margin, + 1 s of headroom (the shortest window)
     assert 0 < ttl <= 3000
     time.sleep(ttl / 1000 + 0.2)
-    assert not workers.records.exists(key)
+    assert not workers.store_client.exists(key)
 
 
 def test_a_denial_is_not_an_execution_for_celery_signals(workers: WorkerGroup) -> None:
