@@ -206,7 +206,7 @@ class Lines(OnCall):
         read_us = self.checker.controls.read_at_us
         store = self.setup.store
         if store.index_note(key, due_us, now_us, read_us) and due_us - now_us < WAKE_AHEAD_US:
-            store.wake_releasers(store.index_part(key))
+            store.wake_releasers(store.index_part(key), due_us if due_us > now_us else None)
 
     def wake_releasers(self) -> None:
         """Wake one releaser now (it looks at every key due)."""

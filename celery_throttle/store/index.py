@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
@@ -75,11 +75,14 @@ class IndexOps(ScriptClient):
     def _index(self, part: int) -> list[str]:
         return list(line_index_keys(self.prefix, self._index_tags[part]))
 
-    def index_claim(self, lookahead_us: int, most: int, lease_us: int,
-                    part: int = 0) -> tuple[int, int, list[tuple[str, int]]]:
+    def index_claim(self, lookahead_us: int, most: int, lease_us: int, part: int = 0,
+                    settled: Sequence[tuple[str, int, int, int, int]] = ()) -> tuple[int, int, list[tuple[str, int]]]:
         """(now, the earliest due left in ``part`` (-1: none), [(state key, token)]) of its
-        keys due within ``lookahead_us``, each claimed for ``lease_us``."""
-        reply = self.run("index", self._index(part), [self.now_arg(), "claim", lookahead_us, most, lease_us])
+        keys due within ``lookahead_us``, each claimed for ``lease_us``, once ``settled``
+        (the claimer's keys of its last round, as :meth:`index_settle`'s) are settled: one
+        call a round, not two."""
+        reply = self.run("index", self._index(part), [self.now_arg(), "claim", lookahead_us, most, lease_us,
+                                                      *(v for five in settled for v in five)])
         return int(reply[0]), int(reply[1]), [(text(reply[i]), int(reply[i + 1])) for i in range(2, len(reply), 2)]
 
     def index_settle(self, settled: Sequence[tuple[str, int, int, int, int]], part: int = 0) -> tuple[int, int]:
@@ -110,23 +113,26 @@ class IndexOps(ScriptClient):
         """The sorted set of ``part`` of the index (state key -> due)."""
         return self._index(part)[0]
 
-    def wake_releasers(self, part: int | None = None) -> None:
+    def wake_releasers(self, part: int | None = None, due_us: int | None = None) -> None:
         """Wake one releaser waiting in :meth:`wait_for_wake` now, for ``part`` of the index
-        (None: every part)."""
+        (None: every part), to look at it now or (``due_us``, the store's clock) to wait
+        for a look due then, which it may not know of."""
+        value = _ALL if part is None else f"p{part}" if due_us is None else f"p{part}@{due_us}"
         with self.errors():
             pipe = self._redis.pipeline(transaction=False)
-            pipe.lpush(wake_key(self.prefix), _ALL if part is None else f"p{part}")
+            pipe.lpush(wake_key(self.prefix), value)
             pipe.pexpire(wake_key(self.prefix), WAKE_TTL_MS)
             pipe.execute()
 
-    def wait_for_wake(self, seconds: float) -> Collection[int] | None:
-        """Wait up to ``seconds`` for :meth:`wake_releasers`: the parts of the index it
-        woke (None: not woken)."""
+    def wait_for_wake(self, seconds: float) -> tuple[dict[int, int | None], bool] | None:
+        """Wait up to ``seconds`` for :meth:`wake_releasers`: each part of the index it woke,
+        to the look it said is due (None: look now), and whether it woke every part (a
+        resume, a raised limit: the controls may have changed); None if not woken."""
         with self.errors():
             got = self._redis.blpop([wake_key(self.prefix)], timeout=seconds)
         if got is None:
             return None
-        value = got[1]
-        if value.startswith(b"p") and value[1:].isdigit() and int(value[1:]) < self.index_parts:
-            return (int(value[1:]),)
-        return range(self.index_parts)
+        part, _, due = bytes(got[1]).partition(b"@")
+        if part[:1] == b"p" and part[1:].isdigit() and int(part[1:]) < self.index_parts:
+            return {int(part[1:]): int(due) if due.isdigit() else None}, False
+        return dict.fromkeys(range(self.index_parts)), True

@@ -82,14 +82,18 @@ class Releaser(threading.Thread):
         #: (keys with a line, when: Unix time) at the last watch of the store, to say what
         #: a restart that emptied it lost.
         self._lines_seen: tuple[int, float] | None = None
-        #: Woken (BLPOP) since the last round, rather than timed out, and for which parts of
-        #: the index (store/index.py).
+        #: Woken (BLPOP) since the last round for every part of the index (a resume, a raised
+        #: limit: the controls are read again at once), and the parts woken to be looked at
+        #: now or told of a look due then (store/index.py).
         self._woken = False
-        self._woken_parts: set[int] = set()
+        self._look_now: set[int] = set()
+        self._told: dict[int, int] = {}
         #: Per part of the index: the earliest look due in it (µs, the store's clock; -1:
-        #: none) as its last claim or settle answered, and when that was (monotonic).
+        #: none) as its last claim answered (or a wake-up told), when that was read
+        #: (monotonic), and the keys of its last round, settled by its next claim.
         self._first: list[int] = []
         self._read: list[float] = []
+        self._unsettled: list[list[tuple[str, int, int, int, int]]] = []
         #: (the store's clock in µs, monotonic seconds) at the last reply: the store's now, told.
         self._clock = (0, 0.0)
         self._chores_outage = Outage("do the releaser's chores (lost index entries, gauges)")
@@ -137,6 +141,10 @@ class Releaser(threading.Thread):
                 self.chores()
                 self._chores_took = time.monotonic() - self._chores_at
             sleep = max(wake_at - time.monotonic(), 0.0)
+        try:
+            self.settle_all()
+        except Exception:
+            logger.debug("could not settle the last round's lines on stopping", exc_info=True)
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -152,8 +160,13 @@ class Releaser(threading.Thread):
             try:
                 woken = self.setup.store.wait_for_wake(min(left, WAKE_SLICE))
                 if woken is not None:
-                    self._woken = True
-                    self._woken_parts.update(woken)
+                    looks, everything = woken
+                    self._woken = self._woken or everything
+                    for part, due in looks.items():
+                        if due is None:
+                            self._look_now.add(part)
+                        else:
+                            self._told[part] = min(due, self._told.get(part, due))
                     break
             except StoreError:
                 self._stop_event.wait(left)  # the round that follows says what is wrong
@@ -162,16 +175,23 @@ class Releaser(threading.Thread):
     def release_due(self) -> float:
         """Release the heads of every line due now; returns how long (seconds) to sleep
         before the next look (the earliest due in the index, at most the release
-        interval). Of an index in parts (a Redis Cluster), a round claims from each part
-        woken, due, or not looked at for a release interval."""
+        interval). A round claims from each part of the index (one; on a Redis Cluster,
+        several) that is woken to be looked at, due by what this releaser last read of it
+        or was told, or not read for a release interval; the claim settles the keys of
+        the part's last round first."""
         store = self.setup.store
         parts, interval = store.index_parts, self.setup.settings.release_interval
         if len(self._first) != parts:
             self._first, self._read = [0] * parts, [float("-inf")] * parts
-        woken, self._woken_parts = self._woken_parts, set()
+            self._unsettled = [[] for _ in range(parts)]
+        look_now, self._look_now = self._look_now, set()
+        told, self._told = self._told, {}
+        for part, due in told.items():
+            # (a look due then, noted by a call: waited for, not claimed before it is due)
+            self._first[part] = due if self._first[part] < 0 else min(self._first[part], due)
         lookahead = LOOKAHEAD_US + store.rtt_us
         for part in range(parts):
-            if parts == 1 or part in woken or self._part_due(part, lookahead, interval):
+            if part in look_now or self._part_due(part, lookahead, interval):
                 self._release_part(part, lookahead)
         first = min((f for f in self._first if f >= 0), default=-1)
         if first < 0:
@@ -190,36 +210,47 @@ class Releaser(threading.Thread):
     def _part_due(self, part: int, lookahead: int, interval: float) -> bool:
         """Whether ``part`` of the index needs a claim now: its earliest look is due (the
         wait ends WAKE_TRIPS round trips early), or it was last read an interval ago (a
-        note from another process brought a look in it earlier without waking anyone)."""
+        look another process noted there without waking anyone, or settles of its last
+        round still to write)."""
         first = self._first[part]
         if time.monotonic() - self._read[part] >= interval:
             return True
         return 0 <= first <= self._now_us() + lookahead + WAKE_TRIPS * self.setup.store.rtt_us
 
     def _release_part(self, part: int, lookahead: int) -> None:
-        """Claim the keys due in ``part`` of the index, release their heads, settle them."""
+        """Claim the keys due in ``part`` of the index (settling those of its last round
+        first) and release their heads; their settles wait for the part's next claim."""
         store, lines = self.setup.store, self.lines
         drain = not self.setup.settings.enabled  # (throttling switched off: every line goes)
         while True:
-            now_us, first, claimed = store.index_claim(lookahead, CLAIM_MOST, CLAIM_LEASE_US, part)
-            if claimed:
-                settled = []
-                for key, token in claimed:
-                    try:
-                        due, at = lines.release(key, drain=drain)
-                    except StoreError:
-                        raise
-                    except Exception:
-                        logger.exception("could not release the line of %s", key)
-                        due, at = now_us + CLAIM_LEASE_US, now_us
-                    # (with when its controls were read: a due time computed under controls older
-                    # than the key's last wake-up never pushes its look later: index.lua)
-                    settled.append((key, token, due, at, self.checker.controls.read_at_us))
-                now_us, first = store.index_settle(settled, part)
-            self._first[part], self._read[part] = first, time.monotonic()
+            now_us, first, claimed = store.index_claim(lookahead, CLAIM_MOST, CLAIM_LEASE_US, part,
+                                                       self._unsettled[part])
+            settled = self._unsettled[part] = []
+            for key, token in claimed:
+                try:
+                    due, at = lines.release(key, drain=drain)
+                except StoreError:
+                    raise
+                except Exception:
+                    logger.exception("could not release the line of %s", key)
+                    due, at = now_us + CLAIM_LEASE_US, now_us
+                # (with when its controls were read: a due time computed under controls older
+                # than the key's last wake-up never pushes its look later: index.lua)
+                settled.append((key, token, due, at, self.checker.controls.read_at_us))
+            # (The part's earliest look: the index's, or one of the keys it has not heard of.)
+            dues = [first] if first >= 0 else []
+            dues += [due for _, _, due, _, _ in settled if due > 0]
+            self._first[part], self._read[part] = min(dues, default=-1), time.monotonic()
             self._clock = (now_us, self._read[part])
             if len(claimed) < CLAIM_MOST:
                 break
+
+    def settle_all(self) -> None:
+        """Write the settles of every part's last round (a releaser that stops)."""
+        for part, settled in enumerate(self._unsettled):
+            if settled:
+                self.setup.store.index_settle(settled, part)
+                self._unsettled[part] = []
 
     # -- between rounds -------------------------------------------------------------------
     def chores(self) -> None:

@@ -74,6 +74,22 @@ def test_each_key_is_noted_claimed_and_settled_in_its_own_part(split: tuple[Redi
         assert sorted(k for k, _ in claimed) == sorted(k for k in keys[:10] if parts[k] == part)
 
 
+def test_a_claim_settles_the_claimers_last_round_first(split: tuple[RedisStore, redis.Redis]) -> None:
+    store, client = split
+    key = f"{store.prefix}:{{scope:one}}"
+    part = store.index_part(key)
+    store.index_note(key, BASE, BASE, BASE)
+    _, _, claimed = store.index_claim(0, 10, 10 * SECOND, part)
+    assert [k for k, _ in claimed] == [key]
+    # When the next claim carries the key's settle (due in 5 s), it is written first: not
+    # claimed now (not due), and the part's earliest look is its due
+    _, first, again = store.index_claim(0, 10, 10 * SECOND, part, [(key, claimed[0][1], BASE + 5 * SECOND, BASE, BASE)])
+    assert again == [] and first == BASE + 5 * SECOND
+    # And one that settles it due now claims it again in the same call
+    _, _, back = store.index_claim(0, 10, 10 * SECOND, part, [(key, 0, BASE, BASE + 1, BASE + 1)])
+    assert [k for k, _ in back] == [key]
+
+
 def test_a_line_missing_from_its_part_is_found_by_the_sweep(split: tuple[RedisStore, redis.Redis]) -> None:
     store, client = split
     indexed, missing = f"{store.prefix}:{{scope:here}}", f"{store.prefix}:{{scope:gone}}"
@@ -87,12 +103,16 @@ def test_a_wake_up_names_its_part_and_one_that_names_none_wakes_every_part(
         split: tuple[RedisStore, redis.Redis]) -> None:
     store, client = split
     store.wake_releasers(2)
-    assert tuple(store.wait_for_wake(1.0) or ()) == (2,)
+    assert store.wait_for_wake(1.0) == ({2: None}, False)
+    # (a call that noted a look due later says when: the releaser waits for it)
+    store.wake_releasers(1, BASE + SECOND)
+    assert store.wait_for_wake(1.0) == ({1: BASE + SECOND}, False)
+    # (a resume, a raised limit: every part, and the controls read again)
     store.wake_releasers()
-    assert list(store.wait_for_wake(1.0) or ()) == [0, 1, 2]
+    assert store.wait_for_wake(1.0) == ({0: None, 1: None, 2: None}, True)
     # (a process of an earlier version pushes 1: every part, not part 1)
     client.lpush(f"{store.prefix}:{{lines}}:wake", 1)
-    assert list(store.wait_for_wake(1.0) or ()) == [0, 1, 2]
+    assert store.wait_for_wake(1.0) == ({0: None, 1: None, 2: None}, True)
     assert store.wait_for_wake(0.05) is None
 
 

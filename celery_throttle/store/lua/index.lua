@@ -21,8 +21,9 @@
 -- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
 -- ARGV[2]  op: 'claim' | 'settle' | 'note' | 'wake'
 --   claim  ARGV[3] look-ahead (µs): keys due before now + it; ARGV[4] at most this many;
---          ARGV[5] claim lease (µs). Returns {now, the earliest due left (-1: none), key,
---          token, key, token, ...}
+--          ARGV[5] claim lease (µs); ARGV[6..] keys of the claimer's last round to settle
+--          first, as settle's. Returns {now, the earliest due left (-1: none), key, token,
+--          key, token, ...}
 --   settle ARGV[3..] key, token, due, computed at, controls read at (0: unknown), per key
 --          (due 0: nothing waits, it leaves the index). Returns {now, the earliest due now
 --          (-1: none), how many were written}
@@ -41,22 +42,11 @@ local function stale(name, read)
   return read < (tonumber(redis.call('HGET', KEYS[2], name .. '#w') or '') or 0)
 end
 
-if op == 'claim' then
-  local lease = tonumber(ARGV[5])
-  local due = redis.call('ZRANGEBYSCORE', index, '-inf', now + tonumber(ARGV[3]), 'LIMIT', 0, tonumber(ARGV[4]))
-  local out = {now, -1}
-  for i, name in ipairs(due) do
-    local token = now + lease + i
-    redis.call('ZADD', index, token, name)
-    out[#out + 1] = name
-    out[#out + 1] = token
-  end
-  local first = redis.call('ZRANGEBYSCORE', index, '-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  if first[2] then out[2] = tonumber(first[2]) end
-  return out
-elseif op == 'settle' then
+-- Settle the keys of ARGV[from..], five values each (see 'settle'); returns how many were
+-- written.
+local function settle(from)
   local settled = 0
-  for i = 3, #ARGV - 4, 5 do
+  for i = from, #ARGV - 4, 5 do
     local name, due, at, read = ARGV[i], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
     if stale(name, read) and (due == 0 or due > now) then
       due = now  -- (computed before the last wake-up's news: looked at again now)
@@ -72,6 +62,25 @@ elseif op == 'settle' then
       end
     end
   end
+  return settled
+end
+
+if op == 'claim' then
+  settle(6)
+  local lease = tonumber(ARGV[5])
+  local due = redis.call('ZRANGEBYSCORE', index, '-inf', now + tonumber(ARGV[3]), 'LIMIT', 0, tonumber(ARGV[4]))
+  local out = {now, -1}
+  for i, name in ipairs(due) do
+    local token = now + lease + i
+    redis.call('ZADD', index, token, name)
+    out[#out + 1] = name
+    out[#out + 1] = token
+  end
+  local first = redis.call('ZRANGEBYSCORE', index, '-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if first[2] then out[2] = tonumber(first[2]) end
+  return out
+elseif op == 'settle' then
+  local settled = settle(3)
   local first = redis.call('ZRANGEBYSCORE', index, '-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   return {now, first[2] and tonumber(first[2]) or -1, settled}
 elseif op == 'note' then
