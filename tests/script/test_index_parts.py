@@ -75,7 +75,7 @@ def test_each_key_is_noted_claimed_and_settled_in_its_own_part(split: tuple[Redi
 
 
 def test_a_claim_settles_the_claimers_last_round_first(split: tuple[RedisStore, redis.Redis]) -> None:
-    store, client = split
+    store, _ = split
     key = f"{store.prefix}:{{scope:one}}"
     part = store.index_part(key)
     store.index_note(key, BASE, BASE, BASE)
