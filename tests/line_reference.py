@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -763,18 +764,24 @@ class KeyModel:
         self._release_heads(batch)
         return self._finish(Code.QUEUED, self._wait_of(units), {"waited": waited})
 
-    def _release(self, batch: int) -> _Reply:
+    def _release(self, batch: int, *sent: str) -> _Reply:
+        self._ack_sent(sent)
         self._expire_out(self.policy.line_batch)
         self._reclaim()
         self._release_heads(batch)
         return self._finish(Code.RUN, 0, None, True)
 
-    def _drain(self, batch: int) -> _Reply:
+    def _drain(self, batch: int, *sent: str) -> _Reply:
+        self._ack_sent(sent)
         self._expire_out(self.policy.line_batch)
         self._release_heads(batch, True)
         return self._finish(Code.RUN, 0, None, True)
 
     def _ack(self, *tickets: str) -> _Reply:
+        self._ack_sent(tickets)
+        return self._finish(Code.RUN, 0)
+
+    def _ack_sent(self, tickets: Sequence[str]) -> None:
         for ticket in tickets:
             m = self.meta.get(ticket) if ticket in self.out else None
             if m is not None and m.phase == "s":
@@ -782,7 +789,6 @@ class KeyModel:
                 self.out[ticket] = self.now + self.policy.out_lease_ms * 1000
                 if ticket in self.slots:
                     self.slots[ticket] = self.now + min(self.policy.out_lease_ms, self.policy.handed_slot_ms) * 1000
-        return self._finish(Code.RUN, 0)
 
     def _give_back(self, ticket: str, batch: int, handed_back: str = "0") -> _Reply:
         self._expire_out(self.policy.line_batch)

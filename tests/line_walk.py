@@ -95,6 +95,9 @@ class Walk:
     last_due: int = 0
 
     def __post_init__(self) -> None:
+        # (Which tickets a release acks first: draws of their own, from the walk's state,
+        # so that the walk's own draws, and what each seed covers, stay as they were.)
+        self.sent_rng = random.Random(hash(self.rng.getstate()))
         self.key = state_key(self.store.prefix, "walk", f"{self.rng.getrandbits(32):08x}")
         self.model = KeyModel(self.algorithm, policy=self.store.policy, layout=self.store.layout)
         self.rates = tuple(parse_rate(n) for n in self.names)
@@ -524,7 +527,12 @@ class Walk:
         elif roll < 0.6:
             if rng.random() < 0.5 and self.clock.now < self.last_due < self.clock.now + 10 * shortest:
                 self.advance(self.last_due - self.clock.now)  # (as a releaser does)
-            got = self.run("release", self.costs(1, 5), rng.choice([1, 2, 64]))
+            # (the tickets the releaser sent since its last release of the key, acked first)
+            sent = sorted(t for t, (_, acked, _) in self.tickets.items() if not acked and self.sent_rng.random() < 0.5)
+            got = self.run("release", self.costs(1, 5), rng.choice([1, 2, 64]), *sent)
+            for ticket in sent:
+                if ticket in self.tickets:
+                    self.tickets[ticket][1] = True
             self.settle_out(got)
             if got.reported and rng.random() < 0.5:  # (their arrival, a dispatch later)
                 self.advance(rng.choice([0, 200, self.slack // 2]))

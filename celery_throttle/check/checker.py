@@ -132,10 +132,11 @@ class Checker(Binder):
         key, request = self._window_call(call, self.store)
         return self.store.front(key, request, entry)
 
-    def release(self, call: BoundCall, batch: int, *, drain: bool = False) -> WindowReply:
-        """Release the heads of ``call``'s line that fit (``drain``: whatever the room)."""
+    def release(self, call: BoundCall, batch: int, *, drain: bool = False, sent: Sequence[str] = ()) -> WindowReply:
+        """Release the heads of ``call``'s line that fit (``drain``: whatever the room),
+        once the tasks released with ``sent`` (since its last release) are acked."""
         key, request = self._window_call(call, self.store)
-        return (self.store.drain if drain else self.store.release)(key, request, batch)
+        return (self.store.drain if drain else self.store.release)(key, request, batch, sent)
 
     def ack(self, call: BoundCall, tickets: Sequence[str]) -> WindowReply:
         key, request = self._window_call(call, self.store)

@@ -50,6 +50,11 @@ CALLS_KEPT, CACHED_MESSAGE = 10_000, 4096
 #: For this long (seconds) after a call of a key had to wait, a task of that key sends its
 #: message with its first try.
 FULL_HINT_S = 1.0
+#: The tasks a releaser sent are acked in the store by its next release of their key (one
+#: call, not two), or on their own once the oldest was sent this long ago (seconds): well
+#: within the send lease (10 s), after which the store puts a release never acked back in
+#: its place (its releaser died before sending it).
+ACK_DEFER_S = 2.0
 #: A key whose line this process cannot release (no task of it is known here) is looked at
 #: again this long after (µs), by whichever releaser claims it first.
 UNKNOWN_RETRY_US = 5_000_000
@@ -69,6 +74,9 @@ class Lines(OnCall):
         self.journal = Journaling(setup)
         #: This worker's own queue, for the task a body's end releases (a worker's only).
         self.hand = Hand()
+        #: state key -> [its call, tickets its releaser sent and has not acked, since when
+        #: (monotonic)]: acked by the key's next release, or by :meth:`ack_overdue`.
+        self._unacked: dict[str, list[Any]] = {}
 
     # -- whether a task's message goes with its first try ---------------------------------
     def looks_full(self, call: BoundCall) -> bool:
@@ -104,12 +112,14 @@ class Lines(OnCall):
         return verdict is not Verdict.NOT_KEPT
 
     # -- what a call hands back ------------------------------------------------------------
-    def handle(self, call: BoundCall, reply: WindowReply, *, here: bool = False) -> int:
+    def handle(self, call: BoundCall, reply: WindowReply, *, here: bool = False, defer_ack: bool = False) -> int:
         """Send the tasks ``reply`` released (each with its ticket), report the others,
         ack those sent and tell the index what the reply says. Returns how many were sent.
         ``here``: this worker has a process for the first task released (a body of this
         process just ended, or one is idle): it goes to this worker's own queue if it takes it (:mod:`..celery_parts.hand`; not acked: put
-        back in its place if it does not arrive within the send lease). Never raises: a
+        back in its place if it does not arrive within the send lease). ``defer_ack`` (a
+        releaser): those sent are acked by the key's next release, or within ACK_DEFER_S.
+        Never raises: a
         task that could not be sent is put back in its place after the send lease, and
         the index hears of the key from its next call."""
         sent: list[str] = []
@@ -167,17 +177,39 @@ class Lines(OnCall):
                 self.setup.store.share_join(call.scope, call.state_key, *call.share)
             if sent or handed:
                 metrics.released(len(sent) + handed)
-            if sent:
-                # (Its own look may move the key's due time earlier: what it sent is now
-                # out for longer. Never dropped: the index would keep the later one.)
-                acked = self.checker.ack(call, sent)
-                if acked.tell_index:
-                    self.note(call.state_key, acked.due_us, acked.now_us)
+            if sent and defer_ack:
+                with self._lock:
+                    self._unacked.setdefault(call.state_key, [call, [], time.monotonic()])[1].extend(sent)
+            elif sent:
+                self._ack(call, sent)
             if reply.tell_index:
                 self.note(call.state_key, reply.due_us, reply.now_us)
         except (StoreError, ThrottleError) as exc:
             logger.warning("could not tell the store about the line of %s: %s", call.state_key, exc)
         return len(sent) + handed
+
+    def _ack(self, call: BoundCall, tickets: list[str]) -> None:
+        """The tasks released with ``tickets`` were sent (raises as the store does)."""
+        acked = self.checker.ack(call, tickets)
+        if acked.tell_index:
+            # (Its own look may move the key's due time earlier: what it sent is now out
+            # for longer. Never dropped: the index would keep the later one.)
+            self.note(call.state_key, acked.due_us, acked.now_us)
+
+    def ack_overdue(self, everything: bool = False) -> int:
+        """Ack the tasks a releaser sent ACK_DEFER_S ago or more whose key it has not
+        released since (``everything``: all, a releaser that stops). Returns how many keys."""
+        now = time.monotonic()
+        with self._lock:
+            keys = [k for k, (_, _, since) in self._unacked.items() if everything or now - since >= ACK_DEFER_S]
+            overdue = [self._unacked.pop(k) for k in keys]
+        for call, tickets, _ in overdue:
+            try:
+                self._ack(call, tickets)
+            except (StoreError, ThrottleError) as exc:
+                logger.warning("could not ack the tasks sent from the line of %s (the store puts them back in "
+                               "their places after the send lease, and sends them again): %s", call.state_key, exc)
+        return len(overdue)
 
     def _hand(self, message: bytes) -> bool:
         """Whether this worker takes the task of ``message`` from its own queue."""
@@ -283,9 +315,17 @@ class Lines(OnCall):
                 return 0, now_us
             call = BoundCall(target[0], target[1], (), 1, "sliding", key)
         drain = drain or call.shadow  # (switched to shadow mode: whatever waits goes)
-        reply = self.checker.release(call, RELEASER_BATCH, drain=drain)
+        with self._lock:
+            unacked = self._unacked.pop(key, None)
+        try:
+            reply = self.checker.release(call, RELEASER_BATCH, drain=drain, sent=unacked[1] if unacked else ())
+        except BaseException:
+            if unacked is not None:  # (acked by the next try, or within ACK_DEFER_S)
+                with self._lock:
+                    self._unacked.setdefault(key, [call, [], unacked[2]])[1][:0] = unacked[1]
+            raise
         # (A slot a release fills is held until its task starts: where a process is idle.)
-        self.handle(call, reply, here=call.concurrency > 0 and not drain and self.hand.idle())
+        self.handle(call, reply, here=call.concurrency > 0 and not drain and self.hand.idle(), defer_ack=True)
         if reply.code == Code.RUN and drain and reply.waiting:
             return reply.now_us, reply.now_us  # (more to drain: at once)
         return reply.due_us, reply.now_us

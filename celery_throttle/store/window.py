@@ -137,13 +137,14 @@ class WindowOps(ScriptClient):
         return self.window(key, "claim", call, ticket, early_us, holder, granted_us, *entry.args(),
                            "1" if stale_ok else "0")
 
-    def release(self, key: str, call: WindowCall, batch: int) -> WindowReply:
-        """Release the heads of the key's line that fit (the releasers)."""
-        return self.window(key, "release", call, batch)
+    def release(self, key: str, call: WindowCall, batch: int, sent: Sequence[str] = ()) -> WindowReply:
+        """Release the heads of the key's line that fit (the releasers), once the tasks
+        released with ``sent`` are acked (as :meth:`ack`: sent since the last release)."""
+        return self.window(key, "release", call, batch, *sent)
 
-    def drain(self, key: str, call: WindowCall, batch: int) -> WindowReply:
-        """Release the heads of the key's line whatever the room."""
-        return self.window(key, "drain", call, batch)
+    def drain(self, key: str, call: WindowCall, batch: int, sent: Sequence[str] = ()) -> WindowReply:
+        """Release the heads of the key's line whatever the room (``sent``: as :meth:`release`)."""
+        return self.window(key, "drain", call, batch, *sent)
 
     def ack(self, key: str, call: WindowCall, tickets: Sequence[str]) -> WindowReply:
         """The tasks released with ``tickets`` were sent to the broker."""

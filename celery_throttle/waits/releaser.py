@@ -193,6 +193,7 @@ class Releaser(threading.Thread):
         for part in range(parts):
             if part in look_now or self._part_due(part, lookahead, interval):
                 self._release_part(part, lookahead)
+        self.lines.ack_overdue()
         first = min((f for f in self._first if f >= 0), default=-1)
         if first < 0:
             return interval
@@ -246,7 +247,9 @@ class Releaser(threading.Thread):
                 break
 
     def settle_all(self) -> None:
-        """Write the settles of every part's last round (a releaser that stops)."""
+        """Ack what was sent and write the settles of every part's last round (a releaser
+        that stops)."""
+        self.lines.ack_overdue(everything=True)
         for part, settled in enumerate(self._unsettled):
             if settled:
                 self.setup.store.index_settle(settled, part)

@@ -308,6 +308,24 @@ local function ungrant(m)
   end
 end
 
+-- The tasks released with the tickets ARGV[from..] were sent: their time out is
+-- OUT_LEASE_MS from now (their messages stay until they start, for one that finds no room
+-- then). A ticket no longer out (it started, or went back) is passed over.
+local function ack_sent(from)
+  for i = from, #ARGV do
+    local ticket = ARGV[i]
+    local m = redis.call('ZSCORE', out_key, ticket) and meta_of(ticket)
+    if m and m[M.PHASE] == 's' then
+      m[M.PHASE] = 'o'
+      set_meta(ticket, m)
+      redis.call('ZADD', out_key, now + OUT_LEASE_MS * 1000, ticket)
+      if redis.call('ZSCORE', slots_key, ticket) then
+        redis.call('ZADD', slots_key, now + math.min(OUT_LEASE_MS, HANDED_SLOT_MS) * 1000, ticket)
+      end
+    end
+  end
+end
+
 -- Entries whose time is up (at most `batch`).
 local function expire_out(batch)
   local due = redis.call('ZRANGEBYSCORE', out_key, '-inf', now, 'LIMIT', 0, batch)
