@@ -376,4 +376,6 @@ def produce(plan: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"sends": produce(json.loads(sys.argv[1])), "finalized": app.finalized}), flush=True)
+    # (the sends as the argument, or on stdin: "-", for sends too long for a command line)
+    spec = json.loads(sys.stdin.read() if sys.argv[1] == "-" else sys.argv[1])
+    print(json.dumps({"sends": produce(spec), "finalized": app.finalized}), flush=True)

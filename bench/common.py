@@ -139,7 +139,7 @@ def served(name: str, one_db: bool = False, apart: bool = False, **options: Any)
 
 def produce(group: AppWorkers, *sends: dict[str, Any]) -> list[dict[str, Any]]:
     """bench/app.py's producer, a process of its own with the workers' settings: what it reports of each send."""
-    done = subprocess.run([sys.executable, "-m", "bench.app", json.dumps({"sends": list(sends)})], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "bench.app", "-"], input=json.dumps({"sends": list(sends)}), cwd=ROOT,
                           env=group._environ(), capture_output=True, text=True, timeout=1800, check=False)
     if done.returncode:
         raise RuntimeError(f"the producer failed ({done.returncode}):\n{done.stderr[-2000:]}")

@@ -196,8 +196,11 @@ class Sharer(threading.Thread):
         store.share_write(raised + stale)
         for k, _ in [*lowers, *raised, *stale]:
             self._written[k] = now
-        if raised and store.index_wake([k for k, _ in raised if uses[k].waiting]):
-            self.lines.wake_releasers()
+        woken = [k for k, _ in raised if uses[k].waiting]
+        if woken and store.index_wake(woken):
+            # (their parts of the index only: nothing of the controls changed)
+            for part in sorted({store.index_part(k) for k in woken}):
+                store.wake_releasers(part)
         return {**dict(lowers), **dict(raised)}, self._leave(scope, members, uses, now)
 
     def _members(self, scope: str) -> dict[str, Any]:
