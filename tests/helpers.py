@@ -286,9 +286,16 @@ class WorkerGroup:
         self.client.conf.broker_connection_retry_on_startup = True
         self.client.conf.update(results_under(f"{prefix}:results"))  # (as tests.taskapp's)
         self.records = redis.Redis.from_url(records)
-        #: A client of the throttle's store, to read its keys (a Redis Cluster's too).
-        self.store_client = client_of(store)
+        self._store_client: Any = None
         self.sent: list[str] = []  # ids sent with send(): stop() deletes their results
+
+    @property
+    def store_client(self) -> Any:
+        """A client of the throttle's store, to read its keys (a Redis Cluster's too), made
+        on first use."""
+        if self._store_client is None:
+            self._store_client = client_of(self.store)
+        return self._store_client
 
     @property
     def queues(self) -> list[str]:
@@ -360,7 +367,8 @@ class WorkerGroup:
         self.delete_results()
         close_app(self.client)
         self.records.close()
-        self.store_client.close()
+        if self._store_client is not None:
+            self._store_client.close()
         if self.broker.startswith("redis"):  # pidbox bindings left by a worker killed
             client = redis.Redis.from_url(self.broker)
             drop_bindings(client, lambda queue: f"-{self.prefix}@" in queue)
