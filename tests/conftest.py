@@ -25,6 +25,7 @@ from examples.local_redis import drop_bindings
 from tests.harness import redis_cluster
 from tests.helpers import (
     BROKER_URL,
+    NOTES_URL,
     QUICK,
     STORE_URL,
     WorkerGroup,
@@ -51,6 +52,10 @@ def _clean(client: redis.Redis, prefix: str) -> None:
     broker's own database: an app of a test's own writes one there)."""
     for key in client.scan_iter(match=f"{prefix}*", count=1000):
         client.delete(key)
+    if STORE_URL != NOTES_URL:  # (the store on a cluster: the tests' notes are still in db 12)
+        with redis.Redis.from_url(NOTES_URL) as notes:
+            for key in notes.scan_iter(match=f"{prefix}*", count=1000):
+                notes.delete(key)
     journal = journal_queue_name(prefix)
     with redis.Redis.from_url(BROKER_URL) as broker:
         broker.delete(journal, *(f"{journal}{Channel.sep}{step}" for step in Channel.priority_steps))
