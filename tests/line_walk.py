@@ -201,6 +201,10 @@ class Walk:
         """What left the line in this call (released, expired, lost) was its head, in order.
         ``ends``: the line's first and last places before the call."""
         left = [r.id for r in got.reported if r.kind in ("r", "x", "c", "l")]
+        if op in ("acquire", "screen", "admit", "front"):
+            # (the call's own task, expired as it arrives, leaves at once: not from the head)
+            own = args[3] if op in ("acquire", "screen") else args[0]
+            left = [i for i in left if not (i == own and any(r.id == own and r.kind == "x" for r in got.reported))]
         if not left or op == "renew":  # (renew's 'l': holders whose lease ran out)
             return
         places = dict(before)
@@ -528,7 +532,11 @@ class Walk:
             if rng.random() < 0.5 and self.clock.now < self.last_due < self.clock.now + 10 * shortest:
                 self.advance(self.last_due - self.clock.now)  # (as a releaser does)
             # (the tickets the releaser sent since its last release of the key, acked first)
-            sent = sorted(t for t, (_, acked, _) in self.tickets.items() if not acked and self.sent_rng.random() < 0.5)
+            # (in a third of the releases: the walk's own acks, and the grants woken late that
+            # need a ticket never acked, stay as common as the seeds made them)
+            piggyback = self.sent_rng.random() < 1 / 3
+            sent = sorted(t for t, (_, acked, _) in self.tickets.items()
+                          if piggyback and not acked and self.sent_rng.random() < 0.5)
             got = self.run("release", self.costs(1, 5), rng.choice([1, 2, 64]), *sent)
             for ticket in sent:
                 if ticket in self.tickets:
