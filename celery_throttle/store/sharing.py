@@ -100,14 +100,10 @@ class ShareOps(IndexOps):
     def share_members(self, scope: str) -> dict[str, Member]:
         """The keys that take part in ``scope``'s share."""
         with self.errors():
-            parts = self._registry(scope)
-            if len(parts) == 1:
-                found = [self._redis.hgetall(parts[0])]
-            else:
-                pipe = self._redis.pipeline(transaction=False)
-                for part in parts:
-                    pipe.hgetall(part)
-                found = pipe.execute()
+            pipe = self._redis.pipeline(transaction=False)
+            for part in self._registry(scope):
+                pipe.hgetall(part)
+            found = pipe.execute()
         return {(k.decode(errors="surrogateescape") if isinstance(k, bytes) else k): _member(v)
                 for raw in found for k, v in raw.items()}
 
