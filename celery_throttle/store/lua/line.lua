@@ -168,19 +168,30 @@ local function last_given(place)
   return math.floor(place) + MOST_URGENCY * PRIORITY_STEP + 1
 end
 
-local function meta_of(id)
-  local raw = redis.call('HGET', msgs_key, id .. '#')
+-- An entry's fields from what KEYS[4] holds of them (nil: none, or not an entry's).
+local function meta_from(raw)
   if not raw then return nil end
   local ok, m = pcall(cmsgpack.unpack, raw)
   if ok and type(m) == 'table' and type(m[M.UNITS]) == 'table' and type(m[M.PHASE]) == 'string' then return m end
   return nil
 end
 
+local function meta_of(id)
+  return meta_from(redis.call('HGET', msgs_key, id .. '#'))
+end
+
+-- The line's head as release_heads last left it in line, {id, its fields}, while the line
+-- and the entries are as they were then (join, leave, set_meta and forget drop it): the
+-- reply's next_due reads it from here rather than from the store again.
+local head_seen = nil
+
 local function set_meta(id, m)
+  head_seen = nil
   redis.call('HSET', msgs_key, id .. '#', cmsgpack.pack(m))
 end
 
 local function forget(id)
+  head_seen = nil
   redis.call('HDEL', msgs_key, id, id .. '#')
 end
 
@@ -189,7 +200,10 @@ end
 -- on the call that finds it so: else it would be taken for empty, dropped from the index,
 -- and its tasks left in it for good. (Its entries once each: a line evicted in part. The
 -- index's due time is not known either: the call tells the index of the key again.)
-if not lm[1] and not lm[6] then
+-- (The counts are written whole and deleted whole: none of them, no counts. Most keys
+-- without them have no line either: one look says so.)
+local uncounted = not lm[1] and not lm[6]
+if uncounted and redis.call('EXISTS', line_key, out_key) > 0 then
   local places = redis.call('ZRANGE', line_key, 0, -1, 'WITHSCORES')
   local outs = redis.call('ZRANGE', out_key, 0, -1)
   if #places > 0 or #outs > 0 then
@@ -241,6 +255,7 @@ end
 -- -- the line ---------------------------------------------------------------------------
 
 local function join(id, m, place)
+  head_seen = nil
   m[M.PLACE], m[M.PHASE] = place, 'w'
   set_meta(id, m)
   redis.call('ZADD', line_key, place, id)
@@ -249,6 +264,7 @@ local function join(id, m, place)
 end
 
 local function leave(id, m)
+  head_seen = nil
   if redis.call('ZREM', line_key, id) == 1 then
     waiting = waiting - 1
     if m then add_units(line_units, map_of(m[M.UNITS]), -1) end
@@ -371,8 +387,8 @@ local function release_heads(batch, anyway)
     looked = looked + 1
     local head = redis.call('ZRANGE', line_key, 0, 0)[1]
     if head == nil then waiting = 0 break end
-    local m = meta_of(head)
-    local message = redis.call('HGET', msgs_key, head)
+    local kept = redis.call('HMGET', msgs_key, head .. '#', head)  -- (its fields and its message)
+    local m, message = meta_from(kept[1]), kept[2]
     if m == nil or not message then
       leave(head, m)
       forget(head)
@@ -387,9 +403,9 @@ local function release_heads(batch, anyway)
       report(head, message, 'c')
     else
       if not anyway then
-        if not_before > 0 or not slot_free() then break end
+        if not_before > 0 or not slot_free() then head_seen = {head, m} break end
         local at = earliest(now, units_of(m), out_per_rate())
-        if at == nil or at > now + lead_now then break end
+        if at == nil or at > now + lead_now then head_seen = {head, m} break end
       end
       leave(head, m)
       go_out(head, m, 's', now + SEND_LEASE_MS * 1000)
@@ -408,8 +424,11 @@ local function next_due()
     if due == nil or t < due then due = t end
   end
   if waiting > 0 then
-    local head = redis.call('ZRANGE', line_key, 0, 0)[1]
-    local m = head and meta_of(head)
+    local m = head_seen and head_seen[2]
+    if m == nil then
+      local head = redis.call('ZRANGE', line_key, 0, 0)[1]
+      m = head and meta_of(head)
+    end
     if m == nil then
       at(now)  -- (its message is gone: the next look reports it)
     else
@@ -472,7 +491,7 @@ local function finish(code, wait, f, release_op, readonly)
   local due, index = next_due(), 0
   if not readonly then
     if waiting == 0 and out_count == 0 then
-      redis.call('DEL', lm_key)
+      if not uncounted then redis.call('DEL', lm_key) end  -- (only finish writes them)
       if existed and not release_op then index = 1 end  -- (emptied: the index drops it)
     else
       if not existed then
