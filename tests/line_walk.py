@@ -96,8 +96,10 @@ class Walk:
 
     def __post_init__(self) -> None:
         # (Which tickets a release acks first: draws of their own, from the walk's state,
-        # so that the walk's own draws, and what each seed covers, stay as they were.)
-        self.sent_rng = random.Random(hash(self.rng.getstate()))
+        # so that the walk's own draws, and what each seed covers, stay as they were. The
+        # state's ints alone: its last item may be None, whose hash before Python 3.12 is
+        # its address, a walk of its own each run.)
+        self.sent_rng = random.Random(hash(self.rng.getstate()[1]))
         self.key = state_key(self.store.prefix, "walk", f"{self.rng.getrandbits(32):08x}")
         self.model = KeyModel(self.algorithm, policy=self.store.policy, layout=self.store.layout)
         self.rates = tuple(parse_rate(n) for n in self.names)

@@ -706,7 +706,8 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
   if phase ~= 'g' and stale_ok and m[M.CONTROLS] ~= nil and m[M.CONTROLS] ~= controls_seen() then
     -- Released under other controls than the caller's: if it would go back for them, the
     -- caller reads the controls and claims again (nothing written but what was due).
-    local own_slot = redis.call('ZSCORE', slots_key, ticket) or redis.call('ZSCORE', slots_key, holder)
+    -- (Without a concurrency limit every slot is free: no look at the slots it holds.)
+    local own_slot = concurrency == 0 or redis.call('ZSCORE', slots_key, ticket) or redis.call('ZSCORE', slots_key, holder)
     local x = nil
     if not_before == 0 and (own_slot or slot_free()) then x = earliest(now, units, out_per_rate(units)) end
     if x == nil or x - now > early then
@@ -730,16 +731,12 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
         delay = delay + math.floor(err / DELAY_GAIN_PARTS)
         jitter = jitter + math.floor((math.abs(err) - jitter) / JITTER_GAIN_PARTS)
       end
-      redis.call('HSET', key, 'd', string.format('%.0f', delay), 'v', string.format('%.0f', jitter))
-      -- (A hash of no window, a concurrency limit alone: what it learnt goes in time too.)
-      if redis.call('PTTL', key) == -1 then
-        redis.call('PEXPIRE', key, math.ceil(shortest / 1000) + STATE_TTL_PAD_MS)
-      end
+      learnt = {string.format('%.0f', delay), string.format('%.0f', jitter)}  -- (every path on writes it back)
     end
   end
   -- Room for it beside the others out (its own units no longer are)?
   local beside = out_per_rate((phase ~= 'g' and not in_line) and units or nil)
-  local held = redis.call('ZSCORE', slots_key, ticket) or redis.call('ZSCORE', slots_key, holder)
+  local held = concurrency == 0 or redis.call('ZSCORE', slots_key, ticket) or redis.call('ZSCORE', slots_key, holder)
   local x = nil
   if not_before == 0 and (held or slot_free()) then x = earliest(now, units, beside) end
   if x ~= nil and x - now <= early then

@@ -258,6 +258,17 @@ local function clear_at()
   return t
 end
 
+-- The dispatch delay and its deviation a claim learnt ({delay, jitter} as written), for
+-- write_back to write with the windows: one HSET and one look at the TTL, not two each.
+local learnt = nil
+
+-- A hash of no window (a concurrency limit alone) keeps what it learnt for a while too.
+local function keep_learnt()
+  if redis.call('PTTL', key) == -1 then
+    redis.call('PEXPIRE', key, math.ceil(shortest / 1000) + STATE_TTL_PAD_MS)
+  end
+end
+
 local function write_back()
   local dels, sets = {}, {}
   for _, r in ipairs(rates) do
@@ -271,7 +282,18 @@ local function write_back()
     r.dirty = false
   end
   if #dels > 0 then redis.call('HDEL', key, unpack(dels)) end
-  if #sets == 0 then return end
+  local learning = learnt
+  learnt = nil
+  if #sets == 0 then
+    if learning then
+      redis.call('HSET', key, 'd', learning[1], 'v', learning[2])
+      keep_learnt()
+    end
+    return
+  end
+  if learning then
+    sets[#sets + 1], sets[#sets + 2], sets[#sets + 3], sets[#sets + 4] = 'd', learning[1], 'v', learning[2]
+  end
   if epoch == nil then
     epoch = string.format('%.0f', now)
     sets[#sets + 1] = 'e'
@@ -280,7 +302,9 @@ local function write_back()
     sets[#sets + 1] = STATE_FORMAT
   end
   redis.call('HSET', key, unpack(sets))
-  keep_until(clear_at(), shortest)
+  local clear = clear_at()
+  keep_until(clear, shortest)
+  if learning and clear <= now then keep_learnt() end
 end
 
 -- A count of every rate (a number) or one per rate ('3,-500', as ARGV[3]): rate i's is
