@@ -254,10 +254,15 @@ end
 
 -- -- the line ---------------------------------------------------------------------------
 
-local function join(id, m, place)
+-- (`message`: its message too, kept in the same write: one that joins the line first)
+local function join(id, m, place, message)
   head_seen = nil
   m[M.PLACE], m[M.PHASE] = place, 'w'
-  set_meta(id, m)
+  if message then
+    redis.call('HSET', msgs_key, id, message, id .. '#', cmsgpack.pack(m))
+  else
+    set_meta(id, m)
+  end
   redis.call('ZADD', line_key, place, id)
   waiting = waiting + 1
   add_units(line_units, map_of(m[M.UNITS]), 1)
@@ -294,8 +299,7 @@ local function enqueue(id, message, m, front, urgency)
     last_place = last_place + 1
     place = place_of(last_place, urgency or 0)
   end
-  redis.call('HSET', msgs_key, id, message)
-  join(id, m, place)
+  join(id, m, place, message)
 end
 
 -- Out: released, not started. Its slot, with a concurrency limit, is handed to it.
@@ -342,8 +346,11 @@ local function ack_sent(from)
   end
 end
 
--- Entries whose time is up (at most `batch`).
+-- Entries whose time is up (at most `batch`). (None out, none to look for: the count of
+-- those out moves with every entry that goes out or comes in, and is counted again from
+-- the entries when it is gone.)
 local function expire_out(batch)
+  if out_count == 0 then return end
   local due = redis.call('ZRANGEBYSCORE', out_key, '-inf', now, 'LIMIT', 0, batch)
   for _, id in ipairs(due) do
     local m = meta_of(id)
@@ -444,8 +451,10 @@ local function next_due()
       end
     end
   end
-  local first_out = redis.call('ZRANGE', out_key, 0, 0, 'WITHSCORES')
-  if first_out[2] then at(tonumber(first_out[2])) end
+  if out_count > 0 then
+    local first_out = redis.call('ZRANGE', out_key, 0, 0, 'WITHSCORES')
+    if first_out[2] then at(tonumber(first_out[2])) end
+  end
   if due == nil and (waiting > 0 or out_count > 0) then due = FOREVER_US end
   if due == nil and existed then due = now end
   return due or 0
@@ -771,12 +780,11 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
   end
   come_in(ticket, m)
   redis.call('ZREM', slots_key, ticket, holder)
-  if not kept then redis.call('HSET', msgs_key, ticket, a.message) end
   local place = m[M.PLACE]
   if place == 0 then  -- (released at publish, never in line: before everyone)
     place = front_place()
   end
-  join(ticket, m, place)
+  join(ticket, m, place, not kept and a.message or nil)
   release_heads(a.batch)
   return finish(QUEUED, wait_of(units), {waited_us = waited})
 end
