@@ -489,12 +489,17 @@ end
 local function finish(code, wait, f, release_op, readonly)
   f = f or {}
   keep_unused(code)
+  -- (no slot held: the reply's count of those running is 0 without a look; nothing below
+  -- takes a slot)
+  local no_slots = false
   if not readonly then
     write_back()
     -- The slots' holders go by themselves when every lease in them has run out.
     local last = redis.call('ZRANGE', slots_key, -1, -1, 'WITHSCORES')
     if last[2] then
       redis.call('PEXPIRE', slots_key, math.max(math.ceil((tonumber(last[2]) - now) / 1000), 1) + STATE_TTL_PAD_MS)
+    else
+      no_slots = true
     end
   end
   local due, index = next_due(), 0
@@ -518,7 +523,7 @@ local function finish(code, wait, f, release_op, readonly)
   end
   f.code, f.wait_us, f.remaining, f.clear_at_us = code, wait, remaining_beside_out(), clear_at()
   f.lead_us, f.waiting, f.out, f.due_us, f.tell_index = lead(half_pace), waiting, out_count, due, index
-  f.running = f.running or slots_held()  -- (shadow mode tells the bodies that ran beside it)
+  f.running = f.running or (no_slots and 0 or slots_held())  -- (shadow mode tells the bodies that ran beside it)
   return reply(f, reported)
 end
 
