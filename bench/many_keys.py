@@ -5,8 +5,9 @@ it), 2 workers x 4 prefork started first, then one producer process that imports
 for each of ``keys`` tenants, ``per_key`` trivial tasks in a row (a tenant's tasks at once, the
 tenants one after another), against ``5/s`` per tenant: the first ``5`` of a tenant start, the rest
 wait in its line and are released over the next seconds. Measured: the producer's sends, first send
-to the last start, the most starts of a tenant in any 1 s, and the server's
-commands, script calls and CPU per task, beside plain Celery sending the same tasks unthrottled.
+to the last start, the most starts of a tenant in any 1 s, the server's
+commands, script calls and CPU per task, and the workers' CPU per task (their processes' and their pools', from
+/proc), beside plain Celery sending the same tasks unthrottled.
 
 With ``--admitted N``, N runs more of each size with the record on (``throttle_record``), whose start
 events carry the start the store admitted (its clock): the most starts of a tenant in any 1 s by those, beside
@@ -28,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import Counter
 from dataclasses import astuple
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -73,6 +76,26 @@ def admitted_starts(store_url: str, prefix: str) -> list[dict[str, Any]]:
     return [{"id": key_of.get(e["id"], "?"), "t": e["t"] / 1e6} for e in events if e["k"] == "s"]
 
 
+def process_cpu_s(pid: int) -> float:
+    """The CPU seconds (user and system) of process ``pid`` and every process under it, from /proc
+    (Linux): a worker's main process and its pool's."""
+    ticks, total, todo = os.sysconf("SC_CLK_TCK"), 0.0, [pid]
+    while todo:
+        at = todo.pop()
+        try:
+            fields = Path(f"/proc/{at}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks  # (utime, stime: the stat's 14th and 15th)
+            for task in Path(f"/proc/{at}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def workers_cpu_s(group: Any) -> float:
+    return sum(process_cpu_s(proc.pid) for proc in group.procs if proc is not None)
+
+
 def one_run(task: str, keys: int, per_key: int, admitted: bool = False, processes: int = PROCESSES) -> dict[str, float]:
     """One run, 2 workers of ``processes`` prefork processes each; ``admitted``: with the record on
     (``throttle_record``: more commands per task), to count the starts as the store admitted them beside the
@@ -81,18 +104,19 @@ def one_run(task: str, keys: int, per_key: int, admitted: bool = False, processe
     env = {"CT_RECORD": str(4 * n)} if admitted else {}
     with served("keys", count=2, concurrency=processes, env=env) as (store, group):
         time.sleep(3.0)  # (the workers' start-up traffic is over)
-        before = counts(group.records)
+        before, cpu_before = counts(group.records), workers_cpu_s(group)
         sent = produce(group, {"task": task, "count": n, "vary": tenants, "runs": per_key})[0]
         deadline = time.monotonic() + 600
         while not (done := group.started("keys") >= n) and time.monotonic() < deadline:
             time.sleep(0.2)
-        got = counts(group.records) - before
+        got, workers_cpu = counts(group.records) - before, workers_cpu_s(group) - cpu_before
         starts = group.starts("keys")
         if admitted:
             time.sleep(1.5)  # (a process writes its record twice a second)
             by_store = admitted_starts(store.url, group.prefix)
     return {"sends": sent["last"] - sent["first"], "makespan": max(s["t"] for s in starts) - sent["first"],
             "commands": got.commands / n, "calls": got.script_calls / n, "cpu_us": got.cpu_s / n * 1e6,
+            "workers_cpu_us": workers_cpu / n * 1e6,
             "most": most_in_a_second(starts), "done": float(done),
             **({"admitted": most_in_a_second(by_store), "recorded": len(by_store) / n} if admitted else {})}
 
@@ -186,7 +210,8 @@ def run_many_keys(res: Results, scale: Any = None, keys: tuple[int, ...] = KEYS,
             ratio = ours["makespan"] / plain["makespan"]
             for name, got in (("plain Celery", plain), ("celery_throttle", ours)):
                 rows.append(f"| {k:,} | 2 x {c} | {name} | {got['sends']:.1f} | {got['makespan']:.1f} | "
-                            f"{got['commands']:.1f} | {got['calls']:.2f} | {got['cpu_us']:.0f} | {got['most']:.0f} |"
+                            f"{got['commands']:.1f} | {got['calls']:.2f} | {got['cpu_us']:.0f} | "
+                            f"{got['workers_cpu_us']:.0f} | {got['most']:.0f} |"
                             f"{'' if got['done'] else ' NOT finished'}")
             extra_cmds = (ours["commands"] - plain["commands"]) / waiting if waiting else 0.0
             extra_calls = ours["calls"] / waiting if waiting else 0.0
@@ -215,7 +240,8 @@ def run_many_keys(res: Results, scale: Any = None, keys: tuple[int, ...] = KEYS,
     if cluster:
         cluster_rows(res, keys, per_key)
     res.table("many_keys", md("| keys | worker processes | client | producer's sends (s) | first send to last start (s) "
-                              "| commands/task | script calls/task | server CPU µs/task | most starts of a tenant in 1 s |",
+                              "| commands/task | script calls/task | server CPU µs/task | workers' CPU µs/task "
+                              "| most starts of a tenant in 1 s |",
                               rows))
 
 

@@ -12,11 +12,17 @@ timed by the server (SLOWLOG at 0 µs: the script's own time, no round trip):
 
 The targets are issue 45's: a fitting check at most 1.5x the floor's, a denied one and a claim at
 most 2x the floor's fitting check.
+
+With ``--against LUA_DIR`` (another checkout's ``celery_throttle/store/lua``: a git worktree of an
+earlier commit), this tree's window scripts and those made from that folder instead, on one server,
+old and new in turn call by call, per operation: the ratio of their medians (this machine's speed moves
+between runs, and a change of a few per cent shows only when both see the same drift).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -157,12 +163,137 @@ def run_scripts(res: Results, scale: Any = None) -> None:
                 f"{statistics.median(got['limits'][op]) / floor:.2f}", judged=False)
 
 
+#: The operations the side-by-side run times, each ``AGAINST_CALLS`` times a round, old and new in turn.
+AGAINST_CALLS, AGAINST_ROUNDS = 1_500, 2
+
+
+def against(lua_dir: str) -> dict[tuple[str, str], list[int]]:
+    """The server's µs of each call of the window scripts made from ``lua_dir`` (another checkout's
+    ``celery_throttle/store/lua``: "old") and of this tree's ("new"), one server, the two in turn call by
+    call, so that the machine's drift falls on both: a fitting check, a denial on an empty line, an admit
+    into a line, and the releases and claims of a line released at 500/s. (The scripts' arguments and
+    replies must be this tree's.)"""
+    import hashlib
+    from pathlib import Path
+
+    from celery_throttle.core.keys import state_key
+    from celery_throttle.core.protocol import Entry, WindowCall
+    from celery_throttle.core.rates import parse_rate
+    from celery_throttle.store import compose, window
+    from celery_throttle.store.client import RedisStore
+
+    here, old_sha, got = compose.lua, set(), {}
+
+    def made_from(store: RedisStore, old: bool) -> None:
+        def wrap(maker: Callable[[], tuple[str, Any]]) -> Callable[[], tuple[str, Any]]:
+            def make() -> tuple[str, Any]:
+                window._window_script.cache_clear()  # (made once per process: once per tree here)
+                compose.lua = (lambda name: (Path(lua_dir) / name).read_text("utf-8")) if old else here
+                try:
+                    source, lines = maker()
+                finally:
+                    compose.lua = here
+                    window._window_script.cache_clear()
+                if old:
+                    old_sha.add(hashlib.sha1(source.encode()).hexdigest().encode())
+                return source, lines
+            return make
+        store._makers = {name: wrap(maker) for name, maker in store._makers.items()}
+
+    def collect(client: redis.Redis, label: str | None = None) -> None:
+        for e in client.slowlog_get(-1):
+            parts = e["command"].split(b" ")
+            if parts[0] == b"EVALSHA":
+                op = label or parts[3 + int(parts[2]) + 1].decode()  # (ARGV[2], after the keys and ARGV[1])
+                got.setdefault((op, "old" if parts[1] in old_sha else "new"), []).append(int(e["duration"]))
+        client.slowlog_reset()
+
+    with redis_server("--slowlog-log-slower-than", "0", "--slowlog-max-len", str(8 * AGAINST_CALLS)) as server:
+        client = redis.Redis(port=server.port, socket_timeout=120)
+        # (One clock for both, moved by the run: a release at a moment releases as much for each.)
+        clock = [time.time_ns() // 1000]
+
+        def now_us() -> int:
+            clock[0] += 100
+            return clock[0]
+
+        stores = {"old": RedisStore(server.url, "old", clock=now_us), "new": RedisStore(server.url, "new", clock=now_us)}
+        for who, store in stores.items():
+            made_from(store, who == "old")
+        slow, full = (WindowCall("sliding", (parse_rate(r),), 1, slack_us=10_000) for r in ("5/s", "1/h"))
+        roomy = WindowCall("sliding", (parse_rate(f"{AGAINST_CALLS * 10}/h"),), 1, slack_us=10_000)
+        pace = WindowCall("sliding", (parse_rate("500/s"),), 1, slack_us=10_000)
+        try:
+            for n in range(AGAINST_ROUNDS):
+                order = list(stores.items())[::1 if n % 2 == 0 else -1]
+                keys = {who: {k: state_key(who, who, f"{k}{n}") for k in ("fit", "den", "line", "cl")} for who in stores}
+                for who, store in order:
+                    store.acquire(keys[who]["den"], full)
+                    for i in range(10):
+                        store.admit(keys[who]["line"], slow, Entry(f"w{i}", b"x" * 600, f"w{i}", 0, 0, 8))
+                    for i in range(AGAINST_CALLS + 700):  # (500 start, the rest wait)
+                        store.acquire(keys[who]["cl"], pace, entry=Entry(f"c{i}", b"x" * 300, f"c{i}", 0, 0, 8))
+                client.slowlog_reset()
+                for label, call in (("fitting", lambda who, st, i: st.acquire(keys[who]["fit"], roomy)),
+                                    ("denied, nothing in line", lambda who, st, i: st.acquire(keys[who]["den"], full)),
+                                    ("admit into a line", lambda who, st, i: st.admit(
+                                        keys[who]["line"], slow, Entry(f"a{i}", b"x" * 600, f"a{i}", 0, 0, 8)))):
+                    for i in range(AGAINST_CALLS):
+                        for who, store in order:
+                            call(who, store, i)
+                    collect(client, label)
+                done = dict.fromkeys(stores, 0)
+                while min(done.values()) < AGAINST_CALLS:
+                    for who, store in order:
+                        for r in store.release(keys[who]["cl"], pace, 64).reported:
+                            store.claim(keys[who]["cl"], pace, r.id, early_us=1_000_000, holder=f"h{r.id}")
+                            done[who] += 1
+                    clock[0] += 2_000
+                collect(client)
+        finally:
+            for who in stores:
+                for k in client.scan_iter(match=f"{who}:*", count=1000):
+                    client.delete(k)
+            for store in stores.values():
+                store.close()
+    return got
+
+
+def checkout_of(lua_dir: str) -> str:
+    """What names the checkout of ``lua_dir``: its commit, else the folder's name."""
+    import subprocess
+
+    done = subprocess.run(["git", "-C", lua_dir, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=False)
+    return f"`{done.stdout.strip()}`" if done.returncode == 0 else os.path.basename(os.path.normpath(lua_dir))
+
+
+def run_against(res: Results, scale: Any, lua_dir: str) -> None:
+    got, rows, old_name = against(lua_dir), [], checkout_of(lua_dir)
+    # (one clock for both: a release sends as many tasks for each)
+    for op in ("fitting", "denied, nothing in line", "admit into a line", "release", "claim"):
+        old, new = (got.get((op, who)) for who in ("old", "new"))
+        if old and new and statistics.median(old) > 0:
+            ratio = statistics.median(new) / statistics.median(old)
+            rows.append(f"| {op} | {statistics.median(old):.1f} | {statistics.median(new):.1f} | {ratio:.2f} |")
+            res.add(SEC, f"script µs per call, this tree / {old_name}'s: {op}", "celery_throttle", f"{ratio:.2f}",
+                    judged=False)
+    res.table("scripts_against", f"This tree's window scripts against {old_name}'s, call by call on one server "
+                         f"({AGAINST_ROUNDS} rounds of {AGAINST_CALLS:,} calls each)\n\n" + md(
+                             "| operation | old µs per call, median | new | new / old |", rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.__main__ import FULL
 
     p = argparse.ArgumentParser(prog="python -m bench.scripts", description=__doc__.splitlines()[0])
-    p.parse_args(argv)
-    standalone("bench.scripts", argv, FULL, True, ("scripts", run_scripts))
+    p.add_argument("--against", metavar="LUA_DIR", help="time this tree's window scripts against those made from "
+                   "another checkout's celery_throttle/store/lua (a git worktree of an earlier commit), in turn")
+    args = p.parse_args(argv)
+    if args.against:
+        standalone("bench.scripts", argv, FULL, True, ("scripts_against", run_against, args.against))
+    else:
+        standalone("bench.scripts", argv, FULL, True, ("scripts", run_scripts))
     return 0
 
 
