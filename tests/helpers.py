@@ -468,3 +468,11 @@ def max_started_in(times: Iterable[float], window: float, weights: Iterable[int]
 def max_in_aligned_windows(times: Iterable[float], window: float) -> int:
     """Most starts in one aligned window ``[k * window, (k + 1) * window)``."""
     return max_units_per_aligned_window(((t, 1) for t in times), window)
+
+
+def max_started_in_aligned(times: Iterable[float], window: float) -> int:
+    """:func:`max_in_aligned_windows` as the task bodies saw their starts: only starts noted
+    BODY_NOISE or more after a window's edge are counted, each of which the store admitted
+    in that window (one admitted just before the edge and noted just after it would count in
+    the next one, beside the window's own full limit)."""
+    return max_in_aligned_windows((t for t in times if t % window >= BODY_NOISE), window)

@@ -19,9 +19,9 @@ from tests.helpers import (
     RedisServer,
     WorkerGroup,
     assert_each_ran_once,
-    max_in_aligned_windows,
     max_in_window,
     max_started_in,
+    max_started_in_aligned,
     new_label,
     wait_for,
 )
@@ -101,7 +101,7 @@ def test_fixed_window_per_tenant_above_the_task_decorator(workers: WorkerGroup) 
     # Then each tenant gets its own 4 per aligned second; tenants do not share
     for tenant in ("acme", "globex"):
         times = [e["t"] for e in starts if e["tenant"] == tenant]
-        assert max_in_aligned_windows(times, 1.0) <= 4
+        assert max_started_in_aligned(times, 1.0) <= 4
     first = min(e["t"] for e in starts)
     assert sum(1 for e in starts if e["t"] - first < 0.5) >= 5, "tenants should run side by side"
 
@@ -216,7 +216,7 @@ def test_rules_throttle_tasks_we_do_not_own(workers: WorkerGroup) -> None:
     for tenant in ("a", "b"):
         assert max_started_in([e["t"] for e in starts if e.get("tenant") == tenant], 1.0) <= 4
     fixed = [e["t"] for e in starts if "tenant" not in e]
-    assert max_in_aligned_windows(fixed, 1.0) <= 3
+    assert max_started_in_aligned(fixed, 1.0) <= 3
 
 
 def test_unthrottled_tasks_are_untouched(workers: WorkerGroup) -> None:
