@@ -10,8 +10,12 @@ the line and the queue fail together there, as plain Celery's queue would, and a
 that database would be lost with the line (the worker's start line says so;
 ``throttle_journal = True`` writes one all the same).
 
-A write that fails (the broker unreachable) is logged and counted, and nothing else
-happens: the task still waits in its line, as it would without a journal. Never raises.
+A write that fails (the broker unreachable, the queue refusing it) is logged and counted,
+and never raises. A ``kept`` that fails says so to its caller, which must not leave the
+task in the store alone: the task's own message goes to the broker instead, naming the
+entry it holds in its line (a copy that arrives while that entry waits is told it waits
+there; one that arrives after it ran is dropped). A ``gone`` that fails costs at most a
+task sent on twice by the keeper, never one lost.
 
 Each ``kept`` event names the store's epoch (``core/journal.py``): read by this process at
 most every EPOCH_REFRESH seconds, and made by the first writer that finds none (a store
@@ -159,29 +163,34 @@ class Journaling:
             cached = fresh
         return cached[0]
 
-    def kept(self, key: str, entry: str, us: int, message: bytes) -> None:
-        """``entry`` joined the line of ``key`` at ``us`` with ``message``."""
+    def kept(self, key: str, entry: str, us: int, message: bytes) -> bool:
+        """``entry`` joined the line of ``key`` at ``us`` with ``message``. False: its copy
+        could not be written, and the caller sends the task's message to the broker."""
         if self.enabled and entry and message:
-            self._write(lambda: self.broker.kept(key, entry, us, message, self.epoch(us)),
-                        f"task {entry} of the line of {key}")
+            return self._write(lambda: self.broker.kept(key, entry, us, message, self.epoch(us)),
+                               f"task {entry} of the line of {key}", "its message is sent to the broker instead")
+        return True
 
     def gone(self, key: str, entries: Sequence[str], us: int, kind: Kind = Kind.GONE) -> None:
         """``entries`` left the line of ``key`` for good at ``us`` (``kind`` lost: the store
         reported their messages gone; the keeper sends them on from the journal)."""
         if self.enabled and entries:
             self._write(lambda: self.broker.gone([(key, entry, us) for entry in entries], kind),
-                        f"{len(entries)} task(s) leaving the line of {key}")
+                        f"{len(entries)} task(s) leaving the line of {key}",
+                        "the keeper may send on a task that left its line")
 
-    def _write(self, write: Any, what: str) -> None:
+    def _write(self, write: Any, what: str, instead: str) -> bool:
         try:
             write()
-        except Exception as exc:  # noqa: BLE001 - the broker's any error: the line still holds the task
+            return True
+        except Exception as exc:  # noqa: BLE001 - the broker's any error: the caller decides
             self.setup.metrics.store_error("journal")
             with self._lock:
                 self._failures += 1
                 now = time.monotonic()
                 if now - self._reported_at < REPORT_EVERY:
-                    return
+                    return False
                 self._reported_at, failures, self._failures = now, self._failures, 0
             logger.warning("celery_throttle: could not write %s to the journal in the broker (%d failure(s) "
-                           "since said): %r; the task(s) wait in the store alone", what, failures, exc)
+                           "since said): %r; %s", what, failures, exc, instead)
+            return False

@@ -157,5 +157,5 @@ def back_off(task: Any, exc: Backoff, args: Any, kwargs: Any) -> None:
     if reply.verdict is Verdict.REFUSED:
         # (Its cost is above a rate's limit now, lowered while it ran: it never fits.)
         raise too_costly(call.scope, call.rates, call.cost)
-    turned.waits(reply, reason="backoff")
+    turned.waits_in_pool(reply, reason="backoff")
     raise Ignore()

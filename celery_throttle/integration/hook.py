@@ -111,7 +111,7 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
             ctl.slots.took(holder, call)
         return True
     if verdict is Verdict.WAITS:
-        turned.waits(reply)
+        turned.waits_in_pool(reply)
         return False
     if verdict is Verdict.COPY:
         # A copy of a task that started lately (sent again after a store error whose reply

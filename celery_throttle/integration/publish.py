@@ -163,6 +163,10 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
             kept["expires"] = expires.isoformat()
         return encode_message(app, app.signature(name, args, kwargs, **kept))
 
+    def send_naming_entry() -> Any:
+        headers = {**(options.get("headers") or {}), HEADER: Header(ident, pending=entry_id).value()}
+        return send(name, args, kwargs, **{**options, "task_id": task_id, "headers": headers})
+
     try:
         for with_message in ctl.lines.tries(call, message_first=hint == Hints.RESERVE):
             kept = message() if with_message else b""
@@ -174,8 +178,7 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
         _unreachable(ctl, exc)
         # Sent unchecked: it names the entry a call whose reply was lost may have left it
         # in its line, so that its worker does not let it in twice.
-        headers = {**(options.get("headers") or {}), HEADER: Header(ident, pending=entry_id).value()}
-        return send(name, args, kwargs, **{**options, "task_id": task_id, "headers": headers})
+        return send_naming_entry()
     except (EncodeError, TypeError, ValueError, ThrottleError):
         return None  # an unserializable argument: the worker's check reports it
     verdict = reply.verdict
@@ -202,8 +205,16 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
     if verdict is not Verdict.WAITS:
         return None  # refused (too far for its max wait, a cost that never fits), or not kept: the worker decides, visibly
     # (Kept in its line instead of the broker's queue: the journal, when on, holds its copy
-    # in the broker all the same.)
-    ctl.lines.journal.kept(ident, entry_id, reply.now_us, kept or message())
+    # in the broker all the same. A copy the journal refused goes to the broker's queue as
+    # the task itself, naming its entry: it waits in its line all the same, and the copy is
+    # told so where it arrives, or dropped if the entry ran; not sent, the caller gets the
+    # broker's error, as an unthrottled send would raise it, and its entry is taken out.)
+    if not ctl.lines.journal.kept(ident, entry_id, reply.now_us, kept or message()):
+        try:
+            return send_naming_entry()
+        except Exception:
+            _withdraw(ctl, call, entry_id)
+            raise
     ctl.metrics.denied(call.scope, call.key, reply.wait_us / 1e6)
     request = Context(id=task_id, task=name, args=args, kwargs=kwargs, headers={HEADER: Header(deferrals=1).value()})
     signals.task_throttled.send(sender=known.task if known.task is not None else name, request=request,
@@ -219,6 +230,16 @@ def _give_back(ctl: Throttle, call: BoundCall, entry_id: str) -> None:
         ctl.lines.handle(call, ctl.checker.give_back(call, entry_id))
     except Exception as exc:  # noqa: BLE001
         logger.warning("could not give back the room of task %s, which could not be sent: %r", entry_id, exc)
+
+
+def _withdraw(ctl: Throttle, call: BoundCall, entry_id: str) -> None:
+    """A task kept in its line at publish whose copy reached neither the journal nor the
+    broker's queue: it leaves the line (its caller gets the broker's error and may send it
+    again; left there, it would run as well). Never raises: the send's own error stands."""
+    try:
+        ctl.lines.handle(call, ctl.checker.drop(call, [entry_id]))
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("could not take task %s, which could not be sent, out of its line: %r", entry_id, exc)
 
 
 def _absolute(expires: Any) -> datetime | None:

@@ -115,10 +115,8 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
             breaker.trip()
             logger.warning("throttle store unreachable from the consumer, not screening for %.0fs: %s",
                            STORE_ERROR_PAUSE, exc)
-            if turned is not None and turned.entry_id and isinstance(message.headers, dict):
-                h = turned.header
-                message.headers[HEADER] = Header(turned.call.state_key, h.ticket, h.deferrals, h.errors,
-                                                 turned.entry_id, h.lost).value()
+            if turned is not None:
+                _name_entry(message, turned)
             return handler(message, body, ack, reject, callbacks, **kw)
         except ThrottleError:
             # Bad arguments: the pool path deals with it, visibly.
@@ -144,12 +142,25 @@ def _screened(ctl: Any, task: Any, handler: Callable[..., Any], errors: Any,
         fits_in_a_row = 0
         if ctl.recorder.enabled and turned.header.arrives:  # (it comes to the pool with a ticket: not again)
             ctl.recorder.arrived(task.name, turned.call, turned.request.id, reply.now_us, turned.urgency())
-        turned.waits(reply)
+        if not turned.waits(reply):
+            # (The journal refused its copy: its message is not acked, but goes to the
+            # pool naming its entry, where it is told it waits and sent back to the broker.)
+            _name_entry(message, turned)
+            return handler(message, body, ack, reject, callbacks, **kw)
         ack(logger, errors)
         return None
 
     screened._throttle_screened = True  # type: ignore[attr-defined]
     return screened
+
+
+def _name_entry(message: Any, turned: TurnedAway) -> None:
+    """Its header names the entry a call may have left it in its line (``pending``), so that
+    the pool's check does not let it in twice."""
+    if turned.entry_id and isinstance(message.headers, dict):
+        h = turned.header
+        message.headers[HEADER] = Header(turned.call.state_key, h.ticket, h.deferrals, h.errors, turned.entry_id,
+                                         h.lost).value()
 
 
 def _expired(headers: dict[str, Any]) -> bool:

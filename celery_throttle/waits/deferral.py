@@ -187,21 +187,32 @@ class TurnedAway:
         return self.task.signature_from_request(self.request, self.args, self.kwargs, headers=headers,
                                                 **kept_properties(self.request))
 
-    def waits(self, reply: WindowReply, reason: str | None = None) -> None:
+    def waits(self, reply: WindowReply, reason: str | None = None) -> bool:
         """It waits in its key's line (``reply``: the call that put it there, or kept it
         there): its copy goes to the journal, before its message is acked (its release
         sends it again), and it is said (``reason``: the call's own, see
-        :attr:`.BoundCall.wait_reason`, unless told)."""
+        :attr:`.BoundCall.wait_reason`, unless told). False: the journal refused its copy,
+        and its message must not be acked as kept (:meth:`waits_in_pool`; the consumer
+        hands it to the pool)."""
         task, request, call = self.task, self.request, self.call
         reason = reason or call.wait_reason
-        self.lines.journal.kept(call.state_key, self.entry_id, reply.now_us,
-                                    self.kept_message or self.message())
+        journaled = self.lines.journal.kept(call.state_key, self.entry_id, reply.now_us,
+                                            self.kept_message or self.message())
         delay = max(reply.wait_us, 0) / 1e6
         signals.task_throttled.send(sender=task, request=request, delay=delay, scope=call.scope, key=call.key,
                                     reason=reason)
         self.setup.metrics.denied(call.scope, call.key, delay)
         logger.debug("throttled %s[%s] scope=%s key=%s: waits in its line (about %.3fs)", task.name, request.id,
                      call.scope, call.key, delay)
+        return journaled
+
+    def waits_in_pool(self, reply: WindowReply, reason: str | None = None) -> None:
+        """:meth:`waits`, in the pool: a task whose copy the journal refused is sent back to
+        the broker for its wait, naming its entry (:meth:`send_back`), so that the broker
+        holds it as it held its message; arriving while its entry waits, it is told it
+        waits there, and after it ran, it is dropped as a copy."""
+        if not self.waits(reply, reason):
+            self.send_back(max(reply.wait_us, 0) / 1e6)
 
     def send_back(self, delay: float) -> None:
         """Send it again in ``delay`` seconds (it waits in a worker meanwhile): same id,
