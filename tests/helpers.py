@@ -330,7 +330,8 @@ class WorkerGroup:
         cmd = [sys.executable, "-m", "celery", "-A", self.app, "worker",
                "-Q", f"{self.queue},{self.queue}-alt",
                "-c", str(self.concurrency), "-P", self.pool, "-n", self.hostname(i),
-               "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
+               "--without-gossip", "--without-mingle", "--without-heartbeat", "-l",
+               os.environ.get("CT_WORKER_LOGLEVEL", "info")]
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=self._environ(), stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)

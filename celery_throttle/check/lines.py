@@ -299,26 +299,31 @@ class Lines(OnCall):
         send them. Returns when the key next needs a look (µs, Redis clock; 0: nothing
         waits), and when that was computed (the script's now), under controls this
         process read at :attr:`.controls.Controls.read_at_us`."""
-        call = self.call_for(key)
+        call, batch = self.call_for(key), RELEASER_BATCH
         if call is None:
-            waiting, out = self.setup.store.line_counts(key)
-            now_us = self.setup.store.now_us()
-            if waiting:
+            store = self.setup.store
+            waiting, out = store.line_counts(key)
+            now_us = store.now_us()
+            if waiting and store.sample(key) is not None:
                 logger.debug("no task of the line %s is known here: left to another worker", key)
                 return now_us + UNKNOWN_RETRY_US, now_us
-            if not out:
+            if not waiting and not out:
                 return 0, now_us
-            # Only tasks released and not started, none kept to bind: a call of no rate
-            # puts back or forgets those whose time is up (nothing waits to be released).
+            # No message to bind: only tasks released and not started (a call of no rate
+            # puts back or forgets those whose time is up), or a head whose message is gone
+            # (evicted: its line would wait on it for good). The call's batch, negative,
+            # lets only heads whose message is gone go, reported lost (the journal sends
+            # them on); a head that has its message stays, to be released under its own
+            # rates at the next look (line.lua, release_heads).
             target = target_of(self.setup.settings.key_prefix, key)
             if target is None:
                 return 0, now_us
-            call = BoundCall(target[0], target[1], (), 1, "sliding", key)
+            call, batch = BoundCall(target[0], target[1], (), 1, "sliding", key), -RELEASER_BATCH
         drain = drain or call.shadow  # (switched to shadow mode: whatever waits goes)
         with self._lock:
             unacked = self._unacked.pop(key, None)
         try:
-            reply = self.checker.release(call, RELEASER_BATCH, drain=drain, sent=unacked[1] if unacked else ())
+            reply = self.checker.release(call, batch, drain=drain, sent=unacked[1] if unacked else ())
         except BaseException:
             if unacked is not None:  # (acked by the next try, or within ACK_DEFER_S)
                 with self._lock:

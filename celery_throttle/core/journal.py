@@ -200,6 +200,7 @@ def sort_out(events: Iterable[Event], known: Callable[[Iterable[tuple[str, str]]
     events = list(events)
     found = latest(events)
     kept = latest(e for e in events if e.kind == Kind.KEPT)
+    gone = latest(e for e in events if e.kind == Kind.GONE)
     held = known([event.ident for event in found.values() if event.kind == Kind.KEPT])
     again: list[Event] = []
     lost: list[Event] = []
@@ -208,6 +209,12 @@ def sort_out(events: Iterable[Event], known: Callable[[Iterable[tuple[str, str]]
             copy = kept.get(event.ident)
             if event.us > now_us + GONE_KEEP_US:
                 continue  # (dated ahead: a clock gone wrong)
+            left = gone.get(event.ident)
+            if copy is not None and left is not None and later(left, copy):
+                # It left its line for good after its copy was kept (sent to the broker):
+                # a store that failed over to a replica short of that may hold it again
+                # and then find its message gone; sent on, it would run twice.
+                copy = None
             if copy is not None:
                 lost.append(copy)
             elif now_us - event.us < GONE_KEEP_US:  # (its kept, published late, may come yet)

@@ -43,11 +43,17 @@ import json
 import os
 import random
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -280,7 +286,52 @@ def _trace(c: Campaign, lost: set[str]) -> str:
         out.append(f"   unacked in the broker: {sum(task_id.encode() in raw for raw in unacked)}; "
                    f"in a line: {sum(1 for k in lines for e in lines[k] if e.startswith(task_id.encode()))}")
         out.extend(f"   {line[:240]}" for line in log if task_id in line)
+    kept = Path(tempfile.mkdtemp(prefix=f"ct-campaign-{c.kind}-{c.seed}-"))
+    for i, text in enumerate([*c.old_logs, *(log.read_text(errors="replace") for log in c.group.logs)]):
+        (kept / f"worker-log-{i}.txt").write_text(text)
+    out.append(f"-- the workers' whole logs: {kept}; the faults at: "
+               f"{[(time.strftime('%H:%M:%S', time.localtime(at)) + f'{at % 1:.3f}'[1:], f) for at, f in c.faults]}")
+    out.extend(_stuck_lines(c, {k for k in lines for e in lines[k] if e.split(b":")[0].decode() in lost}))
+    out.extend(_stacks(c))
     return "\n".join(out)
+
+
+def _stuck_lines(c: Campaign, line_keys: set[bytes]) -> list[str]:
+    """Every key of each line that still holds a lost task (its hash tag), and each sorted
+    set of the store that names its state key (the index), with the store's clock: why no
+    releaser let it go."""
+    out = []
+    with c.store.client() as store:
+        now = store.time()
+        out.append(f"-- the store's clock: {now[0] * 1_000_000 + now[1]}")
+        for line_key in sorted(line_keys)[:3]:
+            base = line_key.decode().removesuffix(":line")
+            tag = base[base.index("{"):]
+            for key in sorted(store.scan_iter(match=f"*{tag.replace('[', '[[]')}*", count=1000)):
+                kind = store.type(key).decode()
+                value: Any = {"hash": lambda k: store.hgetall(k), "zset": lambda k: store.zrange(k, 0, 20, withscores=True),
+                              "set": lambda k: store.smembers(k), "list": lambda k: store.lrange(k, 0, 20),
+                              "string": lambda k: store.get(k)}.get(kind, lambda k: None)(key)
+                out.append(f"   {key!r} {kind} ttl={store.pttl(key)}: {str(value)[:600]}")
+            for key in store.scan_iter(count=1000):
+                if store.type(key) == b"zset" and (score := store.zscore(key, base)) is not None:
+                    out.append(f"   index {key!r}: {score}")
+    return out
+
+
+def _stacks(c: Campaign) -> list[str]:
+    """The workers' stacks now (py-spy, where it is installed): where a task that was
+    received and never ran may be held."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        return []
+    out = []
+    for proc in c.group.procs:
+        if proc is not None and proc.poll() is None:
+            done = subprocess.run([spy, "dump", "--subprocesses", "--pid", str(proc.pid)], capture_output=True,
+                                  text=True, timeout=60, check=False)
+            out.append(f"-- stacks of worker {proc.pid}:\n{done.stdout}{done.stderr}")
+    return out
 
 
 #: Starts are read in the bodies: one checked at the end of a second that read its clock in
@@ -381,7 +432,7 @@ def test_a_fault_campaign_loses_no_task_runs_none_twice_and_keeps_the_limits(see
         print("campaign:", json.dumps(figures))
         assert not lost, f"lost {len(lost)} of {len(ids)}; {figures}\n{_trace(c, lost)}"
         assert len(transport) <= kills + restarts, f"lost by the transport: {sorted(transport)}; {figures}"
-        assert len(doubled) <= (kills + restarts * c.group.count) * HELD_PER_KILL, f"ran twice: {doubled[:10]}; {figures}"
+        assert len(doubled) <= (kills + restarts * c.group.count) * HELD_PER_KILL, f"ran twice: {doubled[:10]}; {figures}\n{_trace(c, set(doubled[:5]))}"
         assert not beyond, f"over the limits beyond the bounds: {beyond}; {figures}"
     finally:
         c.stop()

@@ -226,3 +226,44 @@ def test_a_line_evicted_whole_is_sent_on_from_the_journal(monkeypatch: pytest.Mo
         assert sorted(d.sent_on()) == sorted(waiting)
     finally:
         teardown(d)
+
+
+@pytest.mark.parametrize("messages", ["evicted", "the-heads-alone", "control-kept"])
+def test_a_line_whose_messages_were_evicted_does_not_wait_on_its_head_for_good(
+        monkeypatch: pytest.MonkeyPatch, messages: str) -> None:
+    from celery_throttle.check.limiter import Throttle
+    from celery_throttle.core.keys import window_keys
+    from tests.journal_support import make_deploy, send, teardown
+
+    # Given 5 calls of a key at 1/h on a RabbitMQ broker (the journal on): one runs, 4 wait
+    # in its line, with their copies in the journal
+    d = make_deploy(monkeypatch)
+    other = Throttle(d.app, {"redis_url": d.server.url, "key_prefix": d.prefix, "journal": True})
+    try:
+        send(d, 5)
+        d.sent_on()
+        waiting, entries = d.waiting_ids(), [w.entry for w in d.waiting()]
+        assert len(waiting) == 4
+        d.keeper.pass_now()
+        # When a store evicting takes the line's messages (or, as no eviction does, the
+        # head's alone) and leaves its entries and counts, and a releaser that never bound a
+        # task of the key (a worker started since) looks
+        with redis.Redis.from_url(d.server.url) as store:
+            line, msgs = window_keys(d.key)[2:4]
+            if messages == "evicted":
+                assert store.delete(msgs) == 1
+            elif messages == "the-heads-alone":
+                assert store.hdel(msgs, entries[0], f"{entries[0]}#") == 2
+            other.lines.release(d.key)
+            left = store.zcard(line)
+        # Then the heads whose messages are gone are reported lost, and the keeper sends
+        # them on from the journal (the line waited on its head for good, looked at every
+        # 5 s by a releaser that found no task to bind); a head that has its message is not
+        # released by that call, which knows none of the key's rates
+        d.keeper.pass_now()
+        gone = {"evicted": 4, "the-heads-alone": 1, "control-kept": 0}[messages]
+        assert left == 4 - gone
+        assert d.sent_on() == waiting[:gone]
+    finally:
+        other.close()
+        teardown(d)

@@ -226,6 +226,24 @@ def test_a_task_put_back_after_its_release_is_kept_whichever_event_comes_first()
     assert journal.latest(reversed(events))[(KEY, "e")].us == 11
 
 
+@pytest.mark.parametrize(("events", "sent"), [
+    # Kept at 1, released to the broker at 10; a store that failed over to a replica short
+    # of the release holds it in its line again, and finds its message gone at 20: it
+    # went out at 10, and sent on it would run twice
+    ([(Kind.KEPT, 1), (Kind.GONE, 10), (Kind.LOST, 20)], False),
+    # Put back in its place at 11 (it waits again): its message lost at 20, it is sent on
+    ([(Kind.KEPT, 1), (Kind.GONE, 10), (Kind.KEPT, 11), (Kind.LOST, 20)], True),
+    # Never released: sent on
+    ([(Kind.KEPT, 1), (Kind.LOST, 20)], True),
+])
+def test_a_task_reported_lost_is_sent_on_only_if_it_waited_since_it_last_left(
+        events: list[tuple[Kind, int]], sent: bool) -> None:
+    read = [Event(kind, KEY, "e", us, ref=b"m" if kind == Kind.KEPT else None, epoch="ep0") for kind, us in events]
+    for order in (read, read[::-1]):
+        _, lost = journal.sort_out(order, lambda idents: set(), 30, "ep0")
+        assert [e.entry for e in lost] == (["e"] if sent else [])
+
+
 @pytest.mark.parametrize(("broker_url", "store_url", "on"), [
     # The store is the broker's own database: they fail together, no journal.
     ("redis://localhost:6379/0", "redis://127.0.0.1:6379/0", False),

@@ -387,8 +387,13 @@ end
 -- Release the heads that fit (`anyway`: whatever the room), looking at most at `batch`. A
 -- head fits when nothing pauses the key, a slot is free, and every rate admits it beside
 -- what is out by now + lead (a released task takes that long to arrive; one that arrives
--- early is granted its start).
+-- early is granted its start). A negative `batch`: only heads whose message is gone go
+-- (reported lost), -batch at most, and the first that has its message stays, whatever the
+-- call's rates (a releaser that has no task of the line to bind them with: its head's
+-- message was evicted; else the line would wait on that head for good).
 local function release_heads(batch, anyway)
+  local lost_only = batch < 0
+  if lost_only then batch = -batch end
   local looked, lead_now = 0, lead(half_pace)
   while looked < batch and waiting > 0 do
     looked = looked + 1
@@ -400,6 +405,9 @@ local function release_heads(batch, anyway)
       leave(head, m)
       forget(head)
       report(head, m and m[M.TASK] or head, 'l')
+    elseif lost_only then
+      head_seen = {head, m}
+      break
     elseif m[M.EXPIRES] > 0 and m[M.EXPIRES] <= now then
       leave(head, m)
       forget(head)
