@@ -476,3 +476,28 @@ def test_a_sent_on_note_whose_reply_was_lost_does_not_keep_its_task_from_running
     finally:
         other._close()
     assert sorted(d.sent_on()) == sorted(waiting)
+
+
+# ---------------------------------------------------------------------------------------
+# 10. A copy naming an entry whose fields a store evicting left, while it took the line
+#     that held it (allkeys-lru takes one key of a line and may leave the others): the
+#     entry is in no line, and the copy must not be told it waits there (acked, it would
+#     be lost: 2 of 600 in a campaign, seed 9), but run or wait in the line again.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("line", ["evicted", "control-kept"])
+def test_a_copy_naming_an_entry_whose_line_was_evicted_is_not_told_it_waits(deploy: Deploy, line: str) -> None:
+    import redis
+
+    from celery_throttle.core.keys import window_keys
+
+    d = deploy
+    send(d, 3)
+    d.sent_on()
+    head = d.waiting()[0]
+    line_key = window_keys(d.key)[2]
+    with redis.Redis.from_url(d.server.url) as store:
+        if line == "evicted":
+            assert store.delete(line_key) == 1
+        ran = _start(d, head.task_id, {HEADER: Header(d.key, pending=head.entry).value()}, 0)
+        in_line = store.zscore(line_key, head.entry) is not None
+    assert ran or in_line, "the copy was told it waits (its message acked), but no line holds it: the task is lost"

@@ -570,9 +570,12 @@ end
 
 -- Whether entry `id` already waits in the line or is out: a task sent again after a call
 -- whose reply was lost (the store went away mid-call) names the entry it may hold, and is
--- told it waits there already, not let in twice.
+-- told it waits there already, not let in twice. Its fields alone are no entry: a store
+-- evicting (allkeys-lru) may take the line or the out set and leave them, and a copy told
+-- it waits in no line would be acked and lost.
 local function known_entry(id)
   return id ~= '' and redis.call('HEXISTS', msgs_key, id .. '#') == 1
+    and (redis.call('ZSCORE', line_key, id) or redis.call('ZSCORE', out_key, id)) ~= false
 end
 
 -- Whether entry `id` started lately (USED_KEEP_MS): a copy of a task that ran (a copy sent
