@@ -26,7 +26,8 @@ from celery_throttle.core.header import HEADER, Header
 from celery_throttle.core.keys import state_key
 from celery_throttle.integration.hook import guard
 from celery_throttle.integration.trace import attach
-from tests.helpers import BROKER_URL, RedisServer, WorkerGroup, delete_queues, new_label, wait_for
+from tests.conftest import _clean
+from tests.helpers import BROKER_URL, NOTES_URL, RedisServer, WorkerGroup, delete_queues, new_label, wait_for
 from tests.journal_support import Deploy, make_deploy, send, teardown
 
 
@@ -152,3 +153,5 @@ def test_a_store_restarted_empty_loses_no_task_whose_copy_the_journal_refused() 
         with redis.Redis.from_url(BROKER_URL) as broker:
             broker.delete(journal)
         delete_queues(BROKER_URL, group.queues)
+        with redis.Redis.from_url(NOTES_URL) as notes:
+            _clean(notes, group.prefix)  # (the workers' notes of starts and denials)
