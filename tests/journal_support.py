@@ -18,9 +18,12 @@ from kombu.entity import Queue
 from celery_throttle import throttle
 from celery_throttle.check.limiter import Throttle
 from celery_throttle.core import journal
+from celery_throttle.core.header import HEADER
 from celery_throttle.core.keys import state_key
 from celery_throttle.core.timing import ScriptPolicy
+from celery_throttle.integration.hook import guard
 from celery_throttle.integration.publish import wrap_send_task
+from celery_throttle.integration.trace import attach
 from celery_throttle.store.client import RedisStore
 from celery_throttle.waits.keeper import Keeper
 from tests.conftest import RABBITMQ_URL
@@ -121,10 +124,20 @@ def teardown(d: Deploy) -> None:
     delete_queues(d.app.conf.broker_url, [d.queue, d.ctl.lines.journal.broker.name])
 
 
-def _send(d: Deploy, count: int) -> list[str]:
-    return [d.work.delay("acme", n).id for n in range(count)]
-
-
 def send(d: Deploy, count: int) -> list[str]:
     """``count`` calls of the tenant's task, sent at once (checked at publish)."""
     return [d.work.delay("acme", n).id for n in range(count)]
+
+
+def start(d: Deploy, task_id: str, headers: dict[str, Any], n: int) -> bool:
+    """The pool's hook for one delivery of keeper.work("acme", n) with ``headers`` (only
+    the throttle's header is read): True if its body would run."""
+    headers = {HEADER: headers[HEADER]} if HEADER in headers else {}
+    task = d.work._get_current_object()
+    attach(task, d.ctl.checker.known(d.app, "keeper.work", None).spec)  # (as the worker's bootstep does)
+    task.push_request(id=task_id, headers=headers, delivery_info={"redelivered": False}, is_eager=False,
+                      called_directly=False, args=["acme", n], kwargs={}, **headers)
+    try:
+        return guard(task, ("acme", n), {})
+    finally:
+        task.pop_request()

@@ -24,11 +24,9 @@ import redis
 from celery_throttle.celery_parts.journal_queue import journal_queue_name
 from celery_throttle.core.header import HEADER, Header
 from celery_throttle.core.keys import state_key
-from celery_throttle.integration.hook import guard
-from celery_throttle.integration.trace import attach
 from tests.conftest import _clean
 from tests.helpers import BROKER_URL, NOTES_URL, RedisServer, WorkerGroup, delete_queues, new_label, wait_for
-from tests.journal_support import Deploy, make_deploy, send, teardown
+from tests.journal_support import Deploy, make_deploy, send, start, teardown
 
 
 @pytest.fixture(params=[True, False], ids=["journal-refuses", "control-journal-takes"])
@@ -45,20 +43,6 @@ def deploy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
         with redis.Redis.from_url(BROKER_URL) as client:
             client.delete(journal)
         teardown(d)
-
-
-def _check(d: Deploy, task_id: str, message_headers: dict[str, Any], n: int) -> bool:
-    """The pool's check of one delivery of keeper.work("acme", n) (its message's headers):
-    True if its body runs."""
-    headers = {HEADER: message_headers[HEADER]} if HEADER in message_headers else {}
-    task = d.work._get_current_object()
-    attach(task, d.ctl.checker.known(d.app, "keeper.work", None).spec)  # (as the worker's bootstep does)
-    task.push_request(id=task_id, headers=headers, delivery_info={"redelivered": False}, is_eager=False,
-                      called_directly=False, args=["acme", n], kwargs={}, **headers)
-    try:
-        return guard(task, ("acme", n), {})
-    finally:
-        task.pop_request()
 
 
 def _pending(headers: dict[str, Any]) -> str:
@@ -83,7 +67,7 @@ def test_tasks_kept_at_publish_whose_copies_the_journal_refuses_go_to_the_queue_
     # And each runs once: a copy checked while its entry waits is told so (and, the journal
     # still refusing, sent back to the queue naming it again)...
     head = ids[1]
-    assert _check(d, head, queued[head], 1) is False
+    assert start(d, head, queued[head], 1) is False
     (again, headers), = d.taken()
     assert again == head and _pending(headers) == waiting[head]
     # ...and once the line released it and its released message ran, a copy is dropped
@@ -92,8 +76,8 @@ def test_tasks_kept_at_publish_whose_copies_the_journal_refuses_go_to_the_queue_
     d.ctl.lines.release(d.key)
     (released_id, released), = d.taken()
     assert released_id == head
-    assert _check(d, head, released, 1) is True
-    assert _check(d, head, headers, 1) is False
+    assert start(d, head, released, 1) is True
+    assert start(d, head, headers, 1) is False
 
 
 def test_a_task_that_waits_after_the_pools_check_is_sent_back_when_the_journal_refuses_its_copy(
@@ -104,7 +88,7 @@ def test_a_task_that_waits_after_the_pools_check_is_sent_back_when_the_journal_r
     # Given a key at its limit, when a task sent unchecked (no check at publish) reaches
     # the pool's check: it waits in its line
     task_id = str(uuid.uuid4())
-    assert _check(d, task_id, {}, 7) is False
+    assert start(d, task_id, {}, 7) is False
     entry = {w.task_id: w.entry for w in d.waiting()}[task_id]
     # Then, the journal refusing its copy, it is sent back to the queue (its message is
     # acked then) naming its entry, and never runs twice; in the control, it waits in the
@@ -119,8 +103,8 @@ def test_a_task_that_waits_after_the_pools_check_is_sent_back_when_the_journal_r
     d.ctl.checker.refresh_controls()
     d.ctl.lines.release(d.key)
     (_, released), = d.taken()
-    assert _check(d, task_id, released, 7) is True
-    assert _check(d, task_id, headers, 7) is False
+    assert start(d, task_id, released, 7) is True
+    assert start(d, task_id, headers, 7) is False
 
 
 def test_a_store_restarted_empty_loses_no_task_whose_copy_the_journal_refused() -> None:

@@ -31,9 +31,7 @@ from celery_throttle.core import journal
 from celery_throttle.core.errors import StoreError
 from celery_throttle.core.header import HEADER, Header
 from celery_throttle.core.timing import ScriptPolicy
-from celery_throttle.integration.hook import guard
 from celery_throttle.integration.publish import wrap_send_task
-from celery_throttle.integration.trace import attach
 from celery_throttle.waits.journal_pass import Pass
 from celery_throttle.waits.keeper import Keeper
 from tests.conftest import RABBITMQ_URL
@@ -44,6 +42,7 @@ from tests.journal_support import (
     make_app,
     make_deploy,
     send,
+    start,
     teardown,
 )
 
@@ -139,19 +138,6 @@ def short_memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[Deploy]:
         teardown(d)
 
 
-def _start(d: Deploy, task_id: str, headers: dict[str, Any], n: int) -> bool:
-    """The pool's hook for one delivery of keeper.work("acme", n) with ``headers``:
-    True if its body would run."""
-    task = d.work._get_current_object()
-    attach(task, d.ctl.checker.known(d.app, "keeper.work", None).spec)  # (as the worker's bootstep does)
-    task.push_request(id=task_id, headers=headers, delivery_info={"redelivered": False}, is_eager=False,
-                        called_directly=False, args=["acme", n], kwargs={}, **headers)
-    try:
-        return guard(task, ("acme", n), {})
-    finally:
-        task.pop_request()
-
-
 @pytest.mark.parametrize("releaser_journal", [True, False], ids=["control-journaled-releaser", "no-gone-releaser"])
 def test_a_task_released_by_a_worker_that_writes_no_gone_is_not_run_again(short_memory: Deploy,
                                                                           releaser_journal: bool) -> None:
@@ -171,7 +157,7 @@ def test_a_task_released_by_a_worker_that_writes_no_gone_is_not_run_again(short_
         old.close()
     (task_id, headers), = d.taken()
     assert task_id == first.task_id
-    assert _start(d, task_id, {HEADER: headers[HEADER]}, 0) is True  # (its body runs)
+    assert start(d, task_id, {HEADER: headers[HEADER]}, 0) is True  # (its body runs)
     # And, the store having forgotten it started (USED_KEEP_MS), the keeper looks twice
     time.sleep(2.5)
     d.keeper.pass_now()
@@ -206,10 +192,10 @@ def test_a_copy_told_it_waits_while_its_entry_is_out_leaves_no_phantom_kept(shor
     # message, later, is a copy of a task that started, dropped. Else the released one runs.
     if copy_first:
         copy = Header(d.key, pending=first.entry).value()
-        assert _start(d, task_id, {HEADER: copy}, 0) is True
-        assert _start(d, task_id, {HEADER: released[HEADER]}, 0) is False
+        assert start(d, task_id, {HEADER: copy}, 0) is True
+        assert start(d, task_id, {HEADER: released[HEADER]}, 0) is False
     else:
-        assert _start(d, task_id, {HEADER: released[HEADER]}, 0) is True
+        assert start(d, task_id, {HEADER: released[HEADER]}, 0) is True
     # And, once the store forgot it started, the keeper looks twice
     time.sleep(2.5)
     d.keeper.pass_now()
@@ -346,7 +332,7 @@ def test_a_copy_naming_an_entry_released_at_publish_runs(monkeypatch: pytest.Mon
         reply = d.ctl.checker.admit(call, Entry(entry, b"", task_id, 0, 0, WORKER_BATCH))
         assert reply.code == Code.RELEASED
         # When the copy it then sends unchecked (pending=<entry>) reaches a worker
-        ran = _start(d, task_id, {HEADER: Header(d.key, pending=entry).value()}, 0)
+        ran = start(d, task_id, {HEADER: Header(d.key, pending=entry).value()}, 0)
         # Then it runs, or it waits in its line with its message
         in_line = [w for w in d.waiting() if w.entry == entry and w.place]
         assert ran or in_line, "the copy was told it waits (and acked), but nothing waits: the task is lost"
@@ -498,6 +484,6 @@ def test_a_copy_naming_an_entry_whose_line_was_evicted_is_not_told_it_waits(depl
     with redis.Redis.from_url(d.server.url) as store:
         if line == "evicted":
             assert store.delete(line_key) == 1
-        ran = _start(d, head.task_id, {HEADER: Header(d.key, pending=head.entry).value()}, 0)
+        ran = start(d, head.task_id, {HEADER: Header(d.key, pending=head.entry).value()}, 0)
         in_line = store.zscore(line_key, head.entry) is not None
     assert ran or in_line, "the copy was told it waits (its message acked), but no line holds it: the task is lost"
