@@ -175,9 +175,14 @@ class Journaling:
         """``entries`` left the line of ``key`` for good at ``us`` (``kind`` lost: the store
         reported their messages gone; the keeper sends them on from the journal)."""
         if self.enabled and entries:
-            self._write(lambda: self.broker.gone([(key, entry, us) for entry in entries], kind),
-                        f"{len(entries)} task(s) leaving the line of {key}",
-                        "the keeper may send on a task that left its line")
+            written = self._write(lambda: self.broker.gone([(key, entry, us) for entry in entries], kind),
+                                  f"{len(entries)} task(s) leaving the line of {key}",
+                                  "the keeper may send on a task that left its line")
+            if written and kind is Kind.LOST:
+                # (Only a pass sends them on, and none may be due for minutes: one is
+                # asked for now, from whichever worker's keeper looks next.)
+                with suppress(StoreError):
+                    self.setup.store.urge_journal_pass()
 
     def _write(self, write: Any, what: str, instead: str) -> bool:
         try:

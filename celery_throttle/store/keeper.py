@@ -27,7 +27,8 @@ class KeeperOps(ScriptClient):
         return (value.decode() if isinstance(value, bytes) else str(value)), int(since or 0)
 
     def journal_state(self) -> dict[str, str]:
-        """The last pass's state (``left``, ``at``, ``due``, ``adopted``) and the epoch's fields."""
+        """The last pass's state (``left``, ``at``, ``due``, ``adopted``, ``seen``), the
+        urges for a pass (``urges``) and the epoch's fields."""
         with self.errors():
             raw = self._redis.hgetall(journal_keys(self.prefix)[0])
         return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
@@ -35,6 +36,14 @@ class KeeperOps(ScriptClient):
     def save_journal_state(self, fields: Mapping[str, Any]) -> None:
         with self.errors():
             self._redis.hset(journal_keys(self.prefix)[0], mapping=dict(fields))
+
+    def urge_journal_pass(self) -> None:
+        """Ask every worker's keeper for a pass at its next look: tasks were reported lost
+        (their messages gone from the store), and only a pass sends them on. A count, not a
+        time: the pass reads it as it begins (``urges``, then saved as ``seen``), and any
+        urge after that read asks for one more, however the writers' clocks disagree."""
+        with self.errors():
+            self._redis.hincrby(journal_keys(self.prefix)[0], "urges", 1)
 
     def journal_lock(self, lease_s: float) -> StoreLock:
         """The lock of the keeper whose pass runs (one at a time)."""

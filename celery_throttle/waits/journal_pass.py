@@ -49,8 +49,10 @@ logger = logging.getLogger("celery_throttle")
 
 #: The pass's lock in the store (seconds), renewed every LOCK_S / 3 while the pass reads,
 #: decides and acks: two keepers reading one journal at once would each see half of its
-#: events.
-LOCK_S = 60
+#: events. Short, as a keeper SIGKILLed mid-pass holds it until it runs out, and no pass
+#: sends on what the store loses meanwhile (no call of a pass waits longer than a few
+#: seconds: the broker's retries, a store call's timeout).
+LOCK_S = 15
 #: Kept messages a pass holds in memory before it spools the rest to a temporary file.
 SPOOL_IN_MEMORY = 8 << 20
 #: Entries of one line read per call when a pass adopts what the lines hold.
@@ -99,6 +101,9 @@ class Pass:
             if strays:
                 logger.info("celery_throttle: %d message(s) of the journal that a pass read and never acked (its "
                             "worker died, or its broker went away) are back in it", strays)
+            # (Read before the journal's length: a lost mark urged after this read may
+            # not be in what this pass reads, and asks for the next.)
+            urges = store.journal_state().get("urges") or "0"
             held = self.broker.length(self.connection)
             if adopt:
                 held += self._adopt(producer, epoch)  # (read back in this pass, at the journal's tail)
@@ -115,7 +120,7 @@ class Pass:
                 self.acked += 1
                 self._renew()
             due = time.time() + journal.LOST_AFTER_US / 1e6 if suspects else 0
-            store.save_journal_state({"left": left, "at": time.time(), "adopted": 1, "due": due})
+            store.save_journal_state({"left": left, "at": time.time(), "adopted": 1, "due": due, "seen": urges})
             logger.debug("celery_throttle: the journal's pass read %d message(s) and left %d", len(tags), left)
             return left
         finally:

@@ -10,8 +10,9 @@ messages to the broker, which gives them back, and events read twice say the sam
 runs when the journal has doubled since the last one left it (each message is read a
 bounded number of times, whatever the depth of the lines), when one marked tasks the
 store did not know (a second look, ``LOST_AFTER`` later), at least every ``SWEEP_EVERY``
-while it holds anything, at once when the store restarted, and when a worker starts and
-finds no trace of one.
+while it holds anything, at once when the store restarted or a releaser reported tasks
+whose messages the store lost (in any worker: a count of urges in the store), and when a
+worker starts and finds no trace of one.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class Keeper(threading.Thread):
         left, at, due = int(state.get("left") or 0), state.get("at"), float(state.get("due") or 0)
         due_now = (time.monotonic() < self._urgent_until or state.get("adopted") is None or at is None
                    or held >= GROWTH * left + PASS_MIN or (held and now - float(at) >= SWEEP_EVERY)
-                   or (due and now >= due))
+                   or (due and now >= due) or int(state.get("urges") or 0) > int(state.get("seen") or 0))
         return self.pass_now() if due_now else None
 
     def _state(self) -> dict[str, str]:

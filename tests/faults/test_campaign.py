@@ -93,6 +93,12 @@ class BrokerWatch(threading.Thread):
         self.port = port
         self.pushed: Counter[str] = Counter()
         self.recorded: Counter[str] = Counter()
+        #: Every command that named a task (when, the verb and its first argument): a lost
+        #: task's life in the broker, for a failing seed's report.
+        self.history: dict[str, list[str]] = {}
+        self.tags: dict[str, str] = {}  # (a delivery's tag: its task, to follow its ack)
+        self.seen: Counter[str] = Counter()  # (commands by verb and first argument's kind)
+        self.last_seen = 0.0
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -100,14 +106,26 @@ class BrokerWatch(threading.Thread):
             try:
                 with redis.Redis(port=self.port) as client, client.monitor() as monitor:
                     for event in monitor.listen():
-                        self._see(event["command"])
+                        self._see(event["command"], event["time"], event.get("client_port", ""))
                         if self.stopping.is_set():
                             return
             except (redis.RedisError, OSError):
                 time.sleep(0.02)  # (the broker restarting)
 
-    def _see(self, command: str) -> None:
+    def _see(self, command: str, at: float, port: Any = "") -> None:
         verb, _, rest = command.partition(" ")
+        named = set(_ANY_ID.findall(rest))
+        words = rest.split(" ")
+        self.seen[f"{verb} {re.sub(r'ct-test-[0-9a-f]+', 'P', words[0])[:40]}"] += 1
+        self.last_seen = at
+        if verb == "HSET" and words[0] == "unacked" and len(words) > 1 and _TASK_ID.search(rest):
+            self.tags[words[1]] = _TASK_ID.search(rest).group(1)  # type: ignore[union-attr]
+        elif verb in ("HDEL", "ZREM", "ZADD") and words[0] in ("unacked", "unacked_index"):
+            named |= {self.tags[w] for w in words[1:] if w in self.tags}
+        for task_id in named:
+            when = time.strftime("%H:%M:%S", time.localtime(at)) + f"{at % 1:.3f}"[1:]
+            tag = words[1][:8] if words[0] in ("unacked", "unacked_index") and len(words) > 1 else ""
+            self.history.setdefault(task_id, []).append(f"{when} {verb} {words[0][:60]} {tag} :{port}")
         if verb in ("LPUSH", "RPUSH") and not rest.startswith("celery_throttle.journal."):
             counter = self.pushed
         elif verb == "HSET" and rest.startswith("unacked "):
@@ -123,6 +141,7 @@ class BrokerWatch(threading.Thread):
 
 
 _TASK_ID = re.compile(r'"id": "([0-9a-f-]{36})"')
+_ANY_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 class Broker:
@@ -286,6 +305,11 @@ def _trace(c: Campaign, lost: set[str]) -> str:
         out.append(f"   unacked in the broker: {sum(task_id.encode() in raw for raw in unacked)}; "
                    f"in a line: {sum(1 for k in lines for e in lines[k] if e.startswith(task_id.encode()))}")
         out.extend(f"   {line[:240]}" for line in log if task_id in line)
+        if c.broker.watch is not None:
+            out.append(f"   the broker's commands naming it: {c.broker.watch.history.get(task_id, [])}")
+    if c.broker.watch is not None:
+        out.append(f"-- the broker's commands seen, the last at {time.strftime('%H:%M:%S', time.localtime(c.broker.watch.last_seen))}: "
+                   f"{c.broker.watch.seen.most_common(25)}")
     kept = Path(tempfile.mkdtemp(prefix=f"ct-campaign-{c.kind}-{c.seed}-"))
     for i, text in enumerate([*c.old_logs, *(log.read_text(errors="replace") for log in c.group.logs)]):
         (kept / f"worker-log-{i}.txt").write_text(text)

@@ -256,11 +256,13 @@ def test_a_line_whose_messages_were_evicted_does_not_wait_on_its_head_for_good(
                 assert store.hdel(msgs, entries[0], f"{entries[0]}#") == 2
             other.lines.release(d.key)
             left = store.zcard(line)
-        # Then the heads whose messages are gone are reported lost, and the keeper sends
-        # them on from the journal (the line waited on its head for good, looked at every
-        # 5 s by a releaser that found no task to bind); a head that has its message is not
-        # released by that call, which knows none of the key's rates
-        d.keeper.pass_now()
+        # Then the heads whose messages are gone are reported lost, and the keeper's next
+        # look (a pass only if one is due) sends them on from the journal (the line waited
+        # on its head for good, looked at every 5 s by a releaser that found no task to
+        # bind; then, reported, they waited for the keeper's sweep, 10 minutes on, as no
+        # pass was due); a head that has its message is not released by that call, which
+        # knows none of the key's rates
+        d.keeper.look()
         gone = {"evicted": 4, "the-heads-alone": 1, "control-kept": 0}[messages]
         assert left == 4 - gone
         assert d.sent_on() == waiting[:gone]
