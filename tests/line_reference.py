@@ -192,7 +192,7 @@ class KeyModel:
         if op == "settle":
             return self._settle(delta or (), *args)
         handler = {"ack": self._ack, "ended": self._ended, "renew": self._renew, "release": self._release,
-                   "drain": self._drain, "give_back": self._give_back}.get(op)
+                   "drain": self._drain, "give_back": self._give_back, "take_back": self._take_back}.get(op)
         if handler is not None:
             return handler(*args)
         if op == "claim":
@@ -789,6 +789,20 @@ class KeyModel:
                 self.out[ticket] = self.now + self.policy.out_lease_ms * 1000
                 if ticket in self.slots:
                     self.slots[ticket] = self.now + min(self.policy.out_lease_ms, self.policy.handed_slot_ms) * 1000
+
+    def _take_back(self, lined: str, *entries: str) -> _Reply:
+        for n, eid in enumerate(entries):
+            m = self.meta.get(eid)
+            if n < int(lined) and eid in self.line:
+                self._leave(eid, m)
+                self._forget(eid)
+                self.reported.append((eid, m.task if m else eid, "k"))
+            elif m is not None and m.phase == "s" and eid in self.out:
+                self._come_in(eid, m)
+                self.slots.pop(eid, None)
+                self._forget(eid)
+                self.reported.append((eid, m.task, "k"))
+        return self._finish(Code.RUN, 0)
 
     def _give_back(self, ticket: str, batch: int, handed_back: str = "0") -> _Reply:
         self._expire_out(self.policy.line_batch)

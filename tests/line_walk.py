@@ -234,7 +234,7 @@ class Walk:
         """A head that fits within the lead was released, unless the call's batch ran out;
         and the key's next look is no later than when its head fits."""
         m = self.model
-        if op in ("peek", "ack", "renew") or m.waiting == 0 or got.code in (Code.TOO_COSTLY, Code.STALE):
+        if op in ("peek", "ack", "renew", "take_back") or m.waiting == 0 or got.code in (Code.TOO_COSTLY, Code.STALE):
             return  # (STALE: nothing done; the claim that follows at once looks)
         if self.paused_until > self.clock.now or not m._slot_free():
             return
@@ -333,7 +333,7 @@ class Walk:
             if r.kind == "r":
                 self.tickets[r.id] = [self.clock.now, False, 0]
                 self.seen["released"] += 1
-            elif r.kind in ("x", "c", "l", "f"):
+            elif r.kind in ("x", "c", "l", "f", "k"):
                 self.tickets.pop(r.id, None)
                 self.end(r.id, f"reported {r.kind}")
                 self.seen[f"reported {r.kind}"] += 1
@@ -549,6 +549,18 @@ class Walk:
                 for r in got.reported:
                     if r.kind == "r" and r.id in self.tickets:
                         self.claim(r.id)
+        elif roll < 0.605 and (self.tickets or self.model.line):
+            # The journal says these left their lines for good (sent), and the store holds
+            # them again (a failover to a replica short of their release): a released
+            # ticket (out: left alone once acked, granted or started), a waiting entry (it
+            # leaves, reported), or one the store does not know.
+            picks = sorted(set(rng.sample(sorted(self.tickets), min(len(self.tickets), 2))) | set(
+                rng.sample(sorted(self.model.line), min(len(self.model.line), 1))))
+            picks.append(self.new_id("gone"))
+            got = self.run("take_back", self.costs(1, 5), rng.randint(0, len(picks)), *picks)
+            assert {r.id for r in got.reported} <= set(picks), self.explain("took back what it was not given")
+            self.settle_out(got)
+            self.seen["taken back"] += len(got.reported)
         elif roll < 0.63 and self.tickets:
             ticket = rng.choice(sorted(self.tickets))
             # (one whose time is up is put back, forgotten or done by the call's own look first)

@@ -163,6 +163,10 @@ class Checker(Binder):
         key, request = self._window_call(call, self.store)
         return self.store.drop(key, request, entries)
 
+    def take_back(self, call: BoundCall, lined: Sequence[str], out: Sequence[str]) -> WindowReply:
+        key, request = self._window_call(call, self.store)
+        return self.store.take_back(key, request, lined, out)
+
     def peek(self, call: BoundCall) -> WindowReply:
         key, request = self._window_call(call, self.store)
         return self.store.peek(key, request)

@@ -33,7 +33,7 @@ from enum import Enum
 from typing import Any
 
 __all__ = ["CONTENT_TYPE", "GONE_KEEP_US", "JOURNAL_HEADER", "LOST_AFTER_US", "Event", "Kind", "Verdict",
-           "decode", "entries_message", "kept_headers", "latest", "sort_out", "verdict"]
+           "decode", "entries_message", "kept_headers", "latest", "left_for_good", "sort_out", "verdict"]
 
 #: The header that names a journal message's kind (``kept``, ``gone`` or ``lost``).
 JOURNAL_HEADER = "ct-journal"
@@ -50,6 +50,18 @@ LOST_AFTER_US = 10_000_000
 #: its publish) still finds it there, and is not taken for a task that waits. An event
 #: dated further ahead than this (a clock gone wrong) is dropped.
 GONE_KEEP_US = 120_000_000
+#: A ``gone`` event this old (µs) whose entry the store holds again in its line was taken
+#: back by the store (a failover to a replica short of its release): the pass takes it out,
+#: else its line sends it a second time. Far longer than a put-back's ``kept`` takes to
+#: follow its ``gone`` (taken out then, its message would be lost); shorter than
+#: GONE_KEEP_US, while the ``gone`` is still read.
+TAKE_BACK_AFTER_US = 30_000_000
+#: The same for an entry released and not acked (µs): its releaser died between its send
+#: and its ack, or the store was taken back to before the ack; at its send lease's end
+#: (10 s) it would go back to its place and be sent again. Longer than a releaser defers
+#: its acks (2 s); one taken out while its ack was on its way is checked as a fresh call
+#: when it arrives (its message is in the broker: nothing is lost).
+TAKE_BACK_OUT_AFTER_US = 5_000_000
 #: The most entries one ``gone`` or ``lost`` message names (a release sends a batch).
 GONE_BATCH = 1000
 #: The longest epoch id read from a message (ours are 24 hex digits).
@@ -187,6 +199,15 @@ def verdict(event: Event, known: bool, now_us: int, epoch: str) -> Verdict:
         return Verdict.SUSPECT
     # (Unknown at two looks: lost with the store of its epoch, or gone without a word.)
     return Verdict.LOST if event.epoch != epoch else Verdict.DROP
+
+
+def left_for_good(events: Iterable[Event], now_us: int, after_us: int) -> list[Event]:
+    """The ``gone`` events of entries that left their lines for good ``after_us`` or more
+    ago, and less than GONE_KEEP_US: each entry's latest event, later than any ``kept`` of
+    it (one put back after its release is kept again, later). A store that holds one of
+    them again was taken back (:meth:`.Pass._take_back`)."""
+    return [event for event in latest(events).values()
+            if event.kind == Kind.GONE and after_us <= now_us - event.us < GONE_KEEP_US]
 
 
 def sort_out(events: Iterable[Event], known: Callable[[Iterable[tuple[str, str]]], set[tuple[str, str]]],

@@ -112,6 +112,19 @@ class LineOps(IndexOps):
             scores = pipe.execute() if idents else []
         return [any(score is not None for score in scores[3 * i:3 * i + 3]) for i in range(len(idents))]
 
+    def in_lines(self, idents: Sequence[tuple[str, str]]) -> list[str]:
+        """For each (state key, entry): where the store holds it: ``line`` (waiting),
+        ``out`` (released and not started) or ``""``. One round trip."""
+        with self.errors():
+            pipe = self._redis.pipeline(transaction=False)
+            for key, entry in idents:
+                _, _, line, _, out, _, _ = window_keys(key)
+                pipe.zscore(line, entry)
+                pipe.zscore(out, entry)
+            scores = pipe.execute() if idents else []
+        return ["line" if scores[2 * i] is not None else "out" if scores[2 * i + 1] is not None else ""
+                for i in range(len(idents))]
+
     def unindexed_lines(self, sweep_ms: int) -> Iterable[str] | None:
         """The state keys with a line (counts or entries) the index does not hold, by SCAN;
         None if another process swept within ``sweep_ms`` (one sweep at a time)."""

@@ -36,7 +36,8 @@ ALGORITHMS = ("sliding", "fixed")
 #: 'acquire' that records nothing).
 OPERATIONS = {"acquire": "acquire", "screen": "acquire", "admit": "admit", "front": "front", "claim": "claim",
               "release": "release", "drain": "drain", "drop": "drop", "ack": "ack", "give_back": "give_back",
-              "settle": "settle", "ended": "ended", "renew": "renew", "peek": "peek", "shadow": "shadow"}
+              "settle": "settle", "ended": "ended", "renew": "renew", "peek": "peek", "shadow": "shadow",
+              "take_back": "take_back"}
 #: A message of a line (KEYS: its line, released entries, messages): its head's, else one of
 #: the first released entries'. One round trip, not three: a store far away pays each.
 _SAMPLE = """local ids = redis.call('ZRANGE', KEYS[1], 0, 0)
@@ -176,6 +177,12 @@ class WindowOps(ScriptClient):
     def drop(self, key: str, call: WindowCall, entries: Sequence[str]) -> WindowReply:
         """Delete ``entries`` waiting in the key's line (an operator's purge)."""
         return self.window(key, "drop", call, *entries)
+
+    def take_back(self, key: str, call: WindowCall, lined: Sequence[str], out: Sequence[str]) -> WindowReply:
+        """These entries left the key's line for good (the journal says so): each the store
+        holds again released and not acked, or (``lined``) in its line, leaves (reported
+        ``k``)."""
+        return self.window(key, "take_back", call, len(lined), *lined, *out)
 
     def peek(self, key: str, call: WindowCall) -> WindowReply:
         """Usage and the line, recording nothing."""

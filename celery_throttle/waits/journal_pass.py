@@ -35,9 +35,11 @@ from ..core.journal import (
     decode,
     entries_message,
     kept_headers,
+    left_for_good,
     sort_out,
 )
 from ..core.keys import target_of
+from ..core.spec import BoundCall
 
 if TYPE_CHECKING:
     from ..check.lines import Lines
@@ -72,6 +74,7 @@ class Pass:
     def __init__(self, setup: Setup, lines: Lines, connection: Any, stopping: threading.Event | None = None) -> None:
         self.setup = setup
         self.store = setup.store
+        self.lines = lines
         self.broker = lines.journal.broker
         self.connection = connection
         self.stopping = stopping or threading.Event()
@@ -115,6 +118,7 @@ class Pass:
                     events.extend(self._events(message, spool))
                     self._renew()
                 left, suspects = self._decide(events, spool, producer, epoch)
+                self._take_back(events)
             for tag in tags:
                 channel.basic_ack(tag)
                 self.acked += 1
@@ -195,6 +199,42 @@ class Pass:
             logger.warning("celery_throttle: the store lost %d task(s) waiting in %d line(s): sent on from the "
                            "journal, as new tasks (each named at INFO)", sent, len({e.key for e in lost}))
         return left, suspects
+
+    def _take_back(self, events: list[Event]) -> int:
+        """Take out of their lines the tasks the journal says left them for good (sent to the
+        broker) a while ago and the store holds again, waiting or released and not acked:
+        the store was taken back (a failover to a replica short of their release, a
+        releaser that died between its send and its ack), and its line would send each a
+        second time. Returns how many."""
+        now_us = self.store.now_us()
+        lined = {event.ident for event in left_for_good(events, now_us, journal.TAKE_BACK_AFTER_US)}
+        soonest = min(journal.TAKE_BACK_AFTER_US, journal.TAKE_BACK_OUT_AFTER_US)
+        idents = [event.ident for event in left_for_good(events, now_us, soonest)]
+        held: dict[str, tuple[list[str], list[str]]] = {}
+        for start in range(0, len(idents), 1000):
+            batch = idents[start:start + 1000]
+            for ident, there in zip(batch, self.store.in_lines(batch)):
+                if there == "out" or (there == "line" and ident in lined):
+                    held.setdefault(ident[0], ([], []))[ident not in lined].append(ident[1])
+            self._renew()
+        taken = 0
+        for key, (in_line, out) in held.items():
+            target = target_of(self.store.prefix, key)
+            if target is None:
+                continue
+            # (No rates: the call reads none, and takes out only what the journal names.)
+            call = BoundCall(target[0], target[1], (), 1, "sliding", key)
+            # (An entry out may have been put back in its line since the look: taken out of
+            # its line only if its gone is old enough for that, else its copy may follow.)
+            reply = self.lines.checker.take_back(call, in_line, out)
+            self.lines.handle(call, reply)  # (the index hears of the line as it is now)
+            taken += sum(1 for task in reply.reported if task.kind == "k")
+            self._renew()
+        if taken:
+            logger.warning("celery_throttle: the store held again %d task(s) that had left their lines for good (sent "
+                           "to the broker): a failover to a replica short of their release, or a releaser that died "
+                           "before its ack; taken out, not sent twice", taken)
+        return taken
 
     def _known(self, idents: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
         """Which (key, entry) the store holds: waiting in its line, released and not

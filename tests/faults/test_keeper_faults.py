@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from amqp.channel import Channel as AmqpChannel
 from celery import Celery
 
@@ -30,6 +31,7 @@ from celery_throttle.check.limiter import Throttle
 from celery_throttle.core import journal
 from celery_throttle.core.errors import StoreError
 from celery_throttle.core.header import HEADER, Header
+from celery_throttle.core.keys import window_keys
 from celery_throttle.core.timing import ScriptPolicy
 from celery_throttle.integration.publish import wrap_send_task
 from celery_throttle.waits.journal_pass import Pass
@@ -474,7 +476,6 @@ def test_a_sent_on_note_whose_reply_was_lost_does_not_keep_its_task_from_running
 def test_a_copy_naming_an_entry_whose_line_was_evicted_is_not_told_it_waits(deploy: Deploy, line: str) -> None:
     import redis
 
-    from celery_throttle.core.keys import window_keys
 
     d = deploy
     send(d, 3)
@@ -487,3 +488,76 @@ def test_a_copy_naming_an_entry_whose_line_was_evicted_is_not_told_it_waits(depl
         ran = start(d, head.task_id, {HEADER: Header(d.key, pending=head.entry).value()}, 0)
         in_line = store.zscore(line_key, head.entry) is not None
     assert ran or in_line, "the copy was told it waits (its message acked), but no line holds it: the task is lost"
+
+
+# ---------------------------------------------------------------------------------------
+# 9. A store taken back to before a release (a failover to a replica short of it, or a
+#    releaser that died between its send and its ack) holds the released task in its line
+#    again: the journal's gone names it, and the keeper's pass takes it out, or the line
+#    sends it a second time.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pass_between", [True, False], ids=["taken-back", "control-no-pass"])
+def test_a_release_a_failover_lost_is_not_sent_a_second_time(deploy: Deploy, monkeypatch: pytest.MonkeyPatch,
+                                                            pass_between: bool) -> None:
+    d = deploy
+    monkeypatch.setattr(journal, "TAKE_BACK_AFTER_US", 0)  # (30 s: a send lease and a put-back's copy)
+    send(d, 4)
+    d.sent_on()
+    waiting = d.waiting_ids()
+    assert len(waiting) == 3
+    d.keeper.pass_now()
+    # Given a replica that has everything up to now
+    with redis.Redis.from_url(d.server.url) as store:
+        replica = {key: (store.dump(key), store.pttl(key)) for key in store.scan_iter()}
+    # When the head is released (the key raised to 2/h) and sent, its gone in the journal,
+    # and the store fails over to that replica, short of the release
+    d.ctl.set_limit("keeper.work", ["2/h"], key="acme")
+    d.ctl.checker.refresh_controls()
+    d.ctl.lines.release(d.key)
+    assert d.sent_on() == waiting[:1]
+    with redis.Redis.from_url(d.server.url) as store:
+        for key in store.scan_iter():
+            if key not in replica:
+                store.delete(key)
+        for key, (value, ttl) in replica.items():
+            store.restore(key, max(ttl, 0), value, replace=True)
+        assert store.zscore(window_keys(d.key)[2], d.waiting()[0].entry) is not None  # (back in its line)
+    # And the keeper makes a pass (or none yet), and the key is raised again and released
+    if pass_between:
+        d.keeper.pass_now()
+    d.ctl.set_limit("keeper.work", ["2/h"], key="acme")
+    d.ctl.checker.refresh_controls()
+    d.ctl.lines.release(d.key)
+    # Then the next task is sent, not the head a second time (without a pass: sent twice)
+    sent = d.sent_on()
+    assert sent == (waiting[1:2] if pass_between else waiting[:1])
+    assert d.waiting_ids() == (waiting[2:] if pass_between else waiting[1:])
+
+
+@pytest.mark.parametrize("pass_between", [True, False], ids=["taken-back", "control-no-pass"])
+def test_a_release_whose_releaser_died_before_its_ack_is_not_sent_again(
+        monkeypatch: pytest.MonkeyPatch, pass_between: bool) -> None:
+    d = make_deploy(monkeypatch, ScriptPolicy(send_lease_ms=300))
+    monkeypatch.setattr(journal, "TAKE_BACK_OUT_AFTER_US", 0)  # (5 s: longer than a releaser defers its acks)
+    try:
+        send(d, 4)
+        d.sent_on()
+        waiting = d.waiting_ids()
+        # Given the head released and sent, its gone in the journal, and its releaser killed
+        # before its ack to the store: released and not acked
+        d.ctl.set_limit("keeper.work", ["2/h"], key="acme")
+        d.ctl.checker.refresh_controls()
+        d.ctl.lines.release(d.key)
+        d.ctl.lines._unacked.clear()  # (its ack waited for the key's next release, in a releaser killed)
+        assert d.sent_on() == waiting[:1]
+        # When the keeper makes a pass (or none), and the send lease runs out, and the line
+        # is released again
+        if pass_between:
+            d.keeper.pass_now()
+        time.sleep(0.4)
+        d.ctl.lines.release(d.key)
+        # Then the next task is sent, not the head a second time (without a pass: its
+        # release, taken for one its releaser never sent, goes back to its place and again)
+        assert d.sent_on() == (waiting[1:2] if pass_between else waiting[:1])
+    finally:
+        teardown(d)

@@ -26,6 +26,7 @@ from celery_throttle.core.journal import (
     decode,
     entries_message,
     kept_headers,
+    left_for_good,
 )
 from tests.helpers import QUICK
 
@@ -268,3 +269,19 @@ def test_the_journal_is_on_unless_the_store_is_the_brokers_own_database(broker_u
     assert journal_on(app, None, store_url) is on
     # (a setting wins either way)
     assert journal_on(app, True, store_url) is True and journal_on(app, False, store_url) is False
+
+
+def test_an_entry_left_for_good_a_while_ago_is_named_for_the_store_to_take_back() -> None:
+    # Given entries whose latest events are of every kind and age
+    now, after, keep = 1_000_000_000, journal.TAKE_BACK_AFTER_US, journal.GONE_KEEP_US
+    events = [
+        Event(Kind.KEPT, KEY, "sent", 1), Event(Kind.GONE, KEY, "sent", now - after),
+        Event(Kind.KEPT, KEY, "put-back", 1), Event(Kind.GONE, KEY, "put-back", now - after - 5),
+        Event(Kind.KEPT, KEY, "put-back", now - after - 4),  # (back in its line after its release)
+        Event(Kind.GONE, KEY, "just-sent", now - after + 1),  # (its release may not be acked yet)
+        Event(Kind.GONE, KEY, "long-gone", now - keep),  # (no longer read: dropped)
+        Event(Kind.GONE, KEY, "reported", now - after - 9), Event(Kind.LOST, KEY, "reported", now - after - 8),
+        Event(Kind.KEPT, KEY, "waits", now - after - 9),
+    ]
+    # Then only the one sent that long ago, and not put back since, is named
+    assert [e.entry for e in left_for_good(events, now, after)] == ["sent"]

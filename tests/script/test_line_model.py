@@ -90,7 +90,7 @@ def test_the_line_matches_its_model_and_keeps_every_promise(
     # Then they agreed at every step and every property held (asserted as they walked),
     # and the walks went where the promises are tested
     wanted = {"queued", "released", "start", "copied", "slot given back", "duplicate", "pending copy",
-              "share cap moved", "handed back"}
+              "share cap moved", "handed back", "taken back"}
     if RATE_SETS[rate_set]:
         wanted |= {"settled", "back in line", "stale"}
     if rate_set in ("one", "two", "tiny", "requests-tokens"):  # (where room comes unit by unit)
