@@ -127,6 +127,10 @@ class Lines(OnCall):
         gone: list[str] = []  # (sent to the broker, or buried: out of their lines for good)
         lost: list[str] = []  # (their messages gone from the store: the journal has a copy)
         app, metrics = self.setup.app, self.setup.metrics
+        if any(task.kind in ("r", "x", "c") for task in reply.reported):
+            # (Before any is sent: a failover to a replica short of this release would hold
+            # them in their lines again, and send them a second time.)
+            self.setup.store.hold_on_replica()
         for task in reply.reported:
             if task.kind in ("r", "x", "c") and isinstance(task.payload, bytes):
                 try:
@@ -191,6 +195,9 @@ class Lines(OnCall):
     def _ack(self, call: BoundCall, tickets: list[str]) -> None:
         """The tasks released with ``tickets`` were sent (raises as the store does)."""
         acked = self.checker.ack(call, tickets)
+        # (Else a failover to a replica short of the ack would take them for never sent, at
+        # their send lease's end, and send them again.)
+        self.setup.store.hold_on_replica()
         if acked.tell_index:
             # (Its own look may move the key's due time earlier: what it sent is now out
             # for longer. Never dropped: the index would keep the later one.)
@@ -329,6 +336,8 @@ class Lines(OnCall):
                 with self._lock:
                     self._unacked.setdefault(key, [call, [], unacked[2]])[1][:0] = unacked[1]
             raise
+        if unacked is not None and not any(task.kind in ("r", "x", "c") for task in reply.reported):
+            self.setup.store.hold_on_replica()  # (the acks it carried: see _ack)
         # (A slot a release fills is held until its task starts: where a process is idle.)
         self.handle(call, reply, here=call.concurrency > 0 and not drain and self.hand.idle(), defer_ack=True)
         if reply.code == Code.RUN and drain and reply.waiting:

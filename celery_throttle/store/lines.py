@@ -4,10 +4,14 @@ from the index. (A line's own operations are window.lua's: :mod:`.window`.)"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from ..core.keys import line_scan_patterns, sweep_key, window_keys
+from ..core.urls import CLUSTER_SCHEMES
 from .index import IndexOps
 from .scripts import text
 
@@ -15,6 +19,14 @@ __all__ = ["LineEntry", "LineOps"]
 
 #: Keys or entries read in one round trip.
 _BATCH = 1000
+
+#: A release waits this long at most (ms) for a replica of the store to hold it before its
+#: tasks are sent (WAIT): a failover then finds it, where a replica short of it would hold
+#: the tasks in their lines again and send them a second time. A replica that lags or has
+#: gone costs a release that long at most; a store of no replica, nothing.
+REPLICA_WAIT_MS = 100
+#: How often (seconds) a process reads how many replicas the store has.
+REPLICAS_READ_EVERY = 10.0
 
 #: An entry of a line: its id, its place (from 1; 0: released, not started), its stored
 #: fields (task id, when it joined: ``<id>#``) and its message (None: gone).
@@ -111,6 +123,24 @@ class LineOps(IndexOps):
                     pipe.zscore(holder, entry)
             scores = pipe.execute() if idents else []
         return [any(score is not None for score in scores[3 * i:3 * i + 3]) for i in range(len(idents))]
+
+    def hold_on_replica(self) -> int:
+        """Wait (REPLICA_WAIT_MS at most) until a replica of the store holds what this
+        process wrote last: a release, before its tasks are sent. Returns how many replicas
+        hold it (0: none in time, or the store has none). Never raises: a store that cannot
+        answer costs the send nothing. (WAIT counts the writes of the connection it is sent
+        on: the release's own, as a process's next command takes the connection it gave
+        back. Not on a Redis Cluster, whose client sends it to any node.)"""
+        now = time.monotonic()
+        count, read_at = self._replicas
+        try:
+            if now - read_at >= REPLICAS_READ_EVERY:
+                count = 0 if self.url.startswith(CLUSTER_SCHEMES) else \
+                    int(self._redis.info("replication").get("connected_slaves") or 0)
+                self._replicas = (count, now)
+            return int(self._redis.execute_command("WAIT", 1, REPLICA_WAIT_MS)) if count else 0
+        except (RedisError, OSError, ValueError):
+            return 0
 
     def in_lines(self, idents: Sequence[tuple[str, str]]) -> list[str]:
         """For each (state key, entry): where the store holds it: ``line`` (waiting),

@@ -61,6 +61,9 @@ class ScriptClient:
         self._client: Any = None
         #: The server's run id as this store's last report saw it (:meth:`report`).
         self.run_id: str | None = None
+        #: How many replicas the store had, and when this process read it (monotonic):
+        #: a release waits for one to hold it (lines.py, hold_on_replica).
+        self._replicas: tuple[int, float] = (0, float("-inf"))
         #: Every script's source by name, registered at connect (and again after a close),
         #: and where each of its lines comes from.
         self._sources: dict[str, str] = {}

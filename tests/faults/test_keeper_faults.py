@@ -37,7 +37,7 @@ from celery_throttle.integration.publish import wrap_send_task
 from celery_throttle.waits.journal_pass import Pass
 from celery_throttle.waits.keeper import Keeper
 from tests.conftest import RABBITMQ_URL
-from tests.helpers import RedisServer, delete_queues, rabbitmq_or_skip, wait_for
+from tests.helpers import RedisServer, SlowProxy, delete_queues, rabbitmq_or_skip, wait_for
 from tests.journal_support import (
     LOST_AFTER_US,
     Deploy,
@@ -561,3 +561,42 @@ def test_a_release_whose_releaser_died_before_its_ack_is_not_sent_again(
         assert d.sent_on() == (waiting[1:2] if pass_between else waiting[:1])
     finally:
         teardown(d)
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["held-on-the-replica", "control-no-wait"])
+def test_a_release_is_held_on_the_replica_before_its_task_is_sent(deploy: Deploy, monkeypatch: pytest.MonkeyPatch,
+                                                                 waits: bool) -> None:
+    from celery_throttle.store import lines as store_lines
+    from celery_throttle.store.client import RedisStore
+
+    d = deploy
+    monkeypatch.setattr(store_lines, "REPLICA_WAIT_MS", 3000)  # (100 ms: a replica on a sound link)
+    if not waits:
+        monkeypatch.setattr(RedisStore, "hold_on_replica", lambda self: 0)
+    # Given a replica of the store that hears the primary 0.2 s late (a link of 0.4 s there
+    # and back), holding the line of 3 tasks waiting
+    link = SlowProxy(d.server.url, 400).start()
+    replica = RedisServer(extra=["--replicaof", "127.0.0.1", str(link.port)]).start()
+    try:
+        send(d, 4)
+        d.sent_on()
+        head = d.waiting()[0]
+        line, out = window_keys(d.key)[2], window_keys(d.key)[4]
+        with redis.Redis(port=replica.port) as copy:
+            wait_for(lambda: copy.zcard(line) == 3, 20, 0.1, what="the line on the replica")
+            # When the head is released and sent, and the link and the primary die at once
+            # (the replica promoted: a failover)
+            d.ctl.set_limit("keeper.work", ["2/h"], key="acme")
+            d.ctl.checker.refresh_controls()
+            d.ctl.lines.release(d.key)
+            link.stop()
+            d.server.kill()
+            assert d.sent_on() == [head.task_id]
+            copy.replicaof("NO", "ONE")
+            # Then the new primary holds the release (without the wait: the head in its
+            # line, to be sent a second time)
+            assert (copy.zscore(out, head.entry) is not None) == waits
+            assert (copy.zscore(line, head.entry) is None) == waits
+    finally:
+        link.stop()
+        replica.stop()
