@@ -228,12 +228,16 @@ class Pass:
             # its line only if its gone is old enough for that, else its copy may follow.)
             reply = self.lines.checker.take_back(call, in_line, out)
             self.lines.handle(call, reply)  # (the index hears of the line as it is now)
-            taken += sum(1 for task in reply.reported if task.kind == "k")
+            for task in reply.reported:
+                if task.kind == "k":
+                    taken += 1
+                    logger.info("celery_throttle: task %s had left the line of %s for good, and the store held it "
+                                "again: taken out", task.id, target)
             self._renew()
         if taken:
             logger.warning("celery_throttle: the store held again %d task(s) that had left their lines for good (sent "
                            "to the broker): a failover to a replica short of their release, or a releaser that died "
-                           "before its ack; taken out, not sent twice", taken)
+                           "before its ack; taken out, not sent twice (each named at INFO)", taken)
         return taken
 
     def _known(self, idents: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
