@@ -100,6 +100,12 @@ def guard(task: Any, args: Any, kwargs: Any) -> bool:
         # (Handed to this worker, its journal copy was kept until it came: it has left
         # its line now. One that waits again is back in its place, and keeps it.)
         ctl.lines.journal.gone(call.state_key, [ticket], reply.now_us)
+    pending = header.pending if header.key == call.state_key else ""
+    if pending and pending != ticket and (verdict is Verdict.START or verdict is Verdict.START_AT):
+        # (A copy sent back after a store error, naming the entry its call may have left it
+        # in, or that held it before: it starts now. That entry's journal copy, should the
+        # store have lost the entry, would send it on again after a loss.)
+        ctl.lines.journal.gone(call.state_key, [pending], reply.now_us)
     if verdict is Verdict.START or verdict is Verdict.START_AT:
         _forget_header(request)
         ctl.metrics.admitted(call.scope, call.key)

@@ -600,3 +600,22 @@ def test_a_release_is_held_on_the_replica_before_its_task_is_sent(deploy: Deploy
     finally:
         link.stop()
         replica.stop()
+
+
+def test_a_copy_naming_its_entry_that_starts_after_a_store_loss_is_not_sent_on_again(deploy: Deploy) -> None:
+    d = deploy
+    # Given a task waiting in its key's line, its copy in the journal
+    send(d, 2)
+    d.sent_on()
+    head, = d.waiting()
+    d.keeper.pass_now()
+    # When the store loses its state, and the task's message sent back after a store error
+    # (naming its entry) arrives and starts, as a fresh call
+    d.lose_the_store()
+    assert start(d, head.task_id, {HEADER: Header(d.key, pending=head.entry).value()}, 1) is True
+    # Then the keeper's passes do not send it on from its copy (it ran twice so: the
+    # store's epoch is new, and its copy said it waits)
+    d.keeper.pass_now()
+    time.sleep(LOOK)
+    d.keeper.pass_now()
+    assert head.task_id not in d.sent_on()
