@@ -129,6 +129,21 @@ def send(d: Deploy, count: int) -> list[str]:
     return [d.work.delay("acme", n).id for n in range(count)]
 
 
+def lined(d: Deploy, count: int) -> list[str]:
+    """``count`` calls of the tenant's task sent at once under 1/h: the first runs (taken
+    from the queue), the others wait in the key's line. Their task ids, in its order."""
+    send(d, count)
+    d.sent_on()
+    return d.waiting_ids()
+
+
+def release_head(d: Deploy) -> None:
+    """The key raised to 2/h and its line released: its head sent, its gone in the journal."""
+    d.ctl.set_limit("keeper.work", ["2/h"], key="acme")
+    d.ctl.checker.refresh_controls()
+    d.ctl.lines.release(d.key)
+
+
 def start(d: Deploy, task_id: str, headers: dict[str, Any], n: int) -> bool:
     """The pool's hook for one delivery of keeper.work("acme", n) with ``headers`` (only
     the throttle's header is read): True if its body would run."""

@@ -115,14 +115,7 @@ class LineOps(IndexOps):
     def known_entries(self, idents: Sequence[tuple[str, str]]) -> list[bool]:
         """For each (state key, entry): whether the store holds it, waiting in its line,
         released and not started, or started lately. One round trip."""
-        with self.errors():
-            pipe = self._redis.pipeline(transaction=False)
-            for key, entry in idents:
-                _, _, line, _, out, _, used = window_keys(key)
-                for holder in (line, out, used):
-                    pipe.zscore(holder, entry)
-            scores = pipe.execute() if idents else []
-        return [any(score is not None for score in scores[3 * i:3 * i + 3]) for i in range(len(idents))]
+        return [any(score is not None for score in scores) for scores in self._scores(idents, (2, 4, 6))]
 
     def hold_on_replica(self) -> int:
         """Wait (REPLICA_WAIT_MS at most) until a replica of the store holds what this
@@ -145,15 +138,22 @@ class LineOps(IndexOps):
     def in_lines(self, idents: Sequence[tuple[str, str]]) -> list[str]:
         """For each (state key, entry): where the store holds it: ``line`` (waiting),
         ``out`` (released and not started) or ``""``. One round trip."""
+        return ["line" if line is not None else "out" if out is not None else ""
+                for line, out in self._scores(idents, (2, 4))]
+
+    def _scores(self, idents: Sequence[tuple[str, str]], sets: Sequence[int]) -> list[list[Any]]:
+        """For each (state key, entry): its score in each of the key's sorted sets ``sets``
+        (their places in :func:`.window_keys`: 2 the line, 4 the released, 6 the started
+        lately), None where it is not. One round trip."""
         with self.errors():
             pipe = self._redis.pipeline(transaction=False)
             for key, entry in idents:
-                _, _, line, _, out, _, _ = window_keys(key)
-                pipe.zscore(line, entry)
-                pipe.zscore(out, entry)
+                keys = window_keys(key)
+                for i in sets:
+                    pipe.zscore(keys[i], entry)
             scores = pipe.execute() if idents else []
-        return ["line" if scores[2 * i] is not None else "out" if scores[2 * i + 1] is not None else ""
-                for i in range(len(idents))]
+        n = len(sets)
+        return [scores[n * i:n * i + n] for i in range(len(idents))]
 
     def unindexed_lines(self, sweep_ms: int) -> Iterable[str] | None:
         """The state keys with a line (counts or entries) the index does not hold, by SCAN;

@@ -207,9 +207,9 @@ class Pass:
         releaser that died between its send and its ack), and its line would send each a
         second time. Returns how many."""
         now_us = self.store.now_us()
-        lined = {event.ident for event in left_for_good(events, now_us, journal.TAKE_BACK_AFTER_US)}
-        soonest = min(journal.TAKE_BACK_AFTER_US, journal.TAKE_BACK_OUT_AFTER_US)
-        idents = [event.ident for event in left_for_good(events, now_us, soonest)]
+        gone = left_for_good(events, now_us, min(journal.TAKE_BACK_AFTER_US, journal.TAKE_BACK_OUT_AFTER_US))
+        lined = {event.ident for event in gone if now_us - event.us >= journal.TAKE_BACK_AFTER_US}
+        idents = [event.ident for event in gone]
         held: dict[str, tuple[list[str], list[str]]] = {}
         for start in range(0, len(idents), 1000):
             batch = idents[start:start + 1000]

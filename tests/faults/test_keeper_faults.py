@@ -41,8 +41,10 @@ from tests.helpers import RedisServer, SlowProxy, delete_queues, rabbitmq_or_ski
 from tests.journal_support import (
     LOST_AFTER_US,
     Deploy,
+    lined,
     make_app,
     make_deploy,
+    release_head,
     send,
     start,
     teardown,
@@ -501,9 +503,7 @@ def test_a_release_a_failover_lost_is_not_sent_a_second_time(deploy: Deploy, mon
                                                             pass_between: bool) -> None:
     d = deploy
     monkeypatch.setattr(journal, "TAKE_BACK_AFTER_US", 0)  # (30 s: a send lease and a put-back's copy)
-    send(d, 4)
-    d.sent_on()
-    waiting = d.waiting_ids()
+    waiting = lined(d, 4)
     assert len(waiting) == 3
     d.keeper.pass_now()
     # Given a replica that has everything up to now
@@ -511,9 +511,7 @@ def test_a_release_a_failover_lost_is_not_sent_a_second_time(deploy: Deploy, mon
         replica = {key: (store.dump(key), store.pttl(key)) for key in store.scan_iter()}
     # When the head is released (the key raised to 2/h) and sent, its gone in the journal,
     # and the store fails over to that replica, short of the release
-    d.ctl.set_limit("keeper.work", ["2/h"], key="acme")
-    d.ctl.checker.refresh_controls()
-    d.ctl.lines.release(d.key)
+    release_head(d)
     assert d.sent_on() == waiting[:1]
     with redis.Redis.from_url(d.server.url) as store:
         for key in store.scan_iter():
@@ -525,9 +523,7 @@ def test_a_release_a_failover_lost_is_not_sent_a_second_time(deploy: Deploy, mon
     # And the keeper makes a pass (or none yet), and the key is raised again and released
     if pass_between:
         d.keeper.pass_now()
-    d.ctl.set_limit("keeper.work", ["2/h"], key="acme")
-    d.ctl.checker.refresh_controls()
-    d.ctl.lines.release(d.key)
+    release_head(d)
     # Then the next task is sent, not the head a second time (without a pass: sent twice)
     sent = d.sent_on()
     assert sent == (waiting[1:2] if pass_between else waiting[:1])
@@ -540,14 +536,10 @@ def test_a_release_whose_releaser_died_before_its_ack_is_not_sent_again(
     d = make_deploy(monkeypatch, ScriptPolicy(send_lease_ms=300))
     monkeypatch.setattr(journal, "TAKE_BACK_OUT_AFTER_US", 0)  # (5 s: longer than a releaser defers its acks)
     try:
-        send(d, 4)
-        d.sent_on()
-        waiting = d.waiting_ids()
+        waiting = lined(d, 4)
         # Given the head released and sent, its gone in the journal, and its releaser killed
         # before its ack to the store: released and not acked
-        d.ctl.set_limit("keeper.work", ["2/h"], key="acme")
-        d.ctl.checker.refresh_controls()
-        d.ctl.lines.release(d.key)
+        release_head(d)
         d.ctl.lines._unacked.clear()  # (its ack waited for the key's next release, in a releaser killed)
         assert d.sent_on() == waiting[:1]
         # When the keeper makes a pass (or none), and the send lease runs out, and the line
@@ -578,17 +570,14 @@ def test_a_release_is_held_on_the_replica_before_its_task_is_sent(deploy: Deploy
     link = SlowProxy(d.server.url, 400).start()
     replica = RedisServer(extra=["--replicaof", "127.0.0.1", str(link.port)]).start()
     try:
-        send(d, 4)
-        d.sent_on()
+        lined(d, 4)
         head = d.waiting()[0]
         line, out = window_keys(d.key)[2], window_keys(d.key)[4]
         with redis.Redis(port=replica.port) as copy:
             wait_for(lambda: copy.zcard(line) == 3, 20, 0.1, what="the line on the replica")
             # When the head is released and sent, and the link and the primary die at once
             # (the replica promoted: a failover)
-            d.ctl.set_limit("keeper.work", ["2/h"], key="acme")
-            d.ctl.checker.refresh_controls()
-            d.ctl.lines.release(d.key)
+            release_head(d)
             link.stop()
             d.server.kill()
             assert d.sent_on() == [head.task_id]
@@ -605,8 +594,7 @@ def test_a_release_is_held_on_the_replica_before_its_task_is_sent(deploy: Deploy
 def test_a_copy_naming_its_entry_that_starts_after_a_store_loss_is_not_sent_on_again(deploy: Deploy) -> None:
     d = deploy
     # Given a task waiting in its key's line, its copy in the journal
-    send(d, 2)
-    d.sent_on()
+    lined(d, 2)
     head, = d.waiting()
     d.keeper.pass_now()
     # When the store loses its state, and the task's message sent back after a store error

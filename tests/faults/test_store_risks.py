@@ -195,15 +195,13 @@ def test_a_line_whose_counts_and_index_entry_were_evicted_is_found_and_released_
 
 def test_a_line_evicted_whole_is_sent_on_from_the_journal(monkeypatch: pytest.MonkeyPatch) -> None:
     from celery_throttle.core.keys import window_keys
-    from tests.journal_support import LOOK, make_deploy, send, teardown
+    from tests.journal_support import LOOK, lined, make_deploy, teardown
 
     # Given 8 calls of a key at 1/h on a RabbitMQ broker (the journal on): one runs, 7
     # wait in its line, with their copies in the journal
     d = make_deploy(monkeypatch)
     try:
-        send(d, 8)
-        d.sent_on()
-        waiting = d.waiting_ids()
+        waiting = lined(d, 8)
         assert len(waiting) == 7
         d.keeper.pass_now()
         # When the store evicts (a memory cap under volatile-lru takes a key with a TTL),
