@@ -42,8 +42,9 @@ __all__ = [
 ]
 
 #: A key that goes idle keeps a slot for at most this long (seconds), in proportion to how
-#: busy it was over about this long before (:class:`Keeping`): one task after another, each
-#: sent when the last ends, is not idle, but a key that ran one short task is.
+#: busy it was over about this long before, and only once it came back from idle within this
+#: long (:class:`Keeping`): one task after another, each sent when the last ends, is not
+#: idle, but a key that ran one short task is, and so is a tenant whose batch has ended.
 KEEP_S = 1.0
 #: A key's credit is kept within this many slot-passes either way: a key that waited long
 #: is first in turn for a while, not for ever, and one that ran alone owes little later.
@@ -104,16 +105,22 @@ class KeyUse(NamedTuple):
 class Keeping:
     """Which idle keys keep a slot, seen pass after pass. Each key's *busy*: the share of the
     last KEEP_S or so in which it held a slot (a moving average over the passes, each
-    interval between two weighed by its length, half held if held at one end only). A key that goes idle keeps one slot for KEEP_S times
-    its busy: a key sending its next task as its last ends (busy near 1) finds its slot
-    still there, while a key that ran one task of 50 ms costs the others a few ms of slot,
-    not a whole KEEP_S each time (a stream of such keys would hold the slots idle)."""
+    interval between two weighed by its length, half held if held at one end only). A key
+    that goes idle keeps one slot for KEEP_S times its busy, once it has *come back*: had
+    work again after an idle shorter than KEEP_S. A key sending its next task as its last
+    ends (busy near 1) finds its slot still there from its second task on, while a key that
+    ran one task of 50 ms costs the others a few ms of slot at most, not a whole KEEP_S each
+    time (a stream of such keys would hold the slots idle), and a tenant whose batch, sent
+    at once, has ended (never idle until then) costs them nothing: forty such beside a
+    flood held the slots that their last tasks left (tests/pure/test_share.py)."""
 
     def __init__(self) -> None:
         #: key -> (busy, when last seen, whether it held a slot then)
         self._busy: dict[str, tuple[float, float, bool]] = {}
         #: key -> since when it has held nothing and had nothing waiting
         self._idle: dict[str, float] = {}
+        #: the keys that came back: had work again after an idle shorter than KEEP_S
+        self._back: set[str] = set()
 
     def kept(self, key: str, now: float, held: int, waiting: int) -> int:
         """The slots kept for ``key`` (0 or 1), seen at ``now`` (seconds, monotonic)."""
@@ -122,10 +129,15 @@ class Keeping:
         busy = busy * decay + (1.0 - decay) * (was + (held > 0)) / 2  # (held at neither end, one, both)
         self._busy[key] = (busy, now, held > 0)
         if held or waiting:
-            self._idle.pop(key, None)
+            since = self._idle.pop(key, None)
+            if since is not None and now - since < KEEP_S:
+                self._back.add(key)
             return 0
         since = self._idle.setdefault(key, now)
-        return int(now - since < KEEP_S * busy)
+        if now - since >= KEEP_S:
+            self._back.discard(key)  # (not one task after another: it comes back to no kept slot)
+            return 0
+        return int(key in self._back and now - since < KEEP_S * busy)
 
     def idle_for(self, key: str, now: float) -> float:
         """How long ``key`` has had nothing held nor waiting (0: it has work, or unseen)."""
@@ -134,6 +146,7 @@ class Keeping:
     def forget(self, key: str) -> None:
         self._busy.pop(key, None)
         self._idle.pop(key, None)
+        self._back.discard(key)
 
 
 def _fill(budget: float, room: Mapping[str, float], weights: Mapping[str, float]) -> dict[str, float]:

@@ -305,6 +305,36 @@ class KeepNever(Keeping):
         return 0
 
 
+class KeepUnlessBack(Keeping):
+    """A mutation (the rule before): an idle key keeps a slot KEEP_S times its busy, whether
+    or not it ever came back from idle."""
+
+    def kept(self, key: str, now: float, held: int, waiting: int) -> int:
+        super().kept(key, now, held, waiting)
+        busy = self._busy[key][0]
+        return int(self.idle_for(key, now) < KEEP_S * busy) if not (held or waiting) else 0
+
+
+def batches_beside_a_flood(keeping: type[Keeping] = Keeping) -> float:
+    """A flood of bodies of 0.4 s on 6 slots, then 40 tenants sending 1 to 3 tasks each at
+    once (bench section tenants' shape): the flood's use of the slot time they leave, from
+    their send to their last end, the mean over 3 seeds."""
+    got = []
+    for seed in range(3):
+        scope = Scope(6, (0.4, 0.4), seed, keeping=keeping())
+        scope.keys = {"flood": Key(1, waiting=10_000)}
+        scope.run(3)
+        draw, began, flood = random.Random(seed), scope.now, scope.keys["flood"].held_time
+        small = {f"small{i}": Key(1, waiting=draw.randint(1, 3)) for i in range(40)}
+        scope.keys.update(small)
+        while any(k.waiting or k.running for k in small.values()):
+            scope.run(PASS_STEPS * STEP)  # (a pass each 0.1 s, as in run())
+        left = 6 * (scope.now - began) - sum(k.held_time for k in small.values())
+        got.append((scope.keys["flood"].held_time - flood) / left)
+        assert scope.most_held <= 6 and all(k.starts for k in small.values())
+    return sum(got) / len(got)
+
+
 def trickle(keeping: Keeping | None = None) -> tuple[float, float]:
     """A flood of bodies of 0.3 s on 4 slots, and a new key every 0.25 s with one task of
     50 ms (a tenant's one-off call): the flood's share of the slots, the one-offs' own."""
@@ -333,13 +363,22 @@ def one_at_a_time(keeping: Keeping | None = None) -> float:
 
 def test_a_stream_of_one_off_keys_does_not_hold_the_slots_idle() -> None:
     flood, ones = trickle()
-    # (each one-off keeps its slot about as long as it held it, 50 ms, and waits a step or
-    # two for it: 0.91 here, 0.96 keeping nothing, 0.36 with the rule before)
+    # (a one-off never came back: it keeps nothing, and waits a step or two for its slot:
+    # 0.96 here, 0.91 when it kept its slot as long as it held it, 0.36 keeping it KEEP_S)
     assert flood + ones >= 0.88, (flood, ones)
 
 
 def test_a_key_one_task_at_a_time_keeps_its_slot() -> None:
-    assert one_at_a_time() >= 0.85  # (0.90: a step or two between its bodies)
+    # (0.87: a step or two between its bodies, and a body of the flood's before its second,
+    # its slot not kept before it came back once; 0.90 when it was)
+    assert one_at_a_time() >= 0.85
+
+
+def test_tenants_whose_batches_ended_keep_no_slot_from_a_flood() -> None:
+    # (0.46: the slots they leave are the passes' gaps and their own last bodies' tails,
+    # which a flood of 0.4 s bodies cannot fill; 0.29 with the rule before)
+    assert batches_beside_a_flood() >= 0.40
+    assert batches_beside_a_flood(KeepUnlessBack) < 0.35
 
 
 def test_the_keep_rule_is_what_holds_both() -> None:
