@@ -440,6 +440,10 @@ class Walk:
                     self.grants[ticket] = start
                     self.seen["granted"] += 1
                 self.end(ticket, Code(got.code).name)
+            elif copied and got.code == Code.RUN_AT:
+                # (a copy of its message granted the ticket's start: a give-back of the
+                # ticket takes that start back, whoever holds it)
+                self.grants[ticket] = start
             if lose and known:
                 # (the store error, the re-send: now and then past a start's keep, when the
                 # store has forgotten the start granted to the delivery that lost its reply)
@@ -623,11 +627,15 @@ class Walk:
             self.eras.append([])
             self.era_rates.append(self.rates)
             self.seen["live limit"] += 1
-        elif roll < 0.82 and self.concurrency:
+        elif roll < 0.82 and (self.concurrency or self.seen["K lifted"]):
             if self.shared and rng.random() < 0.8:
                 self.share(rng.choice([0, 1, 2, 3, None]))  # (the sharer moves the cap, or it ran out)
             else:
-                self.concurrency = rng.choice([1, 2, 3])
+                # (lifted, where rates remain: the slots held go on to their ends, unlimited)
+                lift = self.rates and not self.shared and self.concurrency and rng.random() < 0.5
+                self.concurrency = 0 if lift else rng.choice([1, 2, 3])
+                if self.concurrency == 0:
+                    self.seen["K lifted"] += 1
         elif roll < 0.83:
             self.store.delete(self.key)
             self.model.reset_windows()

@@ -83,7 +83,7 @@ def test_the_line_matches_its_model_and_keeps_every_promise(
             # own, or its cap in a scope's share, moved by the walk as the sharer would)
             walk = run_walk(store, clock, algorithm, RATE_SETS[rate_set],
                          seed=zlib.crc32(f"{algorithm}/{rate_set}/{n}".encode()), concurrency=concurrency,
-                         shared=concurrency > 0 and n % 4 in (1, 3))
+                         shared=concurrency > 0 and n % 4 == 1)
             seen.update(walk.seen)
     finally:
         store.close()
@@ -92,7 +92,7 @@ def test_the_line_matches_its_model_and_keeps_every_promise(
     wanted = {"queued", "released", "start", "copied", "slot given back", "duplicate", "pending copy",
               "share cap moved", "handed back", "taken back"}
     if RATE_SETS[rate_set]:
-        wanted |= {"settled", "back in line", "stale"}
+        wanted |= {"settled", "back in line", "stale", "K lifted"}
     if rate_set in ("one", "two", "tiny", "requests-tokens"):  # (where room comes unit by unit)
         wanted |= {"granted"}
     if seen["granted"] >= 30:  # (a process woken past its grant's keep: a sixth of the grants looked at again)

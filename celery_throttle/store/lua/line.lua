@@ -226,14 +226,31 @@ end
 
 -- -- slots --------------------------------------------------------------------------------
 
+-- Whether the key's slots hold anyone, or may: always under a concurrency limit; without
+-- one, only where a zset is left from a limit since lifted (its leases run out by
+-- themselves). Read once a call: without a limit nothing adds a slot where no zset is (a
+-- slot is taken under a limit, or kept by a holder that has one), so a key of rates alone
+-- pays one EXISTS a call for its slots, not a command at each look.
+local slots_there = nil
+local function any_slots()
+  if concurrency > 0 then return true end
+  if slots_there == nil then slots_there = redis.call('EXISTS', slots_key) == 1 end
+  return slots_there
+end
+
+-- The slots of `...` (entries or holders) go.
+local function drop_slots(...)
+  if any_slots() then redis.call('ZREM', slots_key, ...) end
+end
+
 -- Running leases that ran out (a worker that died holding them). A slot handed to a
 -- released task goes with its entry (expire_out).
 local function reclaim()
-  redis.call('ZREMRANGEBYSCORE', slots_key, '-inf', now)
+  if any_slots() then redis.call('ZREMRANGEBYSCORE', slots_key, '-inf', now) end
 end
 
 local function slots_held()
-  return redis.call('ZCARD', slots_key)
+  return any_slots() and redis.call('ZCARD', slots_key) or 0
 end
 
 local function slot_free()
@@ -244,6 +261,7 @@ end
 -- by its process): the one handed to its entry `handed` when it was released, else one
 -- taken now (with a limit).
 local function hold(holder, until_, handed)
+  if not any_slots() then return 0 end
   local had = handed ~= nil and redis.call('ZREM', slots_key, handed) == 1
   if concurrency > 0 or had or redis.call('ZSCORE', slots_key, holder) then
     redis.call('ZADD', slots_key, until_, holder)
@@ -339,7 +357,7 @@ local function ack_sent(from)
       m[M.PHASE] = 'o'
       set_meta(ticket, m)
       redis.call('ZADD', out_key, now + OUT_LEASE_MS * 1000, ticket)
-      if redis.call('ZSCORE', slots_key, ticket) then
+      if any_slots() and redis.call('ZSCORE', slots_key, ticket) then
         redis.call('ZADD', slots_key, now + math.min(OUT_LEASE_MS, HANDED_SLOT_MS) * 1000, ticket)
       end
     end
@@ -357,14 +375,14 @@ local function expire_out(batch)
     if m == nil then
       redis.call('ZREM', out_key, id)
       out_count = out_count - 1
-      redis.call('ZREM', slots_key, id)
+      drop_slots(id)
       forget(id)
     elseif m[M.PHASE] == 'g' then
       come_in(id, m)
       forget(id)  -- (granted a start, and took it: done; its slot is its running body's)
     else
       come_in(id, m)
-      redis.call('ZREM', slots_key, id)
+      drop_slots(id)
       if m[M.PHASE] == 's' and redis.call('HEXISTS', msgs_key, id) == 1 then
         join(id, m, m[M.PLACE])  -- never sent (its releaser died): back in its place
       else
@@ -503,7 +521,7 @@ local function finish(code, wait, f, release_op, readonly)
   if not readonly then
     write_back()
     -- The slots' holders go by themselves when every lease in them has run out.
-    local last = redis.call('ZRANGE', slots_key, -1, -1, 'WITHSCORES')
+    local last = any_slots() and redis.call('ZRANGE', slots_key, -1, -1, 'WITHSCORES') or {}
     if last[2] then
       redis.call('PEXPIRE', slots_key, math.max(math.ceil((tonumber(last[2]) - now) / 1000), 1) + STATE_TTL_PAD_MS)
     else
@@ -603,9 +621,10 @@ end
 -- that lost the reply, the same holder).
 local function unuse(id, lost, holder)
   local member = id .. '@' .. lost
-  unused = {member, redis.call('ZSCORE', used_key, member), holder, redis.call('ZSCORE', slots_key, holder)}
+  unused = {member, redis.call('ZSCORE', used_key, member), holder,
+            any_slots() and redis.call('ZSCORE', slots_key, holder)}
   redis.call('ZREM', used_key, member)
-  redis.call('ZREM', slots_key, holder)
+  drop_slots(holder)
   return true
 end
 
@@ -723,7 +742,7 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
     come_in(ticket, m)
     if in_line then leave(ticket, m) end
     ungrant(m)
-    redis.call('ZREM', slots_key, ticket)
+    drop_slots(ticket)
     forget(ticket)
     release_heads(a.batch)
     return finish(too_costly(units) and TOO_COSTLY or WAITED, 0, {waited_us = waited})
@@ -795,7 +814,7 @@ arrive = function(ticket, early_cap, holder, granted, a, stale_ok)
     return finish(DENIED, x and x - now or 0, {waited_us = waited})
   end
   come_in(ticket, m)
-  redis.call('ZREM', slots_key, ticket, holder)
+  drop_slots(ticket, holder)
   local place = m[M.PLACE]
   if place == 0 then  -- (released at publish, never in line: before everyone)
     place = front_place()

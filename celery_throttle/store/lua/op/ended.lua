@@ -5,7 +5,7 @@
 
 local function ended()
   local holder, batch = ARGV[P], tonumber(ARGV[P + 1])
-  local held = redis.call('ZREM', slots_key, holder) == 1
+  local held = any_slots() and redis.call('ZREM', slots_key, holder) == 1
   expire_out(LINE_BATCH)
   reclaim()
   release_heads(batch)

@@ -23,21 +23,21 @@ local function give_back()
     if m then
       come_in(ticket, m)
       ungrant(m)
-      redis.call('ZREM', slots_key, ticket)
+      drop_slots(ticket)
       forget(ticket)
     end
     use(ticket, '')
   elseif ARGV[P + 2] == '1' then
     if m and m[M.PHASE] == 's' and redis.call('HEXISTS', msgs_key, ticket) == 1 then
       come_in(ticket, m)
-      redis.call('ZREM', slots_key, ticket)
+      drop_slots(ticket)
       join(ticket, m, m[M.PLACE])
     end
   -- (A start granted ahead whose time has come was taken by its process: it stays.)
   elseif m and not (m[M.PHASE] == 'g' and now >= m[M.START]) then
     come_in(ticket, m)
     ungrant(m)
-    redis.call('ZREM', slots_key, ticket)
+    drop_slots(ticket)
     forget(ticket)
   end
   release_heads(batch)

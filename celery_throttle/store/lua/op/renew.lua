@@ -6,11 +6,11 @@
 local function renew()
   for i = P, #ARGV do
     local holder = ARGV[i]
-    local until_ = redis.call('ZSCORE', slots_key, holder)
+    local until_ = any_slots() and redis.call('ZSCORE', slots_key, holder)
     if until_ and tonumber(until_) > now then
       redis.call('ZADD', slots_key, now + slot_lease, holder)
     else
-      redis.call('ZREM', slots_key, holder)
+      drop_slots(holder)
       report(holder, false, 'l')
     end
   end

@@ -22,7 +22,7 @@ local function take_back()
       report(id, m and m[M.TASK] or id, 'k')
     elseif m and m[M.PHASE] == 's' and redis.call('ZSCORE', out_key, id) then
       come_in(id, m)
-      redis.call('ZREM', slots_key, id)
+      drop_slots(id)
       forget(id)
       report(id, m[M.TASK], 'k')
     end
