@@ -163,11 +163,12 @@ class Journaling:
             cached = fresh
         return cached[0]
 
-    def kept(self, key: str, entry: str, us: int, message: bytes) -> bool:
-        """``entry`` joined the line of ``key`` at ``us`` with ``message``. False: its copy
-        could not be written, and the caller sends the task's message to the broker."""
+    def kept(self, key: str, entry: str, us: int, message: bytes, producer: Any = None) -> bool:
+        """``entry`` joined the line of ``key`` at ``us`` with ``message``, written with
+        ``producer`` (the sender's, when it passed one; else one of the app's pool). False:
+        its copy could not be written, and the caller sends the task's message to the broker."""
         if self.enabled and entry and message:
-            return self._write(lambda: self.broker.kept(key, entry, us, message, self.epoch(us)),
+            return self._write(lambda: self.broker.kept(key, entry, us, message, self.epoch(us), producer),
                                f"task {entry} of the line of {key}", "its message is sent to the broker instead")
         return True
 

@@ -209,7 +209,7 @@ def admit(ctl: Throttle, send: Any, name: str, args: Any, kwargs: Any, options: 
     # the task itself, naming its entry: it waits in its line all the same, and the copy is
     # told so where it arrives, or dropped if the entry ran; not sent, the caller gets the
     # broker's error, as an unthrottled send would raise it, and its entry is taken out.)
-    if not ctl.lines.journal.kept(ident, entry_id, reply.now_us, kept or message()):
+    if not ctl.lines.journal.kept(ident, entry_id, reply.now_us, kept or message(), options.get("producer")):
         try:
             return send_naming_entry()
         except Exception:
