@@ -48,13 +48,15 @@ def task_of(app: Any, message: bytes) -> tuple[str, list[Any], dict[str, Any]]:
     return body["task"], body["args"], body["kwargs"]
 
 
-def resend(app: Any, message: bytes, countdown: float = 0.0, *, key: str | None = None,
-           ticket: str | None = None, queue: Any = None) -> None:
-    """Send a kept message (:func:`encode_message`) to the broker, as its task again; with
+def resend(app: Any, message: bytes | dict[str, Any], countdown: float = 0.0, *, key: str | None = None,
+           ticket: str | None = None, queue: Any = None, producer: Any = None) -> None:
+    """Send a kept message (:func:`encode_message`, or its body as :func:`decode_message`
+    read it: a caller that read it already) to the broker, as its task again; with
     ``ticket``, as released from the line of state key ``key`` (its header says so); with
-    ``queue`` (a kombu Queue), to that queue whatever its routes say."""
-    body = decode_message(app, message)
-    options = body["options"]
+    ``queue`` (a kombu Queue), to that queue whatever its routes say; with ``producer``
+    (one held for several sends), by it."""
+    body = decode_message(app, message) if isinstance(message, bytes) else dict(message)
+    options = body["options"] = dict(body["options"])
     if queue is not None:
         options = body["options"] = {k: v for k, v in options.items() if k not in _ROUTING}
     if ticket is not None:
@@ -63,10 +65,10 @@ def resend(app: Any, message: bytes, countdown: float = 0.0, *, key: str | None 
         deferrals = Header.read(headers.get(HEADER)).deferrals
         headers[HEADER] = Header(key or "", ticket, deferrals).value()
         options["headers"] = headers
+    sent = {"producer": producer} if producer is not None else {}
     if queue is not None:
-        app.signature(body).apply_async(countdown=countdown or None, queue=queue)
-    else:
-        app.signature(body).apply_async(countdown=countdown or None)
+        sent["queue"] = queue
+    app.signature(body).apply_async(countdown=countdown or None, **sent)
 
 
 def message_urgency(app: Any, priority: Any) -> int:

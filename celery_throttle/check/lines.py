@@ -16,8 +16,10 @@ task at the head of the line (or one it saw of that key) as its own worker would
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import OrderedDict
+from contextlib import ExitStack, suppress
 from typing import TYPE_CHECKING, Any
 
 from ..celery_parts.hand import Hand
@@ -131,21 +133,27 @@ class Lines(OnCall):
             # (Before any is sent: a failover to a replica short of this release would hold
             # them in their lines again, and send them a second time.)
             self.setup.store.hold_on_replica()
+        # (One producer for every task this reply released, taken when the first is sent.)
+        sends = ExitStack()
+        producer = None
         for task in reply.reported:
             if task.kind in ("r", "x", "c") and isinstance(task.payload, bytes):
                 try:
-                    task_of(app, task.payload)
+                    body = decode_message(app, task.payload)
                 except Exception:  # noqa: BLE001 - a message no serializer reads: not sent, not lost
                     self._bury(call, task.id, task.payload, task.kind == "r")
                     gone.append(task.id)
                     continue
                 try:
-                    if task.kind == "r" and here and not handed and self._hand(task.payload):
+                    if producer is None:
+                        producer = sends.enter_context(app.producer_or_acquire())
+                    if task.kind == "r" and here and not handed and self._hand(body):
                         # (Its journal copy stays until it starts: the hook says it is gone.)
-                        resend(app, task.payload, key=call.state_key, ticket=task.id, queue=self.hand.queue)
+                        resend(app, body, key=call.state_key, ticket=task.id, queue=self.hand.queue,
+                               producer=producer)
                         handed += 1
                     elif task.kind == "r":
-                        resend(app, task.payload, key=call.state_key, ticket=task.id)
+                        resend(app, body, key=call.state_key, ticket=task.id, producer=producer)
                         sent.append(task.id)
                         gone.append(task.id)
                     else:
@@ -155,11 +163,16 @@ class Lines(OnCall):
                             logger.error("a task waiting in the line of scope %r%s costs more than its limit in "
                                          "force now: it is sent on, and its worker fails it", call.scope,
                                          "" if call.key is None else f" key {call.key!r}")
-                        resend(app, task.payload)
+                        resend(app, body, producer=producer)
                         gone.append(task.id)
                 except Exception:
                     logger.exception("could not send task %s released from the line of %s; it is put back "
                                      "in its place", task.id, call.state_key)
+                    # (the producer goes back as a send's own would after an error: its
+                    # connection replaced in the pool; the next task takes another)
+                    with suppress(Exception):
+                        sends.__exit__(*sys.exc_info())
+                    sends, producer = ExitStack(), None
             elif task.kind == "l":
                 lost.append(task.id)
                 logger.error("task %s waited in the line of scope %r%s, but its message is gone from the store "
@@ -172,6 +185,8 @@ class Lines(OnCall):
                                "%.0fs: its room is given back; if it still comes, it is checked as a new task",
                                task.payload, call.scope, "" if call.key is None else f" key {call.key!r}",
                                self.setup.store.policy.out_lease_ms / 1000)
+        with suppress(Exception):  # (never raises: what was sent is sent)
+            sends.close()
         self.journal.gone(call.state_key, gone, reply.now_us)
         self.journal.gone(call.state_key, lost, reply.now_us, Kind.LOST)
         try:
@@ -218,11 +233,10 @@ class Lines(OnCall):
                                "their places after the send lease, and sends them again): %s", call.state_key, exc)
         return len(overdue)
 
-    def _hand(self, message: bytes) -> bool:
-        """Whether this worker takes the task of ``message`` from its own queue."""
+    def _hand(self, body: dict[str, Any]) -> bool:
+        """Whether this worker takes the task of message ``body`` from its own queue."""
         if self.hand.queue is None:
             return False
-        body = decode_message(self.setup.app, message)
         return self.hand.takes(self.setup.app, body["task"], body["args"], body["kwargs"], body["options"])
 
     def _bury(self, call: BoundCall, entry: str, message: bytes, released: bool) -> None:
