@@ -54,12 +54,14 @@ class BrokerJournal:
         Raises the broker's error."""
         self._publish(kept_headers(key, entry, us, epoch=epoch), message, producer)
 
-    def gone(self, events: Sequence[tuple[str, str, int]], kind: Kind = Kind.GONE) -> None:
+    def gone(self, events: Sequence[tuple[str, str, int]], kind: Kind = Kind.GONE,
+             producer: Producer | None = None) -> None:
         """These entries (key, entry, us) left their lines for good (``kind`` lost: the
-        store lost their messages). Raises the broker's error."""
+        store lost their messages), by ``producer`` (None: one of the app's pool). Raises
+        the broker's error."""
         for start in range(0, len(events), GONE_BATCH):
             headers, body = entries_message(kind, events[start:start + GONE_BATCH])
-            self._publish(headers, body)
+            self._publish(headers, body, producer)
 
     def _publish(self, headers: dict[str, Any], body: bytes, given: Producer | None = None) -> None:
         with self.app.producer_or_acquire(given) as producer:

@@ -172,11 +172,12 @@ class Journaling:
                                f"task {entry} of the line of {key}", "its message is sent to the broker instead")
         return True
 
-    def gone(self, key: str, entries: Sequence[str], us: int, kind: Kind = Kind.GONE) -> None:
+    def gone(self, key: str, entries: Sequence[str], us: int, kind: Kind = Kind.GONE, producer: Any = None) -> None:
         """``entries`` left the line of ``key`` for good at ``us`` (``kind`` lost: the store
-        reported their messages gone; the keeper sends them on from the journal)."""
+        reported their messages gone; the keeper sends them on from the journal), written
+        with ``producer`` (None: one of the app's pool)."""
         if self.enabled and entries:
-            written = self._write(lambda: self.broker.gone([(key, entry, us) for entry in entries], kind),
+            written = self._write(lambda: self.broker.gone([(key, entry, us) for entry in entries], kind, producer),
                                   f"{len(entries)} task(s) leaving the line of {key}",
                                   "the keeper may send on a task that left its line")
             if written and kind is Kind.LOST:

@@ -185,10 +185,10 @@ class Lines(OnCall):
                                "%.0fs: its room is given back; if it still comes, it is checked as a new task",
                                task.payload, call.scope, "" if call.key is None else f" key {call.key!r}",
                                self.setup.store.policy.out_lease_ms / 1000)
+        self.journal.gone(call.state_key, gone, reply.now_us, producer=producer)
+        self.journal.gone(call.state_key, lost, reply.now_us, Kind.LOST, producer)
         with suppress(Exception):  # (never raises: what was sent is sent)
             sends.close()
-        self.journal.gone(call.state_key, gone, reply.now_us)
-        self.journal.gone(call.state_key, lost, reply.now_us, Kind.LOST)
         try:
             if call.share is not None and reply.waiting and not reply.slot_cap:
                 # (Its key has tasks waiting and no cap: it takes part in its scope's share
