@@ -197,9 +197,15 @@ class Sharer(threading.Thread):
         for k, _ in [*lowers, *raised, *stale]:
             self._written[k] = now
         woken = [k for k, _ in raised if uses[k].waiting]
-        if woken and store.index_wake(woken):
+        if woken:
+            # Each is due now, held by the index or not: the note of the call that put its
+            # task in its line (its look: never, with no cap) may not have landed yet, and a
+            # wake-up finds only a key the index holds; noted now, the older note changes
+            # nothing when it lands. (Before, a one-off tenant's task waited for good.)
+            now_us = store.now_us()
+            noted = [k for k in woken if store.index_note(k, now_us, now_us)]
             # (their parts of the index only: nothing of the controls changed)
-            for part in sorted({store.index_part(k) for k in woken}):
+            for part in sorted({store.index_part(k) for k in noted}):
                 store.wake_releasers(part)
         return {**dict(lowers), **dict(raised)}, self._leave(scope, members, uses, now)
 

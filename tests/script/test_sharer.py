@@ -19,6 +19,7 @@ from celery import Celery
 from celery_throttle import throttle
 from celery_throttle.check.limiter import Throttle
 from celery_throttle.core.keys import share_key, share_lock_key, share_registry_key, state_key, window_keys
+from celery_throttle.core.state import FOREVER_US
 from celery_throttle.waits import sharer as sharer_module
 from celery_throttle.waits.sharer import Sharer
 from tests.helpers import STORE_URL
@@ -183,3 +184,21 @@ def test_a_slow_pass_spaces_the_next(two: tuple[Sharer, Sharer], monkeypatch: py
         b.join(5)
     gaps = [later - sooner for sooner, later in pairwise(passes)]
     assert len(gaps) >= 8 and sorted(gaps)[len(gaps) // 2] < 0.2, gaps
+
+
+def test_a_key_raised_before_its_line_is_noted_is_looked_at(two: tuple[Sharer, Sharer]) -> None:
+    """A task put in its key's line at publish: the call's note to the index (its look:
+    never, while the key has no cap) can land after the pass its share join woke has raised
+    the key's cap. The pass notes the key due now, and the late note changes nothing: a
+    one-off tenant's task no longer waits for good (1 run in 10 under load did)."""
+    a, _ = two
+    assert a._lead(SCOPE)
+    x = tenant(a, "x", waiting=1)
+    store = a.setup.store
+    part = store.index_part(x)
+    computed = store.now_us() - 1_000  # (the call's script ran before the pass)
+    a.share(SCOPE, K)
+    assert caps(store._redis, x) == {x: K}
+    store.index_note(x, FOREVER_US, computed)  # (the late note: no cap when it was computed)
+    due = store._redis.zscore(store.index_part_key(part), x)
+    assert due is not None and due <= store.now_us(), due
