@@ -99,11 +99,13 @@ def test_refunds_from_charge_let_the_line_go_on_at_once(workers: WorkerGroup) ->
     # Then each refund lets the next call start: a call may start while its estimate
     # fits beside what was reported (at most 6 calls in a window: 5 reported units and
     # the next one's 5), so the 30 take 5 windows, about 16-20 s (57.9 s when each start
-    # was fixed on the estimate as the task was turned away)
+    # was fixed on the estimate as the task was turned away). Timed from the first start:
+    # the producer's and the workers' start-up on a loaded machine is not the line's (35.8 s
+    # from the send once, beside three CPU hogs).
     starts = workers.wait_starts(label, 30, timeout=60)
     assert_each_ran_once(starts, out["sent"][0])
     times = _times(starts)
-    assert times[-1] - sent_at < 30.0
+    assert times[-1] - times[0] < 30.0, (times[0] - sent_at, times[-1] - times[0])
     # and the window held on what was reported (1 unit per call)
     assert max_started_in(times, 4.0) <= 10
 
