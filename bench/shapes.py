@@ -16,10 +16,16 @@ producer that only imports the tasks module:
 Reported per shape and client: 429s (or 503s) per 100 calls accepted, makespan against the
 oracle's and against the fastest possible (the limit integrated over time), each call once.
 Targets (issue 46): ``adapt=True`` at most 2 refusals per 100 and 1.10 of the oracle's makespan.
+
+``python -m bench.shapes --timeline N [--calls C]``: shape N (0 to 4, in the order above) and the
+adaptive client alone, second by second (the API's limit, the calls it took and refused), then each
+write of the key's last pushback as the store held it (its level and the refused share of its window):
+where the makespan goes.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import threading
 import time
@@ -27,6 +33,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import redis
 
 from bench.api429 import ADAPT_CLIENTS, oracle
 from bench.common import Api, Results, md, yes
@@ -162,3 +170,76 @@ def report(res: Results, shape: Shape, runs: list[dict[str, Any]], calls: int, b
         lines.append(f"| {shape.name} | {shape.refusal} | {v.name} | {per100:.1f} | {more}{span / ospan:.3f} | "
                      f"{more}{span / best:.3f} | {yes(run['once'])} |")
     return lines
+
+
+def pushbacks(seen: list[tuple[float, str, str]]) -> Callable[[list[dict[str, Any]]], Callable[[], None]]:
+    """``drive``'s ``on_start``: each new value of the adaptive key's last pushback (field 'A' of its
+    state hash, and 'Ar', the refused share of its window), when it was read, into ``seen``."""
+    def on_start(runs: list[dict[str, Any]]) -> Callable[[], None]:
+        stop, run = threading.Event(), runs[0]
+
+        def follow() -> None:
+            client, key, last = redis.Redis.from_url(run["server"].url, decode_responses=True), None, None
+            while not stop.wait(PUSHBACK_READ_S):
+                if key is None:  # (the state hash appears with the first check)
+                    key = next((k for k in client.scan_iter(match=f"{run['group'].prefix}*", count=1000)
+                                if client.type(k) == "hash" and client.hexists(k, "A")), None)
+                    continue
+                pushed = client.hmget(key, "A", "Ar")
+                if pushed[0] != last:
+                    last = pushed[0]
+                    seen.append((time.time(), pushed[0] or "-", pushed[1] or "-"))
+            client.close()
+
+        def stopped() -> None:
+            stop.set()
+            thread.join(5)
+
+        thread = threading.Thread(target=follow, daemon=True)
+        thread.start()
+        return stopped
+    return on_start
+
+
+#: How often the timeline reads the key's last pushback (s).
+PUSHBACK_READ_S = 0.02
+
+
+def timeline(index: int, calls: int) -> None:
+    shape, seen = SHAPES[index], list[tuple[float, str, str]]()
+    best = fastest(shape.limit, calls)
+    api, firsts = shape_api(shape)
+    run = drive([Variant(ADAPT_CLIENTS["adapt_learning"], "adapt_learning", concurrency=4)], calls, None,
+                2 * best + 60, api=api, on_start=pushbacks(seen), say="timeline")[0]
+    first = min(firsts.values())
+    took: dict[int, int] = {}
+    refused: dict[int, int] = {}
+    for a in run["tally"]:
+        second = int(a.at - first)
+        if a.status == 200:
+            took[second] = took.get(second, 0) + 1
+        else:
+            refused[second] = refused.get(second, 0) + 1
+    per100, span, _ = figures(run, shape.status)
+    print(f"{shape.name}, {shape.refusal}: {per100:.1f} refusals per 100 calls, makespan {span:.1f} s / fastest "
+          f"possible {best:.1f} s = {span / best:.3f}\n\n| s | limit | took | refused |\n|---|---|---|---|")
+    for second in range(max(took, default=0) + 1):
+        print(f"| {second} | {math.floor(shape.limit(second + 0.5))} | {took.get(second, 0)} | "
+              f"{refused.get(second, 0)} |")
+    print("\n| s | last pushback (level, at, why) | refused share of its window |\n|---|---|---|")
+    for at, pushed, share in seen:
+        print(f"| {at - first:.2f} | {pushed} | {share} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.shapes", description=__doc__.splitlines()[0])
+    p.add_argument("--timeline", type=int, required=True, choices=range(len(SHAPES)), metavar="N",
+                   help=f"the shape (0 to {len(SHAPES) - 1}): its adaptive client alone, second by second")
+    p.add_argument("--calls", type=int, default=1_500, help="calls sent at once")
+    args = p.parse_args(argv)
+    timeline(args.timeline, args.calls)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
