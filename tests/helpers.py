@@ -24,10 +24,17 @@ from celery import Celery
 
 from celery_throttle.celery_parts.hand import hand_queue
 from celery_throttle.celery_parts.journal_queue import journal_queue_name
-from celery_throttle.core.keys import glob_escape
+from celery_throttle.core.keys import glob_escape, line_index_key, window_keys
 from examples.local_redis import drop_bindings, server_binary
 from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
 from tests.slow_proxy import spawn
+
+#: Keys a failure's picture of the store names at most.
+PICTURED_KEYS = 20
+
+
+def text_of(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI") == "true"
@@ -424,10 +431,41 @@ class WorkerGroup:
         try:
             wait_for(lambda: len(self.starts(label)) >= count, timeout, 0.1, f"{count} starts of {label!r}")
         except AssertionError as exc:
-            raise AssertionError(f"{exc} (have {len(self.starts(label))}); the workers' logs end with:\n"
-                                 f"{self.log_text()[-4000:]}") from None
+            raise AssertionError(f"{exc} (have {len(self.starts(label))}); {self.store_picture()}\n"
+                                 f"the workers' warnings and errors:\n{self.log_warnings()}\n"
+                                 f"the workers' logs end with:\n{self.log_text()[-4000:]}") from None
         time.sleep(settle)
         return self.starts(label)
+
+    def store_picture(self) -> str:
+        """What the store holds of this group's lines, for a test that timed out: each key of
+        the index (its look due, from now), each line's waiting and released tasks and its
+        counts. Never raises: it is said in a failure's message."""
+        try:
+            client = self.store_client
+            secs, micros = client.time()
+            now = float(secs) + float(micros) / 1e6
+            index = {text_of(k): (s / 1e6 - now) for k, s in client.zrange(line_index_key(self.prefix), 0, -1,
+                                                                            withscores=True)}
+            lines = sorted(text_of(k)[:-len(":line")] for k in client.scan_iter(match=f"{self.prefix}:*:line",
+                                                                                count=1000))
+            said = [f"{len(index)} key(s) in the index (its first part), {len(lines)} line(s):"]
+            for key in sorted(set(index) | set(lines))[:PICTURED_KEYS]:
+                due = f"due in {index[key]:+.1f}s" if key in index else "not in the index"
+                _, counted, line, _, out, _, _ = window_keys(key)
+                counts = {text_of(k): text_of(v) for k, v in client.hgetall(counted).items()
+                          if text_of(k) in ("q", "c", "x", "xt")}
+                said.append(f"  {key}: {due}, {client.zcard(line)} waiting, {client.zcard(out)} out, "
+                            f"counts {counts}")
+            return "\n".join(said)
+        except Exception as exc:  # noqa: BLE001 - a picture for a failure's message
+            return f"(no picture of the store: {exc!r})"
+
+    def log_warnings(self, most: int = 40) -> str:
+        """The workers' log lines at WARNING or above, the last ``most``."""
+        found = [line for line in self.log_text().splitlines() if "WARNING/" in line or "ERROR/" in line
+                 or "CRITICAL/" in line]
+        return "\n".join(found[-most:]) or "(none)"
 
 
 def run_cli(workers: WorkerGroup, *args: str) -> subprocess.CompletedProcess[str]:
