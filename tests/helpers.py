@@ -24,20 +24,16 @@ from celery import Celery
 
 from celery_throttle.celery_parts.hand import hand_queue
 from celery_throttle.celery_parts.journal_queue import journal_queue_name
-from celery_throttle.core.keys import glob_escape, line_index_key, window_keys
+from celery_throttle.core.keys import glob_escape, line_index_key, line_scan_patterns, window_keys
+from celery_throttle.store.scripts import text
 from examples.local_redis import drop_bindings, server_binary
 from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
 from tests.slow_proxy import spawn
 
-#: Keys a failure's picture of the store names at most.
-PICTURED_KEYS = 20
-
-
-def text_of(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI") == "true"
+#: Keys a failure's picture of the store names at most.
+PICTURED_KEYS = 20
 
 
 #: ``make quick`` (CT_QUICK=1): fewer examples per property (the inner loop, not the proof).
@@ -445,19 +441,20 @@ class WorkerGroup:
             client = self.store_client
             secs, micros = client.time()
             now = float(secs) + float(micros) / 1e6
-            index = {text_of(k): (s / 1e6 - now) for k, s in client.zrange(line_index_key(self.prefix), 0, -1,
-                                                                            withscores=True)}
-            lines = sorted(text_of(k)[:-len(":line")] for k in client.scan_iter(match=f"{self.prefix}:*:line",
-                                                                                count=1000))
+            index = {text(k): (s / 1e6 - now) for k, s in client.zrange(line_index_key(self.prefix), 0, -1,
+                                                                        withscores=True)}
+            lines = sorted({text(k)[:-len(suffix)] for pattern, suffix in line_scan_patterns(self.prefix)
+                            for k in client.scan_iter(match=pattern, count=1000)})
             said = [f"{len(index)} key(s) in the index (its first part), {len(lines)} line(s):"]
             for key in sorted(set(index) | set(lines))[:PICTURED_KEYS]:
                 due = f"due in {index[key]:+.1f}s" if key in index else "not in the index"
                 _, counted, line, _, out, _, _ = window_keys(key)
-                counts = {text_of(k): text_of(v) for k, v in client.hgetall(counted).items()
-                          if text_of(k) in ("q", "c", "x", "xt")}
+                counts = {text(k): text(v) for k, v in client.hgetall(counted).items()
+                          if text(k) in ("q", "c", "x", "xt")}
                 said.append(f"  {key}: {due}, {client.zcard(line)} waiting, {client.zcard(out)} out, "
                             f"counts {counts}")
-            return "\n".join(said)
+            # (a key name no codec reads is kept escaped: the message is printed)
+            return "\n".join(said).encode("utf-8", "backslashreplace").decode()
         except Exception as exc:  # noqa: BLE001 - a picture for a failure's message
             return f"(no picture of the store: {exc!r})"
 
