@@ -109,22 +109,35 @@ def test_at_most_k_bodies_of_a_key_run_at_once_in_every_pool(slot_workers: Worke
 @pytest.mark.any_store
 def test_tasks_waiting_for_a_slot_start_first_come_first_served(slot_workers: WorkerGroup) -> None:
     """K=2, two holders of 3 s, then 6 tasks sent one by one (all while the holders run):
-    they start in the order they came, each right after a holder ended (woken by it, not
-    by a poll). (The holders end 0.15 s apart and each waiter runs 0.3 s, so that slots
-    free one at a time: two woken together would race each other through the broker. The
-    waiters are sent 0.3 s apart: two workers screen them, and beside the whole suite and
-    a CPU hog one worker's screen came more than 0.15 s after the other's.)"""
+    they start in the order they came to the throttle (their places in the key's line),
+    each right after a holder ended (woken by it, not by a poll). (The holders end 0.15 s
+    apart and each waiter runs 0.3 s, so that slots free one at a time: two woken together
+    would race each other through the broker. The order they came in is the line's, not
+    the order they were sent: two workers screen them, and beside the whole suite, the soak
+    and a CPU hog, one worker's screen came more than 0.3 s after the other's.)"""
     group, label = slot_workers, new_label()
     tenant = f"fifo-{uuid.uuid4().hex[:6]}"
+    line = window_keys(state_key(group.prefix, "export-api", tenant))[2]
     group.send("exporting", label, tenant, 3.0)
     time.sleep(0.15)
     group.send("exporting", label, tenant, 3.0)
     wait_for(lambda: group.store_client.zcard(window_keys(state_key(group.prefix, "export-api", tenant))[5]) == 2,
              10, what="two holders")
-    order = []
-    for i in range(6):
-        order.append(group.send("exporting", label, tenant, 0.3))
-        time.sleep(0.3)  # (they reach the workers in this order, on a loaded machine too)
+    sent, places = [], {}  # (an entry's place: a counter given as it joins the line)
+
+    def look() -> bool:
+        for entry, place in group.store_client.zrange(line, 0, -1, withscores=True):
+            places.setdefault(entry.decode().partition(":")[0], place)
+        return all(task_id in places for task_id in sent)
+
+    for _ in range(6):
+        sent.append(group.send("exporting", label, tenant, 0.3))
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            look()
+            time.sleep(0.02)
+    wait_for(look, 10, what="the 6 in the key's line")
+    order = sorted(sent, key=places.__getitem__)
     done = wait_spans(group, label, 8, timeout=30)
     waiting = sorted((e for e in done if e["id"] in order), key=lambda e: e["t0"])
     assert [e["id"] for e in waiting] == order
