@@ -24,7 +24,7 @@ from celery import Celery
 
 from celery_throttle.celery_parts.hand import hand_queue
 from celery_throttle.celery_parts.journal_queue import journal_queue_name
-from celery_throttle.core.keys import glob_escape, line_index_key, line_scan_patterns, window_keys
+from celery_throttle.core.keys import glob_escape, line_index_key, line_scan_patterns, record_key, window_keys
 from celery_throttle.store.scripts import text
 from examples.local_redis import drop_bindings, server_binary
 from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
@@ -457,6 +457,24 @@ class WorkerGroup:
             return "\n".join(said).encode("utf-8", "backslashreplace").decode()
         except Exception as exc:  # noqa: BLE001 - a picture for a failure's message
             return f"(no picture of the store: {exc!r})"
+
+    def counted_starts(self, ids: Iterable[str], timeout: float = 10.0) -> dict[str, float]:
+        """Each of ``ids``'s start as the store counted it (Unix seconds, the Redis clock),
+        from the workers' record (their env sets CT_RECORD): a body begins later than that
+        by as long as a busy machine keeps its process waiting (0.3 s beside the suite, the
+        soak and a CPU hog), so a window checked on the bodies' times would need slack. Waits
+        for each (a process writes its events twice a second)."""
+        wanted, found = set(ids), {}
+
+        def read() -> bool:
+            for _, fields in self.store_client.xrange(record_key(self.prefix)):
+                event = json.loads(fields[b"e"])
+                if event.get("k") == "s" and event["id"] in wanted:
+                    found.setdefault(event["id"], event["t"] / 1e6)
+            return len(found) == len(wanted)
+
+        wait_for(read, timeout, 0.2, f"the record's start of each of {len(wanted)} task(s)")
+        return found
 
     def log_warnings(self, most: int = 40) -> str:
         """The workers' log lines at WARNING or above, the last ``most``."""
