@@ -4,6 +4,7 @@ that checks at publish, and a keeper whose passes the test runs by hand."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ from tests.helpers import RedisServer, delete_queues, rabbitmq_or_skip
 #: LOST_AFTER_US for these tests (µs): the passes are run by hand, a moment apart.
 LOST_AFTER_US = 300_000
 LOOK = LOST_AFTER_US / 1e6 + 0.1
+#: Seconds a test waits for the tasks it expects in the task queue (a publish on another
+#: connection lands a moment later: beside the suite, later than the test's next read).
+SENT_WITHIN = 5.0
 
 
 @dataclass
@@ -55,19 +59,26 @@ class Deploy:
         with redis.Redis.from_url(self.server.url) as client:
             client.flushall()  # (the test's own server)
 
-    def taken(self) -> list[tuple[str, dict]]:
-        """(task id, headers) of every message in the task queue, in order (taken out)."""
+    def taken(self, expected: int = 0) -> list[tuple[str, dict]]:
+        """(task id, headers) of every message in the task queue, in order (taken out),
+        waiting up to SENT_WITHIN for ``expected`` of them: a publish on another connection
+        (the keeper's, a producer's) reaches the queue a moment after it returns."""
         got = []
+        deadline = time.monotonic() + SENT_WITHIN
         with Connection(self.app.conf.broker_url) as conn:
             bound = Queue(self.queue)(conn.default_channel)
             bound.declare()
-            while (message := bound.get(no_ack=True)) is not None:
-                got.append((message.headers["id"], dict(message.headers)))
-        return got
+            while True:
+                while (message := bound.get(no_ack=True)) is not None:
+                    got.append((message.headers["id"], dict(message.headers)))
+                if len(got) >= expected or time.monotonic() > deadline:
+                    return got
+                time.sleep(0.05)
 
-    def sent_on(self) -> list[str]:
-        """The ids of the tasks in the task queue, in its order (taken out)."""
-        return [task_id for task_id, _ in self.taken()]
+    def sent_on(self, expected: int = 0) -> list[str]:
+        """The ids of the tasks in the task queue, in its order (taken out; ``expected``:
+        see :meth:`taken`)."""
+        return [task_id for task_id, _ in self.taken(expected)]
 
     def waiting_ids(self) -> list[str]:
         """The task ids waiting in the key's line, in its order."""

@@ -62,7 +62,7 @@ def test_a_pass_that_dies_after_sending_on_and_before_its_acks_sends_nothing_twi
         deploy: Deploy, monkeypatch: pytest.MonkeyPatch) -> None:
     d = deploy
     send(d, 6)
-    d.sent_on()  # (those that fit at once)
+    d.sent_on(1)  # (those that fit at once)
     waiting = [w.task_id for w in d.waiting()]
     assert len(waiting) >= 4
     d.lose_the_store()
@@ -79,7 +79,7 @@ def test_a_pass_that_dies_after_sending_on_and_before_its_acks_sends_nothing_twi
     with pytest.raises(ConnectionError):
         d.keeper.pass_now()
     monkeypatch.setattr(AmqpChannel, "basic_ack", real_ack)
-    first = d.sent_on()
+    first = d.sent_on(len(waiting))
     assert first == waiting  # (sent on once: as it should)
     # When the next passes run
     for _ in range(2):
@@ -104,7 +104,7 @@ def _closed_port() -> int:
 def test_tasks_purged_where_the_journal_cannot_be_written_are_never_sent_on(deploy: Deploy, ops_broker: str) -> None:
     d = deploy
     send(d, 8)
-    d.sent_on()
+    d.sent_on(1)
     waiting = d.waiting()
     assert len(waiting) >= 5
     assert d.keeper.pass_now() == len(waiting)  # (their copies are in the journal)
@@ -147,7 +147,7 @@ def test_a_task_released_by_a_worker_that_writes_no_gone_is_not_run_again(short_
                                                                           releaser_journal: bool) -> None:
     d = short_memory
     send(d, 4)
-    d.sent_on()
+    d.sent_on(1)
     first = d.waiting()[0]
     # Given a worker that writes no journal (the version before it, or journal off)
     old_app, _ = make_app("journal-review-old", d.app.conf.broker_url, d.queue)
@@ -183,7 +183,7 @@ def test_a_copy_told_it_waits_while_its_entry_is_out_leaves_no_phantom_kept(shor
                                                                            copy_first: bool) -> None:
     d = short_memory
     send(d, 4)
-    d.sent_on()
+    d.sent_on(1)
     first = d.waiting()[0]
     # Given the head released (gone written) and its released message in the queue
     d.ctl.set_limit("keeper.work", ["2/h"], key="acme")
@@ -272,7 +272,7 @@ def test_the_keeper_reads_the_journal_with_a_redis_cluster_store(cluster_url: st
 def test_what_a_pass_marks_is_looked_at_again_lost_after_later(deploy: Deploy) -> None:
     d = deploy
     send(d, 6)
-    d.sent_on()
+    d.sent_on(1)
     waiting = [w.task_id for w in d.waiting()]
     assert d.keeper.pass_now() == len(waiting)
     # Given the store restarted empty while no worker ran (nobody saw its run id change)
@@ -287,7 +287,7 @@ def test_what_a_pass_marks_is_looked_at_again_lost_after_later(deploy: Deploy) -
     finally:
         keeper._close()
     # Then the marked tasks were sent on once the second look was due (LOST_AFTER later)
-    assert d.sent_on() == waiting, "the second look waits for SWEEP_EVERY (600 s), not LOST_AFTER"
+    assert d.sent_on(len(waiting)) == waiting, "the second look waits for SWEEP_EVERY (600 s), not LOST_AFTER"
 
 
 # ---------------------------------------------------------------------------------------
@@ -298,7 +298,7 @@ def test_what_a_pass_marks_is_looked_at_again_lost_after_later(deploy: Deploy) -
 def test_a_text_message_in_the_journal_does_not_stop_the_keeper(deploy: Deploy) -> None:
     d = deploy
     send(d, 6)
-    d.sent_on()
+    d.sent_on(1)
     waiting = [w.task_id for w in d.waiting()]
     # Given a broker client publishes one text message to the journal queue
     with d.app.producer_or_acquire() as producer:
@@ -313,7 +313,7 @@ def test_a_text_message_in_the_journal_does_not_stop_the_keeper(deploy: Deploy) 
         time.sleep(LOOK)
     d.keeper.pass_now()
     # Then the tasks that waited are sent on (the foreign message dropped)
-    assert d.sent_on() == waiting
+    assert d.sent_on(len(waiting)) == waiting
 # ---------------------------------------------------------------------------------------
 # 9. (Beside the journal.) A producer whose admit was RELEASED but whose reply was lost
 #    sends the task unchecked, naming the entry as pending. Its worker must run it (it is
@@ -429,7 +429,7 @@ def test_a_sent_on_note_whose_reply_was_lost_does_not_keep_its_task_from_running
     d.ctl.configure({"journal": True})
     send(d, 6)
     waiting = d.waiting_ids()
-    d.sent_on()
+    d.sent_on(1)
     d.keeper.pass_now()
     # (what a pass publishes again is in the journal's count a moment later: RabbitMQ
     # routes a publish after it answers the next declare, under load)
@@ -465,7 +465,7 @@ def test_a_sent_on_note_whose_reply_was_lost_does_not_keep_its_task_from_running
         other.look()
     finally:
         other._close()
-    assert sorted(d.sent_on()) == sorted(waiting)
+    assert sorted(d.sent_on(len(waiting))) == sorted(waiting)
 
 
 # ---------------------------------------------------------------------------------------
@@ -481,7 +481,7 @@ def test_a_copy_naming_an_entry_whose_line_was_evicted_is_not_told_it_waits(depl
 
     d = deploy
     send(d, 3)
-    d.sent_on()
+    d.sent_on(1)
     head = d.waiting()[0]
     line_key = window_keys(d.key)[2]
     with redis.Redis.from_url(d.server.url) as store:
@@ -512,7 +512,7 @@ def test_a_release_a_failover_lost_is_not_sent_a_second_time(deploy: Deploy, mon
     # When the head is released (the key raised to 2/h) and sent, its gone in the journal,
     # and the store fails over to that replica, short of the release
     release_head(d)
-    assert d.sent_on() == waiting[:1]
+    assert d.sent_on(1) == waiting[:1]
     with redis.Redis.from_url(d.server.url) as store:
         for key in store.scan_iter():
             if key not in replica:
@@ -525,7 +525,7 @@ def test_a_release_a_failover_lost_is_not_sent_a_second_time(deploy: Deploy, mon
         d.keeper.pass_now()
     release_head(d)
     # Then the next task is sent, not the head a second time (without a pass: sent twice)
-    sent = d.sent_on()
+    sent = d.sent_on(1)
     assert sent == (waiting[1:2] if pass_between else waiting[:1])
     assert d.waiting_ids() == (waiting[2:] if pass_between else waiting[1:])
 
@@ -541,7 +541,7 @@ def test_a_release_whose_releaser_died_before_its_ack_is_not_sent_again(
         # before its ack to the store: released and not acked
         release_head(d)
         d.ctl.lines._unacked.clear()  # (its ack waited for the key's next release, in a releaser killed)
-        assert d.sent_on() == waiting[:1]
+        assert d.sent_on(1) == waiting[:1]
         # When the keeper makes a pass (or none), and the send lease runs out, and the line
         # is released again
         if pass_between:
@@ -550,7 +550,7 @@ def test_a_release_whose_releaser_died_before_its_ack_is_not_sent_again(
         d.ctl.lines.release(d.key)
         # Then the next task is sent, not the head a second time (without a pass: its
         # release, taken for one its releaser never sent, goes back to its place and again)
-        assert d.sent_on() == (waiting[1:2] if pass_between else waiting[:1])
+        assert d.sent_on(1) == (waiting[1:2] if pass_between else waiting[:1])
     finally:
         teardown(d)
 
@@ -580,7 +580,7 @@ def test_a_release_is_held_on_the_replica_before_its_task_is_sent(deploy: Deploy
             release_head(d)
             link.stop()
             d.server.kill()
-            assert d.sent_on() == [head.task_id]
+            assert d.sent_on(1) == [head.task_id]
             copy.replicaof("NO", "ONE")
             # Then the new primary holds the release (without the wait: the head in its
             # line, to be sent a second time)
