@@ -24,7 +24,14 @@ from celery import Celery
 
 from celery_throttle.celery_parts.hand import hand_queue
 from celery_throttle.celery_parts.journal_queue import journal_queue_name
-from celery_throttle.core.keys import glob_escape, line_index_key, line_scan_patterns, record_key, window_keys
+from celery_throttle.core.keys import (
+    glob_escape,
+    line_index_key,
+    line_index_keys,
+    line_scan_patterns,
+    record_key,
+    window_keys,
+)
 from celery_throttle.store.scripts import text
 from examples.local_redis import drop_bindings, server_binary
 from tests.reference import max_units_in_any_interval, max_units_per_aligned_window
@@ -451,8 +458,11 @@ class WorkerGroup:
                 _, counted, line, _, out, _, _ = window_keys(key)
                 counts = {text(k): text(v) for k, v in client.hgetall(counted).items()
                           if text(k) in ("q", "c", "x", "xt")}
+                # (when the index's due time was computed, and the key's last wake-up: index.lua)
+                stamps = client.hmget(line_index_keys(self.prefix)[1], key, f"{key}#w")
                 said.append(f"  {key}: {due}, {client.zcard(line)} waiting, {client.zcard(out)} out, "
-                            f"counts {counts}")
+                            f"counts {counts}, index stamp {text(stamps[0]) if stamps[0] else None}, "
+                            f"woken {text(stamps[1]) if stamps[1] else None}")
             # (a key name no codec reads is kept escaped: the message is printed)
             return "\n".join(said).encode("utf-8", "backslashreplace").decode()
         except Exception as exc:  # noqa: BLE001 - a picture for a failure's message
