@@ -339,8 +339,12 @@ class Lines(OnCall):
         call, batch = self.call_for(key), RELEASER_BATCH
         if call is None:
             store = self.setup.store
-            waiting, out = store.line_counts(key)
+            # (The clock before the counts: a line that begins after them has a note newer
+            # than this look, which its settle then cannot undo. Read after them, a line
+            # begun between the two reads was settled as empty, newer than its own note,
+            # and left the index with its tasks waiting.)
             now_us = store.now_us()
+            waiting, out = store.line_counts(key)
             if waiting and store.sample(key) is not None:
                 logger.debug("no task of the line %s is known here: left to another worker", key)
                 return now_us + UNKNOWN_RETRY_US, now_us

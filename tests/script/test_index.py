@@ -104,3 +104,47 @@ def test_a_key_that_leaves_the_index_forgets_its_wake_up(world: tuple[RedisStore
     with redis.Redis.from_url(STORE_URL) as client:
         assert client.zscore(line_index_key(store.prefix), key) is None
         assert not client.hexists(f"{line_index_key(store.prefix)[:-len(':due')]}:at", f"{key}#w")
+
+
+def test_a_line_that_begins_while_a_releaser_that_knows_none_of_its_tasks_looks_stays_in_the_index(
+        prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery import Celery
+
+    import celery_throttle
+    from celery_throttle.core.protocol import Code, Entry
+
+    # Given a key under 1/h whose window is spent and whose line just emptied (the index
+    # has it due now), claimed by a releaser whose process knows none of its tasks
+    clock = [BASE]
+    app = Celery(f"index-race-{prefix}", set_as_current=False)
+    releasing, producing = (celery_throttle.Throttle(app, {"redis_url": STORE_URL, "key_prefix": prefix},
+                                                     clock=lambda: clock[0]) for _ in range(2))
+    call = producing._direct_call("exports", "acme", "1/h", 1, None)
+    assert producing.checker.acquire(call).allowed
+    store = releasing.setup.store
+    store.index_note(call.state_key, BASE, BASE)
+    clock[0] += 1_000
+    _, _, claimed = store.index_claim(2_000, 32, 10 * SECOND)
+    assert [key for key, _ in claimed] == [call.state_key]
+    # When a producer's task begins the line between the releaser's read of its counts and
+    # the rest of its look (the producer notes the index as its script ends)
+    counts, noted = store.line_counts, []
+
+    def counts_then_a_producer(key: str) -> tuple[int, int]:
+        read = counts(key)
+        clock[0] += 1_000
+        waits = producing.checker.acquire(call, entry=Entry("t:1", b"m", "t", 0, 0, 1))
+        assert waits.code == Code.QUEUED and waits.tell_index
+        producing.lines.handle(call, waits)
+        noted.append(waits.due_us)
+        clock[0] += 1_000
+        return read
+
+    monkeypatch.setattr(store, "line_counts", counts_then_a_producer)
+    due, at = releasing.lines.release(call.state_key)
+    store.index_settle([(call.state_key, claimed[0][1], due, at, 0)])
+    # Then the index keeps the key, due when the producer's script said: the releaser's
+    # look (the line empty) is older than the producer's note, and cannot undo it
+    assert noted and _due(store, call.state_key) == noted[0] > clock[0]
+    releasing.close()
+    producing.close()
