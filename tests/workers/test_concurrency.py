@@ -64,7 +64,8 @@ def wait_spans(group: WorkerGroup, label: str, count: int, timeout: float) -> li
 
 
 def _group(pool: str, prefix: str, **kwargs) -> WorkerGroup:
-    env = {"CT_BROKER_MAX_CONNECTIONS": "64"} if pool == "gevent" else {}
+    # (the workers keep the record of their starts: WorkerGroup.counted_starts)
+    env = {"CT_RECORD": "100000", **({"CT_BROKER_MAX_CONNECTIONS": "64"} if pool == "gevent" else {})}
     env.update(kwargs.pop("env", {}))
     return WorkerGroup(prefix=prefix, broker=BROKER_URL, store=STORE_URL, pool=pool, env=env, **kwargs)
 
@@ -111,16 +112,18 @@ def test_at_most_k_bodies_of_a_key_run_at_once_in_every_pool(slot_workers: Worke
 def test_tasks_waiting_for_a_slot_start_first_come_first_served(slot_workers: WorkerGroup) -> None:
     """K=2, two holders of 3 s, then 6 tasks sent one by one (all while the holders run):
     they start in the order they came to the throttle (their places in the key's line),
-    each right after a holder ended (woken by it, not by a poll). (The holders end 0.15 s
-    apart and each waiter runs 0.3 s, so that slots free one at a time: two woken together
-    would race each other through the broker. The order they came in is the line's, not
-    the order they were sent: two workers screen them, and beside the whole suite, the soak
-    and a CPU hog, one worker's screen came more than 0.3 s after the other's.)"""
+    each right after a holder ended (woken by it, not by a poll). (The holders end 0.3 s
+    apart and each waiter runs 0.6 s, so that slots free one at a time, 0.3 s apart: two
+    woken together would race each other through the broker. The order they came in is the
+    line's, not the order they were sent: two workers screen them, and beside the whole
+    suite, the soak and a CPU hog, one worker's screen came more than 0.3 s after the
+    other's. Their starts are the store's, from the record: a body began more than 0.15 s
+    after its start there.)"""
     group, label = slot_workers, new_label()
     tenant = f"fifo-{uuid.uuid4().hex[:6]}"
     line = window_keys(state_key(group.prefix, "export-api", tenant))[2]
     group.send("exporting", label, tenant, 3.0)
-    time.sleep(0.15)
+    time.sleep(0.3)
     group.send("exporting", label, tenant, 3.0)
     wait_for(lambda: group.store_client.zcard(window_keys(state_key(group.prefix, "export-api", tenant))[5]) == 2,
              10, what="two holders")
@@ -132,7 +135,7 @@ def test_tasks_waiting_for_a_slot_start_first_come_first_served(slot_workers: Wo
         return all(task_id in places for task_id in sent)
 
     for _ in range(6):
-        sent.append(group.send("exporting", label, tenant, 0.3))
+        sent.append(group.send("exporting", label, tenant, 0.6))
         deadline = time.monotonic() + 0.3
         while time.monotonic() < deadline:
             look()
@@ -140,8 +143,9 @@ def test_tasks_waiting_for_a_slot_start_first_come_first_served(slot_workers: Wo
     wait_for(look, 10, what="the 6 in the key's line")
     order = sorted(sent, key=places.__getitem__)
     done = wait_spans(group, label, 8, timeout=30)
-    waiting = sorted((e for e in done if e["id"] in order), key=lambda e: e["t0"])
-    assert [e["id"] for e in waiting] == order
+    counted = group.counted_starts(sent)
+    assert sorted(sent, key=counted.__getitem__) == order
+    waiting = [e for e in done if e["id"] in order]
     assert most_at_once(done) == 2
     # Each started within a moment of a slot freeing: no poll interval between them.
     ends = sorted(e["t1"] for e in done)
@@ -171,7 +175,7 @@ def group_with_lease(store_client: redis.Redis) -> Iterator:
 
     def make(lease: str, count: int = 2, concurrency: int = 2, pool: str = "prefork") -> WorkerGroup:
         group = _group(pool, f"ct-test-slots-{uuid.uuid4().hex[:8]}", count=count, concurrency=concurrency,
-                       env={"CT_SLOT_LEASE": lease, "CT_RECORD": "100000"})
+                       env={"CT_SLOT_LEASE": lease})
         groups.append(group)
         return group.start()
 
