@@ -474,10 +474,13 @@ class WorkerGroup:
         by as long as a busy machine keeps its process waiting (0.3 s beside the suite, the
         soak and a CPU hog), so a window checked on the bodies' times would need slack. Waits
         for each (a process writes its events twice a second)."""
-        wanted, found = set(ids), {}
+        wanted, found, after = set(ids), {}, ["-"]
 
         def read() -> bool:
-            for _, fields in self.store_client.xrange(record_key(self.prefix)):
+            # (each look reads only what was added since the last: the record keeps every
+            # event of the group's run)
+            for ident, fields in self.store_client.xrange(record_key(self.prefix), min=after[0]):
+                after[0] = f"({text(ident)}"
                 event = json.loads(fields[b"e"])
                 if event.get("k") == "s" and event["id"] in wanted:
                     found.setdefault(event["id"], event["t"] / 1e6)

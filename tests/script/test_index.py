@@ -141,10 +141,12 @@ def test_a_line_that_begins_while_a_releaser_that_knows_none_of_its_tasks_looks_
         return read
 
     monkeypatch.setattr(store, "line_counts", counts_then_a_producer)
-    due, at = releasing.lines.release(call.state_key)
-    store.index_settle([(call.state_key, claimed[0][1], due, at, 0)])
-    # Then the index keeps the key, due when the producer's script said: the releaser's
-    # look (the line empty) is older than the producer's note, and cannot undo it
-    assert noted and _due(store, call.state_key) == noted[0] > clock[0]
-    releasing.close()
-    producing.close()
+    try:
+        due, at = releasing.lines.release(call.state_key)
+        store.index_settle([(call.state_key, claimed[0][1], due, at, 0)])
+        # Then the index keeps the key, due when the producer's script said: the releaser's
+        # look (the line empty) is older than the producer's note, and cannot undo it
+        assert noted and _due(store, call.state_key) == noted[0] > clock[0]
+    finally:
+        releasing.close()
+        producing.close()

@@ -121,12 +121,11 @@ def test_tasks_waiting_for_a_slot_start_first_come_first_served(slot_workers: Wo
     after its start there.)"""
     group, label = slot_workers, new_label()
     tenant = f"fifo-{uuid.uuid4().hex[:6]}"
-    line = window_keys(state_key(group.prefix, "export-api", tenant))[2]
+    _, _, line, _, _, slots, _ = window_keys(state_key(group.prefix, "export-api", tenant))
     group.send("exporting", label, tenant, 3.0)
     time.sleep(0.3)
     group.send("exporting", label, tenant, 3.0)
-    wait_for(lambda: group.store_client.zcard(window_keys(state_key(group.prefix, "export-api", tenant))[5]) == 2,
-             10, what="two holders")
+    wait_for(lambda: group.store_client.zcard(slots) == 2, 10, what="two holders")
     sent, places = [], {}  # (an entry's place: a counter given as it joins the line)
 
     def look() -> bool:
