@@ -169,8 +169,8 @@ def cluster_rows(res: Results, keys: tuple[int, ...], per_key: int) -> None:
 
 def script_ops(keys: int, per_key: int) -> tuple[int, Counter[str], Counter[str]]:
     """(tasks, script calls by operation, their server µs) of one throttled run, from the SLOWLOG. The window
-    script's operation is its ARGV[2], the index's ``index:`` and its op; a line's sample is ``eval``, any
-    other script (a pause, the journal's epoch) ``other``."""
+    script's operation is its ARGV[2], the index's ``index:`` and its op; a line's sample and the controls'
+    stamp are ``eval``, any other script (a pause, the journal's epoch) ``other``."""
     n, calls, us = keys * per_key, Counter[str](), Counter[str]()
     with redis_server("--slowlog-log-slower-than", "0", "--slowlog-max-len", str(200 * n)) as server, \
             running(new_prefix("keys-ops"), server, store=server.url, records=server.url, count=2,
