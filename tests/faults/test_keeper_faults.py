@@ -562,12 +562,14 @@ def test_a_release_is_held_on_the_replica_before_its_task_is_sent(deploy: Deploy
     from celery_throttle.store.client import RedisStore
 
     d = deploy
-    monkeypatch.setattr(store_lines, "REPLICA_WAIT_MS", 3000)  # (100 ms: a replica on a sound link)
+    monkeypatch.setattr(store_lines, "REPLICA_WAIT_MS", 6000)  # (100 ms: a replica on a sound link)
     if not waits:
         monkeypatch.setattr(RedisStore, "hold_on_replica", lambda self: 0)
-    # Given a replica of the store that hears the primary 0.2 s late (a link of 0.4 s there
-    # and back), holding the line of 3 tasks waiting
-    link = SlowProxy(d.server.url, 400).start()
+    # Given a replica of the store that hears the primary 1 s late (a link of 2 s there and
+    # back: without the wait, the release must not reach it before the link dies, and on a
+    # loaded machine the send and the journal's note took more than the 0.2 s of a 0.4 s
+    # link), holding the line of 3 tasks waiting
+    link = SlowProxy(d.server.url, 2000).start()
     replica = RedisServer(extra=["--replicaof", "127.0.0.1", str(link.port)]).start()
     try:
         lined(d, 4)
