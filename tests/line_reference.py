@@ -75,6 +75,8 @@ class Call:
     lead_default: int
     #: The concurrency is the scope's, shared: the key holds its cap (KeyModel.share_cap).
     shared: bool = False
+    #: When the controls of the call were read (ARGV[9]; 0: unknown).
+    read: int = 0
 
 
 @dataclass
@@ -144,6 +146,14 @@ class KeyModel:
         self.slot_cap = 0
         #: KEYS[2] was evicted since the last call, the entries staying (see lose_counts).
         self.counts_lost = False
+        #: The index of lines as it holds this key (index.lua; on a single Redis each call
+        #: tells it itself, line.lua's tell_index): its due time (None: not in it), when
+        #: that was computed, its last wake-up, and the releasers' wake-ups pushed.
+        self.writes_index = False
+        self.index_due: int | None = None
+        self.index_at: int | None = None
+        self.woken: int | None = None
+        self.wakes: list[str] = []
         #: On a key's shadow keys (line.lua's shadow): the last start given ('l'), and the
         #: counts 'n' (checked), 'h' (held back), 'w' (µs waited in all), 'm' (the longest).
         self.shadow_last = 0
@@ -551,10 +561,45 @@ class KeyModel:
                     index = 0
                 if index > 0 or release_op:
                     self.indexed, self.indexed_at = due, self.now
+            if index > 0 and self.writes_index:
+                self._tell_index(due, emptied=self.waiting == 0 and self.out_count == 0)
+                index = 0
         return _Reply(code, wait, self._remaining(), self._clear_at(), self.now, self.epoch or 0, self.lead(),
                       f.get("leased", 0), f.get("rooms", ""), f.get("start", 0), f.get("latest", 0), self.waiting,
                       self.out_count, self._slots_held(), due, index, f.get("waited", 0), f.get("held", 0),
                       self.slot_cap, self.reported)
+
+    # -- the index of lines (index.lua), as it holds this key --------------------------------
+    def _tell_index(self, due: int, emptied: bool) -> None:
+        """line.lua's tell_index: index.lua's note of this call's due time (an emptied line
+        leaves the index), and a releaser woken if its look is soon."""
+        if self.now < (self.index_at or 0):
+            return
+        if emptied:
+            self.index_due = self.index_at = self.woken = None
+            return
+        read = self.call.read
+        if read and read < (self.woken or 0) and self.index_due is not None and due > self.index_due:
+            return
+        self.index_due, self.index_at = due, self.now
+        if due - self.now < self.policy.wake_ahead_ms * 1000:
+            self.wakes.append(f"p0@{due}" if due > self.now else "p0")
+
+    def settle_index(self, now: int, due: int, at: int, read: int) -> None:
+        """index.lua's settle of this key by a releaser (due 0: nothing waits)."""
+        if read and read < (self.woken or 0) and (due == 0 or due > now):
+            due = now
+        if at >= (self.index_at or 0):
+            if due == 0:
+                self.index_due = self.index_at = self.woken = None
+            else:
+                self.index_due, self.index_at = due, at
+
+    def wake_index(self, now: int) -> None:
+        """index.lua's wake: the key, if held, is due now (never later than it was)."""
+        if self.index_due is not None:
+            self.index_due = min(self.index_due, now)
+            self.index_at = self.woken = now
 
     def _wait_of(self, units: list[int]) -> int:
         ahead = [self.line_units.get(u, 0) + self.out_units.get(u, 0) for u in self.units_of_rate]

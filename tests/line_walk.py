@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import redis
 
-from celery_throttle.core.keys import share_key, state_key, window_keys
+from celery_throttle.core.keys import share_key, state_key, wake_key, window_keys
 from celery_throttle.core.protocol import REPLY_PLACES, Code, WindowCall, WindowReply
 from celery_throttle.core.rates import Rate, parse_rate
 from celery_throttle.core.state import rate_field
@@ -100,8 +100,11 @@ class Walk:
         # state's ints alone: its last item may be None, whose hash before Python 3.12 is
         # its address, a walk of its own each run.)
         self.sent_rng = random.Random(hash(self.rng.getstate()[1]))
+        # (The index's wake-ups, settles and the calls' controls read at: draws of their own too.)
+        self.index_rng = random.Random(hash(self.rng.getstate()[1]) + 1)
         self.key = state_key(self.store.prefix, "walk", f"{self.rng.getrandbits(32):08x}")
         self.model = KeyModel(self.algorithm, policy=self.store.policy, layout=self.store.layout)
+        self.model.writes_index = self.store.index_parts == 1
         self.rates = tuple(parse_rate(n) for n in self.names)
         self.era_rates = [self.rates]
         self.fields_ = tuple(rate_field(self.algorithm, r) for r in self.rates)
@@ -116,20 +119,45 @@ class Walk:
         """A cost per rate: ``tokens`` of a rate of tokens, ``plain`` of any other."""
         return tuple((tokens if tokens is not None and r.unit == "tokens" else plain) for r in self.rates)
 
-    def calls(self, costs: tuple[int, ...]) -> tuple[WindowCall, Call]:
+    def calls(self, costs: tuple[int, ...], read: int = 0) -> tuple[WindowCall, Call]:
         uniform = len(set(costs)) <= 1
         cost: Any = costs[0] if uniform and costs else (tuple(costs) if costs else 1)
         lead = min(4 * self.slack, 500_000)
         wcall = WindowCall(self.algorithm, self.rates, cost, self.fields_, slack_us=self.slack,
                            not_before_us=self.paused_until, concurrency=self.concurrency,
-                           slot_lease_us=3_000_000, lead_us=lead, shared=self.shared)
+                           slot_lease_us=3_000_000, lead_us=lead, shared=self.shared, read_us=read)
         mcall = Call(tuple((r.limit, r.period_us, r.unit) for r in self.rates), self.fields_,
                      costs if costs else (1,) * 0, uniform, self.slack, self.paused_until, self.concurrency,
-                     3_000_000, lead, self.shared)
+                     3_000_000, lead, self.shared, read)
         return wcall, mcall
 
+    def read_at(self) -> int:
+        """When the walk's process read the controls a call is made under: unknown, now, or
+        just before (or at) the key's last wake-up in the index."""
+        woken = self.model.woken or 0
+        return self.index_rng.choice([0, self.clock.now, max(woken - 1, 0), woken])
+
+    def index_turn(self, op: str, got: WindowReply, read: int) -> None:
+        """What a releaser and an operator do to the key's place in the index between its
+        calls: a wake-up (a resume, a raised limit), and the settle of a release."""
+        now = self.clock.now
+        if op == "release" and self.index_rng.random() < 0.6:
+            # (now and then from a clock a millisecond ahead: a releaser that read another
+            # server's, or a failover's, clock; the key's next calls come before it)
+            at = got.now_us + self.index_rng.choice([0, 0, 0, 1_000])
+            self.store.index_settle([(self.key, 0, got.due_us, at, read)])
+            self.model.settle_index(now, got.due_us, at, read)
+            self.history.append(f"index settle due={got.due_us} at={at} read={read}")
+            self.seen["index settled"] += 1
+        if self.index_rng.random() < 0.04:
+            self.store.index_wake([self.key])
+            self.model.wake_index(now)
+            self.history.append("index wake")
+            self.seen["index woken"] += 1
+
     def run(self, op: str, costs: tuple[int, ...], *args: Any, delta: tuple[int, ...] | None = None) -> WindowReply:
-        wcall, mcall = self.calls(costs)
+        read = self.read_at()
+        wcall, mcall = self.calls(costs, read)
         before = self._line_places()
         ends = (self.model.first_place, self.model.last_place)
         now = self.clock.now
@@ -145,6 +173,8 @@ class Walk:
         assert _as_tuple(got) == _model_tuple(want), self.explain(
             f"script {_as_tuple(got)}\nmodel  {_model_tuple(want)}")
         self.check_stored()
+        self.index_turn(op, got, read)
+        self.check_index()
         both = set(self.model.line) & set(self.model.out)
         assert not both, self.explain(f"{op}: in the line and out at once: {both}")
         self.check_line_order(before, ends, got, op, args)
@@ -191,6 +221,23 @@ class Walk:
         assert bodies == m.messages, self.explain(f"messages: {sorted(bodies)} vs {sorted(m.messages)}")
         assert metas == {k: v.stored() for k, v in m.meta.items()}, self.explain(
             f"entries: {metas} vs { {k: v.stored() for k, v in m.meta.items()} }")
+
+    def check_index(self) -> None:
+        """The key's place in the index of lines, its wake-up stamps and the releasers'
+        wake-ups pushed are the model's (then the wake-ups are cleared on both)."""
+        client, m = self.store._redis, self.model
+        index, at = self.store.index_keys(0)
+        score = client.zscore(index, self.key)
+        stamps = client.hmget(at, self.key, self.key + "#w")
+        got = (None if score is None else int(score), *(None if v is None else int(v) for v in stamps))
+        assert got == (m.index_due, m.index_at, m.woken), self.explain(
+            f"index: stored {got}, model {(m.index_due, m.index_at, m.woken)}")
+        wakes = [v.decode() for v in reversed(client.lrange(wake_key(self.store.prefix), 0, -1))]
+        assert wakes == m.wakes, self.explain(f"wake-ups: pushed {wakes}, model {m.wakes}")
+        if wakes:
+            self.seen["releaser woken"] += 1
+        client.delete(wake_key(self.store.prefix))
+        m.wakes = []
 
     # -- properties -------------------------------------------------------------------------
     def _line_places(self) -> dict[str, int]:

@@ -35,6 +35,8 @@ class Checker(Binder):
         self._leases = Leases()
         #: What the script is told, by call shape (see _window_call).
         self._requests: dict[tuple[Any, ...], WindowCall] = {}
+        #: When the controls those were made under were read (each tells the script so).
+        self._requests_read_us = 0
 
     def forget(self) -> None:
         """Forget what was read of the settings (they changed)."""
@@ -188,6 +190,10 @@ class Checker(Binder):
         far_us = timing.round_trip_allowance_us(store.rtt_us)
         # The same few shapes come again and again: their WindowCall (and with it the
         # ARGV head it builds) is made once, not on every check.
+        read_us = self.controls.read_at_us
+        if read_us != self._requests_read_us:  # (the controls were read again: each shape tells when)
+            self._requests.clear()
+            self._requests_read_us = read_us
         shape = (call.algorithm, call.rates, call.cost, call.fields, call.concurrency, not_before, far_us, call.adapt,
                  call.share is not None)
         request = self._requests.get(shape)
@@ -198,7 +204,7 @@ class Checker(Binder):
                 slot_lease_us=int(self.settings.concurrency_lease * 1_000_000),
                 lead_us=timing.release_lead_us(call.rates, far_us),
                 adapt=None if call.adapt is None else (call.adapt.floor, call.adapt.decrease, call.adapt.growth),
-                shared=call.share is not None,
+                shared=call.share is not None, read_us=read_us,
             )
             if len(self._requests) >= _REQUEST_SHAPES:
                 self._requests.clear()  # (callable rates or costs without end: start over)

@@ -38,13 +38,10 @@ if TYPE_CHECKING:
     from .checker import Checker
     from .setup import Setup
 
-__all__ = ["WAKE_AHEAD_US", "Lines"]
+__all__ = ["Lines"]
 
 logger = logging.getLogger("celery_throttle")
 
-#: A key's next look this close (µs) wakes a releaser at once (they sleep a second at
-#: most between looks, else until the earliest look they know of).
-WAKE_AHEAD_US = 1_000_000
 #: Keys whose task this process remembers, to bind a release of their line (the least
 #: recently seen are forgotten: a worker of many tenants must not grow without bound), and
 #: the largest message whose task it remembers (a task of large arguments is read again).
@@ -274,7 +271,7 @@ class Lines(OnCall):
         at ``now_us``), and wake a releaser if soon."""
         read_us = self.checker.controls.read_at_us
         store = self.setup.store
-        if store.index_note(key, due_us, now_us, read_us) and due_us - now_us < WAKE_AHEAD_US:
+        if store.index_note(key, due_us, now_us, read_us) and due_us - now_us < store.policy.wake_ahead_ms * 1000:
             store.wake_releasers(store.index_part(key), due_us if due_us > now_us else None)
 
     def wake_releasers(self) -> None:

@@ -173,6 +173,10 @@ class WindowCall:
     #: The :attr:`concurrency` is the scope's, shared between its keys (core/share.py): the
     #: key holds as many slots as its cap says (sent as -K; the cap is KEYS[8]).
     shared: bool = False
+    #: When the process read the controls this call was made under (its pause, limits
+    #: and K; µs, Redis clock; 0: unknown): a due time the call tells the index of, if
+    #: computed before the key's last wake-up, may bring its look earlier, never later.
+    read_us: int = 0
 
     def head(self, now: str, op: str, cost: Cost | None = None) -> list[int | str]:
         """ARGV[1..] of window.lua up to the operation's own arguments."""
@@ -183,7 +187,7 @@ class WindowCall:
 def _head_tail(call: WindowCall) -> tuple[int | str, ...]:
     """ARGV[4..] of a call up to the operation's own arguments (made once per call shape)."""
     return (call.slack_us, call.not_before_us, -call.concurrency if call.shared else call.concurrency,
-            call.slot_lease_us, call.lead_us,
+            call.slot_lease_us, call.lead_us, call.read_us,
             *_rate_args(call.algorithm, call.rates, call.fields, call.adapt))
 
 
@@ -259,7 +263,8 @@ class WindowReply(NamedTuple):
     out: int = 0
     running: int = 0
     #: When the key next needs a look (0: nothing waits), and whether the caller must tell
-    #: the index so (1: if earlier than it holds, 2: whatever it holds).
+    #: the index so (1: if earlier than it holds, 2: whatever it holds; always 0 on a single
+    #: Redis, where the script told it itself).
     due_us: int = 0
     tell_index: int = 0
     #: How long a released task waited in the line (a claim).

@@ -182,9 +182,14 @@ class ScriptPolicy:
     #: back and is checked again).
     grant_slacks: int = 2
     #: A key whose index entry was last written longer ago than this (ms) is written
-    #: again by the next call on it: an index entry lost (its writer died between the
-    #: script and the index, or an evicted index) comes back with the key's next call.
+    #: again by the next call on it: an index entry lost (an evicted index; on a Redis
+    #: Cluster, a writer that died between the script and the index) comes back with the
+    #: key's next call.
     index_stale_ms: int = 5_000
+    #: A key's next look this close (ms) wakes a releaser at once, from the call that tells
+    #: the index of it (releasers sleep a second at most between looks, else until the
+    #: earliest look they know of).
+    wake_ahead_ms: int = 1_000
     #: Places in a key's line a level of priority goes ahead of: a task of urgency u
     #: (core/priority.py) joins before the u times this many tasks that came last before it. Large enough that an urgent task passes a tenant's nightly
     #: batch (9 levels on a Redis broker: 90 000 tasks); finite, so that no task of urgency u

@@ -72,7 +72,9 @@ class IndexOps(ScriptClient):
         """The part of the index (and of a shared scope's registry) that holds ``key``."""
         return 0 if self.index_parts == 1 else zlib.crc32(key.encode()) % self.index_parts
 
-    def _index(self, part: int) -> list[str]:
+    def index_keys(self, part: int) -> list[str]:
+        """index.lua's keys for ``part`` of the index: its sorted set (state key -> due) and
+        when each due time in it was computed."""
         return list(line_index_keys(self.prefix, self._index_tags[part]))
 
     def index_claim(self, lookahead_us: int, most: int, lease_us: int, part: int = 0,
@@ -81,7 +83,7 @@ class IndexOps(ScriptClient):
         keys due within ``lookahead_us``, each claimed for ``lease_us``, once ``settled``
         (the claimer's keys of its last round, as :meth:`index_settle`'s) are settled: one
         call a round, not two."""
-        reply = self.run("index", self._index(part), [self.now_arg(), "claim", lookahead_us, most, lease_us,
+        reply = self.run("index", self.index_keys(part), [self.now_arg(), "claim", lookahead_us, most, lease_us,
                                                       *(v for five in settled for v in five)])
         return int(reply[0]), int(reply[1]), [(text(reply[i]), int(reply[i + 1])) for i in range(2, len(reply), 2)]
 
@@ -90,7 +92,7 @@ class IndexOps(ScriptClient):
         ``part``: its due time, unless a newer one was written since (one computed under
         controls read before the key's last wake-up leaves it due now, if later). Returns
         (now, the earliest due in the part now, -1: none)."""
-        reply = self.run("index", self._index(part), [self.now_arg(), "settle", *(v for five in settled for v in five)])
+        reply = self.run("index", self.index_keys(part), [self.now_arg(), "settle", *(v for five in settled for v in five)])
         return int(reply[0]), int(reply[1])
 
     def index_note(self, key: str, due_us: int, at_us: int, read_us: int = 0) -> bool:
@@ -98,7 +100,7 @@ class IndexOps(ScriptClient):
         line script's now) under controls read at ``read_us`` (0: unknown): written unless
         a newer due time was, or (computed before the key's last wake-up) a later one.
         True if written."""
-        return bool(self.run("index", self._index(self.index_part(key)),
+        return bool(self.run("index", self.index_keys(self.index_part(key)),
                              [self.now_arg(), "note", key, due_us, at_us, read_us]))
 
     def index_wake(self, keys: Sequence[str]) -> int:
@@ -106,12 +108,8 @@ class IndexOps(ScriptClient):
         by_part: dict[int, list[str]] = {}
         for key in keys:
             by_part.setdefault(self.index_part(key), []).append(key)
-        return sum(int(self.run("index", self._index(part), [self.now_arg(), "wake", *some]))
+        return sum(int(self.run("index", self.index_keys(part), [self.now_arg(), "wake", *some]))
                    for part, some in by_part.items())
-
-    def index_part_key(self, part: int) -> str:
-        """The sorted set of ``part`` of the index (state key -> due)."""
-        return self._index(part)[0]
 
     def wake_releasers(self, part: int | None = None, due_us: int | None = None) -> None:
         """Wake one releaser waiting in :meth:`wait_for_wake` now, for ``part`` of the index

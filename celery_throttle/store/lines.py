@@ -40,7 +40,7 @@ class LineOps(IndexOps):
         """The state keys the index holds (whose names match ``match``), by ZSCAN."""
         with self.errors():
             for part in range(self.index_parts):
-                for member, _ in self._redis.zscan_iter(self.index_part_key(part), match=match, count=_BATCH):
+                for member, _ in self._redis.zscan_iter(self.index_keys(part)[0], match=match, count=_BATCH):
                     yield text(member)
 
     def line_keys(self) -> list[str]:
@@ -55,7 +55,7 @@ class LineOps(IndexOps):
 
     def lines_indexed(self) -> int:
         with self.errors():
-            return sum(int(self._redis.zcard(self.index_part_key(part))) for part in range(self.index_parts))
+            return sum(int(self._redis.zcard(self.index_keys(part)[0])) for part in range(self.index_parts))
 
     def total_waiting(self) -> int:
         """How many tasks wait in every line of the index: one ZCARD per key, pipelined."""
@@ -169,6 +169,6 @@ class LineOps(IndexOps):
                     if key in seen:
                         continue
                     seen.add(key)
-                    if self._redis.zscore(self.index_part_key(self.index_part(key)), key) is None:
+                    if self._redis.zscore(self.index_keys(self.index_part(key))[0], key) is None:
                         missing.append(key)
         return missing

@@ -11,7 +11,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from ..core.keys import adaptive_index_key, share_key, window_keys
+from ..core.errors import StoreError
+from ..core.keys import adaptive_index_key, share_key, wake_key, window_keys
 from ..core.protocol import (
     NO_ENTRY,
     REPLY_PLACES,
@@ -26,7 +27,8 @@ from ..core.protocol import (
 from ..core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, StateLayout
 from ..core.timing import SCRIPT_POLICY, ScriptPolicy
 from .compose import composed, pruned, script_parts, with_constants
-from .scripts import ScriptClient, text
+from .index import WAKE_TTL_MS, IndexOps
+from .scripts import text
 
 __all__ = ["ALGORITHMS", "OPERATIONS", "WindowOps", "window_constants", "window_script"]
 
@@ -38,6 +40,9 @@ OPERATIONS = {"acquire": "acquire", "screen": "acquire", "admit": "admit", "fron
               "release": "release", "drain": "drain", "drop": "drop", "ack": "ack", "give_back": "give_back",
               "settle": "settle", "ended": "ended", "renew": "renew", "peek": "peek", "shadow": "shadow",
               "take_back": "take_back"}
+#: Keys whose line call failed a process remembers, to tell the index of them once the store
+#: answers again (a Redis Cluster only); past it, the releasers' sweep finds the rest.
+MOST_UNTOLD = 10_000
 #: A message of a line (KEYS: its line, released entries, messages): its head's, else one of
 #: the first released entries'. One round trip, not three: a store far away pays each.
 _SAMPLE = """local ids = redis.call('ZRANGE', KEYS[1], 0, 0)
@@ -49,7 +54,7 @@ end
 return false"""
 
 
-class WindowOps(ScriptClient):
+class WindowOps(IndexOps):
     """The window, line and index operations of a store."""
 
     def add_window_scripts(self, layout: StateLayout) -> None:
@@ -58,6 +63,9 @@ class WindowOps(ScriptClient):
         self.add_lazy_scripts({f"{algorithm}/{op}": functools.partial(_window_script, algorithm, op, self.policy, layout)
                                for algorithm in ALGORITHMS for op in OPERATIONS})
         self.add_lua("adapt")
+        #: Keys whose line call failed (on a Redis Cluster, where the caller tells the index):
+        #: its reply lost, the index may never hear of its line (_tell_untold).
+        self._untold: set[str] = set()
 
     def lower(self, key: str, law: tuple[float, float, float], window_us: int, reason: str,
               used: float = 1.0, unit: float = 0.0) -> tuple[float, float, bool]:
@@ -101,9 +109,36 @@ class WindowOps(ScriptClient):
         operation's own ``args``."""
         if op not in OPERATIONS:
             raise ValueError(f"no window operation {op!r} (one of {', '.join(OPERATIONS)})")
-        keys = (*window_keys(key), share_key(key)) if call.shared else window_keys(key)
-        raw = self.run(f"{call.algorithm}/{op}", keys, window_argv(self.now_arg(), op, call, *args, cost=cost))
-        return WindowReply.of(raw)
+        if self.index_parts == 1:  # (a single Redis: the script tells the index of its key itself)
+            keys: tuple[str, ...] = (*window_keys(key), share_key(key), *self.index_keys(0), wake_key(self.prefix))
+        else:
+            keys = (*window_keys(key), share_key(key)) if call.shared else window_keys(key)
+        try:
+            raw = self.run(f"{call.algorithm}/{op}", keys, window_argv(self.now_arg(), op, call, *args, cost=cost))
+        except StoreError:
+            if self.index_parts > 1 and op != "peek" and len(self._untold) < MOST_UNTOLD:
+                self._untold.add(key)
+            raise
+        reply = WindowReply.of(raw)
+        if self._untold:
+            self._tell_untold(reply.now_us)
+        return reply
+
+    def _tell_untold(self, now_us: int) -> None:
+        """On a Redis Cluster, the keys whose line call failed since the store last
+        answered are due now in the index (a releaser's look settles each as it is): a call
+        that ran and whose reply was lost said "tell the index" to nobody, and the key's
+        line would wait for the releasers' sweep. (On a single Redis the script tells it.)"""
+        while self._untold:
+            try:
+                key = self._untold.pop()
+            except KeyError:
+                return  # (another thread took the last)
+            try:
+                self.index_note(key, now_us, now_us)
+            except StoreError:
+                self._untold.add(key)
+                return
 
     def acquire(self, key: str, call: WindowCall, *, lease: int = 0, lease_span_us: int = 0, holder: str = "",
                 entry: Entry = NO_ENTRY) -> WindowReply:
@@ -217,7 +252,7 @@ def window_constants(policy: ScriptPolicy = SCRIPT_POLICY, layout: StateLayout =
     """The constants the window scripts read, by name: the timing policy, the state layout,
     the reply codes and each field's place in a reply, the state format."""
     return {**policy.values(), **layout.values(), **{code.name: int(code) for code in Code}, **REPLY_PLACES,
-            "STATE_FORMAT": STATE_FORMAT, "FOREVER_US": FOREVER_US}
+            "STATE_FORMAT": STATE_FORMAT, "FOREVER_US": FOREVER_US, "WAKE_TTL_MS": WAKE_TTL_MS}
 
 
 @functools.cache

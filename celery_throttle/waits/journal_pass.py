@@ -35,6 +35,7 @@ from ..core.journal import (
     decode,
     entries_message,
     kept_headers,
+    latest,
     left_for_good,
     sort_out,
 )
@@ -158,6 +159,7 @@ class Pass:
         """Publish again what stays, send on what was lost; returns (the entries left, those
         of them marked as not known to the store)."""
         again, lost = sort_out(events, self._known, self.store.now_us(), epoch)
+        self._say_dropped(events, again, lost, epoch)
         left, suspects, gone = 0, 0, []
 
         def body(event: Event) -> bytes:
@@ -199,6 +201,23 @@ class Pass:
             logger.warning("celery_throttle: the store lost %d task(s) waiting in %d line(s): sent on from the "
                            "journal, as new tasks (each named at INFO)", sent, len({e.key for e in lost}))
         return left, suspects
+
+    @staticmethod
+    def _say_dropped(events: list[Event], again: list[Event], lost: list[Event], epoch: str) -> None:
+        """Name each waiting task whose copy this pass drops: the store does not know it at
+        two looks and still has its epoch (it left its line without a word reaching the
+        journal). Rare, and the one verdict that ends a copy with no send: if a task ever
+        vanishes, this is where to look."""
+        decided = {event.ident for event in again} | {event.ident for event in lost}
+        dropped = [event for ident, event in latest(events).items()
+                   if event.kind == Kind.KEPT and ident not in decided]
+        for event in dropped:
+            logger.info("celery_throttle: task %s of the line of %s is not in the store, whose epoch is still its "
+                        "own (%s): it left its line without a word reaching the journal; its copy is dropped",
+                        event.entry, event.key, epoch)
+        if dropped:
+            logger.warning("celery_throttle: %d task(s) the journal kept had left their lines without a word: their "
+                           "copies are dropped (each named at INFO)", len(dropped))
 
     def _take_back(self, events: list[Event]) -> int:
         """Take out of their lines the tasks the journal says left them for good (sent to the

@@ -23,13 +23,14 @@ from celery_throttle.core.state import FOREVER_US, STATE_FORMAT, STATE_LAYOUT, r
 from celery_throttle.core.timing import SCRIPT_POLICY
 from celery_throttle.store.client import RedisStore
 from celery_throttle.store.compose import lua, pruned, script_parts
+from celery_throttle.store.index import WAKE_TTL_MS
 from celery_throttle.store.window import OPERATIONS, window_constants, window_script
 from tests.helpers import STORE_URL
 
 #: Each documented ARGV slot of window.lua's head, by the words its header line starts with.
 DOCUMENTED = {
     1: "now in microseconds", 2: "op (its script's name: lua/op/ has them)", 3: "cost:", 4: "slack", 5: "not before",
-    6: "concurrency", 7: "a running body's slot lease", 8: "lead", 9: "number of rates",
+    6: "concurrency", 7: "a running body's slot lease", 8: "lead", 9: "controls read at", 10: "number of rates",
 }
 
 
@@ -45,15 +46,15 @@ def test_every_argument_sits_where_window_lua_documents_it() -> None:
         assert header[slot].startswith(words), f"ARGV[{slot}] is documented as {header[slot]!r}"
     rates = (Rate(10, 1.0), Rate(500, 3600.0))
     call = WindowCall("sliding", rates, 104, slack_us=105, not_before_us=106, concurrency=107, slot_lease_us=108,
-                      lead_us=109)
+                      lead_us=109, read_us=110)
     entry = Entry("e", b"m", "t", 4, 5, 6, "n", -3)
     argv = window_argv("101", "acquire", call, 11, 12, "h", *entry.args())
-    assert argv[:9] == ["101", "acquire", 104, 105, 106, 107, 108, 109, 2]
-    assert argv[9:15] == [10, 1_000_000, rate_field("sliding", rates[0]), 500, 3_600_000_000,
+    assert argv[:10] == ["101", "acquire", 104, 105, 106, 107, 108, 109, 110, 2]
+    assert argv[10:16] == [10, 1_000_000, rate_field("sliding", rates[0]), 500, 3_600_000_000,
                           rate_field("sliding", rates[1])]
-    # the operation's own, from P = 10 + 3 * rates: acquire's lease, span, holder, then the entry's
-    assert argv[15:] == [11, 12, "h", "e", b"m", "t", 4, 5, 6, "n", -3]
-    assert "then ARGV[10..]: limit, period (µs) and field name per rate" in header[9]
+    # the operation's own, from P = 11 + 3 * rates: acquire's lease, span, holder, then the entry's
+    assert argv[16:] == [11, 12, "h", "e", b"m", "t", 4, 5, 6, "n", -3]
+    assert "then ARGV[11..]: limit, period (µs) and field name per rate" in header[10]
 
 
 def test_each_operations_arguments_are_where_its_file_documents_them() -> None:
@@ -97,10 +98,11 @@ _OTHER_ALGORITHMS_LAYOUT = {"sliding": {"MAX_AHEAD", "KEEP_AHEAD"}, "fixed": {"B
 
 def test_the_scripts_read_every_constant_they_are_loaded_with_and_no_other() -> None:
     # The constants the window scripts are given: the timing policy, the state layout,
-    # the reply codes and the state format
+    # the reply codes, the state format and how long a releasers' wake-up lasts
     given = window_constants()
     assert given == {**SCRIPT_POLICY.values(), **STATE_LAYOUT.values(), **{c.name: c.value for c in Code},
-                     **REPLY_PLACES, "STATE_FORMAT": STATE_FORMAT, "FOREVER_US": FOREVER_US}
+                     **REPLY_PLACES, "STATE_FORMAT": STATE_FORMAT, "FOREVER_US": FOREVER_US,
+                     "WAKE_TTL_MS": WAKE_TTL_MS}
     assert REPLY_PLACES["REPLY_CODE"] == 1 and REPLY_PLACES["REPLY_SLOT_CAP"] == len(WindowReply._fields) - 1
     for algorithm in ("sliding", "fixed"):
         # Each is used by the algorithm, window.lua, line.lua or an operation, and they use
@@ -170,7 +172,7 @@ def test_an_error_in_a_script_names_the_file_and_its_own_line(store_client: redi
         argv = window_argv("", "peek", WindowCall("sliding", (Rate(1, 1.0),)))
         # When the script runs it
         with pytest.raises(StoreError) as failed:
-            store.run("sliding/peek", [f"{prefix}:k{i}" for i in range(6)], argv[:8] + ["1"])
+            store.run("sliding/peek", [f"{prefix}:k{i}" for i in range(6)], argv[:9] + ["1"])
         # Then the error names window.lua and its line there (the unit read from the rate's
         # missing field name), not the line in the script as loaded
         named = re.search(r"window\.lua:(\d+): bad argument #1 to 'match'", str(failed.value))

@@ -134,7 +134,7 @@ def test_a_line_that_begins_while_a_releaser_that_knows_none_of_its_tasks_looks_
         read = counts(key)
         clock[0] += 1_000
         waits = producing.checker.acquire(call, entry=Entry("t:1", b"m", "t", 0, 0, 1))
-        assert waits.code == Code.QUEUED and waits.tell_index
+        assert waits.code == Code.QUEUED
         producing.lines.handle(call, waits)
         noted.append(waits.due_us)
         clock[0] += 1_000
@@ -150,3 +150,43 @@ def test_a_line_that_begins_while_a_releaser_that_knows_none_of_its_tasks_looks_
     finally:
         releasing.close()
         producing.close()
+
+
+@pytest.mark.parametrize("index_parts", [1, 2], ids=["one-redis", "index-split-as-on-a-cluster"])
+def test_a_line_whose_callers_reply_was_lost_is_in_the_index_without_the_sweep(prefix: str, index_parts: int) -> None:
+    from celery_throttle.core.errors import StoreError
+    from celery_throttle.core.protocol import Code, Entry, WindowCall, WindowReply
+    from celery_throttle.core.rates import parse_rate
+
+    # Given a key of 1/s whose room is used
+    clock = Clock()
+    store = RedisStore(STORE_URL, prefix, clock=clock, index_parts=index_parts)
+    call = WindowCall("sliding", (parse_rate("1/s"),), 1, slack_us=10_000)
+    key, other = f"{prefix}:{{scope:acme}}", f"{prefix}:{{scope:other}}"
+    real_run = store.run
+    try:
+        assert store.acquire(key, call).code == Code.RUN
+        # When a task joins its line, and the script runs but its reply never reaches the
+        # caller (a dropped link; or the caller dies there), so the caller notes nothing
+        lost: list[WindowReply] = []
+
+        def reply_lost(script: str, keys: list[str], args: list[object]) -> None:
+            del store.run
+            lost.append(WindowReply.of(real_run(script, keys, args)))
+            raise StoreError("the reply was lost")
+
+        store.run = reply_lost  # type: ignore[method-assign]
+        with pytest.raises(StoreError):
+            store.acquire(key, call, entry=Entry("t:1", b"m", "t", 0, 0, 1))
+        with redis.Redis.from_url(STORE_URL) as client:
+            assert client.zcard(f"{key}:line") == 1
+        # (a split index, a Redis Cluster's: the caller tells it, once the store answers again)
+        clock.now += 1_000
+        store.acquire(other, call)
+        # Then the index has the key, due when the lost reply said (one store, where the
+        # script tells the index itself) or now (the caller that lost the reply tells it so)
+        due = store._redis.zscore(store.index_keys(store.index_part(key))[0], key)
+        assert lost[0].due_us > BASE
+        assert due == (lost[0].due_us if index_parts == 1 else BASE + 1_000), due
+    finally:
+        store.close()

@@ -125,3 +125,27 @@ def test_messages_of_another_writer_in_the_journal_are_dropped_and_send_nothing(
     d.keeper.pass_now()
     # Then nothing is sent on and nothing is left
     assert d.sent_on() == [] and d.journal_length() == 0  # (nothing of ours in it)
+
+
+def test_a_task_that_left_its_line_without_a_word_is_dropped_and_named(deploy: Deploy,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    d = deploy
+    d.ctl.configure({"journal": True})
+    send(d, 6)
+    d.sent_on()
+    waiting = d.waiting_ids()
+    # Given one waiting task taken out of its line by a process with the journal off (no
+    # gone reaches the journal), the store keeping its epoch
+    gone = [w for w in d.ctl.lines.waiting() if w.place][0]
+    d.ctl.configure({"journal": False})
+    assert d.ctl.lines.purge([gone]) == 1
+    d.ctl.configure({"journal": True})
+    # When two passes LOST_AFTER apart look
+    caplog.set_level("INFO", logger="celery_throttle")
+    assert d.keeper.pass_now() == len(waiting)
+    time.sleep(LOST_AFTER_US / 1e6 + 0.1)
+    assert d.keeper.pass_now() == len(waiting) - 1
+    # Then it is not sent on, the others still wait, and the pass names the copy it drops
+    assert d.sent_on() == [] and d.waiting_ids() == [w for w in waiting if w != gone.task_id]
+    named = [r.getMessage() for r in caplog.records if "left its line without a word" in r.getMessage()]
+    assert len(named) == 1 and gone.entry in named[0], named

@@ -3,10 +3,13 @@
 Every operation of window.lua with line.lua runs on a real Redis (through ``RedisStore``,
 with an injected clock) and on ``tests.line_reference.KeyModel``: the replies must agree
 field for field, and everything stored (the windows, the line's counts, the line, the
-messages and what each entry is, the tasks out, the slots) must be what the model holds.
+messages and what each entry is, the tasks out, the slots, and the key's place in the index
+of lines, which on a single Redis each call writes itself) must be what the model holds.
 The walks (``tests.line_walk``) mix every operation: fresh calls that run or join the
 line, publish, Backoff's front, releases, claims on time, early, late and copied, acks, give-backs, settles of
-random size, slots taken, renewed and given back, pauses, live limits, resets and time.
+random size, slots taken, renewed and given back, pauses, live limits, resets and time; and
+between calls, a releaser's settle and an operator's wake-up of the key in the index, with
+calls made under controls read before and after that wake-up.
 
 Beside the twin, properties that know nothing of its state:
 - no window over its limit: at each start, the units known then of every start in its
@@ -90,7 +93,7 @@ def test_the_line_matches_its_model_and_keeps_every_promise(
     # Then they agreed at every step and every property held (asserted as they walked),
     # and the walks went where the promises are tested
     wanted = {"queued", "released", "start", "copied", "slot given back", "duplicate", "pending copy",
-              "share cap moved", "handed back", "taken back"}
+              "share cap moved", "handed back", "taken back", "index settled", "index woken", "releaser woken"}
     if RATE_SETS[rate_set]:
         wanted |= {"settled", "back in line", "stale", "K lifted"}
     if rate_set in ("one", "two", "tiny", "requests-tokens"):  # (where room comes unit by unit)

@@ -202,5 +202,5 @@ def test_a_key_raised_before_its_line_is_noted_is_looked_at(two: tuple[Sharer, S
     a.share(SCOPE, K)
     assert caps(store._redis, x) == {x: K}
     store.index_note(x, FOREVER_US, computed)  # (the late note: no cap when it was computed)
-    due = store._redis.zscore(store.index_part_key(part), x)
+    due = store._redis.zscore(store.index_keys(part)[0], x)
     assert due is not None and due <= store.now_us(), due

@@ -33,11 +33,13 @@
 -- KEYS[2], the line's counts: 'q' tasks in line, 's' the last place given, 'b' the first
 -- (places before 0: sent back to the front), 'o' units out by unit, 'u' units in line by
 -- unit (MessagePack arrays unit, n, ...), 'c' entries released and not started, 'x' the
--- due time the index was last told (and 'xt' when): the index of keys with a line
--- (index.lua) lives on another slot, so the caller writes it when the reply says.
+-- due time the index was last told (and 'xt' when): on a single Redis the call tells the
+-- index of keys with a line (index.lua's KEYS, passed as KEYS[9..11]) itself (tell_index);
+-- on a Redis Cluster the index lives on other slots, so the caller writes it when the
+-- reply says.
 --
 -- Operations: a script each, lua/op/<operation>.lua (what it does and its own arguments,
--- ARGV[P..], P = 10 + 3 * rates), run by its own name (store/window.py): the loader puts
+-- ARGV[P..], P = 11 + 3 * rates), run by its own name (store/window.py): the loader puts
 -- before it window.lua, this file and the includes, keeping only the functions it reaches,
 -- so that a call makes none of another operation's closures (Lua 5.1 makes one of each
 -- function on every run, and one made late in a long script costs about 1 µs).
@@ -509,6 +511,33 @@ local function keep_unused(code)
   unused = nil
 end
 
+-- Tell the index of keys with a line (KEYS[9..11]: a single Redis) when this key next needs a
+-- look: index.lua's 'note' (the newest computation wins; one computed under controls read
+-- before the key's last wake-up may bring its look earlier, never later), and a releaser
+-- woken if it is soon. A line that emptied leaves the index (a releaser's look would find
+-- nothing, and settle it so). In the same run as the line's own counts, whose 'x' says the
+-- index was told: no lost reply or caller that dies can leave a line the index never heard
+-- of (its tasks waited for the releasers' sweep).
+local function tell_index(due, emptied)
+  local index, at_key = KEYS[9], KEYS[10]
+  if now < (tonumber(redis.call('HGET', at_key, key) or '') or 0) then return end  -- (a newer note holds)
+  if emptied then
+    redis.call('ZREM', index, key)
+    redis.call('HDEL', at_key, key, key .. '#w')
+    return
+  end
+  if controls_read > 0 and controls_read < (tonumber(redis.call('HGET', at_key, key .. '#w') or '') or 0) then
+    local held = redis.call('ZSCORE', index, key)
+    if held and due > tonumber(held) then return end
+  end
+  redis.call('ZADD', index, due, key)
+  redis.call('HSET', at_key, key, string.format('%.0f', now))
+  if due - now < WAKE_AHEAD_MS * 1000 then
+    redis.call('LPUSH', KEYS[11], due > now and ('p0@' .. string.format('%.0f', due)) or 'p0')
+    redis.call('PEXPIRE', KEYS[11], WAKE_TTL_MS)
+  end
+end
+
 -- The reply: window.lua's head, the line's counts and what the index must be told
 -- (`release_op`: the releaser's, which writes the index itself; `readonly`: nothing
 -- written), and the tasks reported.
@@ -533,6 +562,10 @@ local function finish(code, wait, f, release_op, readonly)
     if waiting == 0 and out_count == 0 then
       if not uncounted then redis.call('DEL', lm_key) end  -- (only finish writes them)
       if existed and not release_op then index = 1 end  -- (emptied: the index drops it)
+      if index > 0 and KEYS[9] then
+        tell_index(due, true)
+        index = 0
+      end
     else
       if not existed then
         index = 2
@@ -541,6 +574,10 @@ local function finish(code, wait, f, release_op, readonly)
       end
       if release_op then index = 0 end
       if index > 0 or release_op then indexed, indexed_at = due, now end
+      if index > 0 and KEYS[9] then
+        tell_index(due, false)
+        index = 0
+      end
       redis.call('HSET', lm_key, 'q', waiting, 's', string.format('%.0f', last_place),
                  'b', string.format('%.0f', first_place), 'o', cmsgpack.pack(flat_of(out_units)),
                  'u', cmsgpack.pack(flat_of(line_units)), 'c', out_count,

@@ -23,9 +23,12 @@
 -- KEYS[5]  sorted set: entries released and not started yet, entry -> when its time is up
 -- KEYS[6]  sorted set: concurrency slots, holder -> when its lease ends
 -- KEYS[7]  sorted set: entries that started lately, entry -> when
--- KEYS[8]  (a shared concurrency limit only) string: the key's cap, the slots it may hold
---          of its scope's K (waits/sharer.py writes it; none: 0)
+-- KEYS[8]  (a shared concurrency limit, or a single Redis) string: the key's cap, the
+--          slots it may hold of its scope's K (waits/sharer.py writes it; none: 0)
 -- (All share the hash tag of KEYS[1]: one Redis Cluster slot.)
+-- KEYS[9..11]  (a single Redis only) the index of lines (index.lua's KEYS) and the list
+--          the releasers wait on: the call tells the index of its key itself (line.lua's
+--          tell_index). On a Redis Cluster they are in other slots: the caller tells it.
 --
 -- ARGV[1]  now in microseconds, or '' to read the Redis server clock (tests only)
 -- ARGV[2]  op (its script's name: lua/op/ has them)
@@ -39,11 +42,14 @@
 --          scope's K, shared between its keys: this key holds its cap (KEYS[8]) at most
 -- ARGV[7]  a running body's slot lease (µs): a holder that does not renew it loses it
 -- ARGV[8]  lead (µs) while nothing is learnt: how long before its start a task is released
--- ARGV[9]  number of rates, then ARGV[10..]: limit, period (µs) and field name per rate
+-- ARGV[9]  controls read at (µs, Redis clock; 0: unknown): when the process read the
+--          pause, limits and K above (a due time computed under controls read before the
+--          key's last wake-up may bring its look earlier, never later: index.lua)
+-- ARGV[10] number of rates, then ARGV[11..]: limit, period (µs) and field name per rate
 --          (a field named 'name.unit' counts that unit). An adaptive throttle's count is
 --          followed by its law, '2;floor,decrease,growth' (core/adapt.py): each limit is
 --          then in force at the share of it field 'A' of KEYS[1] says (adapt.lua writes it)
--- ARGV[10 + 3 * rates ..]  the operation's own (lua/op/)
+-- ARGV[11 + 3 * rates ..]  the operation's own (lua/op/)
 --
 -- Replies (times in µs of the Redis clock): protocol.WindowReply's fields, each at its
 --   place (built by name: reply() below), then id, payload, kind per task released or
@@ -62,11 +68,12 @@ if concurrency < 0 then
   slot_cap = math.max(math.min(concurrency, tonumber(redis.call('GET', KEYS[8]) or '0') or 0), 0)
 end
 if not_before <= now then not_before = 0 end  -- a pause that is over changes nothing
-local n_rates, adapt_law = string.match(ARGV[9], '^(%d+);?(.*)$')
+local controls_read = tonumber(ARGV[9]) or 0
+local n_rates, adapt_law = string.match(ARGV[10], '^(%d+);?(.*)$')
 local fields = {'e', 'd', 'v', 'f'}
 n_rates = tonumber(n_rates)
 -- The operation's own arguments start here.
-local P = 10 + 3 * n_rates
+local P = 11 + 3 * n_rates
 -- The cost: `cost` of every rate, or (rates of different units) `costs[i]` of rate i.
 local cost, costs = tonumber(ARGV[3]), nil
 if cost == nil then
@@ -75,7 +82,7 @@ if cost == nil then
   if #costs ~= n_rates then return redis.error_reply('window.lua: ' .. n_rates .. ' rates, costs ' .. ARGV[3]) end
 end
 
-for i = 1, n_rates do fields[4 + i] = ARGV[9 + 3 * i] end
+for i = 1, n_rates do fields[4 + i] = ARGV[10 + 3 * i] end
 if adapt_law ~= '' then fields[5 + n_rates] = 'A' end
 local stored = redis.call('HMGET', key, unpack(fields))
 if stored[1] and stored[4] and tonumber(stored[4]) ~= STATE_FORMAT then
@@ -91,14 +98,14 @@ local epoch = stored[1] or nil
 -- its last pushback leaves now (core/adapt.py's level and scaled_limit, the same sums:
 -- tests/script/test_adapt_script.py holds the two to each other), at least the call's own units.
 local limits = {}
-for i = 1, n_rates do limits[i] = tonumber(ARGV[7 + 3 * i]) end
+for i = 1, n_rates do limits[i] = tonumber(ARGV[8 + 3 * i]) end
 if adapt_law ~= '' and stored[5 + n_rates] then
   local floor_, decrease, growth = cubic_law(adapt_law)
   local w_max, at = cubic_pushback(stored[5 + n_rates])
   if floor_ and w_max then
     local window = nil
     for i = 1, n_rates do
-      local p = tonumber(ARGV[8 + 3 * i])
+      local p = tonumber(ARGV[9 + 3 * i])
       if window == nil or p < window then window = p end
     end
     local level = cubic_level(w_max, math.max(now - at, 0) / math.max(window, 1), floor_, decrease, growth)
@@ -171,7 +178,7 @@ if fast_entry and n_rates > 0 and not_before == 0 and concurrency == 0
   local function pass(n, latest)
     local p = {clear = 0, rooms = {}, sets = {}}
     for i = 1, n_rates do
-      local limit, period = limits[i], tonumber(ARGV[8 + 3 * i])
+      local limit, period = limits[i], tonumber(ARGV[9 + 3 * i])
       local c = costs and costs[i] or cost
       local u = n > 0 and (costs and n * c or n) or c
       if u > limit then return n > 0 and false or nil end  -- (the call alone: TOO_COSTLY)
@@ -229,7 +236,7 @@ local rates = {}
 local shortest, half_pace = nil, nil
 for i = 1, n_rates do
   local field = fields[4 + i]
-  local r = {limit = limits[i], period = tonumber(ARGV[8 + 3 * i]), field = field,
+  local r = {limit = limits[i], period = tonumber(ARGV[9 + 3 * i]), field = field,
              unit = string.match(field, '%.([%a_][%w_]*)$') or '', cost = costs and costs[i] or cost,
              dirty = false}
   if shortest == nil or r.period < shortest then shortest = r.period end
