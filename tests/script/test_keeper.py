@@ -136,7 +136,7 @@ def test_a_task_that_left_its_line_without_a_word_is_dropped_and_named(deploy: D
     waiting = d.waiting_ids()
     # Given one waiting task taken out of its line by a process with the journal off (no
     # gone reaches the journal), the store keeping its epoch
-    gone = [w for w in d.ctl.lines.waiting() if w.place][0]
+    gone = next(w for w in d.ctl.lines.waiting() if w.place)
     d.ctl.configure({"journal": False})
     assert d.ctl.lines.purge([gone]) == 1
     d.ctl.configure({"journal": True})
