@@ -294,19 +294,38 @@ def _trace(c: Campaign, lost: set[str]) -> str:
     unacked: list[bytes] = []
     if c.broker.redis is not None:
         with redis.Redis(port=c.broker.redis.port) as broker:
-            journal = [json.loads(raw) for raw in broker.lrange(c.group.queues[3], 0, -1)]
+            journal = [json.loads(raw) for raw in broker.lrange(c.group.queues[2], 0, -1)]
             unacked = broker.hvals("unacked")
     with c.store.client() as store:
         lines = {k: store.zrange(k, 0, -1) for k in store.scan_iter(match="*:line", count=1000)}
+        # (every key of the store that names a lost task: a line, the tasks out of it, those
+        # started lately, their messages and fields; and the keeper's state and epoch)
+        held: dict[str, list[str]] = {}
+        for key in store.scan_iter(match=f"{c.group.prefix}*", count=1000):
+            kind = store.type(key)
+            members = ([m for m, _ in store.zscan_iter(key, count=1000)] if kind == b"zset"
+                       else list(store.hkeys(key)) if kind == b"hash" else [])
+            for member in members:
+                name = member.decode(errors="replace")
+                for task_id in lost:
+                    if task_id in name:
+                        score = store.zscore(key, member) if kind == b"zset" else None
+                        held.setdefault(task_id, []).append(f"{key.decode(errors='replace')}[{name[-12:]}]={score}")
+        keeper_state = {k: store.hgetall(k) for k in (f"{c.group.prefix}:{{lines}}:journal",
+                                                      f"{c.group.prefix}:{{lines}}:keeper")}
+        store_now = store.time()
     log = "\n".join([*c.old_logs, c.group.log_text()]).splitlines()
     for task_id in sorted(lost)[:5]:
         out.append(f"-- {task_id}: notes {[n for n in notes if n['id'] == task_id]}")
         out.append(f"   journal: {[m['headers'] for m in journal if task_id in json.dumps(m['headers'])]}")
         out.append(f"   unacked in the broker: {sum(task_id.encode() in raw for raw in unacked)}; "
-                   f"in a line: {sum(1 for k in lines for e in lines[k] if e.startswith(task_id.encode()))}")
+                   f"in a line: {sum(1 for k in lines for e in lines[k] if e.startswith(task_id.encode()))}; "
+                   f"in the store: {held.get(task_id, [])}")
         out.extend(f"   {line[:240]}" for line in log if task_id in line)
         if c.broker.watch is not None:
             out.append(f"   the broker's commands naming it: {c.broker.watch.history.get(task_id, [])}")
+    out.append(f"-- the keeper's state and the store's epoch, the store's clock {store_now}: {keeper_state}; "
+               f"the journal holds {len(journal)} message(s)")
     if c.broker.watch is not None:
         out.append(f"-- the broker's commands seen, the last at {time.strftime('%H:%M:%S', time.localtime(c.broker.watch.last_seen))}: "
                    f"{c.broker.watch.seen.most_common(25)}")
