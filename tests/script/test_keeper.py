@@ -10,10 +10,12 @@ the store is emptied; a pass finds it does not know them and marks them, a pass
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from amqp.channel import Channel as AmqpChannel
 
+from celery_throttle.core.errors import StoreError
 from celery_throttle.core.keys import state_key
 from tests.journal_support import (
     LOST_AFTER_US,
@@ -149,3 +151,28 @@ def test_a_task_that_left_its_line_without_a_word_is_dropped_and_named(deploy: D
     assert d.sent_on() == [] and d.waiting_ids() == [w for w in waiting if w != gone.task_id]
     named = [r.getMessage() for r in caplog.records if "left its line without a word" in r.getMessage()]
     assert len(named) == 1 and gone.entry in named[0], named
+
+
+def test_a_keeper_whose_pass_failed_passes_again_at_its_next_look(deploy: Deploy,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    d = deploy
+    d.ctl.configure({"journal": True})
+    send(d, 6)
+    d.sent_on()
+    assert d.keeper.pass_now() is not None
+    assert d.keeper.look() is None  # (nothing due: the journal has not grown, nothing is suspect)
+    # Given a pass that fails mid-way (a store reply lost as it asks which entries the
+    # store holds): what it read goes back to the journal unjudged
+    store = d.ctl.setup.store
+
+    def lost_reply(*_: Any) -> list[bool]:
+        raise StoreError("a reply lost on the link")
+
+    monkeypatch.setattr(store, "known_entries", lost_reply)
+    with pytest.raises(StoreError):
+        d.keeper.pass_now()
+    monkeypatch.undo()
+    # When its keeper looks next, though the store's state says no pass is due
+    # Then it makes a pass, and looks stay quiet once one has ended
+    assert d.keeper.look() == len(d.waiting_ids())
+    assert d.keeper.look() is None
