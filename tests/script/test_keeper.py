@@ -20,6 +20,7 @@ from celery_throttle.core.keys import state_key
 from tests.journal_support import (
     LOST_AFTER_US,
     Deploy,
+    lined,
     send,
 )
 
@@ -133,9 +134,7 @@ def test_a_task_that_left_its_line_without_a_word_is_dropped_and_named(deploy: D
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     d = deploy
     d.ctl.configure({"journal": True})
-    send(d, 6)
-    d.sent_on()
-    waiting = d.waiting_ids()
+    waiting = lined(d, 6)
     # Given one waiting task taken out of its line by a process with the journal off (no
     # gone reaches the journal), the store keeping its epoch
     gone = next(w for w in d.ctl.lines.waiting() if w.place)
@@ -157,9 +156,8 @@ def test_a_keeper_whose_pass_failed_passes_again_at_its_next_look(deploy: Deploy
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     d = deploy
     d.ctl.configure({"journal": True})
-    send(d, 6)
-    d.sent_on()
-    assert d.keeper.pass_now() is not None
+    waiting = lined(d, 6)
+    assert d.keeper.pass_now() == len(waiting)
     assert d.keeper.look() is None  # (nothing due: the journal has not grown, nothing is suspect)
     # Given a pass that fails mid-way (a store reply lost as it asks which entries the
     # store holds): what it read goes back to the journal unjudged
@@ -174,5 +172,5 @@ def test_a_keeper_whose_pass_failed_passes_again_at_its_next_look(deploy: Deploy
     monkeypatch.undo()
     # When its keeper looks next, though the store's state says no pass is due
     # Then it makes a pass, and looks stay quiet once one has ended
-    assert d.keeper.look() == len(d.waiting_ids())
+    assert d.keeper.look() == len(waiting)
     assert d.keeper.look() is None
